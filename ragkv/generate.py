@@ -1,0 +1,60 @@
+"""Prefill and greedy decoding over a transformers cache, one token at a time (so tokens can
+be streamed and timed). Both the cached and the full-prefill paths go through here."""
+
+from __future__ import annotations
+
+from typing import Generator, Sequence
+
+import torch
+
+
+@torch.inference_mode()
+def prefill(model, input_ids: Sequence[int], cache) -> torch.Tensor:
+    """Run `input_ids` on top of whatever `cache` holds; returns the last position's logits `(V,)`.
+
+    Positions and the causal mask follow `cache.get_seq_length()`, so a cache holding a
+    stored prefix continues exactly where the prefix ends. Mutates `cache` (it grows).
+    """
+    ids = torch.tensor([list(input_ids)], dtype=torch.long, device=model.device)  # (1, T)
+    out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+    return out.logits[0, -1]
+
+
+@torch.inference_mode()
+def greedy_decode(model, first_logits: torch.Tensor, cache, eos_ids: Sequence[int], max_new_tokens: int
+                  ) -> Generator[int, None, str]:
+    """Yield greedy tokens, starting from `first_logits`, until an EOS (not yielded) or
+    `max_new_tokens`; returns the finish reason, "stop" or "length". Mutates `cache`."""
+    logits = first_logits
+    eos = set(eos_ids)
+    for step in range(max_new_tokens):
+        token = int(logits.argmax())
+        if token in eos:
+            return "stop"
+        yield token
+        if step + 1 < max_new_tokens:
+            ids = torch.tensor([[token]], dtype=torch.long, device=model.device)  # (1, 1)
+            logits = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+    return "length"
+
+
+class TextStream:
+    """Turns token ids into text deltas, holding back an incomplete UTF-8 character."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.token_ids: list[int] = []
+        self.text = ""
+
+    def push(self, token: int) -> str:
+        self.token_ids.append(token)
+        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        delta, self.text = text[len(self.text):], text
+        return delta
+
+    def finish(self) -> str:
+        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        delta, self.text = text[len(self.text):], text
+        return delta

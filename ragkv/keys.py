@@ -1,0 +1,105 @@
+"""Cache identity: what a stored KV entry is the KV *of*.
+
+A chunk's KV depends on the model weights and config, on the token ids before it (the chat
+template and system prompt, which also fix its positions), on the dtype and quantisation
+it was computed and stored in, and on its own token ids. `Profile` holds everything but the
+chunk's own tokens; its digest is the root of a blake2b chain, and each entry's key is
+`H(root || kind || token bytes)`. Keys never use Python's `hash()`: they must agree across
+processes and machines.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+
+KEY_FORMAT = 1
+_DIGEST_SIZE = 32
+
+
+def token_bytes(token_ids: Sequence[int]) -> bytes:
+    """Token ids as pinned-width little-endian uint32 bytes (stable across platforms)."""
+    return np.asarray(token_ids, dtype="<u4").tobytes()
+
+
+def digest(*fields: bytes | str) -> str:
+    """blake2b-256 over length-prefixed fields (so ("ab","c") != ("a","bc")), as hex."""
+    h = hashlib.blake2b(digest_size=_DIGEST_SIZE)
+    for field in fields:
+        data = field.encode() if isinstance(field, str) else field
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()
+
+
+def file_digest(paths: Iterable[str], chunk_bytes: int = 1 << 22) -> str:
+    """blake2b-256 over the names and bytes of files, in the order given."""
+    h = hashlib.blake2b(digest_size=_DIGEST_SIZE)
+    for path in paths:
+        h.update(str(path).rsplit("/", 1)[-1].encode())
+        with open(path, "rb") as f:
+            while block := f.read(chunk_bytes):
+                h.update(block)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Everything except a chunk's own tokens that changes its KV. Built from model facts only."""
+
+    model_fingerprint: str  # config + weights
+    tokenizer_fingerprint: str
+    template_fingerprint: str  # chat template + system prompt text
+    prefix_ids: tuple[int, ...]  # the token ids every chunk is computed after (fixes positions)
+    dtype: str  # compute and storage dtype, e.g. "float32"
+    kv_quant: str = "none"  # storage quantisation of the KV
+
+    @property
+    def profile_id(self) -> str:
+        """The chain root: stable hex digest of every field."""
+        return digest(
+            f"ragkv-profile-v{KEY_FORMAT}",
+            self.model_fingerprint,
+            self.tokenizer_fingerprint,
+            self.template_fingerprint,
+            token_bytes(self.prefix_ids),
+            self.dtype,
+            self.kv_quant,
+        )
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        return len(self.prefix_ids)
+
+
+@dataclass(frozen=True)
+class KVKey:
+    """Identity of one stored KV entry: the profile root and the digest of what follows it."""
+
+    profile_id: str
+    entry_digest: str
+
+    @classmethod
+    def for_prefix(cls, profile: Profile) -> "KVKey":
+        """Key of the shared prefix (system prompt and template head) KV."""
+        root = profile.profile_id
+        return cls(root, digest(root, "prefix"))
+
+    @classmethod
+    def for_chunk(cls, profile: Profile, chunk_ids: Sequence[int]) -> "KVKey":
+        """Key of a chunk's KV, computed right after the profile's prefix."""
+        root = profile.profile_id
+        return cls(root, digest(root, "chunk", token_bytes(chunk_ids)))
+
+    def to_string(self) -> str:
+        return f"kv{KEY_FORMAT}:{self.profile_id}:{self.entry_digest}"
+
+    @classmethod
+    def from_string(cls, text: str) -> "KVKey":
+        parts = text.split(":")
+        if len(parts) != 3 or parts[0] != f"kv{KEY_FORMAT}":
+            raise ValueError(f"not a ragkv KV key: {text!r}")
+        return cls(parts[1], parts[2])

@@ -1,0 +1,67 @@
+"""The one canonical KV layout, and the only place that converts to and from transformers' cache.
+
+Canonical layout of one entry (one sequence of T tokens): a tensor of shape
+`(L, 2, H, T, D)`: layers, key/value, KV heads, tokens, head dim. Entries that follow each
+other in a prompt concatenate along dim 3 (tokens).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from transformers import DynamicCache
+
+KV_LAYOUT = "L2HTD"
+TOKEN_DIM = 3
+
+
+def num_tokens(kv: torch.Tensor) -> int:
+    return kv.shape[TOKEN_DIM]
+
+
+def to_cache(parts: Sequence[torch.Tensor], config, batch_size: int = 1) -> DynamicCache:
+    """Build a fresh `DynamicCache` holding `parts` one after another along the tokens.
+
+    parts: canonical `(L, 2, H, T_i, D)` tensors. Returns a cache with per-layer keys and
+    values of shape `(batch_size, H, sum T_i, D)`. The cache owns new memory (DynamicCache
+    copies on insert), so later forwards that grow it never touch `parts`.
+    """
+    num_layers = parts[0].shape[0]
+    layers = []
+    for layer in range(num_layers):
+        keys = torch.cat([p[layer, 0] for p in parts], dim=1)  # (H, T, D)
+        values = torch.cat([p[layer, 1] for p in parts], dim=1)  # (H, T, D)
+        layers.append(
+            (
+                keys.unsqueeze(0).expand(batch_size, -1, -1, -1),  # (B, H, T, D)
+                values.unsqueeze(0).expand(batch_size, -1, -1, -1),
+            )
+        )
+    return DynamicCache(layers, config=config)
+
+
+def from_cache(cache: DynamicCache, row: int = 0, start: int = 0, stop: int | None = None) -> torch.Tensor:
+    """Copy tokens `[start:stop)` of batch row `row` out of `cache` as a canonical tensor.
+
+    Returns a new contiguous `(L, 2, H, stop - start, D)` tensor (safe to keep after the
+    cache is reused or freed).
+    """
+    keys = [layer.keys[row, :, start:stop] for layer in cache.layers]  # each (H, T, D)
+    values = [layer.values[row, :, start:stop] for layer in cache.layers]
+    stacked = torch.stack([torch.stack(kv) for kv in zip(keys, values)])  # (L, 2, H, T, D)
+    return stacked.contiguous()
+
+
+def check_layout(cache: DynamicCache) -> None:
+    """Refuse caches whose layers are not plain `(B, H, T, D)` key/value tensors."""
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is None or layer.keys.dim() != 4:
+            raise TypeError(
+                f"unsupported cache layer {type(layer).__name__}: ragkv stores (B, H, T, D) keys/values"
+            )
+
+
+def to_cache_empty(config) -> DynamicCache:
+    """An empty cache for a full prefill."""
+    return DynamicCache(config=config)
