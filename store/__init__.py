@@ -1,0 +1,13 @@
+"""Persistence only: KV shards (safetensors), the DuckDB catalog, the FAISS index, and the
+generations that publish catalog and index together. Never imports transformers."""
+
+from store.catalog import Catalog, ContextRow, DocumentRow, ChunkRow, EntryRow
+from store.shards import SealedEntry, ShardReader, ShardWriter, checksum
+from store.store import StoreSnapshot, StoreWriter, is_store, open_snapshot
+from store.vectors import Hit, VectorIndex
+
+__all__ = [
+    "Catalog", "ChunkRow", "ContextRow", "DocumentRow", "EntryRow", "Hit", "SealedEntry",
+    "ShardReader", "ShardWriter", "StoreSnapshot", "StoreWriter", "VectorIndex", "checksum",
+    "is_store", "open_snapshot",
+]

@@ -1,0 +1,311 @@
+"""The DuckDB catalog: documents, chunks, model profiles and KV entries of one generation.
+
+Schema changes are small named migrations applied in order on open (recorded in `meta`);
+a catalog newer than this code is refused.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import duckdb
+import pyarrow as pa
+
+from ragkv.errors import StoreFormatError
+from store.shards import SealedEntry
+
+FORMAT_VERSION = 1
+
+_MIGRATIONS: list[tuple[str, str]] = [
+    (
+        "0001_initial",
+        """
+        CREATE TABLE meta (key VARCHAR PRIMARY KEY, value VARCHAR NOT NULL);
+        CREATE TABLE profiles (
+            profile_id VARCHAR PRIMARY KEY, model_name VARCHAR, model_fingerprint VARCHAR,
+            tokenizer_fingerprint VARCHAR, template_fingerprint VARCHAR, system_prompt VARCHAR,
+            prefix_ids INTEGER[], dtype VARCHAR, kv_quant VARCHAR, num_layers INTEGER,
+            num_kv_heads INTEGER, head_dim INTEGER, created_at TIMESTAMP DEFAULT current_timestamp);
+        CREATE TABLE documents (
+            doc_id VARCHAR PRIMARY KEY, source VARCHAR, content_hash VARCHAR, chunking VARCHAR,
+            num_chunks INTEGER, metadata VARCHAR, ingested_at TIMESTAMP DEFAULT current_timestamp);
+        CREATE TABLE chunks (
+            chunk_id BIGINT PRIMARY KEY, doc_id VARCHAR, chunk_index INTEGER, text VARCHAR);
+        CREATE TABLE kv_entries (
+            kv_key VARCHAR PRIMARY KEY, profile_id VARCHAR, kind VARCHAR, shard VARCHAR,
+            tensor VARCHAR, num_tokens INTEGER, dtype VARCHAR, nbytes BIGINT, checksum VARCHAR,
+            created_at TIMESTAMP DEFAULT current_timestamp);
+        CREATE TABLE chunk_kv (
+            chunk_id BIGINT, profile_id VARCHAR, kv_key VARCHAR, token_ids INTEGER[],
+            PRIMARY KEY (chunk_id, profile_id));
+        """,
+    ),
+]
+
+
+@dataclass(frozen=True)
+class DocumentRow:
+    doc_id: str
+    source: str
+    content_hash: str
+    chunking: str  # chunker identity and settings the chunks were cut with
+    num_chunks: int
+
+
+@dataclass(frozen=True)
+class ChunkRow:
+    chunk_id: int
+    doc_id: str
+    chunk_index: int
+    text: str
+
+
+@dataclass(frozen=True)
+class EntryRow:
+    """A KV entry's location and checksum."""
+
+    kv_key: str
+    shard: str
+    tensor: str
+    num_tokens: int
+    dtype: str
+    checksum: str
+
+
+@dataclass(frozen=True)
+class ContextRow:
+    """A retrieved chunk with its source and, under one profile, its token ids and KV entry."""
+
+    chunk_id: int
+    doc_id: str
+    source: str
+    chunk_index: int
+    text: str
+    token_ids: tuple[int, ...] | None  # None: no KV computed for this profile
+    entry: EntryRow | None
+
+
+class Catalog:
+    """One catalog file. Open read-only for queries, or writable inside a store write."""
+
+    def __init__(self, path: Path, read_only: bool):
+        self.path = path
+        self.read_only = read_only
+        try:
+            self.con = duckdb.connect(str(path), read_only=read_only)
+        except duckdb.Error as exc:
+            raise StoreFormatError(f"cannot open catalog {path}: {exc}".splitlines()[0]) from exc
+        self._migrate()
+
+    # -- schema ---------------------------------------------------------------------------
+    def _applied(self) -> list[str]:
+        has_meta = self.con.execute(
+            "SELECT count(*) FROM information_schema.tables WHERE table_name = 'meta'"
+        ).fetchone()[0]
+        if not has_meta:
+            return []
+        row = self.con.execute("SELECT value FROM meta WHERE key = 'migrations'").fetchone()
+        return json.loads(row[0]) if row else []
+
+    def _migrate(self) -> None:
+        applied = self._applied()
+        known = [name for name, _ in _MIGRATIONS]
+        if applied != known[: len(applied)]:
+            raise StoreFormatError(
+                f"catalog {self.path} was written by a newer or different ragkv (migrations {applied}); upgrade ragkv"
+            )
+        pending = _MIGRATIONS[len(applied):]
+        if not pending:
+            return
+        if self.read_only:
+            raise StoreFormatError(f"catalog {self.path} needs migrations {[n for n, _ in pending]}; run `ragkv ingest` once")
+        with self.transaction():
+            for name, sql in pending:
+                self.con.execute(sql)
+                applied.append(name)
+            self._set_meta_rows({"migrations": json.dumps(applied), "format_version": str(FORMAT_VERSION)})
+
+    @contextmanager
+    def transaction(self):
+        self.con.execute("BEGIN TRANSACTION")
+        try:
+            yield
+        except BaseException:
+            self.con.execute("ROLLBACK")
+            raise
+        self.con.execute("COMMIT")
+
+    def close(self) -> None:
+        if not self.read_only:
+            self.con.execute("CHECKPOINT")
+        self.con.close()
+
+    # -- meta -----------------------------------------------------------------------------
+    def meta(self) -> dict[str, str]:
+        return dict(self.con.execute("SELECT key, value FROM meta").fetchall())
+
+    def set_meta(self, values: dict[str, str]) -> None:
+        with self.transaction():
+            self._set_meta_rows(values)
+
+    def _set_meta_rows(self, values: dict[str, str]) -> None:
+        for key, value in values.items():
+            self.con.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", [key, value])
+
+    # -- profiles -------------------------------------------------------------------------
+    def add_profile(self, row: dict) -> None:
+        """Insert a profile row (columns as in the schema) unless its id is already present."""
+        exists = self.con.execute("SELECT 1 FROM profiles WHERE profile_id = ?", [row["profile_id"]]).fetchone()
+        if not exists:
+            columns = ", ".join(row)
+            marks = ", ".join("?" for _ in row)
+            self.con.execute(f"INSERT INTO profiles ({columns}) VALUES ({marks})", list(row.values()))
+
+    def profiles(self) -> list[dict]:
+        """Profile rows, newest first."""
+        cursor = self.con.execute("SELECT * FROM profiles ORDER BY created_at DESC")
+        names = [d[0] for d in cursor.description]
+        return [dict(zip(names, row)) for row in cursor.fetchall()]
+
+    # -- documents and chunks -------------------------------------------------------------
+    def documents(self) -> dict[str, DocumentRow]:
+        rows = self.con.execute("SELECT doc_id, source, content_hash, chunking, num_chunks FROM documents").fetchall()
+        return {row[0]: DocumentRow(*row) for row in rows}
+
+    def chunks_of(self, doc_ids: Iterable[str]) -> list[ChunkRow]:
+        ids = list(doc_ids)
+        if not ids:
+            return []
+        rows = self.con.execute(
+            "SELECT chunk_id, doc_id, chunk_index, text FROM chunks WHERE doc_id IN (SELECT unnest(?)) "
+            "ORDER BY doc_id, chunk_index",
+            [ids],
+        ).fetchall()
+        return [ChunkRow(*row) for row in rows]
+
+    def next_chunk_id(self) -> int:
+        return self.con.execute("SELECT coalesce(max(chunk_id), -1) + 1 FROM chunks").fetchone()[0]
+
+    def delete_documents(self, doc_ids: Sequence[str]) -> list[int]:
+        """Remove documents with their chunks and chunk-to-KV links; returns the chunk ids removed.
+        KV entries stay (other chunks or profiles may share them); garbage collection drops them."""
+        if not doc_ids:
+            return []
+        ids = list(doc_ids)
+        chunk_ids = [r[0] for r in self.con.execute(
+            "SELECT chunk_id FROM chunks WHERE doc_id IN (SELECT unnest(?))", [ids]).fetchall()]
+        self.con.execute("DELETE FROM chunk_kv WHERE chunk_id IN (SELECT unnest(?))", [chunk_ids])
+        self.con.execute("DELETE FROM chunks WHERE doc_id IN (SELECT unnest(?))", [ids])
+        self.con.execute("DELETE FROM documents WHERE doc_id IN (SELECT unnest(?))", [ids])
+        return chunk_ids
+
+    def add_documents(self, documents: Sequence[DocumentRow], metadata: Sequence[dict], chunks: Sequence[ChunkRow]) -> None:
+        new_docs = pa.table({
+            "doc_id": [d.doc_id for d in documents],
+            "source": [d.source for d in documents],
+            "content_hash": [d.content_hash for d in documents],
+            "chunking": [d.chunking for d in documents],
+            "num_chunks": pa.array([d.num_chunks for d in documents], pa.int32()),
+            "metadata": [json.dumps(m, sort_keys=True) for m in metadata],
+        })
+        new_chunks = pa.table({
+            "chunk_id": pa.array([c.chunk_id for c in chunks], pa.int64()),
+            "doc_id": [c.doc_id for c in chunks],
+            "chunk_index": pa.array([c.chunk_index for c in chunks], pa.int32()),
+            "text": [c.text for c in chunks],
+        })
+        self.con.execute("INSERT INTO documents (doc_id, source, content_hash, chunking, num_chunks, metadata) "
+                         "SELECT * FROM new_docs")
+        self.con.execute("INSERT INTO chunks SELECT * FROM new_chunks")
+
+    # -- KV entries -----------------------------------------------------------------------
+    def add_entries(self, profile_id: str, entries: Sequence[SealedEntry], prefix_keys: set[str] = frozenset()) -> None:
+        """Commit rows for entries of sealed shards (one transaction). Entries named in
+        `prefix_keys` are the shared prefix KV; the rest are chunks."""
+        if not entries:
+            return
+        new_entries = pa.table({
+            "kv_key": [e.name for e in entries],
+            "profile_id": [profile_id] * len(entries),
+            "kind": ["prefix" if e.name in prefix_keys else "chunk" for e in entries],
+            "shard": [e.shard for e in entries],
+            "tensor": [e.name for e in entries],
+            "num_tokens": pa.array([e.num_tokens for e in entries], pa.int32()),
+            "dtype": [e.dtype for e in entries],
+            "nbytes": pa.array([e.nbytes for e in entries], pa.int64()),
+            "checksum": [e.checksum for e in entries],
+        })
+        with self.transaction():
+            self.con.execute(
+                "INSERT INTO kv_entries (kv_key, profile_id, kind, shard, tensor, num_tokens, dtype, nbytes, checksum) "
+                "SELECT * FROM new_entries WHERE kv_key NOT IN (SELECT kv_key FROM kv_entries)"
+            )
+
+    def existing_keys(self, keys: Iterable[str]) -> set[str]:
+        wanted = list(keys)
+        if not wanted:
+            return set()
+        rows = self.con.execute("SELECT kv_key FROM kv_entries WHERE kv_key IN (SELECT unnest(?))", [wanted]).fetchall()
+        return {r[0] for r in rows}
+
+    def entry(self, kv_key: str) -> EntryRow | None:
+        row = self.con.execute(
+            "SELECT kv_key, shard, tensor, num_tokens, dtype, checksum FROM kv_entries WHERE kv_key = ?", [kv_key]
+        ).fetchone()
+        return EntryRow(*row) if row else None
+
+    def link_chunks(self, profile_id: str, links: Sequence[tuple[int, str, Sequence[int]]]) -> None:
+        """Record, for each `(chunk_id, kv_key, token_ids)`, which KV entry holds that chunk
+        under `profile_id`."""
+        new_links = pa.table({
+            "chunk_id": pa.array([c for c, _, _ in links], pa.int64()),
+            "profile_id": [profile_id] * len(links),
+            "kv_key": [k for _, k, _ in links],
+            "token_ids": pa.array([list(t) for _, _, t in links], pa.list_(pa.int32())),
+        })
+        self.con.execute("DELETE FROM chunk_kv WHERE profile_id = ? AND chunk_id IN (SELECT chunk_id FROM new_links)",
+                         [profile_id])
+        self.con.execute("INSERT INTO chunk_kv SELECT * FROM new_links")
+
+    def linked_chunk_ids(self, profile_id: str) -> set[int]:
+        rows = self.con.execute("SELECT chunk_id FROM chunk_kv WHERE profile_id = ?", [profile_id]).fetchall()
+        return {r[0] for r in rows}
+
+    # -- the query path -------------------------------------------------------------------
+    def context_rows(self, profile_id: str, chunk_ids: Sequence[int]) -> list[ContextRow]:
+        """Rows for `chunk_ids`, in that order, joined with their source and their KV entry."""
+        if not chunk_ids:
+            return []
+        rows = self.con.execute(
+            """
+            SELECT c.chunk_id, c.doc_id, d.source, c.chunk_index, c.text, k.token_ids,
+                   e.kv_key, e.shard, e.tensor, e.num_tokens, e.dtype, e.checksum
+            FROM chunks c JOIN documents d USING (doc_id)
+            LEFT JOIN chunk_kv k ON k.chunk_id = c.chunk_id AND k.profile_id = ?
+            LEFT JOIN kv_entries e ON e.kv_key = k.kv_key
+            WHERE c.chunk_id IN (SELECT unnest(?))
+            """,
+            [profile_id, list(chunk_ids)],
+        ).fetchall()
+        by_id = {}
+        for r in rows:
+            entry = EntryRow(*r[6:]) if r[6] is not None else None
+            token_ids = tuple(r[5]) if r[5] is not None else None
+            by_id[r[0]] = ContextRow(r[0], r[1], r[2], r[3], r[4], token_ids, entry)
+        return [by_id[i] for i in chunk_ids if i in by_id]
+
+    def counts(self) -> dict[str, int]:
+        tables = ("documents", "chunks", "kv_entries", "profiles")
+        return {t: self.con.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in tables}
+
+    def kv_bytes(self) -> int:
+        return self.con.execute("SELECT coalesce(sum(nbytes), 0) FROM kv_entries").fetchone()[0]
+
+    def all_entries(self) -> list[EntryRow]:
+        rows = self.con.execute(
+            "SELECT kv_key, shard, tensor, num_tokens, dtype, checksum FROM kv_entries ORDER BY shard").fetchall()
+        return [EntryRow(*r) for r in rows]

@@ -1,0 +1,61 @@
+"""The FAISS index of chunk embeddings: inner product over normalised vectors (= cosine),
+ids are catalog chunk ids. `IndexIDMap2(IndexFlatIP)` supports removal, which re-indexing needs
+(HNSW does not)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import faiss
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Hit:
+    chunk_id: int
+    score: float
+
+
+class VectorIndex:
+    def __init__(self, index: "faiss.Index"):
+        self.index = index
+
+    @classmethod
+    def empty(cls, dim: int) -> "VectorIndex":
+        return cls(faiss.IndexIDMap2(faiss.IndexFlatIP(dim)))
+
+    @classmethod
+    def load(cls, path: Path) -> "VectorIndex":
+        return cls(faiss.read_index(str(path)))
+
+    @property
+    def dim(self) -> int:
+        return self.index.d
+
+    def __len__(self) -> int:
+        return self.index.ntotal
+
+    def add(self, chunk_ids: list[int], vectors: np.ndarray) -> None:
+        """vectors: `(N, dim)` float32, already normalised."""
+        if len(chunk_ids):
+            self.index.add_with_ids(np.ascontiguousarray(vectors, dtype=np.float32), np.asarray(chunk_ids, dtype=np.int64))
+
+    def remove(self, chunk_ids: list[int]) -> int:
+        if not chunk_ids:
+            return 0
+        return self.index.remove_ids(np.asarray(chunk_ids, dtype=np.int64))
+
+    def search(self, vector: np.ndarray, k: int) -> list[Hit]:
+        """The `k` nearest chunks to one `(dim,)` query vector, best first."""
+        scores, ids = self.index.search(np.ascontiguousarray(vector.reshape(1, -1), dtype=np.float32), k)
+        return [Hit(int(i), float(s)) for i, s in zip(ids[0], scores[0]) if i >= 0]
+
+    def save(self, path: Path) -> None:
+        """Write durably: to a temporary name, fsync, then rename over `path`."""
+        tmp = path.with_name(f".{path.name}.tmp")
+        faiss.write_index(self.index, str(tmp))
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
