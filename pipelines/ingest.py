@@ -1,0 +1,238 @@
+"""`ingest`: read → chunk → plan → embed → compute KV → write shards → publish a generation.
+
+Idempotent: a document whose content and chunking are unchanged is not chunked or embedded
+again, and a chunk whose KV key is already in the store is not computed again.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from pipelines.chunk import chunk_text, chunking_id
+from pipelines.compute import compute_chunks, compute_prefix
+from pipelines.progress import Reporter
+from pipelines.read import Document, Skipped, read_documents
+from ragkv.config import IngestSettings, ModelSettings
+from ragkv.embed import Embedder
+from ragkv.errors import InputError, ModelError
+from ragkv.keys import KVKey, Profile, digest
+from ragkv.kv import KV_LAYOUT
+from ragkv.model import LoadedModel, load_model
+from ragkv.prompt import PromptLayout, encode_text
+from store import ChunkRow, DocumentRow, StoreWriter
+
+ROOM_FOR_QUESTION = 64  # tokens a chunk must leave free in the context for question and answer
+
+
+@dataclass
+class IngestReport:
+    store: str
+    generation: int = 0
+    model: str = ""
+    dtype: str = ""
+    device: str = ""
+    documents: dict[str, int] = field(default_factory=lambda: {"added": 0, "changed": 0, "unchanged": 0})
+    chunks_embedded: int = 0
+    kv_computed: int = 0  # KV entries computed now
+    kv_reused: int = 0  # chunks whose KV was already stored (unchanged, or identical text)
+    tokens_computed: int = 0
+    tokens_skipped: int = 0
+    compute_s: float = 0.0  # model forwards only
+    total_s: float = 0.0
+    skipped: list[Skipped] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_computed / self.compute_s if self.compute_s else 0.0
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["tokens_per_s"] = round(self.tokens_per_s, 1)
+        out["skipped"] = [asdict(s) for s in self.skipped]
+        return out
+
+
+@dataclass(frozen=True)
+class PendingChunk:
+    chunk_id: int
+    text: str
+    token_ids: tuple[int, ...]
+    key: str
+
+
+def ingest(paths: Sequence[Path | str], store: Path | str, model: ModelSettings | None = None,
+           settings: IngestSettings | None = None, reporter: Reporter | None = None, wait: bool = False) -> IngestReport:
+    """Ingest documents under `paths` into the store at `store` and publish a new generation.
+
+    Nothing is written unless documents were found and the model loaded; on any error the
+    published store is left exactly as it was.
+    """
+    started = time.perf_counter()
+    model = model or ModelSettings()
+    settings = settings or IngestSettings()
+    reporter = reporter or Reporter()
+    found = read_documents(paths)
+    if not found.documents:
+        reasons = "; ".join(f"{s.source}: {s.reason}" for s in found.skipped[:3]) or "no files"
+        raise InputError(f"no documents to ingest under {', '.join(map(str, paths))} ({reasons})")
+    lm = load_model(model.model, model.device, model.dtype)
+    embedder = Embedder.load(model.embedder, model.device)
+    layout = PromptLayout.build(lm.tokenizer, settings.system_prompt)
+    _check_fits(lm, layout, settings.chunk_tokens)
+    profile = Profile(lm.facts.fingerprint, lm.facts.tokenizer_fingerprint, layout.template_fingerprint,
+                      layout.prefix_ids, model.dtype)
+    report = IngestReport(str(store), model=model.model, dtype=model.dtype, device=model.device, skipped=found.skipped)
+    try:
+        with StoreWriter(store, wait=wait) as writer:
+            _write(writer, found.documents, lm, embedder, layout, profile, settings, reporter, report)
+            report.generation = writer.generation
+    finally:
+        reporter.done()
+    report.total_s = time.perf_counter() - started
+    return report
+
+
+def _check_fits(lm: LoadedModel, layout: PromptLayout, chunk_tokens: int) -> None:
+    need = len(layout.prefix_ids) + chunk_tokens + ROOM_FOR_QUESTION
+    if need > lm.facts.max_context:
+        most = lm.facts.max_context - len(layout.prefix_ids) - ROOM_FOR_QUESTION
+        raise InputError(
+            f"--chunk-tokens {chunk_tokens} does not fit the model's context of {lm.facts.max_context} tokens "
+            f"with the {len(layout.prefix_ids)}-token system prompt; use at most {most}"
+        )
+
+
+def _write(writer: StoreWriter, documents: list[Document], lm: LoadedModel, embedder: Embedder,
+           layout: PromptLayout, profile: Profile, settings: IngestSettings, reporter: Reporter,
+           report: IngestReport) -> None:
+    catalog = writer.catalog
+    meta = catalog.meta()
+    if meta.get("embedder_fingerprint", embedder.fingerprint) != embedder.fingerprint:
+        raise ModelError(f"store {writer.root} was built with embedder {meta.get('embedder')}; "
+                         f"ingest with --embedder {meta.get('embedder')} or use a new store")
+    vectors = writer.ensure_vectors(embedder.dim)
+    chunking = chunking_id(lm.facts.tokenizer_fingerprint, settings.chunk_tokens)
+
+    # Plan: which documents are new, changed or unchanged.
+    existing = catalog.documents()
+    to_chunk: list[Document] = []
+    for doc in documents:
+        old = existing.get(doc.doc_id)
+        if old is None:
+            report.documents["added"] += 1
+            to_chunk.append(doc)
+        elif old.content_hash != _content_hash(doc) or old.chunking != chunking:
+            report.documents["changed"] += 1
+            to_chunk.append(doc)
+        else:
+            report.documents["unchanged"] += 1
+
+    # Chunk and embed new and changed documents; retire the old chunks of changed ones.
+    new_chunks = _chunk_documents(to_chunk, lm.tokenizer, settings.chunk_tokens, catalog.next_chunk_id(), reporter)
+    with catalog.transaction():
+        vectors.remove(catalog.delete_documents([d.doc_id for d in to_chunk if d.doc_id in existing]))
+        rows = [DocumentRow(d.doc_id, d.source, _content_hash(d), chunking, sum(c.doc_id == d.doc_id for c in new_chunks))
+                for d in to_chunk]
+        catalog.add_documents(rows, [d.metadata for d in to_chunk], new_chunks)
+    _embed(new_chunks, embedder, vectors, reporter)
+    report.chunks_embedded = len(new_chunks)
+
+    # KV: every chunk without a link under this profile; compute only keys not stored yet.
+    linked = catalog.linked_chunk_ids(profile.profile_id)
+    rechunked = {d.doc_id for d in to_chunk}
+    unchanged_ids = [d.doc_id for d in documents if d.doc_id not in rechunked]
+    candidates = new_chunks + [c for c in catalog.chunks_of(unchanged_ids) if c.chunk_id not in linked]
+    pending = [_pending(c, lm.tokenizer, profile) for c in candidates]
+    catalog.add_profile(_profile_row(profile, lm, settings.system_prompt))
+    _compute_and_store(writer, pending, lm, profile, settings, reporter, report)
+    catalog.link_chunks(profile.profile_id, [(p.chunk_id, p.key, p.token_ids) for p in pending])
+    catalog.set_meta({
+        "embedder": embedder.name,
+        "embedder_fingerprint": embedder.fingerprint,
+        "last_profile": profile.profile_id,
+    })
+
+
+def _chunk_documents(documents: list[Document], tokenizer, chunk_tokens: int, first_id: int,
+                     reporter: Reporter) -> list[ChunkRow]:
+    rows: list[ChunkRow] = []
+    reporter.stage("chunking", len(documents), "docs")
+    for doc in documents:
+        for index, text in enumerate(chunk_text(doc.text, tokenizer, chunk_tokens)):
+            rows.append(ChunkRow(first_id + len(rows), doc.doc_id, index, text))
+        reporter.advance(1)
+    return rows
+
+
+def _embed(chunks: list[ChunkRow], embedder: Embedder, vectors, reporter: Reporter, batch: int = 64) -> None:
+    reporter.stage("embedding", len(chunks))
+    for start in range(0, len(chunks), batch):
+        part = chunks[start:start + batch]
+        vectors.add([c.chunk_id for c in part], embedder.embed([c.text for c in part]))
+        reporter.advance(len(part))
+
+
+def _pending(chunk: ChunkRow, tokenizer, profile: Profile) -> PendingChunk:
+    ids = tuple(encode_text(tokenizer, chunk.text))
+    return PendingChunk(chunk.chunk_id, chunk.text, ids, KVKey.for_chunk(profile, ids).to_string())
+
+
+def _compute_and_store(writer: StoreWriter, pending: list[PendingChunk], lm: LoadedModel, profile: Profile,
+                       settings: IngestSettings, reporter: Reporter, report: IngestReport) -> None:
+    catalog = writer.catalog
+    shard_meta = {"layout": KV_LAYOUT, "profile_id": profile.profile_id, "model_fingerprint": profile.model_fingerprint,
+                  "dtype": profile.dtype, "model": lm.facts.name}
+    shards = writer.shard_writer(settings.shard_bytes, shard_meta)
+    prefix_key = KVKey.for_prefix(profile).to_string()
+    stored = catalog.existing_keys([prefix_key] + [p.key for p in pending])
+
+    todo: dict[str, PendingChunk] = {}  # one computation per distinct key
+    for p in pending:
+        if p.key in stored or p.key in todo:
+            report.kv_reused += 1
+            report.tokens_skipped += len(p.token_ids)
+        else:
+            todo[p.key] = p
+    work = list(todo.values())
+    reporter.stage("KV", len(work))
+    compute_started = time.perf_counter()
+    prefix_kv = compute_prefix(lm.model, profile.prefix_ids)
+    if prefix_key not in stored:
+        catalog.add_entries(profile.profile_id, shards.add(prefix_key, prefix_kv) + shards.flush(), {prefix_key})
+    pad_id = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else lm.facts.eos_ids[0]
+    batch_tokens = settings.batch_tokens_for(lm.device)
+    for result in compute_chunks(lm.model, prefix_kv, [p.token_ids for p in work], batch_tokens, pad_id):
+        chunk = work[result.index]
+        sealed = shards.add(chunk.key, result.kv)
+        if sealed:
+            catalog.add_entries(profile.profile_id, sealed)
+        report.kv_computed += 1
+        report.tokens_computed += len(chunk.token_ids)
+        reporter.advance(1, tokens=len(chunk.token_ids))
+    catalog.add_entries(profile.profile_id, shards.flush())
+    report.compute_s = time.perf_counter() - compute_started
+
+
+def _profile_row(profile: Profile, lm: LoadedModel, system_prompt: str) -> dict:
+    return {
+        "profile_id": profile.profile_id,
+        "model_name": lm.facts.name,
+        "model_fingerprint": profile.model_fingerprint,
+        "tokenizer_fingerprint": profile.tokenizer_fingerprint,
+        "template_fingerprint": profile.template_fingerprint,
+        "system_prompt": system_prompt,
+        "prefix_ids": list(profile.prefix_ids),
+        "dtype": profile.dtype,
+        "kv_quant": profile.kv_quant,
+        "num_layers": lm.facts.num_layers,
+        "num_kv_heads": lm.facts.num_kv_heads,
+        "head_dim": lm.facts.head_dim,
+    }
+
+
+def _content_hash(doc: Document) -> str:
+    return digest(doc.text, json.dumps(doc.metadata, sort_keys=True, default=str))

@@ -1,0 +1,146 @@
+"""Read documents from files and directory trees: .txt .md .rst .html .jsonl.
+
+A document's id is its path relative to the directory it was found under (or its file name
+when a file was passed directly), or the `id` field of a jsonl record: stable across runs, so
+re-ingesting the same tree finds the same documents.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from ragkv.errors import InputError
+
+TEXT_SUFFIXES = {".txt", ".md", ".markdown", ".rst", ".text"}
+HTML_SUFFIXES = {".html", ".htm"}
+JSONL_SUFFIXES = {".jsonl"}
+SUPPORTED = TEXT_SUFFIXES | HTML_SUFFIXES | JSONL_SUFFIXES
+_BLOCK_TAGS = ["p", "li", "h1", "h2", "h3", "h4", "h5", "h6", "pre", "td", "th", "dt", "dd", "blockquote", "figcaption"]
+
+
+@dataclass(frozen=True)
+class Document:
+    doc_id: str
+    source: str  # where it was read from (path, plus line for jsonl)
+    text: str
+    metadata: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Skipped:
+    source: str
+    reason: str
+
+
+@dataclass
+class ReadResult:
+    documents: list[Document] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)
+
+
+def read_documents(paths: Iterable[Path | str]) -> ReadResult:
+    """Read every supported file under `paths`. Unusable files are listed in `skipped` with
+    the reason; a path that does not exist is an InputError (checked before anything is read)."""
+    roots = [Path(p) for p in paths]
+    for root in roots:
+        if not root.exists():
+            raise InputError(f"path {root} does not exist; pass files or directories of documents")
+    result = ReadResult()
+    seen: set[str] = set()
+    for root in roots:
+        for path, doc_id in _walk(root):
+            for item in _read_file(path, doc_id):
+                if isinstance(item, Skipped):
+                    result.skipped.append(item)
+                elif item.doc_id in seen:
+                    result.skipped.append(Skipped(item.source, f"duplicate document id {item.doc_id!r}"))
+                else:
+                    seen.add(item.doc_id)
+                    result.documents.append(item)
+    return result
+
+
+def _walk(root: Path) -> Iterator[tuple[Path, str]]:
+    """(file, doc id) pairs under root, sorted; hidden files and folders are left out."""
+    if root.is_file():
+        yield root, root.name
+        return
+    for path in sorted(root.rglob("*")):
+        relative = path.relative_to(root)
+        if path.is_file() and not any(part.startswith(".") for part in relative.parts):
+            yield path, relative.as_posix()
+
+
+def _read_file(path: Path, doc_id: str) -> Iterator[Document | Skipped]:
+    suffix = path.suffix.lower()
+    if suffix not in SUPPORTED:
+        yield Skipped(str(path), f"unsupported file type {suffix or '(none)'}; ragkv reads {', '.join(sorted(SUPPORTED))}")
+        return
+    raw = path.read_bytes()
+    if b"\x00" in raw[:8192]:
+        yield Skipped(str(path), "binary file")
+        return
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        yield Skipped(str(path), f"not valid UTF-8 (byte {exc.start})")
+        return
+    if suffix in JSONL_SUFFIXES:
+        yield from _read_jsonl(path, text)
+        return
+    if suffix in HTML_SUFFIXES:
+        text = html_to_text(text)
+    text = normalise(text)
+    if not text:
+        yield Skipped(str(path), "empty")
+        return
+    yield Document(doc_id, str(path), text, {"format": suffix.lstrip(".")})
+
+
+def _read_jsonl(path: Path, text: str) -> Iterator[Document | Skipped]:
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            yield Skipped(where, f"not JSON ({exc.msg})")
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            yield Skipped(where, 'no "text" string field')
+            continue
+        if "id" not in record or not isinstance(record["id"], (str, int)):
+            yield Skipped(where, 'no "id" field (string or integer)')
+            continue
+        body = normalise(record["text"])
+        if not body:
+            yield Skipped(where, "empty text")
+            continue
+        metadata = {k: v for k, v in record.items() if k not in ("id", "text")}
+        yield Document(str(record["id"]), where, body, {"format": "jsonl", **metadata})
+
+
+def html_to_text(html: str) -> str:
+    """Visible text of an HTML page, one paragraph per block element; scripts and styles dropped."""
+    from bs4 import BeautifulSoup
+
+    soup = BeautifulSoup(html, "html.parser")
+    for tag in soup(["script", "style", "noscript", "template", "head"]):
+        tag.decompose()
+    blocks = [b for b in soup.find_all(_BLOCK_TAGS) if not b.find(_BLOCK_TAGS)]
+    if not blocks:
+        return soup.get_text(" ")
+    return "\n\n".join(" ".join(b.get_text(" ").split()) for b in blocks)
+
+
+def normalise(text: str) -> str:
+    """Unix newlines, no trailing spaces, at most one blank line in a row, stripped."""
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    text = re.sub(r"[ \t]+\n", "\n", text)
+    text = re.sub(r"\n{3,}", "\n\n", text)
+    return text.strip()
