@@ -1,0 +1,89 @@
+"""Shared fixtures: tiny random Llama/Qwen2 models (fast, exact checks), the bundled SmolLM2
+(real weights), small corpora, and stores built from them. Models are built once per session."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import ragkv
+from ragkv.config import IngestSettings, ModelSettings
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLE_DATA = ROOT / "data"
+
+CORPUS = {
+    "keys.md": "# API keys\n\nRotate the API key every 90 days. Open the admin console, create a new key, "
+               "store it in the vault, then revoke the old key after ten minutes of clean traffic.",
+    "leave.txt": "Annual leave is 25 days per year. Your manager approves leave requests in the HR portal. "
+                 "Up to five unused days carry over until the end of March.",
+    "db.rst": "Database failover\n=================\n\nPatroni fails over automatically after 30 seconds. "
+              "For planned maintenance, run a switchover to a replica whose lag is under 1 MB.",
+    "faq.jsonl": '{"id": "wifi", "text": "Guests use the LumenGuest network; the password is at reception."}\n'
+                 '{"id": "payroll", "text": "Salaries are paid on the 25th of each month.", "team": "people"}\n',
+    "page.html": "<html><head><title>x</title><script>var a=1;</script></head><body><h1>Deploys</h1>"
+                 "<p>Production deploys are canaries: 10% of traffic for ten minutes, then all.</p></body></html>",
+}
+
+QUESTIONS = [
+    "How do I rotate the API key?",
+    "How many days of annual leave do I get?",
+    "When are salaries paid?",
+    "What happens during a production deploy?",
+]
+
+
+def _build_tiny(kind: str, folder: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from ragkv.model import bundled_smollm2_path
+
+    common = dict(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**common, rope_theta=1e6, use_sliding_window=False))
+    model.save_pretrained(folder)
+    tokenizer_dir = bundled_smollm2_path()  # reuse SmolLM2's tokenizer and chat template
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(tokenizer_dir / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return _build_tiny("llama", tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> Path:
+    return _build_tiny("qwen2", tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("corpus")
+    for name, text in CORPUS.items():
+        (folder / name).write_text(text)
+    return folder
+
+
+def build_store(docs: Path, store: Path, model: str, dtype: str = "float32", **settings):
+    return ragkv.ingest([docs], store, model=ModelSettings(model=model, device="cpu", dtype=dtype),
+                        settings=IngestSettings(**settings))
+
+
+@pytest.fixture(scope="session")
+def tiny_store(tmp_path_factory, tiny_llama, corpus) -> Path:
+    """A float32 store of the small corpus, built with the tiny Llama. Treat as read-only."""
+    store = tmp_path_factory.mktemp("stores") / "tiny"
+    build_store(corpus, store, str(tiny_llama))
+    return store

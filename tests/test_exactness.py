@@ -1,0 +1,91 @@
+"""Exactness: an answer from stored KV equals a full prefill of the same prompt.
+
+float32: greedy token ids identical and first-token logits within 1e-4. bfloat16: the store
+round trip is bitwise lossless, and first-token logits agree within bf16 rounding noise (token
+identity is not promised there; see FACTS.md). Real models throughout, never mocks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ragkv
+from store.shards import ShardWriter
+from tests.conftest import QUESTIONS, build_store
+
+FP32_LOGIT_TOLERANCE = 1e-4
+
+
+def assert_cached_equals_full(store, questions, max_new_tokens=16, top_k=1):
+    with ragkv.open(store, device="cpu") as engine:
+        for question in questions:
+            cached = engine.ask(question, max_new_tokens=max_new_tokens, top_k=top_k)
+            full = engine.ask(question, max_new_tokens=max_new_tokens, top_k=top_k, use_cache=False)
+            assert cached.stats.mode == "cached" and full.stats.mode == "full"
+            assert cached.stats.reused_tokens > 0 and full.stats.reused_tokens == 0
+            assert cached.prompt_ids == full.prompt_ids
+            assert cached.stats.prompt_tokens == full.stats.computed_tokens == len(full.prompt_ids)
+            assert cached.token_ids == full.token_ids, question
+            assert cached.text == full.text
+            diff = (engine.first_token_logits(question, top_k=top_k)
+                    - engine.first_token_logits(question, top_k=top_k, use_cache=False)).abs().max().item()
+            assert diff < FP32_LOGIT_TOLERANCE, (question, diff)
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_llama", "tiny_qwen2"])
+def test_tiny_models_float32_cached_equals_full_prefill(request, model_fixture, corpus, tmp_path):
+    model = request.getfixturevalue(model_fixture)
+    build_store(corpus, tmp_path / "s", str(model), chunk_tokens=24)  # several chunks per document
+    assert_cached_equals_full(tmp_path / "s", QUESTIONS, max_new_tokens=24)
+
+
+def test_several_retrieved_chunks_are_exact(tiny_store):
+    """top_k > 1: the first chunk's KV comes from the store, the rest are prefilled live."""
+    with ragkv.open(tiny_store, device="cpu") as engine:
+        answer = engine.ask(QUESTIONS[0], top_k=3, max_new_tokens=4)
+        assert len(answer.sources) == 3
+    assert_cached_equals_full(tiny_store, QUESTIONS[:2], top_k=3)
+
+
+def test_bundled_smollm2_float32_cached_equals_full_prefill(corpus, tmp_path):
+    build_store(corpus, tmp_path / "s", "smollm2")
+    assert_cached_equals_full(tmp_path / "s", QUESTIONS[:3], max_new_tokens=24)
+
+
+@pytest.fixture
+def captured_kv(monkeypatch):
+    """Every tensor ingest hands to the shard writer, by entry name (clones, as computed)."""
+    seen: dict[str, torch.Tensor] = {}
+    original = ShardWriter.add
+
+    def add(self, name, kv):
+        seen[name] = kv.detach().clone()
+        return original(self, name, kv)
+
+    monkeypatch.setattr(ShardWriter, "add", add)
+    return seen
+
+
+@pytest.mark.parametrize("model", ["tiny", "smollm2"])
+def test_bfloat16_store_is_lossless_and_logits_agree(model, captured_kv, corpus, tiny_llama, tmp_path):
+    name = str(tiny_llama) if model == "tiny" else "smollm2"
+    build_store(corpus, tmp_path / "s", name, dtype="bfloat16")
+    with ragkv.open(tmp_path / "s", device="cpu") as engine:
+        assert engine.lm.facts.dtype == "bfloat16"
+        entries = engine.snapshot.catalog.all_entries()
+        assert {e.kv_key for e in entries} == set(captured_kv)
+        for entry in entries:
+            loaded = engine.snapshot.shards.read(entry.shard, entry.tensor, entry.checksum)
+            assert loaded.dtype == torch.bfloat16
+            assert torch.equal(loaded.view(torch.int16), captured_kv[entry.kv_key].view(torch.int16))
+        # bf16 keeps 8 mantissa bits, and rounding differs between matmul shapes; the noise
+        # grows like a random walk over layers. Measured (bf16 eps = 2^-8, relative to the
+        # largest logit): tiny 2-layer model ~1 eps, SmolLM2 (30 layers) ~4 eps; a chunk
+        # computed one position off moves them by 4 and 27 eps. Tolerance: 1.5 eps * sqrt(L).
+        bound = 1.5 * 2.0 ** -8 * engine.lm.facts.num_layers ** 0.5
+        for question in QUESTIONS:
+            cached = engine.first_token_logits(question)
+            full = engine.first_token_logits(question, use_cache=False)
+            scale = full.abs().max().item()
+            assert (cached - full).abs().max().item() <= bound * scale, question
