@@ -146,6 +146,7 @@ def _write(writer: StoreWriter, documents: list[Document], lm: LoadedModel, embe
     rechunked = {d.doc_id for d in to_chunk}
     unchanged_ids = [d.doc_id for d in documents if d.doc_id not in rechunked]
     candidates = new_chunks + [c for c in catalog.chunks_of(unchanged_ids) if c.chunk_id not in linked]
+    report.kv_reused, report.tokens_skipped = catalog.linked_totals(profile.profile_id, unchanged_ids)
     pending = [_pending(c, lm.tokenizer, profile) for c in candidates]
     catalog.add_profile(_profile_row(profile, lm, settings.system_prompt))
     _compute_and_store(writer, pending, lm, profile, settings, reporter, report)
@@ -193,7 +194,7 @@ def _compute_and_store(writer: StoreWriter, pending: list[PendingChunk], lm: Loa
     todo: dict[str, PendingChunk] = {}  # one computation per distinct key
     for p in pending:
         if p.key in stored or p.key in todo:
-            report.kv_reused += 1
+            report.kv_reused += 1  # stored already, or identical to another chunk of this run
             report.tokens_skipped += len(p.token_ids)
         else:
             todo[p.key] = p

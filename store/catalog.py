@@ -271,6 +271,15 @@ class Catalog:
                          [profile_id])
         self.con.execute("INSERT INTO chunk_kv SELECT * FROM new_links")
 
+    def linked_totals(self, profile_id: str, doc_ids: Sequence[str]) -> tuple[int, int]:
+        """(chunks, tokens) of `doc_ids` that already have KV under `profile_id`."""
+        row = self.con.execute(
+            "SELECT count(*), coalesce(sum(len(k.token_ids)), 0) FROM chunk_kv k JOIN chunks c USING (chunk_id) "
+            "WHERE k.profile_id = ? AND c.doc_id IN (SELECT unnest(?))",
+            [profile_id, list(doc_ids)],
+        ).fetchone()
+        return int(row[0]), int(row[1])
+
     def linked_chunk_ids(self, profile_id: str) -> set[int]:
         rows = self.con.execute("SELECT chunk_id FROM chunk_kv WHERE profile_id = ?", [profile_id]).fetchall()
         return {r[0] for r in rows}

@@ -77,10 +77,14 @@ class ShardWriter:
         shard = f"{uuid.uuid4().hex}{SHARD_SUFFIX}"
         final = self.shard_dir / shard
         tmp = self.shard_dir / f".{shard}.tmp"
-        save_file(self._pending, str(tmp), metadata=self.metadata)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.rename(tmp, final)
+        try:
+            save_file(self._pending, str(tmp), metadata=self.metadata)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.rename(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         fsync_dir(self.shard_dir)
         entries = [
             SealedEntry(

@@ -87,3 +87,14 @@ def tiny_store(tmp_path_factory, tiny_llama, corpus) -> Path:
     store = tmp_path_factory.mktemp("stores") / "tiny"
     build_store(corpus, store, str(tiny_llama))
     return store
+
+
+def flip_bit_of_entry(shard: Path, name: str) -> None:
+    """Flip one bit in the middle of tensor `name`'s bytes inside a safetensors file."""
+    import json
+
+    data = bytearray(shard.read_bytes())
+    header_len = int.from_bytes(data[:8], "little")
+    begin, end = json.loads(data[8:8 + header_len])[name]["data_offsets"]
+    data[8 + header_len + (begin + end) // 2] ^= 0x04
+    shard.write_bytes(bytes(data))

@@ -1,0 +1,198 @@
+"""The store: lossless round trips, checksums, atomic publication, crash and abort safety, locking."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ragkv.errors import StoreCorruptError, StoreEmptyError, StoreFormatError, StoreLockedError, StoreNotFoundError
+from store import Catalog, ShardReader, ShardWriter, StoreWriter, open_snapshot
+from store.generations import read_current
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def kv(tokens: int, dtype=torch.float32, seed=0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(3, 2, 2, tokens, 8, generator=generator).to(dtype)  # (L, 2, H, T, D)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_shard_round_trip_is_bitwise(tmp_path, dtype):
+    writer = ShardWriter(tmp_path, max_bytes=1 << 30, metadata={"layout": "L2HTD"})
+    tensors = {f"entry-{i}": kv(5 + i, dtype, seed=i) for i in range(4)}
+    sealed = [e for name, t in tensors.items() for e in writer.add(name, t)] + writer.flush()
+    assert len(sealed) == 4 and len({e.shard for e in sealed}) == 1
+    reader = ShardReader(tmp_path)
+    for entry in sealed:
+        back = reader.read(entry.shard, entry.name, entry.checksum)
+        original = tensors[entry.name]
+        assert back.dtype == original.dtype and back.shape == original.shape
+        assert back.view(torch.uint8).numpy().tobytes() == original.view(torch.uint8).numpy().tobytes()
+        assert entry.num_tokens == original.shape[3]
+
+
+def test_shards_seal_at_the_size_threshold(tmp_path):
+    one = kv(10)
+    writer = ShardWriter(tmp_path, max_bytes=one.numel() * 4 * 2, metadata={})
+    sealed = []
+    for i in range(5):
+        sealed += writer.add(f"e{i}", kv(10, seed=i))
+    sealed += writer.flush()
+    shards = {e.shard for e in sealed}
+    assert len(sealed) == 5 and len(shards) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(shards)  # no temporary files left
+
+
+def test_corruption_is_detected_before_use(tmp_path):
+    writer = ShardWriter(tmp_path, max_bytes=1 << 30, metadata={})
+    writer.add("a", kv(64))
+    (entry,) = writer.flush()
+    path = tmp_path / entry.shard
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x10  # one flipped bit in the tensor bytes
+    path.write_bytes(bytes(data))
+    with pytest.raises(StoreCorruptError, match="checksum"):
+        ShardReader(tmp_path).read(entry.shard, "a", entry.checksum)
+    path.write_bytes(bytes(data[: len(data) // 2]))  # truncated
+    with pytest.raises(StoreCorruptError):
+        ShardReader(tmp_path).read(entry.shard, "a", entry.checksum)
+    path.unlink()
+    with pytest.raises(StoreCorruptError, match="missing"):
+        ShardReader(tmp_path).read(entry.shard, "a", entry.checksum)
+
+
+def _commit_one(root: Path, name="e0", seed=0):
+    with StoreWriter(root) as writer:
+        writer.ensure_vectors(4).add([len(writer.catalog.all_entries())], np.ones((1, 4), dtype=np.float32) / 2)
+        shards = writer.shard_writer(1 << 30, {})
+        shards.add(name, kv(4, seed=seed))
+        writer.catalog.add_entries("p", shards.flush())
+
+
+def test_generations_publish_catalog_and_index_together(tmp_path):
+    root = tmp_path / "s"
+    _commit_one(root)
+    _commit_one(root, "e1", seed=1)
+    assert read_current(root) == 2
+    with open_snapshot(root) as snap:
+        assert snap.generation == 2
+        assert sorted(e.kv_key for e in snap.catalog.all_entries()) == ["e0", "e1"]
+        assert len(snap.vectors) == 2
+    _commit_one(root, "e2", seed=2)
+    names = sorted(p.name for p in root.iterdir() if p.name.startswith(("catalog", "vectors")))
+    assert names == ["catalog-000002.duckdb", "catalog-000003.duckdb", "vectors-000002.faiss", "vectors-000003.faiss"]
+
+
+def test_readers_keep_their_generation_while_a_writer_works(tmp_path):
+    root = tmp_path / "s"
+    _commit_one(root)
+    writer = StoreWriter(root)
+    shards = writer.shard_writer(1 << 30, {})
+    shards.add("new", kv(4, seed=9))
+    writer.catalog.add_entries("p", shards.flush())
+    with open_snapshot(root) as snap:  # DuckDB would refuse this if the writer held the same file
+        assert snap.generation == 1 and len(snap.catalog.all_entries()) == 1
+    writer.commit()
+    with open_snapshot(root) as snap:
+        assert snap.generation == 2 and len(snap.catalog.all_entries()) == 2
+
+
+def test_abort_leaves_the_store_as_it_was(tmp_path):
+    root = tmp_path / "s"
+    _commit_one(root)
+    before = sorted(p.name for p in root.rglob("*"))
+    with pytest.raises(RuntimeError):
+        with StoreWriter(root) as writer:
+            shards = writer.shard_writer(1, {})
+            writer.catalog.add_entries("p", shards.add("x", kv(4, seed=3)))
+            raise RuntimeError("boom")
+    assert sorted(p.name for p in root.rglob("*")) == before
+    fresh = tmp_path / "new"
+    with pytest.raises(RuntimeError):
+        with StoreWriter(fresh):
+            raise RuntimeError("boom")
+    assert not fresh.exists()
+
+
+def test_a_failed_seal_leaves_no_file_and_no_row(tmp_path, monkeypatch):
+    root = tmp_path / "s"
+    _commit_one(root)
+
+    def failing_rename(*args):
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        with StoreWriter(root) as writer:
+            shards = writer.shard_writer(1 << 30, {})
+            shards.add("x", kv(4, seed=3))
+            monkeypatch.setattr(os, "rename", failing_rename)
+            writer.catalog.add_entries("p", shards.flush())
+    monkeypatch.undo()
+    with open_snapshot(root) as snap:
+        assert [e.kv_key for e in snap.catalog.all_entries()] == ["e0"]
+    assert len(list((root / "shards").iterdir())) == 1
+
+
+CRASH_BEFORE_SEAL = textwrap.dedent("""
+    import os, sys, torch
+    sys.path.insert(0, {root!r})
+    from store import StoreWriter
+    writer = StoreWriter({store!r})
+    shards = writer.shard_writer(1 << 30, {{}})
+    shards.add("unsealed", torch.ones(1, 2, 1, 3, 4))
+    {after}
+    os._exit(1)  # killed: no flush, no commit, no cleanup
+""")
+
+
+@pytest.mark.parametrize("after", ["", "writer.catalog.add_entries('p', shards.flush())"])
+def test_a_crash_before_commit_leaves_no_row_pointing_at_nothing(tmp_path, after):
+    root = tmp_path / "s"
+    _commit_one(root)
+    script = CRASH_BEFORE_SEAL.format(root=str(ROOT), store=str(root), after=after)
+    assert subprocess.run([sys.executable, "-c", script]).returncode == 1
+    with open_snapshot(root) as snap:
+        assert snap.generation == 1
+        entries = snap.catalog.all_entries()
+        assert [e.kv_key for e in entries] == ["e0"]
+        for e in entries:  # every row's shard exists and verifies
+            snap.shards.read(e.shard, e.tensor, e.checksum)
+    _commit_one(root, "e1", seed=1)  # the next writer recovers (the crashed one's lock died with it)
+    assert read_current(root) == 2
+
+
+def test_second_writer_fails_fast_naming_the_holder(tmp_path):
+    root = tmp_path / "s"
+    first = StoreWriter(root)
+    with pytest.raises(StoreLockedError, match=f"pid {os.getpid()}"):
+        StoreWriter(root)
+    first.abort()
+    StoreWriter(root).abort()
+
+
+def test_missing_and_empty_stores_say_so(tmp_path):
+    with pytest.raises(StoreNotFoundError, match="ragkv ingest"):
+        open_snapshot(tmp_path / "nothing")
+    with StoreWriter(tmp_path / "empty") as writer:
+        writer.ensure_vectors(4)
+    with pytest.raises(StoreEmptyError, match="holds no documents"):
+        open_snapshot(tmp_path / "empty")
+
+
+def test_a_catalog_from_a_newer_ragkv_is_refused(tmp_path):
+    path = tmp_path / "c.duckdb"
+    catalog = Catalog(path, read_only=False)
+    migrations = json.loads(catalog.meta()["migrations"]) + ["9999_from_the_future"]
+    catalog.set_meta({"migrations": json.dumps(migrations)})
+    catalog.close()
+    with pytest.raises(StoreFormatError, match="newer"):
+        Catalog(path, read_only=True)
