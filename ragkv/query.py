@@ -39,7 +39,7 @@ class _Prepared:
     retrieved: list[tuple[ContextRow, float]]
     prompt_ids: list[int]  # the whole prompt
     live_ids: list[int]  # the part to prefill now (after what the cache holds)
-    cache: object  # DynamicCache holding prompt_ids[:len(prompt_ids) - len(live_ids)]
+    cache: object  # transformers cache (built by ragkv.kv) holding the prompt ids before live_ids
 
 
 class AnswerStream:
