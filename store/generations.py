@@ -53,6 +53,11 @@ def publish(root: Path, generation: int) -> None:
     fsync_dir(root)
 
 
+def is_store_file(name: str) -> bool:
+    """A name a store writer creates at the top of a store."""
+    return name in (CURRENT, LOCK, f".{CURRENT}.tmp") or bool(_GENERATION_FILE.match(name))
+
+
 def remove_generations(root: Path, keep: set[int]) -> None:
     """Delete generation files (published or partial) whose number is not in `keep`."""
     for path in root.iterdir():

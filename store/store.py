@@ -6,10 +6,10 @@ import os
 import shutil
 from pathlib import Path
 
-from ragkv.errors import StoreEmptyError, StoreFormatError, StoreNotFoundError
+from ragkv.errors import InputError, StoreEmptyError, StoreFormatError, StoreNotFoundError
 from store.catalog import Catalog
 from store.generations import (
-    WriteLock, catalog_path, publish, read_current, remove_generations, vectors_path,
+    WriteLock, catalog_path, is_store_file, publish, read_current, remove_generations, vectors_path,
 )
 from store.shards import ShardReader, ShardWriter, fsync_dir
 from store.vectors import VectorIndex
@@ -19,6 +19,13 @@ SHARD_DIR = "shards"
 
 def is_store(root: Path) -> bool:
     return read_current(Path(root)) is not None
+
+
+def _is_foreign(root: Path) -> bool:
+    """A path that holds something other than a ragkv store (never write into it)."""
+    if not root.is_dir():
+        return True
+    return not is_store(root) and any(not (is_store_file(p.name) or p.name == SHARD_DIR) for p in root.iterdir())
 
 
 class StoreSnapshot:
@@ -75,6 +82,8 @@ class StoreWriter:
     def __init__(self, root: Path | str, wait: bool = False):
         self.root = Path(root)
         self._created_root = not self.root.exists()
+        if not self._created_root and _is_foreign(self.root):
+            raise InputError(f"{self.root} exists and is not a ragkv store; pass an empty or new directory as --store")
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock = WriteLock(self.root, wait)
         try:

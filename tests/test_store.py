@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from ragkv.errors import StoreCorruptError, StoreEmptyError, StoreFormatError, StoreLockedError, StoreNotFoundError
+from ragkv.errors import InputError, StoreCorruptError, StoreEmptyError, StoreFormatError, StoreLockedError, StoreNotFoundError
 from store import Catalog, ShardReader, ShardWriter, StoreWriter, open_snapshot
 from store.generations import read_current
 
@@ -177,6 +177,15 @@ def test_second_writer_fails_fast_naming_the_holder(tmp_path):
         StoreWriter(root)
     first.abort()
     StoreWriter(root).abort()
+
+
+def test_a_directory_that_is_not_a_store_is_never_written(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(InputError, match="is not a ragkv store"):
+        StoreWriter(tmp_path)
+    with pytest.raises(InputError, match="is not a ragkv store"):
+        StoreWriter(tmp_path / "notes.txt")
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
 
 
 def test_missing_and_empty_stores_say_so(tmp_path):
