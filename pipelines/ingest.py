@@ -85,7 +85,7 @@ def ingest(paths: Sequence[Path | str], store: Path | str, model: ModelSettings 
     _check_fits(lm, layout, settings.chunk_tokens)
     profile = Profile(lm.facts.fingerprint, lm.facts.tokenizer_fingerprint, layout.template_fingerprint,
                       layout.prefix_ids, model.dtype)
-    report = IngestReport(str(store), model=model.model, dtype=model.dtype, device=model.device, skipped=found.skipped)
+    report = IngestReport(str(store), model=lm.facts.name, dtype=model.dtype, device=model.device, skipped=found.skipped)
     try:
         with StoreWriter(store, wait=wait) as writer:
             _write(writer, found.documents, lm, embedder, layout, profile, settings, reporter, report)

@@ -39,6 +39,8 @@ class Embedder:
         from sentence_transformers import SentenceTransformer
 
         path = resolve_embedder_path(name)
+        if name != DEFAULT_EMBEDDER and Path(path).is_dir():
+            name = str(Path(path).resolve())  # recorded in the store: usable from any directory
         try:
             model = SentenceTransformer(path, device=device)
         except Exception as exc:

@@ -52,6 +52,13 @@ class LoadedModel:
     device: str
 
 
+def model_name(name: str) -> str:
+    """The name a store records for a model: local folders as absolute paths (so the store
+    works from any directory), the bundled name and hub ids as given."""
+    path = Path(name).expanduser()
+    return str(path.resolve()) if name != DEFAULT_MODEL and path.is_dir() else name
+
+
 def resolve_model_path(name: str) -> Path:
     """A local folder holding `name`: the bundled SmolLM2, a folder, or a hub id in the HF cache."""
     if name == DEFAULT_MODEL:
@@ -152,7 +159,7 @@ def load_model(name: str, device: str, dtype: str) -> LoadedModel:
     eos_ids = _eos_ids(folder, tokenizer, GenerationConfig)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     facts = ModelFacts(
-        name=name,
+        name=model_name(name),
         path=str(folder),
         fingerprint=folder_fingerprint(folder),
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),

@@ -13,12 +13,12 @@ import torch
 
 from ragkv import kv
 from ragkv.answer import Answer, Source, Stats
-from ragkv.config import AskSettings, resolve_device
+from ragkv.config import AskSettings, resolve_device, resolve_dtype
 from ragkv.embed import Embedder
 from ragkv.errors import InputError, ModelError, StoreCorruptError, StoreEmptyError
 from ragkv.generate import TextStream, greedy_decode, prefill
 from ragkv.keys import KVKey, Profile
-from ragkv.model import LoadedModel, load_model
+from ragkv.model import LoadedModel, load_model, model_name
 from ragkv.prompt import PromptLayout
 from store import ContextRow, StoreSnapshot, open_snapshot
 
@@ -77,9 +77,9 @@ class QueryEngine:
             raise StoreEmptyError(f"store {self.snapshot.root} holds no KV; add documents with: ragkv ingest DOCS")
         last = self.snapshot.catalog.meta().get("last_profile")
         default = next((r for r in rows if r["profile_id"] == last), rows[0])
-        name = name or default["model_name"]
+        name = model_name(name) if name else default["model_name"]
         same_name = [r for r in rows if r["model_name"] == name]
-        dtype = dtype or (same_name[0]["dtype"] if same_name else default["dtype"])
+        dtype = resolve_dtype(dtype, self.device) if dtype else (same_name[0]["dtype"] if same_name else default["dtype"])
         lm = load_model(name, self.device, dtype)
         candidates = [r for r in rows if r["model_fingerprint"] == lm.facts.fingerprint and r["dtype"] == dtype]
         if not candidates:

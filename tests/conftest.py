@@ -76,6 +76,26 @@ def corpus(tmp_path_factory) -> Path:
     return folder
 
 
+def run_cli(*args):
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    return CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
+
+
+@pytest.fixture(scope="session")
+def sample_store(tmp_path_factory):
+    """The README demo: `ragkv ingest data/` with the defaults (bundled SmolLM2, float32 on CPU).
+    Returns (store path, the ingest's JSON report). Treat as read-only."""
+    import json
+
+    store = tmp_path_factory.mktemp("sample") / "kvstore"
+    result = run_cli("ingest", SAMPLE_DATA, "--store", store, "--json", "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    return store, json.loads(result.stdout)
+
+
 def build_store(docs: Path, store: Path, model: str, dtype: str = "float32", **settings):
     return ragkv.ingest([docs], store, model=ModelSettings(model=model, device="cpu", dtype=dtype),
                         settings=IngestSettings(**settings))

@@ -7,25 +7,11 @@ import json
 import shutil
 
 import pytest
-from typer.testing import CliRunner
-
-from cli import app
-from tests.conftest import SAMPLE_DATA
-
-runner = CliRunner()
+from tests.conftest import SAMPLE_DATA, run_cli
 
 
 def run(*args):
-    return runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
-
-
-@pytest.fixture(scope="module")
-def sample_store(tmp_path_factory):
-    """The README demo: `ragkv ingest data/` with the defaults (bundled SmolLM2, float32 on CPU)."""
-    store = tmp_path_factory.mktemp("cli") / "kvstore"
-    result = run("ingest", SAMPLE_DATA, "--store", store, "--json", "--device", "cpu")
-    assert result.exit_code == 0, result.output
-    return store, json.loads(result.stdout)
+    return run_cli(*args)
 
 
 def test_ingest_reports_what_it_did(sample_store):

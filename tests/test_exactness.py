@@ -12,7 +12,7 @@ import torch
 
 import ragkv
 from store.shards import ShardWriter
-from tests.conftest import QUESTIONS, build_store
+from tests.conftest import QUESTIONS, ROOT, build_store
 
 FP32_LOGIT_TOLERANCE = 1e-4
 
@@ -51,6 +51,14 @@ def test_several_retrieved_chunks_are_exact(tiny_store):
 def test_bundled_smollm2_float32_cached_equals_full_prefill(corpus, tmp_path):
     build_store(corpus, tmp_path / "s", "smollm2")
     assert_cached_equals_full(tmp_path / "s", QUESTIONS[:3], max_new_tokens=24)
+
+
+@pytest.mark.slow
+def test_smollm2_sample_corpus_twenty_questions_float32(sample_store):
+    """The measurement FACTS.md quotes, as a guarantee: 20 real questions, 48 greedy tokens."""
+    questions = (ROOT / "benchmarks" / "questions.txt").read_text().splitlines()
+    assert len(questions) == 20
+    assert_cached_equals_full(sample_store[0], questions, max_new_tokens=48)
 
 
 @pytest.fixture
