@@ -6,20 +6,21 @@ again, and a chunk whose KV key is already in the store is not computed again.
 
 from __future__ import annotations
 
-import json
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 from pipelines.chunk import chunk_text, chunking_id
 from pipelines.compute import compute_chunks, compute_prefix
+from pipelines.plan import DocumentPlan, content_hash, plan_documents
 from pipelines.progress import Reporter
 from pipelines.read import Document, Skipped, read_documents
 from ragkv.config import IngestSettings, ModelSettings
 from ragkv.embed import Embedder
 from ragkv.errors import InputError, ModelError
-from ragkv.keys import KVKey, Profile, digest
+from ragkv.keys import KVKey, Profile
 from ragkv.kv import KV_LAYOUT
 from ragkv.model import LoadedModel, load_model
 from ragkv.prompt import PromptLayout, encode_text
@@ -35,10 +36,11 @@ class IngestReport:
     model: str = ""
     dtype: str = ""
     device: str = ""
-    documents: dict[str, int] = field(default_factory=lambda: {"added": 0, "changed": 0, "unchanged": 0})
+    documents: dict[str, int] = field(default_factory=lambda: {"added": 0, "changed": 0, "unchanged": 0, "removed": 0})
     chunks_embedded: int = 0
     kv_computed: int = 0  # KV entries computed now
     kv_reused: int = 0  # chunks whose KV was already stored (unchanged, or identical text)
+    kv_adopted: int = 0  # entries sealed by an earlier, interrupted run, verified and kept
     tokens_computed: int = 0
     tokens_skipped: int = 0
     compute_s: float = 0.0  # model forwards only
@@ -65,9 +67,11 @@ class PendingChunk:
 
 
 def ingest(paths: Sequence[Path | str], store: Path | str, model: ModelSettings | None = None,
-           settings: IngestSettings | None = None, reporter: Reporter | None = None, wait: bool = False) -> IngestReport:
+           settings: IngestSettings | None = None, reporter: Reporter | None = None, wait: bool = False,
+           prune: bool = False) -> IngestReport:
     """Ingest documents under `paths` into the store at `store` and publish a new generation.
 
+    With `prune`, `paths` are the whole corpus: stored documents not found there are removed.
     Nothing is written unless documents were found and the model loaded; on any error the
     published store is left exactly as it was.
     """
@@ -88,7 +92,8 @@ def ingest(paths: Sequence[Path | str], store: Path | str, model: ModelSettings 
     report = IngestReport(str(store), model=lm.facts.name, dtype=model.dtype, device=model.device, skipped=found.skipped)
     try:
         with StoreWriter(store, wait=wait) as writer:
-            _write(writer, found.documents, lm, embedder, layout, profile, settings, reporter, report)
+            report.kv_adopted = len(writer.adopt_orphans())
+            _write(writer, found.documents, lm, embedder, layout, profile, settings, reporter, report, prune)
             report.generation = writer.generation
     finally:
         reporter.done()
@@ -108,43 +113,21 @@ def _check_fits(lm: LoadedModel, layout: PromptLayout, chunk_tokens: int) -> Non
 
 def _write(writer: StoreWriter, documents: list[Document], lm: LoadedModel, embedder: Embedder,
            layout: PromptLayout, profile: Profile, settings: IngestSettings, reporter: Reporter,
-           report: IngestReport) -> None:
+           report: IngestReport, prune: bool) -> None:
     catalog = writer.catalog
     meta = catalog.meta()
     if meta.get("embedder_fingerprint", embedder.fingerprint) != embedder.fingerprint:
         raise ModelError(f"store {writer.root} was built with embedder {meta.get('embedder')}; "
                          f"ingest with --embedder {meta.get('embedder')} or use a new store")
-    vectors = writer.ensure_vectors(embedder.dim)
     chunking = chunking_id(lm.facts.tokenizer_fingerprint, settings.chunk_tokens)
-
-    # Plan: which documents are new, changed or unchanged.
-    existing = catalog.documents()
-    to_chunk: list[Document] = []
-    for doc in documents:
-        old = existing.get(doc.doc_id)
-        if old is None:
-            report.documents["added"] += 1
-            to_chunk.append(doc)
-        elif old.content_hash != _content_hash(doc) or old.chunking != chunking:
-            report.documents["changed"] += 1
-            to_chunk.append(doc)
-        else:
-            report.documents["unchanged"] += 1
-
-    # Chunk and embed new and changed documents; retire the old chunks of changed ones.
-    new_chunks = _chunk_documents(to_chunk, lm.tokenizer, settings.chunk_tokens, catalog.next_chunk_id(), reporter)
-    with catalog.transaction():
-        vectors.remove(catalog.delete_documents([d.doc_id for d in to_chunk if d.doc_id in existing]))
-        rows = [DocumentRow(d.doc_id, d.source, _content_hash(d), chunking, sum(c.doc_id == d.doc_id for c in new_chunks))
-                for d in to_chunk]
-        catalog.add_documents(rows, [d.metadata for d in to_chunk], new_chunks)
-    _embed(new_chunks, embedder, vectors, reporter)
+    plan = plan_documents(documents, catalog.documents(), chunking, prune)
+    report.documents = plan.counts()
+    new_chunks = _replace_documents(writer, plan, chunking, lm, embedder, settings, reporter)
     report.chunks_embedded = len(new_chunks)
 
     # KV: every chunk without a link under this profile; compute only keys not stored yet.
+    unchanged_ids = [d.doc_id for d in plan.unchanged]
     linked = catalog.linked_chunk_ids(profile.profile_id)
-    rechunked = {d.doc_id for d in to_chunk}
-    unchanged_ids = [d.doc_id for d in documents if d.doc_id not in rechunked]
     candidates = new_chunks + [c for c in catalog.chunks_of(unchanged_ids) if c.chunk_id not in linked]
     report.kv_reused, report.tokens_skipped = catalog.linked_totals(profile.profile_id, unchanged_ids)
     pending = [_pending(c, lm.tokenizer, profile) for c in candidates]
@@ -156,6 +139,21 @@ def _write(writer: StoreWriter, documents: list[Document], lm: LoadedModel, embe
         "embedder_fingerprint": embedder.fingerprint,
         "last_profile": profile.profile_id,
     })
+
+
+def _replace_documents(writer: StoreWriter, plan: DocumentPlan, chunking: str, lm: LoadedModel,
+                       embedder: Embedder, settings: IngestSettings, reporter: Reporter) -> list[ChunkRow]:
+    """Retire the chunks of changed and removed documents; chunk and embed new and changed
+    ones. Returns the new chunks."""
+    catalog, vectors = writer.catalog, writer.ensure_vectors(embedder.dim)
+    new_chunks = _chunk_documents(plan.to_chunk, lm.tokenizer, settings.chunk_tokens, catalog.next_chunk_id(), reporter)
+    per_doc = Counter(c.doc_id for c in new_chunks)
+    rows = [DocumentRow(d.doc_id, d.source, content_hash(d), chunking, per_doc[d.doc_id]) for d in plan.to_chunk]
+    with catalog.transaction():
+        vectors.remove(catalog.delete_documents(plan.retired_ids))
+        catalog.add_documents(rows, [d.metadata for d in plan.to_chunk], new_chunks)
+    _embed(new_chunks, embedder, vectors, reporter)
+    return new_chunks
 
 
 def _chunk_documents(documents: list[Document], tokenizer, chunk_tokens: int, first_id: int,
@@ -233,7 +231,3 @@ def _profile_row(profile: Profile, lm: LoadedModel, system_prompt: str) -> dict:
         "num_kv_heads": lm.facts.num_kv_heads,
         "head_dim": lm.facts.head_dim,
     }
-
-
-def _content_hash(doc: Document) -> str:
-    return digest(doc.text, json.dumps(doc.metadata, sort_keys=True, default=str))

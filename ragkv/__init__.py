@@ -33,14 +33,14 @@ def open(store, model=None, embedder=None, device="auto", dtype=None):  # noqa: 
     return QueryEngine(store, model=model, embedder=embedder, device=device, dtype=dtype)
 
 
-def ingest(paths, store, model=None, settings=None, reporter=None, wait=False):
+def ingest(paths, store, model=None, settings=None, reporter=None, wait=False, prune=False):
     """Ingest documents (files or directories) into a store; returns an `IngestReport`.
     `model` is a `ModelSettings`, `settings` an `IngestSettings` (defaults if omitted)."""
     from pipelines.ingest import ingest as run
 
     if isinstance(paths, (str, bytes)) or hasattr(paths, "__fspath__"):
         paths = [paths]
-    return run(paths, store, model=model, settings=settings, reporter=reporter, wait=wait)
+    return run(paths, store, model=model, settings=settings, reporter=reporter, wait=wait, prune=prune)
 
 
 def __getattr__(name):

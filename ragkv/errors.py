@@ -52,3 +52,10 @@ class StoreCorruptError(RagkvError):
     full prefill when they meet one; `ragkv verify` reports them."""
 
     exit_code = 4
+
+
+class StoreWriteError(RagkvError):
+    """The store could not be written (read-only file system, disk full, permissions). The
+    published store is unchanged."""
+
+    exit_code = 7

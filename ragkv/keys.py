@@ -85,8 +85,16 @@ class KVKey:
     @classmethod
     def for_prefix(cls, profile: Profile) -> "KVKey":
         """Key of the shared prefix (system prompt and template head) KV."""
-        root = profile.profile_id
-        return cls(root, digest(root, "prefix"))
+        return cls.prefix_of(profile.profile_id)
+
+    @classmethod
+    def prefix_of(cls, profile_id: str) -> "KVKey":
+        """Key of the prefix KV of the profile whose root is `profile_id`."""
+        return cls(profile_id, digest(profile_id, "prefix"))
+
+    @property
+    def is_prefix(self) -> bool:
+        return self == KVKey.prefix_of(self.profile_id)
 
     @classmethod
     def for_chunk(cls, profile: Profile, chunk_ids: Sequence[int]) -> "KVKey":

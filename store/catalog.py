@@ -307,6 +307,10 @@ class Catalog:
             by_id[r[0]] = ContextRow(r[0], r[1], r[2], r[3], r[4], token_ids, entry)
         return [by_id[i] for i in chunk_ids if i in by_id]
 
+    def shards(self) -> set[str]:
+        """Shard files this catalog references."""
+        return {r[0] for r in self.con.execute("SELECT DISTINCT shard FROM kv_entries").fetchall()}
+
     def counts(self) -> dict[str, int]:
         tables = ("documents", "chunks", "kv_entries", "profiles")
         return {t: self.con.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in tables}

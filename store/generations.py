@@ -9,6 +9,10 @@
 A writer builds generation g+1 from copies of g, then publishes it by renaming CURRENT.
 Readers open whatever CURRENT names, so they see generation g or g+1 in full, never a mix,
 and never contend with the writer's DuckDB lock.
+
+A reader holds a shared flock on its generation's vectors file (`ReaderLease`) for as long
+as it has the generation open. Retired generations are deleted only when nobody holds that
+lease, so a long-lived reader never loses the catalog (or, through gc, the shards) it uses.
 """
 
 from __future__ import annotations
@@ -58,12 +62,79 @@ def is_store_file(name: str) -> bool:
     return name in (CURRENT, LOCK, f".{CURRENT}.tmp") or bool(_GENERATION_FILE.match(name))
 
 
-def remove_generations(root: Path, keep: set[int]) -> None:
-    """Delete generation files (published or partial) whose number is not in `keep`."""
+def generations_on_disk(root: Path) -> set[int]:
+    """Numbers of generations with a published (non-partial) catalog file."""
+    found = set()
     for path in root.iterdir():
         match = _GENERATION_FILE.match(path.name)
-        if match and int(match.group(2)) not in keep:
+        if match and match.group(1) == "catalog" and not match.group(4) and not match.group(5):
+            found.add(int(match.group(2)))
+    return found
+
+
+def _files_of(root: Path, generation: int) -> list[Path]:
+    return [p for p in root.iterdir()
+            if (m := _GENERATION_FILE.match(p.name)) and int(m.group(2)) == generation]
+
+
+def remove_unpublished(root: Path, current: int | None) -> None:
+    """Delete generation files above `current` (a killed writer's work that was never
+    published, so no reader can have it). Call only while holding the write lock."""
+    for path in root.iterdir():
+        match = _GENERATION_FILE.match(path.name)
+        if match and int(match.group(2)) > (current or 0):
             path.unlink(missing_ok=True)
+
+
+def remove_retired(root: Path, current: int) -> tuple[list[int], list[int]]:
+    """Delete generations older than `current` that no reader holds. Returns (removed, kept
+    because a reader holds them). Call only while holding the write lock."""
+    removed, held = [], []
+    for generation in sorted(generations_on_disk(root) - {current}):
+        if generation > current:
+            continue
+        lease = vectors_path(root, generation)
+        try:
+            fd = os.open(lease, os.O_RDONLY)
+        except FileNotFoundError:  # no vectors file: a half-removed generation, nothing to wait for
+            fd = None
+        try:
+            if fd is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            for path in _files_of(root, generation):  # the vectors file last: it carries the lease
+                if path != lease:
+                    path.unlink(missing_ok=True)
+            lease.unlink(missing_ok=True)
+            removed.append(generation)
+        except BlockingIOError:
+            held.append(generation)
+        finally:
+            if fd is not None:
+                os.close(fd)
+    return removed, held
+
+
+class RetiredError(Exception):
+    """The generation was deleted between reading CURRENT and taking its lease: read CURRENT again."""
+
+
+class ReaderLease:
+    """A shared flock on a generation's vectors file: while held, no writer deletes the generation."""
+
+    def __init__(self, root: Path, generation: int):
+        try:
+            self._fd = os.open(vectors_path(root, generation), os.O_RDONLY)
+        except FileNotFoundError:
+            raise RetiredError(generation) from None
+        fcntl.flock(self._fd, fcntl.LOCK_SH)
+        if os.fstat(self._fd).st_nlink == 0:  # removed after we opened it, before we locked it
+            self.release()
+            raise RetiredError(generation)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 class WriteLock:

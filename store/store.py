@@ -6,15 +6,20 @@ import os
 import shutil
 from pathlib import Path
 
-from ragkv.errors import InputError, StoreEmptyError, StoreFormatError, StoreNotFoundError
+import duckdb
+
+from ragkv.errors import InputError, StoreEmptyError, StoreFormatError, StoreNotFoundError, StoreWriteError
+from ragkv.keys import KVKey
 from store.catalog import Catalog
 from store.generations import (
-    WriteLock, catalog_path, is_store_file, publish, read_current, remove_generations, vectors_path,
+    ReaderLease, RetiredError, WriteLock, catalog_path, is_store_file, publish, read_current, remove_retired,
+    remove_unpublished, vectors_path,
 )
-from store.shards import ShardReader, ShardWriter, fsync_dir
+from store.shards import SealedEntry, ShardReader, ShardWriter, fsync_dir, remove_temporary, sealed_entries, shard_files
 from store.vectors import VectorIndex
 
 SHARD_DIR = "shards"
+_WRITE_ERRORS = (OSError, duckdb.IOException)
 
 
 def is_store(root: Path) -> bool:
@@ -28,23 +33,32 @@ def _is_foreign(root: Path) -> bool:
     return not is_store(root) and any(not (is_store_file(p.name) or p.name == SHARD_DIR) for p in root.iterdir())
 
 
+def _write_error(root: Path, exc: BaseException) -> StoreWriteError:
+    reason = getattr(exc, "strerror", None) or str(exc).splitlines()[0]
+    where = getattr(exc, "filename", None) or root
+    return StoreWriteError(f"cannot write store {root}: {reason} ({where}); the published store is unchanged")
+
+
 class StoreSnapshot:
-    """A read-only view of one published generation: catalog, vectors and shard reader."""
+    """A read-only view of one published generation: catalog, vectors and shard reader.
+    Holds the generation's reader lease until `close`."""
 
     def __init__(self, root: Path, generation: int):
         self.root = root
         self.generation = generation
-        self.catalog = Catalog(catalog_path(root, generation), read_only=True)
-        index_file = vectors_path(root, generation)
-        if not index_file.is_file():
-            self.catalog.close()
-            raise StoreFormatError(f"store {root} generation {generation} has no vector index {index_file.name}")
-        self.vectors = VectorIndex.load(index_file)
+        self._lease = ReaderLease(root, generation)
+        try:
+            self.catalog = Catalog(catalog_path(root, generation), read_only=True)
+            self.vectors = VectorIndex.load(vectors_path(root, generation))
+        except BaseException:
+            self._lease.release()
+            raise
         self.shards = ShardReader(root / SHARD_DIR)
 
     def close(self) -> None:
         self.shards.close()
         self.catalog.close()
+        self._lease.release()
 
     def __enter__(self):
         return self
@@ -56,15 +70,17 @@ class StoreSnapshot:
 def open_snapshot(root: Path | str, require_documents: bool = True) -> StoreSnapshot:
     """Open the published generation of the store at `root`."""
     root = Path(root)
-    for _ in range(3):  # the generation may be replaced between reading CURRENT and opening it
+    for _ in range(5):  # the generation may be retired between reading CURRENT and leasing it
         generation = read_current(root)
         if generation is None:
             raise StoreNotFoundError(f"no ragkv store at {root}; create one with: ragkv ingest DOCS --store {root}")
-        if catalog_path(root, generation).is_file():
+        try:
+            snapshot = StoreSnapshot(root, generation)
             break
+        except RetiredError:
+            continue
     else:
-        raise StoreFormatError(f"store {root}: CURRENT names generation {generation} but its catalog is missing")
-    snapshot = StoreSnapshot(root, generation)
+        raise StoreFormatError(f"store {root}: CURRENT names generation {generation} but its files are missing")
     if require_documents and len(snapshot.vectors) == 0:
         snapshot.close()
         raise StoreEmptyError(f"store {root} holds no documents; add some with: ragkv ingest DOCS --store {root}")
@@ -75,8 +91,10 @@ class StoreWriter:
     """Builds the next generation of a store; `commit` publishes it, `abort` leaves no trace.
 
     Holds the store's write lock from construction to commit/abort. The catalog and vector
-    index are copies of the current generation; shards sealed during the write are removed
-    again on abort.
+    index are copies of the current generation. Shards sealed before an abort (or a kill)
+    stay: no published catalog references them, the next writer adopts what it can use
+    (`adopt_orphans`) and gc removes the rest. File-system failures (read-only, disk full)
+    surface as StoreWriteError.
     """
 
     def __init__(self, root: Path | str, wait: bool = False):
@@ -84,12 +102,14 @@ class StoreWriter:
         self._created_root = not self.root.exists()
         if not self._created_root and _is_foreign(self.root):
             raise InputError(f"{self.root} exists and is not a ragkv store; pass an empty or new directory as --store")
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._lock = WriteLock(self.root, wait)
+        self._lock = None
         try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._lock = WriteLock(self.root, wait)
             self.base_generation = read_current(self.root)
             self.generation = (self.base_generation or 0) + 1
-            remove_generations(self.root, keep={self.base_generation} if self.base_generation else set())
+            remove_unpublished(self.root, self.base_generation)
+            remove_temporary(self.shard_dir)
             self._partial = catalog_path(self.root, self.generation).with_suffix(".duckdb.partial")
             if self.base_generation is not None:
                 shutil.copyfile(catalog_path(self.root, self.base_generation), self._partial)
@@ -97,10 +117,12 @@ class StoreWriter:
             else:
                 self.vectors = None
             self.catalog = Catalog(self._partial, read_only=False)
-        except BaseException:
-            self._lock.release()
+        except BaseException as exc:
+            if self._lock:
+                self._lock.release()
+            if isinstance(exc, _WRITE_ERRORS):
+                raise _write_error(self.root, exc) from exc
             raise
-        self._new_shards: list[str] = []
         self._closed = False
 
     @property
@@ -108,7 +130,7 @@ class StoreWriter:
         return self.root / SHARD_DIR
 
     def shard_writer(self, max_bytes: int, metadata: dict[str, str]) -> ShardWriter:
-        return _TrackingShardWriter(self, self.shard_dir, max_bytes, metadata)
+        return ShardWriter(self.shard_dir, max_bytes, metadata)
 
     def ensure_vectors(self, dim: int) -> VectorIndex:
         if self.vectors is None:
@@ -117,19 +139,37 @@ class StoreWriter:
             raise StoreFormatError(f"store {self.root} holds {self.vectors.dim}-dim vectors, the embedder gives {dim}")
         return self.vectors
 
+    def adopt_orphans(self) -> list[SealedEntry]:
+        """Commit rows for verified entries of sealed shards the catalog does not reference:
+        the work of a writer killed after sealing them. KV is content-addressed, so such an
+        entry is valid for its key whatever happened to the writer. Returns the adopted entries."""
+        referenced = self.catalog.shards()
+        adopted = []
+        for shard in sorted(set(shard_files(self.shard_dir)) - referenced):
+            entries = [e for e in sealed_entries(self.shard_dir, shard) if _is_key(e.name)]
+            for profile_id in {KVKey.from_string(e.name).profile_id for e in entries}:
+                mine = [e for e in entries if KVKey.from_string(e.name).profile_id == profile_id]
+                prefix = {e.name for e in mine if KVKey.from_string(e.name).is_prefix}
+                self.catalog.add_entries(profile_id, mine, prefix)
+            adopted += entries
+        return adopted
+
     def commit(self) -> int:
         """Publish the new generation (catalog and index together); returns its number."""
         if self._closed:
             return self.generation
-        self.catalog.close()
-        with open(self._partial, "rb") as f:
-            os.fsync(f.fileno())
-        (self.vectors or VectorIndex.empty(1)).save(vectors_path(self.root, self.generation))
-        os.replace(self._partial, catalog_path(self.root, self.generation))
-        fsync_dir(self.root)
-        publish(self.root, self.generation)
-        # Keep the previous generation: a reader may be between reading CURRENT and opening it.
-        remove_generations(self.root, keep={self.generation, self.base_generation or 0})
+        try:
+            self.catalog.close()
+            with open(self._partial, "rb") as f:
+                os.fsync(f.fileno())
+            (self.vectors or VectorIndex.empty(1)).save(vectors_path(self.root, self.generation))
+            os.replace(self._partial, catalog_path(self.root, self.generation))
+            fsync_dir(self.root)
+            publish(self.root, self.generation)
+        except _WRITE_ERRORS as exc:
+            self.abort()
+            raise _write_error(self.root, exc) from exc
+        remove_retired(self.root, self.generation)
         self._finish()
         return self.generation
 
@@ -141,9 +181,7 @@ class StoreWriter:
             self.catalog.close()
         except Exception:
             pass
-        remove_generations(self.root, keep={self.base_generation} if self.base_generation else set())
-        for shard in self._new_shards:
-            (self.shard_dir / shard).unlink(missing_ok=True)
+        remove_unpublished(self.root, self.base_generation)
         created = self._created_root and self.base_generation is None
         self._finish()
         if created:
@@ -160,19 +198,15 @@ class StoreWriter:
         # Leaving the block normally publishes (unless already committed); an error aborts.
         if exc_type is None:
             self.commit()
-        else:
-            self.abort()
+            return
+        self.abort()
+        if isinstance(exc, _WRITE_ERRORS):
+            raise _write_error(self.root, exc) from exc
 
 
-class _TrackingShardWriter(ShardWriter):
-    """Remembers the shards it sealed so that the owning write can remove them on abort."""
-
-    def __init__(self, owner: StoreWriter, *args):
-        super().__init__(*args)
-        self._owner = owner
-
-    def flush(self):
-        entries = super().flush()
-        if entries:
-            self._owner._new_shards.append(entries[0].shard)
-        return entries
+def _is_key(name: str) -> bool:
+    try:
+        KVKey.from_string(name)
+        return True
+    except ValueError:
+        return False

@@ -16,7 +16,7 @@ def run(*args):
 
 def test_ingest_reports_what_it_did(sample_store):
     _, report = sample_store
-    assert report["documents"] == {"added": 33, "changed": 0, "unchanged": 0}
+    assert report["documents"] == {"added": 33, "changed": 0, "unchanged": 0, "removed": 0}
     assert report["skipped"] == [] and report["generation"] == 1
     assert report["kv_computed"] == report["chunks_embedded"] >= 33
     assert report["tokens_computed"] > 3000 and report["tokens_per_s"] > 0

@@ -14,10 +14,10 @@ from tests.conftest import QUESTIONS, build_store, flip_bit_of_entry
 
 def test_a_second_ingest_computes_nothing(tiny_llama, corpus, tmp_path):
     first = build_store(corpus, tmp_path / "s", str(tiny_llama))
-    assert first.documents == {"added": 6, "changed": 0, "unchanged": 0}
+    assert first.documents == {"added": 6, "changed": 0, "unchanged": 0, "removed": 0}
     assert first.kv_computed == first.chunks_embedded == 6 and first.tokens_computed > 0
     again = build_store(corpus, tmp_path / "s", str(tiny_llama))
-    assert again.documents == {"added": 0, "changed": 0, "unchanged": 6}
+    assert again.documents == {"added": 0, "changed": 0, "unchanged": 6, "removed": 0}
     assert again.kv_computed == again.chunks_embedded == again.tokens_computed == 0
     assert again.tokens_skipped == first.tokens_computed
 
@@ -28,7 +28,7 @@ def test_a_changed_document_is_recomputed_and_its_old_chunks_retired(tiny_llama,
     build_store(docs, tmp_path / "s", str(tiny_llama))
     (docs / "keys.md").write_text("API keys are rotated by the platform team on request.")
     report = build_store(docs, tmp_path / "s", str(tiny_llama))
-    assert report.documents == {"added": 0, "changed": 1, "unchanged": 5}
+    assert report.documents == {"added": 0, "changed": 1, "unchanged": 5, "removed": 0}
     assert report.kv_computed == 1 and report.chunks_embedded == 1
     with ragkv.open(tmp_path / "s", device="cpu") as engine:
         assert engine.snapshot.catalog.counts()["chunks"] == 6 == len(engine.snapshot.vectors)

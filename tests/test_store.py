@@ -13,11 +13,17 @@ import numpy as np
 import pytest
 import torch
 
-from ragkv.errors import InputError, StoreCorruptError, StoreEmptyError, StoreFormatError, StoreLockedError, StoreNotFoundError
+from ragkv.errors import (
+    InputError, StoreCorruptError, StoreEmptyError, StoreFormatError, StoreLockedError, StoreNotFoundError,
+    StoreWriteError,
+)
+from ragkv.keys import KVKey, Profile
 from store import Catalog, ShardReader, ShardWriter, StoreWriter, open_snapshot
 from store.generations import read_current
+from tests.conftest import flip_bit_of_entry
 
 ROOT = Path(__file__).resolve().parent.parent
+PROFILE = Profile("m", "t", "p", (1, 2), "float32")
 
 
 def kv(tokens: int, dtype=torch.float32, seed=0) -> torch.Tensor:
@@ -88,8 +94,25 @@ def test_generations_publish_catalog_and_index_together(tmp_path):
         assert sorted(e.kv_key for e in snap.catalog.all_entries()) == ["e0", "e1"]
         assert len(snap.vectors) == 2
     _commit_one(root, "e2", seed=2)
-    names = sorted(p.name for p in root.iterdir() if p.name.startswith(("catalog", "vectors")))
-    assert names == ["catalog-000002.duckdb", "catalog-000003.duckdb", "vectors-000002.faiss", "vectors-000003.faiss"]
+    assert generation_files(root) == ["catalog-000003.duckdb", "vectors-000003.faiss"]  # nobody reads 1 or 2
+
+
+def generation_files(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.name.startswith(("catalog", "vectors")))
+
+
+def test_a_generation_a_reader_holds_is_kept_until_it_lets_go(tmp_path):
+    root = tmp_path / "s"
+    _commit_one(root)
+    reader = open_snapshot(root)
+    _commit_one(root, "e1", seed=1)
+    _commit_one(root, "e2", seed=2)
+    assert generation_files(root) == ["catalog-000001.duckdb", "catalog-000003.duckdb",
+                                      "vectors-000001.faiss", "vectors-000003.faiss"]
+    assert [e.kv_key for e in reader.catalog.all_entries()] == ["e0"]  # still answers from generation 1
+    reader.close()
+    _commit_one(root, "e3", seed=3)
+    assert generation_files(root) == ["catalog-000004.duckdb", "vectors-000004.faiss"]
 
 
 def test_readers_keep_their_generation_while_a_writer_works(tmp_path):
@@ -106,21 +129,42 @@ def test_readers_keep_their_generation_while_a_writer_works(tmp_path):
         assert snap.generation == 2 and len(snap.catalog.all_entries()) == 2
 
 
-def test_abort_leaves_the_store_as_it_was(tmp_path):
+def test_abort_leaves_the_published_store_as_it_was_and_keeps_sealed_work(tmp_path):
     root = tmp_path / "s"
     _commit_one(root)
-    before = sorted(p.name for p in root.rglob("*"))
+    published = generation_files(root) + [(root / "CURRENT").read_text()]
+    key = KVKey.for_chunk(PROFILE, [1, 2, 3]).to_string()
     with pytest.raises(RuntimeError):
         with StoreWriter(root) as writer:
             shards = writer.shard_writer(1, {})
-            writer.catalog.add_entries("p", shards.add("x", kv(4, seed=3)))
+            writer.catalog.add_entries("p", shards.add(key, kv(4, seed=3)))
             raise RuntimeError("boom")
-    assert sorted(p.name for p in root.rglob("*")) == before
+    assert generation_files(root) + [(root / "CURRENT").read_text()] == published
+    with open_snapshot(root) as snap:
+        assert [e.kv_key for e in snap.catalog.all_entries()] == ["e0"]
+    with StoreWriter(root) as writer:  # the sealed entry is verified and adopted, not lost
+        assert [e.name for e in writer.adopt_orphans()] == [key]
+        assert writer.catalog.entry(key) is not None
     fresh = tmp_path / "new"
     with pytest.raises(RuntimeError):
         with StoreWriter(fresh):
             raise RuntimeError("boom")
     assert not fresh.exists()
+
+
+def test_adoption_skips_entries_that_fail_their_checksum(tmp_path):
+    root = tmp_path / "s"
+    _commit_one(root)
+    keys = [KVKey.for_chunk(PROFILE, [i]).to_string() for i in range(2)]
+    writer = StoreWriter(root)
+    shards = writer.shard_writer(1 << 30, {})
+    for i, key in enumerate(keys):
+        shards.add(key, kv(16, seed=i))
+    (entry, _) = shards.flush()
+    writer.abort()
+    flip_bit_of_entry(root / "shards" / entry.shard, keys[0])
+    with StoreWriter(root) as writer:
+        assert [e.name for e in writer.adopt_orphans()] == [keys[1]]
 
 
 def test_a_failed_seal_leaves_no_file_and_no_row(tmp_path, monkeypatch):
@@ -130,7 +174,7 @@ def test_a_failed_seal_leaves_no_file_and_no_row(tmp_path, monkeypatch):
     def failing_rename(*args):
         raise OSError("disk full")
 
-    with pytest.raises(OSError):
+    with pytest.raises(StoreWriteError, match="disk full"):
         with StoreWriter(root) as writer:
             shards = writer.shard_writer(1 << 30, {})
             shards.add("x", kv(4, seed=3))

@@ -1,0 +1,54 @@
+"""Plan an ingest: which documents are new, changed, unchanged or gone, by identity and content."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from pipelines.read import Document
+from ragkv.keys import digest
+from store import DocumentRow
+
+
+def content_hash(doc: Document) -> str:
+    return digest(doc.text, json.dumps(doc.metadata, sort_keys=True, default=str))
+
+
+@dataclass
+class DocumentPlan:
+    added: list[Document] = field(default_factory=list)
+    changed: list[Document] = field(default_factory=list)  # content or chunking differs
+    unchanged: list[Document] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)  # doc ids (only when pruning)
+
+    @property
+    def to_chunk(self) -> list[Document]:
+        return self.added + self.changed
+
+    @property
+    def retired_ids(self) -> list[str]:
+        """Documents whose stored chunks go: changed (replaced) and removed ones."""
+        return [d.doc_id for d in self.changed] + self.removed
+
+    def counts(self) -> dict[str, int]:
+        return {"added": len(self.added), "changed": len(self.changed), "unchanged": len(self.unchanged),
+                "removed": len(self.removed)}
+
+
+def plan_documents(documents: list[Document], stored: dict[str, DocumentRow], chunking: str,
+                   prune: bool) -> DocumentPlan:
+    """Compare documents read now with those stored. With `prune`, stored documents not read
+    now are removed (the paths given are the whole corpus)."""
+    plan = DocumentPlan()
+    for doc in documents:
+        old = stored.get(doc.doc_id)
+        if old is None:
+            plan.added.append(doc)
+        elif old.content_hash != content_hash(doc) or old.chunking != chunking:
+            plan.changed.append(doc)
+        else:
+            plan.unchanged.append(doc)
+    if prune:
+        present = {d.doc_id for d in documents}
+        plan.removed = sorted(doc_id for doc_id in stored if doc_id not in present)
+    return plan
