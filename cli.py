@@ -31,7 +31,8 @@ app = typer.Typer(
     cls=_Group,
     help="Compute each document's KV cache once; answer questions by prefilling only the question.\n\n"
          "  ragkv ingest data/ --store ./kvstore\n\n"
-         "  ragkv ask \"How do I rotate the API key?\" --store ./kvstore",
+         "  ragkv ask \"How do I rotate the API key?\" --store ./kvstore\n\n"
+         "Nightly: ragkv reindex data/ --store ./kvstore --report report.json",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -59,52 +60,176 @@ def _quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
 
 
+ModelOption = typer.Option(DEFAULT_MODEL, "--model", "-m",
+                           help="LLM: a local Hugging Face folder, a hub id, or 'smollm2' (bundled).")
+EmbedderOption = typer.Option(DEFAULT_EMBEDDER, "--embedder",
+                              help="sentence-transformers folder or hub id (default: bundled all-MiniLM-L6-v2).")
+DtypeOption = typer.Option("auto", "--dtype", help="KV dtype, part of the cache key: auto (float32 on CPU, "
+                                                  f"bfloat16 on CUDA), {', '.join(DTYPES)}.")
+ChunkTokensOption = typer.Option(512, "--chunk-tokens", help="Most LLM tokens per chunk.")
+SystemPromptOption = typer.Option(DEFAULT_SYSTEM_PROMPT, "--system-prompt",
+                                  help="System prompt, computed once and part of every cache key.")
+BatchTokensOption = typer.Option(0, "--batch-tokens", help="Padded tokens per forward (0: 2048 on CPU, 16384 on CUDA).")
+WaitOption = typer.Option(False, "--wait", help="If another process is writing the store, wait for it instead of failing.")
+QuietOption = typer.Option(False, "--quiet", "-q", help="No progress bars.")
+PathsArgument = typer.Argument(..., help="Files or directories: .txt .md .rst .html .jsonl.")
+
+
+def _settings(model, embedder, device, dtype, chunk_tokens, system_prompt, batch_tokens):
+    from ragkv.config import IngestSettings, ModelSettings
+
+    return (ModelSettings(model=model, embedder=embedder, device=device, dtype=dtype),
+            IngestSettings(chunk_tokens=chunk_tokens, system_prompt=system_prompt, batch_tokens=batch_tokens))
+
+
 @app.command()
 def ingest(
-    paths: List[Path] = typer.Argument(..., help="Files or directories: .txt .md .rst .html .jsonl."),
+    paths: List[Path] = PathsArgument,
     store: Path = StoreOption,
-    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m",
-                              help="LLM: a local Hugging Face folder, a hub id, or 'smollm2' (bundled)."),
-    embedder: str = typer.Option(DEFAULT_EMBEDDER, "--embedder",
-                                 help="sentence-transformers folder or hub id (default: bundled all-MiniLM-L6-v2)."),
-    dtype: str = typer.Option("auto", "--dtype",
-                              help=f"KV dtype, part of the cache key: auto (float32 on CPU, bfloat16 on CUDA), {', '.join(DTYPES)}."),
+    model: str = ModelOption,
+    embedder: str = EmbedderOption,
+    dtype: str = DtypeOption,
     device: str = DeviceOption,
-    chunk_tokens: int = typer.Option(512, "--chunk-tokens", help="Most LLM tokens per chunk."),
-    system_prompt: str = typer.Option(DEFAULT_SYSTEM_PROMPT, "--system-prompt",
-                                      help="System prompt, computed once and part of every cache key."),
-    batch_tokens: int = typer.Option(0, "--batch-tokens", help="Padded tokens per forward (0: 2048 on CPU, 16384 on CUDA)."),
-    wait: bool = typer.Option(False, "--wait", help="If another ingest holds the store, wait for it instead of failing."),
+    chunk_tokens: int = ChunkTokensOption,
+    system_prompt: str = SystemPromptOption,
+    batch_tokens: int = BatchTokensOption,
+    prune: bool = typer.Option(False, "--prune", help="Also remove stored documents that are not under PATHS."),
+    wait: bool = WaitOption,
     json_out: bool = JsonOption,
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
+    quiet: bool = QuietOption,
 ):
     """Read, chunk, embed documents and store each chunk's KV cache. Re-running skips what is stored."""
     _quiet_libraries()
     import ragkv
     from pipelines.progress import default_reporter
-    from ragkv.config import IngestSettings, ModelSettings
 
-    report = ragkv.ingest(
-        paths, store,
-        model=ModelSettings(model=model, embedder=embedder, device=device, dtype=dtype),
-        settings=IngestSettings(chunk_tokens=chunk_tokens, system_prompt=system_prompt, batch_tokens=batch_tokens),
-        reporter=default_reporter(quiet or json_out),
-        wait=wait,
-    )
+    model_settings, settings = _settings(model, embedder, device, dtype, chunk_tokens, system_prompt, batch_tokens)
+    report = ragkv.ingest(paths, store, model=model_settings, settings=settings,
+                          reporter=default_reporter(quiet or json_out), wait=wait, prune=prune)
     if json_out:
         typer.echo(json.dumps(report.to_dict()))
         return
-    docs = report.documents
-    typer.echo(f"Store {report.store} (generation {report.generation}): "
-               f"{docs['added']} added, {docs['changed']} changed, {docs['unchanged']} unchanged documents")
-    typer.echo(f"KV: {report.kv_computed} chunks computed ({report.tokens_computed:,} tokens, "
-               f"{report.tokens_per_s:,.0f} tokens/s), {report.kv_reused} already stored "
-               f"({report.tokens_skipped:,} tokens skipped); {report.model} {report.dtype} on {report.device}; "
-               f"{report.total_s:.1f} s")
-    if report.skipped:
-        typer.echo(f"Skipped {len(report.skipped)} file(s):")
-        for item in report.skipped:
-            typer.echo(f"  {item.source}: {item.reason}")
+    _print_ingest(report.to_dict())
+
+
+def _print_ingest(report: dict) -> None:
+    docs = report["documents"]
+    typer.echo(f"Store {report['store']} (generation {report['generation']}): {docs['added']} added, "
+               f"{docs['changed']} changed, {docs['unchanged']} unchanged, {docs['removed']} removed documents")
+    adopted = f", {report['kv_adopted']} recovered from an interrupted run" if report["kv_adopted"] else ""
+    typer.echo(f"KV: {report['kv_computed']} chunks computed ({report['tokens_computed']:,} tokens, "
+               f"{report['tokens_per_s']:,.0f} tokens/s), {report['kv_reused']} already stored "
+               f"({report['tokens_skipped']:,} tokens skipped){adopted}; {report['model']} {report['dtype']} on "
+               f"{report['device']}; {report['total_s']:.1f} s")
+    if report["skipped"]:
+        typer.echo(f"Skipped {len(report['skipped'])} file(s):")
+        for item in report["skipped"]:
+            typer.echo(f"  {item['source']}: {item['reason']}")
+
+
+@app.command()
+def reindex(
+    paths: List[Path] = PathsArgument,
+    store: Path = StoreOption,
+    model: str = ModelOption,
+    embedder: str = EmbedderOption,
+    dtype: str = DtypeOption,
+    device: str = DeviceOption,
+    chunk_tokens: int = ChunkTokensOption,
+    system_prompt: str = SystemPromptOption,
+    batch_tokens: int = BatchTokensOption,
+    gc: bool = typer.Option(True, "--gc/--no-gc", help="Reclaim space of retired KV afterwards."),
+    check: bool = typer.Option(True, "--verify/--no-verify", help="Verify every entry afterwards."),
+    report_file: Optional[Path] = typer.Option(None, "--report", help="Also write the JSON report to this file."),
+    wait: bool = WaitOption,
+    json_out: bool = JsonOption,
+    quiet: bool = QuietOption,
+):
+    """The nightly job: make the store match PATHS exactly (add, recompute, remove), gc, verify.
+
+    Exit code 0 when the store verifies; 4 when it found problems; other codes as for ingest."""
+    _quiet_libraries()
+    from pipelines.nightly import run_nightly
+    from pipelines.progress import default_reporter
+
+    model_settings, settings = _settings(model, embedder, device, dtype, chunk_tokens, system_prompt, batch_tokens)
+    report = run_nightly(paths, store, model=model_settings, settings=settings, gc=gc, check=check, wait=wait,
+                         reporter=default_reporter(quiet or json_out))
+    if report_file:
+        report_file.write_text(json.dumps(report.to_dict(), indent=2))
+    if json_out:
+        typer.echo(json.dumps(report.to_dict()))
+    else:
+        _print_ingest(report.ingest)
+        if report.gc:
+            _print_gc(report.gc)
+        if report.verify:
+            _print_verify(report.verify)
+    raise typer.Exit(report.exit_code)
+
+
+@app.command()
+def gc(
+    store: Path = StoreOption,
+    other_models: bool = typer.Option(False, "--other-models",
+                                      help="Also drop KV of every model except the one last ingested with."),
+    wait: bool = WaitOption,
+    json_out: bool = JsonOption,
+):
+    """Remove KV no document uses, rewrite mostly-dead shards, delete unreferenced shard files."""
+    from store import collect_garbage
+
+    report = collect_garbage(store, other_models=other_models, wait=wait).to_dict()
+    if json_out:
+        typer.echo(json.dumps(report))
+        return
+    _print_gc(report)
+
+
+def _print_gc(report: dict) -> None:
+    held = report["generations_kept_for_readers"]
+    typer.echo(f"gc: {report['entries_removed']} KV entries removed, {report['shards_rewritten']} shards rewritten, "
+               f"{report['shards_deleted']} shard files deleted, {report['bytes_reclaimed'] / 2**20:.1f} MiB reclaimed"
+               + (f"; generations {held} kept for readers that still use them" if held else ""))
+
+
+@app.command()
+def verify(
+    store: Path = StoreOption,
+    repair: bool = typer.Option(False, "--repair", help="Recompute bad entries with the model that made them."),
+    device: str = DeviceOption,
+    json_out: bool = JsonOption,
+):
+    """Check every KV entry's checksum, every chunk's link, and the vector index. Exit 4 on problems."""
+    from ragkv.config import resolve_device
+    from store import open_snapshot
+    from store import verify as verify_store
+
+    if repair:
+        _quiet_libraries()
+        from pipelines.repair import repair as repair_store
+
+        fixed = repair_store(store, device=resolve_device(device))
+        if not json_out:
+            typer.echo(f"repair: {fixed.problems_found} problems, {fixed.entries_recomputed} entries recomputed, "
+                       f"{fixed.entries_dropped} unused entries dropped, {fixed.chunks_reembedded} chunks re-embedded")
+            for reason in fixed.unrepairable:
+                typer.echo(f"  cannot repair: {reason}")
+    with open_snapshot(store, require_documents=False) as snapshot:
+        report = verify_store(snapshot).to_dict()
+    if json_out:
+        typer.echo(json.dumps(report))
+    else:
+        _print_verify(report)
+    raise typer.Exit(0 if report["ok"] else 4)
+
+
+def _print_verify(report: dict) -> None:
+    mb = report["bytes_checked"] / 2**20
+    typer.echo(f"verify: generation {report['generation']}, {report['entries_checked']} entries ({mb:.1f} MiB) "
+               f"checked in {report['seconds']:.2f} s: " + ("ok" if report["ok"] else f"{len(report['problems'])} problems"))
+    for problem in report["problems"]:
+        typer.echo(f"  {problem['kind']}: {problem['detail']}")
 
 
 @app.command()
@@ -152,30 +277,24 @@ def _print_answer_footer(answer) -> None:
 
 
 @app.command()
-def info(store: Path = StoreOption, json_out: bool = JsonOption):
-    """What a store holds: documents, chunks, KV entries and bytes, models and dtypes."""
+def stats(store: Path = StoreOption, json_out: bool = JsonOption):
+    """What a store holds: documents, chunks, tokens and bytes per model and dtype, shards, dead bytes."""
     from store import open_snapshot
+    from store.stats import store_stats
 
-    with open_snapshot(store, require_documents=False) as snap:
-        counts = snap.catalog.counts()
-        summary = {
-            "store": str(store),
-            "generation": snap.generation,
-            **counts,
-            "vectors": len(snap.vectors),
-            "kv_bytes": snap.catalog.kv_bytes(),
-            "embedder": snap.catalog.meta().get("embedder"),
-            "profiles": [{"model": p["model_name"], "dtype": p["dtype"], "profile_id": p["profile_id"][:16]}
-                         for p in snap.catalog.profiles()],
-        }
+    with open_snapshot(store, require_documents=False) as snapshot:
+        summary = store_stats(snapshot)
     if json_out:
         typer.echo(json.dumps(summary))
         return
-    typer.echo(f"{summary['store']} generation {summary['generation']}: {counts['documents']} documents, "
-               f"{counts['chunks']} chunks, {counts['kv_entries']} KV entries ({summary['kv_bytes'] / 2**20:.1f} MiB)")
-    typer.echo(f"embedder: {summary['embedder']}")
+    mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
+    typer.echo(f"{summary['store']} generation {summary['generation']}: {summary['documents']} documents, "
+               f"{summary['chunks']} chunks, {summary['kv_entries']} KV entries; embedder {summary['embedder']}")
     for p in summary["profiles"]:
-        typer.echo(f"model: {p['model']} ({p['dtype']}), profile {p['profile_id']}")
+        typer.echo(f"  {p['model']} ({p['dtype']}): {p['chunks']} chunks, {p['tokens']:,} tokens, {mib(p['kv_bytes'])}")
+    typer.echo(f"shards: {summary['shards']} files, {mib(summary['shard_bytes'])} on disk, {mib(summary['live_bytes'])} live, "
+               f"{mib(summary['dead_bytes'])} dead ({summary['shards_unreferenced']} unreferenced files)")
+    typer.echo("  dead bytes: retired KV; `ragkv gc` deletes unreferenced files and rewrites shards under half live")
 
 
 def main() -> None:

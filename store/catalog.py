@@ -47,6 +47,9 @@ _MIGRATIONS: list[tuple[str, str]] = [
 ]
 
 
+_ENTRY_COLUMNS = "e.kv_key, e.shard, e.tensor, e.num_tokens, e.dtype, e.checksum"
+
+
 @dataclass(frozen=True)
 class DocumentRow:
     doc_id: str
@@ -143,6 +146,12 @@ class Catalog:
         if not self.read_only:
             self.con.execute("CHECKPOINT")
         self.con.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     # -- meta -----------------------------------------------------------------------------
     def meta(self) -> dict[str, str]:
@@ -253,9 +262,7 @@ class Catalog:
         return {r[0] for r in rows}
 
     def entry(self, kv_key: str) -> EntryRow | None:
-        row = self.con.execute(
-            "SELECT kv_key, shard, tensor, num_tokens, dtype, checksum FROM kv_entries WHERE kv_key = ?", [kv_key]
-        ).fetchone()
+        row = self.con.execute(f"SELECT {_ENTRY_COLUMNS} FROM kv_entries e WHERE kv_key = ?", [kv_key]).fetchone()
         return EntryRow(*row) if row else None
 
     def link_chunks(self, profile_id: str, links: Sequence[tuple[int, str, Sequence[int]]]) -> None:
@@ -283,6 +290,73 @@ class Catalog:
     def linked_chunk_ids(self, profile_id: str) -> set[int]:
         rows = self.con.execute("SELECT chunk_id FROM chunk_kv WHERE profile_id = ?", [profile_id]).fetchall()
         return {r[0] for r in rows}
+
+    # -- maintenance (gc, verify, repair) -------------------------------------------------
+    def drop_profiles(self, profile_ids: Sequence[str]) -> None:
+        """Forget profiles with their chunk links and KV entry rows (files stay until gc)."""
+        ids = list(profile_ids)
+        for table in ("chunk_kv", "kv_entries", "profiles"):
+            self.con.execute(f"DELETE FROM {table} WHERE profile_id IN (SELECT unnest(?))", [ids])
+
+    def dead_entries(self) -> list[EntryRow]:
+        """Entries nothing needs: chunk KV no chunk links to, prefix KV of profiles without chunks."""
+        rows = self.con.execute(f"""
+            SELECT {_ENTRY_COLUMNS} FROM kv_entries e
+            WHERE (e.kind = 'chunk' AND e.kv_key NOT IN (SELECT kv_key FROM chunk_kv))
+               OR (e.kind = 'prefix' AND e.profile_id NOT IN (SELECT profile_id FROM chunk_kv))
+            ORDER BY e.shard""").fetchall()
+        return [EntryRow(*r) for r in rows]
+
+    def delete_entries(self, kv_keys: Iterable[str]) -> None:
+        self.con.execute("DELETE FROM kv_entries WHERE kv_key IN (SELECT unnest(?))", [list(kv_keys)])
+
+    def move_entries(self, sealed: Sequence[SealedEntry]) -> None:
+        """Point existing entry rows at the shards their bytes were copied into."""
+        with self.transaction():
+            for entry in sealed:
+                self.con.execute("UPDATE kv_entries SET shard = ?, tensor = ? WHERE kv_key = ?",
+                                 [entry.shard, entry.name, entry.name])
+
+    def entries_in(self, shard: str) -> list[EntryRow]:
+        rows = self.con.execute(f"SELECT {_ENTRY_COLUMNS} FROM kv_entries e WHERE shard = ?", [shard]).fetchall()
+        return [EntryRow(*r) for r in rows]
+
+    def live_bytes_by_shard(self) -> dict[str, int]:
+        return dict(self.con.execute("SELECT shard, sum(nbytes) FROM kv_entries GROUP BY shard").fetchall())
+
+    def links_without_entries(self) -> list[tuple[int, str, str]]:
+        """(chunk_id, profile_id, kv_key) of chunk links whose KV entry row is missing."""
+        return self.con.execute(
+            "SELECT chunk_id, profile_id, kv_key FROM chunk_kv WHERE kv_key NOT IN (SELECT kv_key FROM kv_entries) "
+            "ORDER BY chunk_id").fetchall()
+
+    def token_ids_of(self, kv_key: str) -> tuple[int, ...] | None:
+        """The chunk token ids an entry's key was made from (any chunk linked to it)."""
+        row = self.con.execute("SELECT token_ids FROM chunk_kv WHERE kv_key = ? LIMIT 1", [kv_key]).fetchone()
+        return tuple(row[0]) if row else None
+
+    def chunk_texts(self, chunk_ids: Sequence[int]) -> dict[int, str]:
+        rows = self.con.execute("SELECT chunk_id, text FROM chunks WHERE chunk_id IN (SELECT unnest(?))",
+                                [list(chunk_ids)]).fetchall()
+        return dict(rows)
+
+    def chunk_ids(self) -> set[int]:
+        return {r[0] for r in self.con.execute("SELECT chunk_id FROM chunks").fetchall()}
+
+    def linked_profiles(self) -> set[str]:
+        return {r[0] for r in self.con.execute("SELECT DISTINCT profile_id FROM chunk_kv").fetchall()}
+
+    def profile_totals(self) -> list[dict]:
+        """Per profile: model, dtype, entries, bytes, chunks linked and their tokens."""
+        cursor = self.con.execute("""
+            SELECT p.profile_id, p.model_name, p.dtype, p.kv_quant,
+                   (SELECT count(*) FROM kv_entries e WHERE e.profile_id = p.profile_id) AS entries,
+                   (SELECT coalesce(sum(nbytes), 0) FROM kv_entries e WHERE e.profile_id = p.profile_id) AS kv_bytes,
+                   (SELECT count(*) FROM chunk_kv k WHERE k.profile_id = p.profile_id) AS chunks,
+                   (SELECT coalesce(sum(len(token_ids)), 0) FROM chunk_kv k WHERE k.profile_id = p.profile_id) AS tokens
+            FROM profiles p ORDER BY p.created_at DESC""")
+        names = [d[0] for d in cursor.description]
+        return [dict(zip(names, row)) for row in cursor.fetchall()]
 
     # -- the query path -------------------------------------------------------------------
     def context_rows(self, profile_id: str, chunk_ids: Sequence[int]) -> list[ContextRow]:
@@ -319,6 +393,5 @@ class Catalog:
         return self.con.execute("SELECT coalesce(sum(nbytes), 0) FROM kv_entries").fetchone()[0]
 
     def all_entries(self) -> list[EntryRow]:
-        rows = self.con.execute(
-            "SELECT kv_key, shard, tensor, num_tokens, dtype, checksum FROM kv_entries ORDER BY shard").fetchall()
+        rows = self.con.execute(f"SELECT {_ENTRY_COLUMNS} FROM kv_entries e ORDER BY shard, tensor").fetchall()
         return [EntryRow(*r) for r in rows]

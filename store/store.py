@@ -12,7 +12,8 @@ from ragkv.errors import InputError, StoreEmptyError, StoreFormatError, StoreNot
 from ragkv.keys import KVKey
 from store.catalog import Catalog
 from store.generations import (
-    ReaderLease, RetiredError, WriteLock, catalog_path, is_store_file, publish, read_current, remove_retired,
+    ReaderLease, RetiredError, WriteLock, catalog_path, generations_on_disk, is_store_file, publish, read_current,
+    remove_retired,
     remove_unpublished, vectors_path,
 )
 from store.shards import SealedEntry, ShardReader, ShardWriter, fsync_dir, remove_temporary, sealed_entries, shard_files
@@ -124,6 +125,9 @@ class StoreWriter:
                 raise _write_error(self.root, exc) from exc
             raise
         self._closed = False
+        self._published = False
+        self.retired: list[int] = []  # generations removed at publish
+        self.held_by_readers: list[int] = []  # retired generations kept because a reader holds them
 
     @property
     def shard_dir(self) -> Path:
@@ -155,8 +159,15 @@ class StoreWriter:
         return adopted
 
     def commit(self) -> int:
-        """Publish the new generation (catalog and index together); returns its number."""
-        if self._closed:
+        """Publish the new generation and release the store; returns the generation number."""
+        generation = self.publish()
+        self.release()
+        return generation
+
+    def publish(self) -> int:
+        """Publish the new generation (catalog and index together) and remove retired ones
+        nobody reads, still holding the write lock (see `delete_unreferenced_shards`)."""
+        if self._published:
             return self.generation
         try:
             self.catalog.close()
@@ -169,13 +180,31 @@ class StoreWriter:
         except _WRITE_ERRORS as exc:
             self.abort()
             raise _write_error(self.root, exc) from exc
-        remove_retired(self.root, self.generation)
-        self._finish()
+        self._published = True
+        self.retired, self.held_by_readers = remove_retired(self.root, self.generation)
         return self.generation
 
+    def delete_unreferenced_shards(self) -> tuple[int, int]:
+        """After `publish`: delete shard files no generation on disk references (dead entries,
+        rewritten shards, a killed writer's leftovers). Returns (files, bytes) deleted."""
+        assert self._published and not self._closed, "publish first, while still holding the lock"
+        referenced: set[str] = set()
+        for generation in generations_on_disk(self.root):
+            with Catalog(catalog_path(self.root, generation), read_only=True) as catalog:
+                referenced |= catalog.shards()
+        files, freed = 0, remove_temporary(self.shard_dir)
+        for shard, size in shard_files(self.shard_dir).items():
+            if shard not in referenced:
+                (self.shard_dir / shard).unlink(missing_ok=True)
+                files, freed = files + 1, freed + size
+        return files, freed
+
     def abort(self) -> None:
-        """Drop everything this write produced; the published store is as it was."""
+        """Drop the unpublished generation; the published store is as it was."""
         if self._closed:
+            return
+        if self._published:
+            self.release()
             return
         try:
             self.catalog.close()
@@ -183,11 +212,11 @@ class StoreWriter:
             pass
         remove_unpublished(self.root, self.base_generation)
         created = self._created_root and self.base_generation is None
-        self._finish()
+        self.release()
         if created:
             shutil.rmtree(self.root, ignore_errors=True)
 
-    def _finish(self) -> None:
+    def release(self) -> None:
         self._closed = True
         self._lock.release()
 
@@ -195,7 +224,7 @@ class StoreWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        # Leaving the block normally publishes (unless already committed); an error aborts.
+        # Leaving the block normally publishes (unless already done) and releases; an error aborts.
         if exc_type is None:
             self.commit()
             return

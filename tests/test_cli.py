@@ -59,11 +59,17 @@ def test_re_ingesting_the_same_corpus_computes_nothing(sample_store, tmp_path):
     assert report["tokens_skipped"] == first["tokens_computed"]
 
 
-def test_info_describes_the_store(sample_store):
+def test_stats_describes_the_store(sample_store):
     store, report = sample_store
-    info = json.loads(run("info", "--store", store, "--json").stdout)
-    assert info["documents"] == 33 and info["chunks"] == info["vectors"] == report["chunks_embedded"]
-    assert info["profiles"][0]["model"] == "smollm2" and info["kv_bytes"] > 0
+    stats = json.loads(run("stats", "--store", store, "--json").stdout)
+    assert stats["documents"] == 33 and stats["chunks"] == stats["vectors"] == report["chunks_embedded"]
+    (profile,) = stats["profiles"]
+    assert (profile["model"], profile["dtype"]) == ("smollm2", "float32")
+    assert profile["tokens"] == report["tokens_computed"] and profile["chunks"] == 33
+    bytes_per_token = 30 * 2 * 3 * 64 * 4  # layers x (k, v) x kv heads x head dim x float32
+    assert profile["kv_bytes"] == stats["live_bytes"] and profile["kv_bytes"] % bytes_per_token == 0
+    assert profile["kv_bytes"] // bytes_per_token > profile["tokens"]  # the chunks plus the system prefix
+    assert stats["dead_bytes"] < 0.001 * stats["shard_bytes"]  # safetensors headers only
 
 
 def one_line_error(result, exit_code, *fragments):
@@ -111,7 +117,9 @@ def test_skipped_files_are_listed_in_the_summary(tiny_llama, corpus, tmp_path):
 
 
 @pytest.mark.parametrize("command, expected", [
-    ([], ["ingest", "ask", "info"]),
+    ([], ["ingest", "ask", "stats", "reindex", "gc", "verify"]),
+    (["reindex"], ["--report", "--no-gc", "--no-verify", "--json", "Exit code"]),
+    (["verify"], ["--repair", "--json"]),
     (["ingest"], ["--chunk-tokens", "--model", "--dtype", "--json", "--store", "--system-prompt"]),
     (["ask"], ["--top-k", "--max-new-tokens", "--no-cache", "--json", "--store"]),
 ])

@@ -1,0 +1,97 @@
+"""`verify --repair`: recompute KV entries that are missing or fail their checksum, re-embed
+chunks missing from the vector index, with the model each entry's profile names."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import faiss
+
+from pipelines.compute import compute_chunks, compute_prefix
+from ragkv.config import IngestSettings
+from ragkv.embed import Embedder
+from ragkv.errors import ModelError
+from ragkv.keys import KVKey
+from ragkv.kv import KV_LAYOUT
+from ragkv.model import load_model
+from store import StoreWriter, open_snapshot, verify
+
+
+@dataclass
+class RepairReport:
+    problems_found: int = 0
+    entries_recomputed: int = 0
+    entries_dropped: int = 0  # bad entries no chunk uses (nothing to recompute them from)
+    chunks_reembedded: int = 0
+    unrepairable: list[str] = field(default_factory=list)  # why, per profile that could not be loaded
+    generation: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def repair(store: Path | str, device: str = "cpu", wait: bool = False) -> RepairReport:
+    with open_snapshot(store, require_documents=False) as snapshot:
+        problems = verify(snapshot).problems
+    report = RepairReport(problems_found=len(problems))
+    if not problems:
+        return report
+    bad_keys = {p.kv_key for p in problems if p.kind in ("entry", "link", "prefix")}
+    with StoreWriter(store, wait=wait) as writer:
+        by_profile: dict[str, list[str]] = {}
+        for key in bad_keys:
+            by_profile.setdefault(KVKey.from_string(key).profile_id, []).append(key)
+        for profile_id, keys in by_profile.items():
+            _recompute(writer, profile_id, keys, device, report)
+        if any(p.kind == "vectors" for p in problems):
+            _reindex_vectors(writer, device, report)
+        report.generation = writer.generation
+    return report
+
+
+def _recompute(writer: StoreWriter, profile_id: str, keys: list[str], device: str, report: RepairReport) -> None:
+    catalog = writer.catalog
+    row = next((p for p in catalog.profiles() if p["profile_id"] == profile_id), None)
+    if row is None:
+        report.unrepairable.append(f"profile {profile_id[:16]} is not in the catalog")
+        return
+    try:
+        lm = load_model(row["model_name"], device, row["dtype"])
+    except ModelError as exc:
+        report.unrepairable.append(f"{row['model_name']}: {exc}")
+        return
+    if lm.facts.fingerprint != row["model_fingerprint"]:
+        report.unrepairable.append(f"{row['model_name']}: weights differ from those the KV was computed with")
+        return
+    shards = writer.shard_writer(IngestSettings().shard_bytes, {"layout": KV_LAYOUT, "profile_id": profile_id,
+                                                                "model": row["model_name"], "dtype": row["dtype"]})
+    prefix_key = KVKey.prefix_of(profile_id).to_string()
+    prefix_kv = compute_prefix(lm.model, row["prefix_ids"])
+    sealed = shards.add(prefix_key, prefix_kv) if prefix_key in keys else []
+    chunk_keys = [k for k in keys if k != prefix_key and catalog.token_ids_of(k) is not None]
+    unused = [k for k in keys if k != prefix_key and k not in chunk_keys]
+    catalog.delete_entries(unused)
+    report.entries_dropped += len(unused)
+    token_ids = [catalog.token_ids_of(k) for k in chunk_keys]
+    pad_id = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else lm.facts.eos_ids[0]
+    for result in compute_chunks(lm.model, prefix_kv, token_ids, IngestSettings().batch_tokens_for(device), pad_id):
+        sealed += shards.add(chunk_keys[result.index], result.kv)
+    sealed += shards.flush()
+    catalog.delete_entries(e.name for e in sealed)
+    catalog.add_entries(profile_id, sealed, {prefix_key})
+    report.entries_recomputed += len(sealed)
+
+
+def _reindex_vectors(writer: StoreWriter, device: str, report: RepairReport) -> None:
+    """Make the vector index hold exactly the catalog's chunks."""
+    catalog, vectors = writer.catalog, writer.vectors
+    indexed = set(faiss.vector_to_array(vectors.index.id_map).tolist())
+    chunks = catalog.chunk_ids()
+    vectors.remove(sorted(indexed - chunks))
+    missing = sorted(chunks - indexed)
+    if missing:
+        embedder = Embedder.load(catalog.meta()["embedder"], device)
+        texts = catalog.chunk_texts(missing)
+        vectors.add(missing, embedder.embed([texts[i] for i in missing]))
+    report.chunks_reembedded = len(missing)

@@ -1,0 +1,79 @@
+"""Garbage collection: drop KV entries nothing needs, rewrite mostly-dead shards, delete
+shard files no generation on disk references. Never touches a generation a reader holds."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ragkv.errors import StoreCorruptError
+from store.shards import ShardReader, shard_files
+from store.store import StoreWriter
+
+REWRITE_BELOW = 0.5  # rewrite a shard once less than this fraction of its bytes is live
+
+
+@dataclass
+class GcReport:
+    generation: int = 0
+    profiles_dropped: int = 0
+    entries_removed: int = 0
+    shards_rewritten: int = 0
+    shards_deleted: int = 0
+    bytes_reclaimed: int = 0  # shard bytes deleted from disk
+    generations_removed: list[int] = field(default_factory=list)
+    generations_kept_for_readers: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def collect_garbage(root: Path | str, other_models: bool = False, wait: bool = False,
+                    rewrite_below: float = REWRITE_BELOW) -> GcReport:
+    """Publish a generation without dead entries, then reclaim the space they held.
+
+    other_models: also drop every model profile except the one last ingested with.
+    """
+    report = GcReport()
+    writer = StoreWriter(root, wait=wait)
+    try:
+        catalog = writer.catalog
+        if other_models:
+            keep = catalog.meta().get("last_profile")
+            others = [p["profile_id"] for p in catalog.profiles() if p["profile_id"] != keep]
+            catalog.drop_profiles(others)
+            report.profiles_dropped = len(others)
+        dead = catalog.dead_entries()
+        catalog.delete_entries(e.kv_key for e in dead)
+        report.entries_removed = len(dead)
+        report.shards_rewritten = _rewrite_sparse_shards(writer, rewrite_below)
+        report.generation = writer.publish()
+        report.generations_removed, report.generations_kept_for_readers = writer.retired, writer.held_by_readers
+        report.shards_deleted, report.bytes_reclaimed = writer.delete_unreferenced_shards()
+    except BaseException:
+        writer.abort()
+        raise
+    writer.release()
+    return report
+
+
+def _rewrite_sparse_shards(writer: StoreWriter, rewrite_below: float) -> int:
+    """Copy the live entries of mostly-dead shards into new shards and repoint their rows.
+    The old files are deleted once no generation references them."""
+    catalog = writer.catalog
+    sizes = shard_files(writer.shard_dir)
+    sparse = [shard for shard, live in catalog.live_bytes_by_shard().items()
+              if shard in sizes and live < rewrite_below * sizes[shard]]
+    reader = ShardReader(writer.shard_dir)
+    shards = writer.shard_writer(max_bytes=max(sizes.values(), default=1), metadata={"rewritten_by": "gc"})
+    sealed = []
+    for shard in sparse:
+        for entry in catalog.entries_in(shard):
+            try:
+                sealed += shards.add(entry.kv_key, reader.read(shard, entry.tensor, entry.checksum))
+            except StoreCorruptError:
+                continue  # left where it is, for `verify --repair` to see and fix
+    sealed += shards.flush()
+    catalog.move_entries(sealed)
+    reader.close()
+    return len(sparse)

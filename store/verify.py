@@ -1,0 +1,63 @@
+"""Integrity checks over a published generation: every KV entry readable and matching its
+checksum, every chunk link pointing at an entry, every profile's prefix present, and the
+vector index holding exactly the catalog's chunks."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import faiss
+
+from ragkv.errors import StoreCorruptError
+from ragkv.keys import KVKey
+from store.store import StoreSnapshot
+
+
+@dataclass(frozen=True)
+class Problem:
+    kind: str  # "entry" (unreadable / checksum), "link" (chunk points at no entry), "prefix", "vectors"
+    detail: str
+    kv_key: str = ""
+
+
+@dataclass
+class VerifyReport:
+    generation: int
+    entries_checked: int = 0
+    bytes_checked: int = 0
+    seconds: float = 0.0
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "ok": self.ok}
+
+
+def verify(snapshot: StoreSnapshot) -> VerifyReport:
+    start = time.perf_counter()
+    report = VerifyReport(snapshot.generation)
+    catalog = snapshot.catalog
+    for entry in catalog.all_entries():
+        try:
+            tensor = snapshot.shards.read(entry.shard, entry.tensor, entry.checksum)
+            report.bytes_checked += tensor.numel() * tensor.element_size()
+        except StoreCorruptError as exc:
+            report.problems.append(Problem("entry", str(exc), entry.kv_key))
+        report.entries_checked += 1
+    for chunk_id, _, kv_key in catalog.links_without_entries():
+        report.problems.append(Problem("link", f"chunk {chunk_id} points at a KV entry that is not in the catalog", kv_key))
+    for profile_id in catalog.linked_profiles():
+        key = KVKey.prefix_of(profile_id).to_string()
+        if catalog.entry(key) is None:
+            report.problems.append(Problem("prefix", f"profile {profile_id[:16]} has no system-prompt KV", key))
+    indexed = set(faiss.vector_to_array(snapshot.vectors.index.id_map).tolist())
+    chunks = catalog.chunk_ids()
+    if indexed != chunks:
+        report.problems.append(Problem(
+            "vectors", f"{len(chunks - indexed)} chunks missing from the vector index, {len(indexed - chunks)} stray vectors"))
+    report.seconds = time.perf_counter() - start
+    return report
