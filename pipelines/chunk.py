@@ -9,7 +9,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ragkv.keys import digest
 from ragkv.prompt import encode_text
 
 CHUNKER_VERSION = "1"
@@ -22,9 +21,14 @@ class Piece:
     starts_paragraph: bool
 
 
-def chunking_id(tokenizer_fingerprint: str, max_tokens: int) -> str:
-    """Identity of a chunking: a document chunked under another id must be chunked again."""
-    return f"v{CHUNKER_VERSION}:tokens={max_tokens}:tok={digest(tokenizer_fingerprint)[:16]}"
+def chunking_id(max_tokens: int) -> str:
+    """Identity of a chunking: a document chunked under another id must be chunked again.
+
+    The tokenizer is deliberately not part of it: chunks are text, and a model with another
+    tokenizer reuses them (and their embeddings), computing only its own KV; the old model's
+    KV stays linked and usable. Its token count may then differ a little from `max_tokens`,
+    which `ingest` checks against the context."""
+    return f"v{CHUNKER_VERSION}:tokens={max_tokens}"
 
 
 def chunk_text(text: str, tokenizer, max_tokens: int) -> list[str]:

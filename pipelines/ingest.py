@@ -111,6 +111,15 @@ def _check_fits(lm: LoadedModel, layout: PromptLayout, chunk_tokens: int) -> Non
         )
 
 
+def _check_chunks_fit(pending: list[PendingChunk], lm: LoadedModel, layout: PromptLayout) -> None:
+    """Chunks cut under another tokenizer may count differently under this one."""
+    room = lm.facts.max_context - len(layout.prefix_ids) - ROOM_FOR_QUESTION
+    longest = max((len(p.token_ids) for p in pending), default=0)
+    if longest > room:
+        raise InputError(f"a stored chunk is {longest} tokens for model {lm.facts.name}, more than its context leaves "
+                         f"room for ({room}); re-chunk with a smaller --chunk-tokens")
+
+
 def _write(writer: StoreWriter, documents: list[Document], lm: LoadedModel, embedder: Embedder,
            layout: PromptLayout, profile: Profile, settings: IngestSettings, reporter: Reporter,
            report: IngestReport, prune: bool) -> None:
@@ -119,7 +128,7 @@ def _write(writer: StoreWriter, documents: list[Document], lm: LoadedModel, embe
     if meta.get("embedder_fingerprint", embedder.fingerprint) != embedder.fingerprint:
         raise ModelError(f"store {writer.root} was built with embedder {meta.get('embedder')}; "
                          f"ingest with --embedder {meta.get('embedder')} or use a new store")
-    chunking = chunking_id(lm.facts.tokenizer_fingerprint, settings.chunk_tokens)
+    chunking = chunking_id(settings.chunk_tokens)
     plan = plan_documents(documents, catalog.documents(), chunking, prune)
     report.documents = plan.counts()
     new_chunks = _replace_documents(writer, plan, chunking, lm, embedder, settings, reporter)
@@ -131,6 +140,7 @@ def _write(writer: StoreWriter, documents: list[Document], lm: LoadedModel, embe
     candidates = new_chunks + [c for c in catalog.chunks_of(unchanged_ids) if c.chunk_id not in linked]
     report.kv_reused, report.tokens_skipped = catalog.linked_totals(profile.profile_id, unchanged_ids)
     pending = [_pending(c, lm.tokenizer, profile) for c in candidates]
+    _check_chunks_fit(pending, lm, layout)
     catalog.add_profile(_profile_row(profile, lm, settings.system_prompt))
     _compute_and_store(writer, pending, lm, profile, settings, reporter, report)
     catalog.link_chunks(profile.profile_id, [(p.chunk_id, p.key, p.token_ids) for p in pending])

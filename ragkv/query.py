@@ -21,6 +21,7 @@ from ragkv.keys import KVKey, Profile
 from ragkv.model import LoadedModel, load_model, model_name
 from ragkv.prompt import PromptLayout
 from store import ContextRow, StoreSnapshot, open_snapshot
+from store.generations import read_current
 
 log = logging.getLogger("ragkv")
 
@@ -113,6 +114,20 @@ class QueryEngine:
                 f"({meta.get('embedder')}); omit --embedder"
             )
         return embedder
+
+    def refresh(self) -> bool:
+        """Switch to the store's newest published generation if there is one (between
+        questions: an answer always comes from one generation). Returns whether it switched."""
+        if read_current(self.snapshot.root) == self.snapshot.generation:
+            return False
+        snapshot = open_snapshot(self.snapshot.root)
+        profile_id = self.active.profile.profile_id
+        if all(p["profile_id"] != profile_id for p in snapshot.catalog.profiles()):
+            snapshot.close()
+            raise ModelError(f"the store's new generation no longer holds KV for model {self.lm.facts.name}; reopen it")
+        self.snapshot.close()
+        self.snapshot = snapshot
+        return True
 
     # -- the query path -------------------------------------------------------------------
     def retrieve(self, question: str, top_k: int = 1) -> list[tuple[ContextRow, float]]:

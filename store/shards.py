@@ -20,7 +20,7 @@ from typing import Iterator
 
 import torch
 import xxhash
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ragkv.errors import StoreCorruptError
@@ -95,7 +95,10 @@ class ShardWriter:
         tmp = self.shard_dir / f".{shard}.tmp"
         digests = {name: checksum(kv) for name, kv in self._pending.items()}
         try:
-            save_file(self._pending, str(tmp), metadata={**self.metadata, "checksums": json.dumps(digests)})
+            try:
+                save_file(self._pending, str(tmp), metadata={**self.metadata, "checksums": json.dumps(digests)})
+            except SafetensorError as exc:  # safetensors reports I/O failures (disk full) in its own type
+                raise OSError(f"cannot write shard: {str(exc).split(': ', 1)[-1]}") from exc
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
             os.rename(tmp, final)

@@ -20,7 +20,7 @@ from store.shards import SealedEntry, ShardReader, ShardWriter, fsync_dir, remov
 from store.vectors import VectorIndex
 
 SHARD_DIR = "shards"
-_WRITE_ERRORS = (OSError, duckdb.IOException)
+_WRITE_ERRORS = (OSError, duckdb.IOException, duckdb.FatalException)  # FatalException: a failed checkpoint
 
 
 def is_store(root: Path) -> bool:

@@ -96,9 +96,9 @@ def sample_store(tmp_path_factory):
     return store, json.loads(result.stdout)
 
 
-def build_store(docs: Path, store: Path, model: str, dtype: str = "float32", **settings):
+def build_store(docs: Path, store: Path, model: str, dtype: str = "float32", prune: bool = False, **settings):
     return ragkv.ingest([docs], store, model=ModelSettings(model=model, device="cpu", dtype=dtype),
-                        settings=IngestSettings(**settings))
+                        settings=IngestSettings(**settings), prune=prune)
 
 
 @pytest.fixture(scope="session")
