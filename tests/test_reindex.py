@@ -255,3 +255,13 @@ def test_a_file_size_limit_mid_write_gets_one_line_and_keeps_serving(docs, store
     limit = catalog_bytes + 4096  # the catalog copy fits; growing it, or a shard, does not
     ingest_more_and_check(docs, store, tiny_llama, limit=(
         f"signal.signal(signal.SIGXFSZ, signal.SIG_IGN); resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))"))
+
+
+@pytest.mark.parametrize("change", [{"system_prompt": "You answer in one short sentence."}, {"dtype": "bfloat16"}])
+def test_a_new_system_prompt_or_dtype_recomputes_kv_but_not_chunks(change, docs, store, tiny_llama):
+    settings = {k: v for k, v in change.items() if k != "dtype"}
+    report = build_store(docs, store, str(tiny_llama), dtype=change.get("dtype", "float32"), **settings)
+    assert report.documents["unchanged"] == 6 and report.chunks_embedded == 0
+    assert report.kv_computed == 6 and report.kv_reused == 0
+    with open_snapshot(store) as snap:
+        assert len(snap.catalog.profiles()) == 2
