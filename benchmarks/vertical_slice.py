@@ -42,7 +42,7 @@ def bare_forward_tokens_per_s(engine, settings: IngestSettings) -> float:
     chunks = [encode_text(lm.tokenizer, c) for d in docs for c in chunk_text(d.text, lm.tokenizer, settings.chunk_tokens)]
     start = time.perf_counter()
     prefix = compute_prefix(lm.model, layout.prefix_ids)
-    for _ in compute_chunks(lm.model, prefix, chunks, settings.batch_tokens_for("cpu"), pad_id=lm.facts.eos_ids[0]):
+    for _ in compute_chunks(lm.model, prefix, chunks, settings.batch_tokens_for("cpu"), lm.pad_id):
         pass
     return sum(map(len, chunks)) / (time.perf_counter() - start)
 

@@ -15,6 +15,11 @@ import torch
 from ragkv import kv
 
 
+def shard_metadata(profile_id: str, model_name: str, dtype: str) -> dict[str, str]:
+    """What a KV shard's header says about its entries."""
+    return {"layout": kv.KV_LAYOUT, "profile_id": profile_id, "model": model_name, "dtype": dtype}
+
+
 @dataclass(frozen=True)
 class ChunkKV:
     index: int  # position of the chunk in the list given to `compute_chunks`

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Sequence
 
 from pipelines.chunk import chunk_text, chunking_id
-from pipelines.compute import compute_chunks, compute_prefix
+from pipelines.compute import compute_chunks, compute_prefix, shard_metadata
 from pipelines.plan import DocumentPlan, content_hash, plan_documents
 from pipelines.progress import Reporter
 from pipelines.read import Document, Skipped, read_documents
@@ -21,7 +21,6 @@ from ragkv.config import IngestSettings, ModelSettings
 from ragkv.embed import Embedder
 from ragkv.errors import InputError, ModelError
 from ragkv.keys import KVKey, Profile
-from ragkv.kv import KV_LAYOUT
 from ragkv.model import LoadedModel, load_model
 from ragkv.prompt import PromptLayout, encode_text
 from store import ChunkRow, DocumentRow, StoreWriter
@@ -101,19 +100,22 @@ def ingest(paths: Sequence[Path | str], store: Path | str, model: ModelSettings 
     return report
 
 
+def _chunk_room(lm: LoadedModel, layout: PromptLayout) -> int:
+    """Most tokens a chunk may have: the context less the prefix and room to ask and answer."""
+    return lm.facts.max_context - len(layout.prefix_ids) - ROOM_FOR_QUESTION
+
+
 def _check_fits(lm: LoadedModel, layout: PromptLayout, chunk_tokens: int) -> None:
-    need = len(layout.prefix_ids) + chunk_tokens + ROOM_FOR_QUESTION
-    if need > lm.facts.max_context:
-        most = lm.facts.max_context - len(layout.prefix_ids) - ROOM_FOR_QUESTION
+    if chunk_tokens > _chunk_room(lm, layout):
         raise InputError(
             f"--chunk-tokens {chunk_tokens} does not fit the model's context of {lm.facts.max_context} tokens "
-            f"with the {len(layout.prefix_ids)}-token system prompt; use at most {most}"
+            f"with the {len(layout.prefix_ids)}-token system prompt; use at most {_chunk_room(lm, layout)}"
         )
 
 
 def _check_chunks_fit(pending: list[PendingChunk], lm: LoadedModel, layout: PromptLayout) -> None:
     """Chunks cut under another tokenizer may count differently under this one."""
-    room = lm.facts.max_context - len(layout.prefix_ids) - ROOM_FOR_QUESTION
+    room = _chunk_room(lm, layout)
     longest = max((len(p.token_ids) for p in pending), default=0)
     if longest > room:
         raise InputError(f"a stored chunk is {longest} tokens for model {lm.facts.name}, more than its context leaves "
@@ -193,9 +195,7 @@ def _pending(chunk: ChunkRow, tokenizer, profile: Profile) -> PendingChunk:
 def _compute_and_store(writer: StoreWriter, pending: list[PendingChunk], lm: LoadedModel, profile: Profile,
                        settings: IngestSettings, reporter: Reporter, report: IngestReport) -> None:
     catalog = writer.catalog
-    shard_meta = {"layout": KV_LAYOUT, "profile_id": profile.profile_id, "model_fingerprint": profile.model_fingerprint,
-                  "dtype": profile.dtype, "model": lm.facts.name}
-    shards = writer.shard_writer(settings.shard_bytes, shard_meta)
+    shards = writer.shard_writer(settings.shard_bytes, shard_metadata(profile.profile_id, lm.facts.name, profile.dtype))
     prefix_key = KVKey.for_prefix(profile).to_string()
     stored = catalog.existing_keys([prefix_key] + [p.key for p in pending])
 
@@ -212,9 +212,8 @@ def _compute_and_store(writer: StoreWriter, pending: list[PendingChunk], lm: Loa
     prefix_kv = compute_prefix(lm.model, profile.prefix_ids)
     if prefix_key not in stored:
         catalog.add_entries(profile.profile_id, shards.add(prefix_key, prefix_kv) + shards.flush(), {prefix_key})
-    pad_id = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else lm.facts.eos_ids[0]
     batch_tokens = settings.batch_tokens_for(lm.device)
-    for result in compute_chunks(lm.model, prefix_kv, [p.token_ids for p in work], batch_tokens, pad_id):
+    for result in compute_chunks(lm.model, prefix_kv, [p.token_ids for p in work], batch_tokens, lm.pad_id):
         chunk = work[result.index]
         sealed = shards.add(chunk.key, result.kv)
         if sealed:

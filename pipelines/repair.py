@@ -8,12 +8,11 @@ from pathlib import Path
 
 import faiss
 
-from pipelines.compute import compute_chunks, compute_prefix
+from pipelines.compute import compute_chunks, compute_prefix, shard_metadata
 from ragkv.config import IngestSettings
 from ragkv.embed import Embedder
 from ragkv.errors import ModelError
 from ragkv.keys import KVKey
-from ragkv.kv import KV_LAYOUT
 from ragkv.model import load_model
 from store import StoreWriter, open_snapshot, verify
 
@@ -64,8 +63,7 @@ def _recompute(writer: StoreWriter, profile_id: str, keys: list[str], device: st
     if lm.facts.fingerprint != row["model_fingerprint"]:
         report.unrepairable.append(f"{row['model_name']}: weights differ from those the KV was computed with")
         return
-    shards = writer.shard_writer(IngestSettings().shard_bytes, {"layout": KV_LAYOUT, "profile_id": profile_id,
-                                                                "model": row["model_name"], "dtype": row["dtype"]})
+    shards = writer.shard_writer(IngestSettings().shard_bytes, shard_metadata(profile_id, row["model_name"], row["dtype"]))
     prefix_key = KVKey.prefix_of(profile_id).to_string()
     prefix_kv = compute_prefix(lm.model, row["prefix_ids"])
     sealed = shards.add(prefix_key, prefix_kv) if prefix_key in keys else []
@@ -74,8 +72,7 @@ def _recompute(writer: StoreWriter, profile_id: str, keys: list[str], device: st
     catalog.delete_entries(unused)
     report.entries_dropped += len(unused)
     token_ids = [catalog.token_ids_of(k) for k in chunk_keys]
-    pad_id = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else lm.facts.eos_ids[0]
-    for result in compute_chunks(lm.model, prefix_kv, token_ids, IngestSettings().batch_tokens_for(device), pad_id):
+    for result in compute_chunks(lm.model, prefix_kv, token_ids, IngestSettings().batch_tokens_for(device), lm.pad_id):
         sealed += shards.add(chunk_keys[result.index], result.kv)
     sealed += shards.flush()
     catalog.delete_entries(e.name for e in sealed)

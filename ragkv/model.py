@@ -51,6 +51,12 @@ class LoadedModel:
     facts: ModelFacts
     device: str
 
+    @property
+    def pad_id(self) -> int:
+        """Token id for padding batches (never attended to: batches are right-padded)."""
+        pad = self.tokenizer.pad_token_id
+        return pad if pad is not None else self.facts.eos_ids[0]
+
 
 def model_name(name: str) -> str:
     """The name a store records for a model: local folders as absolute paths (so the store

@@ -19,7 +19,7 @@ from ragkv.errors import InputError, ModelError, StoreCorruptError, StoreEmptyEr
 from ragkv.generate import TextStream, greedy_decode, prefill
 from ragkv.keys import KVKey, Profile
 from ragkv.model import LoadedModel, load_model, model_name
-from ragkv.prompt import PromptLayout
+from ragkv.prompt import PromptLayout, encode_text
 from store import ContextRow, StoreSnapshot, open_snapshot
 from store.generations import read_current
 
@@ -215,8 +215,6 @@ class QueryEngine:
         if row.token_ids is not None:
             return row.token_ids
         # No KV for this profile (not computed yet): the text's ids, prefilled live.
-        from ragkv.prompt import encode_text
-
         return tuple(encode_text(self.lm.tokenizer, row.text))
 
     def _load_stored(self, row: ContextRow, stats: Stats) -> list[torch.Tensor] | None:

@@ -125,7 +125,9 @@ class Catalog:
         if not pending:
             return
         if self.read_only:
-            raise StoreFormatError(f"catalog {self.path} needs migrations {[n for n, _ in pending]}; run `ragkv ingest` once")
+            raise StoreFormatError(
+                f"store catalog {self.path.name} needs schema migrations {[n for n, _ in pending]}; "
+                "run one writing command (e.g. `ragkv gc`) to apply them")
         with self.transaction():
             for name, sql in pending:
                 self.con.execute(sql)
