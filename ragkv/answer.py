@@ -16,9 +16,13 @@ class Source:
 
 @dataclass
 class Stats:
-    mode: str  # "cached": stored prefix + chunk KV; "full": --no-cache; "fallback": store miss, full prefill
-    reused_tokens: int = 0  # prompt tokens whose KV came from the store
+    # "exact" | "concat" | "blend": how stored KV was used; "full": --no-cache; "fallback": a
+    # store miss answered with a full prefill
+    mode: str
+    reused_tokens: int = 0  # prompt tokens whose KV came from the store (or the prefix cache)
     computed_tokens: int = 0  # prompt tokens prefilled now
+    recomputed_tokens: int = 0  # blend: context tokens whose stored KV was recomputed
+    prefix_cache_tokens: int = 0  # of the reused, those found in the in-process prefix cache
     generated_tokens: int = 0
     retrieval_ms: float = 0.0  # question embedding + vector search + catalog lookup
     kv_load_ms: float = 0.0  # shard read + checksum + cache assembly

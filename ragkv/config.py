@@ -22,6 +22,7 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 DEFAULT_STORE = "./kvstore"
 DTYPES = ("float32", "bfloat16", "float16")
+MODES = ("exact", "concat", "blend")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -106,8 +107,15 @@ class AskSettings(_Settings):
     top_k: int = 1
     max_new_tokens: int = 256
     use_cache: bool = True  # False: full prefill of the same prompt, for comparison
+    mode: str = "exact"  # how several chunks' KV is used: exact, concat, blend (see ragkv.assemble)
+    blend_ratio: float = 0.15  # blend: share of context tokens recomputed
 
     def __post_init__(self):
+        if self.mode not in MODES:
+            raise InputError(f"unknown --mode {self.mode!r}; use exact (equals a full prefill), "
+                             "concat or blend (approximate, faster with several chunks)")
+        if not 0.0 <= self.blend_ratio <= 1.0:
+            raise InputError(f"--blend-ratio must be between 0 and 1, got {self.blend_ratio}")
         if self.top_k < 1:
             raise InputError(f"--top-k must be at least 1, got {self.top_k}")
         if self.max_new_tokens < 1:

@@ -3,6 +3,8 @@ be streamed and timed). Both the cached and the full-prefill paths go through he
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Generator, Sequence
 
 import torch
@@ -58,3 +60,43 @@ class TextStream:
         text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
         delta, self.text = text[len(self.text):], text
         return delta
+
+
+@dataclass
+class Generated:
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    prefill_s: float
+    first_token_s: float  # from `started` (the caller's clock) to the first token
+    decode_s: float
+
+
+def generate(model, tokenizer, cache, live_ids: Sequence[int], eos_ids: Sequence[int], max_new_tokens: int,
+             started: float, after_prefill=None) -> Generator[str, None, Generated]:
+    """Prefill `live_ids` on top of `cache`, then greedy-decode, yielding text deltas; returns
+    what was generated and when. `after_prefill(cache)` runs between the two (it may read the
+    prompt's KV before decoding grows the cache)."""
+    prefill_start = time.perf_counter()
+    logits = prefill(model, live_ids, cache)
+    prefill_s = time.perf_counter() - prefill_start
+    if after_prefill is not None:
+        after_prefill(cache)
+    text = TextStream(tokenizer)
+    decode = greedy_decode(model, logits, cache, eos_ids, max_new_tokens)
+    decode_start = time.perf_counter()
+    first_token_s = 0.0
+    while True:
+        try:
+            token = next(decode)
+        except StopIteration as done:
+            finish_reason = done.value
+            break
+        if not text.token_ids:
+            first_token_s = time.perf_counter() - started
+        if delta := text.push(token):
+            yield delta
+    if tail := text.finish():
+        yield tail
+    return Generated(text.token_ids, text.text, finish_reason, prefill_s,
+                     first_token_s or time.perf_counter() - started, time.perf_counter() - decode_start)

@@ -65,3 +65,37 @@ def check_layout(cache: DynamicCache) -> None:
 def to_cache_empty(config) -> DynamicCache:
     """An empty cache for a full prefill."""
     return DynamicCache(config=config)
+
+
+def num_cached(cache) -> int:
+    return cache.get_seq_length()
+
+
+def crop(cache, num_tokens: int) -> None:
+    """Keep only the first `num_tokens` tokens of every layer."""
+    extra = cache.get_seq_length() - num_tokens
+    if extra > 0:
+        cache.crop(-extra)  # transformers 5: a negative argument removes that many from the end
+
+
+def overwrite_layers(cache, exact: DynamicCache, num_layers: int) -> None:
+    """Replace the first `num_layers` layers of `cache` with those of `exact` (same length)."""
+    for layer in range(num_layers):
+        cache.layers[layer].keys.copy_(exact.layers[layer].keys)
+        cache.layers[layer].values.copy_(exact.layers[layer].values)
+
+
+def move_appended(cache, num_kept: int, positions: torch.Tensor) -> None:
+    """The tokens appended after the first `num_kept` are fresh versions of the tokens at
+    `positions` (sorted, all < num_kept): write them there, then drop the appended copies."""
+    for layer in cache.layers:
+        layer.keys[:, :, positions] = layer.keys[:, :, num_kept:]
+        layer.values[:, :, positions] = layer.values[:, :, num_kept:]
+    crop(cache, num_kept)
+
+
+def layer_deviation(cache, exact: DynamicCache, layer: int, start: int) -> torch.Tensor:
+    """Per token from `start` on: how far `cache`'s values at `layer` are from `exact`'s, `(T,)`."""
+    approx = cache.layers[layer].values[0, :, start:].float()  # (H, T, D)
+    truth = exact.layers[layer].values[0, :, start:].float()
+    return (approx - truth).norm(dim=(0, 2))

@@ -11,12 +11,14 @@ from typing import Generator, Iterator
 
 import torch
 
-from ragkv import kv
+from ragkv import assemble, kv
+from ragkv.assemble import Assembly
 from ragkv.answer import Answer, Source, Stats
 from ragkv.config import AskSettings, resolve_device, resolve_dtype
 from ragkv.embed import Embedder
 from ragkv.errors import InputError, ModelError, StoreCorruptError, StoreEmptyError
-from ragkv.generate import TextStream, greedy_decode, prefill
+from ragkv.generate import Generated, generate, prefill
+from ragkv.prefix_cache import PrefixCache
 from ragkv.keys import KVKey, Profile
 from ragkv.model import LoadedModel, load_model, model_name
 from ragkv.prompt import PromptLayout, encode_text
@@ -24,6 +26,8 @@ from store import ContextRow, StoreSnapshot, open_snapshot
 from store.generations import read_current
 
 log = logging.getLogger("ragkv")
+
+MIN_ANSWER_TOKENS = 16  # a prompt must leave at least this much of the context to answer in
 
 
 @dataclass(frozen=True)
@@ -39,8 +43,8 @@ class ActiveProfile:
 class _Prepared:
     retrieved: list[tuple[ContextRow, float]]
     prompt_ids: list[int]  # the whole prompt
-    live_ids: list[int]  # the part to prefill now (after what the cache holds)
-    cache: object  # transformers cache (built by ragkv.kv) holding the prompt ids before live_ids
+    live_ids: list[int]  # the part to prefill now (after what the assembled cache holds)
+    assembly: Assembly
 
 
 class AnswerStream:
@@ -59,7 +63,7 @@ class QueryEngine:
     published generation open (a re-index published later is seen by the next `open`)."""
 
     def __init__(self, store: Path | str, model: str | None = None, embedder: str | None = None,
-                 device: str = "auto", dtype: str | None = None):
+                 device: str = "auto", dtype: str | None = None, prefix_cache_bytes: int = 512 << 20):
         self.snapshot: StoreSnapshot = open_snapshot(store)
         try:
             meta = self.snapshot.catalog.meta()
@@ -70,6 +74,8 @@ class QueryEngine:
             self.snapshot.close()
             raise
         self._prefix_kv: torch.Tensor | None = None  # pinned in memory after the first load
+        self._separator: torch.Tensor | None = None
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)
 
     # -- setup ----------------------------------------------------------------------------
     def _load_model(self, name: str | None, dtype: str | None) -> tuple[LoadedModel, ActiveProfile]:
@@ -139,7 +145,7 @@ class QueryEngine:
         return [(row, scores[row.chunk_id]) for row in rows]
 
     def ask(self, question: str, settings: AskSettings | None = None, **options) -> Answer:
-        """Answer `question` (options as in `AskSettings`: top_k, max_new_tokens, use_cache)."""
+        """Answer `question` (options as in `AskSettings`: top_k, max_new_tokens, use_cache, mode)."""
         stream = self.stream(question, settings, **options)
         for _ in stream:
             pass
@@ -156,60 +162,73 @@ class QueryEngine:
         """The next-token logits `(V,)` after the prompt, as `ask` would see them (for comparing
         the cached path with a full prefill: exactness tests, fidelity evaluations)."""
         settings = settings or AskSettings.from_dict(options)
-        prepared = self._prepare(question, settings, Stats(mode="cached" if settings.use_cache else "full"))
-        return prefill(self.lm.model, prepared.live_ids, prepared.cache).float()
-
-    def _prepare(self, question: str, settings: AskSettings, stats: Stats) -> "_Prepared":
-        """Retrieve, build the prompt ids, and load what the store holds of it into a cache."""
-        start = time.perf_counter()
-        layout = self.active.layout
-        retrieved = self.retrieve(question, settings.top_k)
-        stats.retrieval_ms = _ms(start)
-        chunk_ids = [self._chunk_token_ids(row) for row, _ in retrieved]
-        prompt_ids = layout.prompt_ids(chunk_ids, layout.question_ids(self.lm.tokenizer, question))
-        load_start = time.perf_counter()
-        stored = self._load_stored(retrieved[0][0], stats) if settings.use_cache and retrieved else None
-        if stored is not None:
-            cache = kv.to_cache(stored, self.lm.model.config)
-            stats.reused_tokens = sum(kv.num_tokens(t) for t in stored)
-        else:
-            cache = kv.to_cache_empty(self.lm.model.config)
-        stats.kv_load_ms = _ms(load_start)
-        live_ids = prompt_ids[stats.reused_tokens:]
-        stats.computed_tokens = len(live_ids)
-        return _Prepared(retrieved, prompt_ids, live_ids, cache)
+        prepared = self._prepare(question, settings, _new_stats(settings))
+        return prefill(self.lm.model, prepared.live_ids, prepared.assembly.cache).float()
 
     def _answer(self, question: str, settings: AskSettings) -> Generator[str, None, Answer]:
         start = time.perf_counter()
-        stats = Stats(mode="cached" if settings.use_cache else "full", store_generation=self.snapshot.generation)
+        stats = _new_stats(settings, self.snapshot.generation)
         prepared = self._prepare(question, settings, stats)
         max_new_tokens = self._fit_budget(len(prepared.prompt_ids), settings.max_new_tokens, stats)
-
-        prefill_start = time.perf_counter()
-        logits = prefill(self.lm.model, prepared.live_ids, prepared.cache)
-        stats.prefill_ms = _ms(prefill_start)
-
-        text = TextStream(self.lm.tokenizer)
-        decode = greedy_decode(self.lm.model, logits, prepared.cache, self.lm.facts.eos_ids, max_new_tokens)
-        decode_start = time.perf_counter()
-        while True:
-            try:
-                token = next(decode)
-            except StopIteration as done:
-                stats.finish_reason = done.value
-                break
-            if not text.token_ids:
-                stats.ttft_s = time.perf_counter() - start
-            if delta := text.push(token):
-                yield delta
-        if tail := text.finish():
-            yield tail
-        stats.ttft_s = stats.ttft_s or time.perf_counter() - start
-        stats.generated_tokens = len(text.token_ids)
-        stats.decode_s = time.perf_counter() - decode_start
-        stats.total_s = time.perf_counter() - start
+        done = yield from generate(self.lm.model, self.lm.tokenizer, prepared.assembly.cache, prepared.live_ids,
+                                   self.lm.facts.eos_ids, max_new_tokens, start, prepared.assembly.after_prefill)
+        _record(stats, done, start)
         sources = [Source(r.doc_id, r.source, r.chunk_index, r.chunk_id, score) for r, score in prepared.retrieved]
-        return Answer(question, text.text, text.token_ids, sources, stats, prepared.prompt_ids)
+        return Answer(question, done.text, done.token_ids, sources, stats, prepared.prompt_ids)
+
+    def _prepare(self, question: str, settings: AskSettings, stats: Stats) -> "_Prepared":
+        """Retrieve, build the prompt ids, and assemble what the store holds of it into a cache."""
+        start = time.perf_counter()
+        layout = self.active.layout
+        retrieved = self.retrieve(question, settings.top_k)
+        if not retrieved:
+            raise StoreEmptyError(f"store {self.snapshot.root} returned no chunks for the question")
+        if len(retrieved) < settings.top_k:
+            stats.warnings.append(f"top_k {settings.top_k} but the store holds {len(retrieved)} chunks")
+        stats.retrieval_ms = _ms(start)
+        question_ids = layout.question_ids(self.lm.tokenizer, question)
+        retrieved = self._fit_chunks(retrieved, question_ids, stats)
+        chunk_ids = [self._chunk_token_ids(row) for row, _ in retrieved]
+        prompt_ids = layout.prompt_ids(chunk_ids, question_ids)
+        load_start = time.perf_counter()
+        assembly = self._assemble([row for row, _ in retrieved], chunk_ids, settings, stats)
+        stats.kv_load_ms = _ms(load_start)
+        live_ids = prompt_ids[assembly.num_cached:]
+        stats.reused_tokens, stats.recomputed_tokens = assembly.reused_tokens, assembly.recomputed_tokens
+        stats.prefix_cache_tokens = assembly.prefix_cache_tokens
+        stats.computed_tokens = len(live_ids)
+        return _Prepared(retrieved, prompt_ids, live_ids, assembly)
+
+    def _fit_chunks(self, retrieved, question_ids: list[int], stats: Stats):
+        """Drop the lowest-ranked chunks until the prompt leaves room to answer."""
+        room = self.lm.facts.max_context - MIN_ANSWER_TOKENS
+        layout = self.active.layout
+        while len(retrieved) > 1 and len(layout.prompt_ids(
+                [self._chunk_token_ids(r) for r, _ in retrieved], question_ids)) > room:
+            retrieved = retrieved[:-1]
+            stats.warnings.append(f"top_k cut to {len(retrieved)}: more chunks do not fit the model's context")
+        return retrieved
+
+    def _assemble(self, rows: list[ContextRow], chunk_ids: list[tuple[int, ...]], settings: AskSettings,
+                  stats: Stats) -> Assembly:
+        model = self.lm.model
+        if not settings.use_cache:
+            return Assembly(kv.to_cache_empty(model.config))
+        stored = self._load_stored(rows if settings.mode != "exact" else rows[:1], stats)
+        if stored is None:
+            return Assembly(kv.to_cache_empty(model.config))
+        prefix, chunks = stored[0], stored[1:]
+        separator = list(self.active.layout.separator_ids)
+        if settings.mode == "exact":
+            segments = [separator + list(ids) for ids in chunk_ids[1:]]
+            return assemble.exact(model, stored, segments, self.prefix_cache, root=rows[0].entry.kv_key)
+        pieces = [chunks[0]]
+        for chunk in chunks[1:]:
+            pieces += [self._separator_kv(), chunk]
+        if settings.mode == "concat":
+            return assemble.concat(model, prefix, pieces)
+        context_ids = [*self.active.layout.prefix_ids, *self.active.layout.context_ids(chunk_ids)]
+        return assemble.blended(model, prefix, pieces, context_ids, settings.blend_ratio)
 
     def _chunk_token_ids(self, row: ContextRow) -> tuple[int, ...]:
         if row.token_ids is not None:
@@ -217,18 +236,20 @@ class QueryEngine:
         # No KV for this profile (not computed yet): the text's ids, prefilled live.
         return tuple(encode_text(self.lm.tokenizer, row.text))
 
-    def _load_stored(self, row: ContextRow, stats: Stats) -> list[torch.Tensor] | None:
-        """The prefix and `row`'s chunk KV `[(L, 2, H, P, D), (L, 2, H, T, D)]`, verified; None
-        (with a warning in `stats`) when either is missing or corrupt."""
+    def _load_stored(self, rows: list[ContextRow], stats: Stats) -> list[torch.Tensor] | None:
+        """The prefix KV and each row's chunk KV, `[(L, 2, H, P, D), (L, 2, H, T_i, D)...]`,
+        verified; None (with a warning in `stats`) when any is missing or corrupt."""
         profile = self.active.profile
         try:
-            prefix = self._load_prefix()
-            if row.entry is None or row.token_ids is None:
-                raise StoreCorruptError(f"chunk {row.chunk_id} has no stored KV for this model")
-            if KVKey.for_chunk(profile, row.token_ids).to_string() != row.entry.kv_key:
-                raise StoreCorruptError(f"chunk {row.chunk_id}'s stored KV key does not match its tokens")
-            chunk = self.snapshot.shards.read(row.entry.shard, row.entry.tensor, row.entry.checksum)
-            return [prefix, chunk.to(self.device)]
+            loaded = [self._load_prefix()]
+            for row in rows:
+                if row.entry is None or row.token_ids is None:
+                    raise StoreCorruptError(f"chunk {row.chunk_id} has no stored KV for this model")
+                if KVKey.for_chunk(profile, row.token_ids).to_string() != row.entry.kv_key:
+                    raise StoreCorruptError(f"chunk {row.chunk_id}'s stored KV key does not match its tokens")
+                chunk = self.snapshot.shards.read(row.entry.shard, row.entry.tensor, row.entry.checksum)
+                loaded.append(chunk.to(self.device))
+            return loaded
         except StoreCorruptError as exc:
             message = f"{exc}; answered with a full prefill instead"
             log.warning(message)
@@ -244,6 +265,16 @@ class QueryEngine:
                 raise StoreCorruptError("the system-prompt KV is missing from the store")
             self._prefix_kv = self.snapshot.shards.read(entry.shard, entry.tensor, entry.checksum).to(self.device)
         return self._prefix_kv
+
+    def _separator_kv(self) -> torch.Tensor:
+        """KV of the chunk separator computed right after the prefix, like a stored chunk."""
+        if self._separator is None:
+            from pipelines.compute import compute_chunks  # noqa: PLC0415 - same computation as ingest
+
+            separator = list(self.active.layout.separator_ids)
+            (result,) = compute_chunks(self.lm.model, self._load_prefix(), [separator], len(separator), self.lm.pad_id)
+            self._separator = result.kv.to(self.device)
+        return self._separator
 
     def _fit_budget(self, num_prompt_tokens: int, max_new_tokens: int, stats: Stats) -> int:
         room = self.lm.facts.max_context - num_prompt_tokens
@@ -264,6 +295,19 @@ class QueryEngine:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _new_stats(settings: AskSettings, generation: int = 0) -> Stats:
+    return Stats(mode=settings.mode if settings.use_cache else "full", store_generation=generation)
+
+
+def _record(stats: Stats, done: Generated, start: float) -> None:
+    stats.prefill_ms = done.prefill_s * 1000.0
+    stats.ttft_s = done.first_token_s
+    stats.finish_reason = done.finish_reason
+    stats.generated_tokens = len(done.token_ids)
+    stats.decode_s = done.decode_s
+    stats.total_s = time.perf_counter() - start
 
 
 def _ms(since: float) -> float:

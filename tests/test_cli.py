@@ -34,7 +34,7 @@ def test_ask_json_reuses_stored_kv_and_matches_a_full_prefill(sample_store):
     stats = cached["stats"]
     for key in ("reused_tokens", "computed_tokens", "ttft_s", "retrieval_ms", "kv_load_ms", "prefill_ms", "total_s"):
         assert key in stats
-    assert stats["mode"] == "cached" and stats["reused_tokens"] > 100 and stats["computed_tokens"] < 40
+    assert stats["mode"] == "exact" and stats["reused_tokens"] > 100 and stats["computed_tokens"] < 40
     assert full["stats"]["mode"] == "full" and full["stats"]["reused_tokens"] == 0
     assert full["stats"]["computed_tokens"] == stats["reused_tokens"] + stats["computed_tokens"]
     assert cached["token_ids"] == full["token_ids"] and len(cached["token_ids"]) > 0

@@ -61,6 +61,6 @@ def test_reader_sees_whole_generations_while_the_store_is_reindexed(tiny_llama, 
     records = [json.loads(line) for line in (tmp_path / "log").read_text().splitlines()]
     assert not [r for r in records if "error" in r]
     assert len(records) >= 20, len(records)
-    assert all(r["mode"] == "cached" and r["reused"] > 0 for r in records)
+    assert all(r["mode"] == "exact" and r["reused"] > 0 for r in records)
     assert all(versions[r["generation"]] == r["version"] for r in records)
     assert len({r["generation"] for r in records}) >= 3  # the reader really followed the re-index

@@ -22,7 +22,7 @@ def assert_cached_equals_full(store, questions, max_new_tokens=16, top_k=1):
         for question in questions:
             cached = engine.ask(question, max_new_tokens=max_new_tokens, top_k=top_k)
             full = engine.ask(question, max_new_tokens=max_new_tokens, top_k=top_k, use_cache=False)
-            assert cached.stats.mode == "cached" and full.stats.mode == "full"
+            assert cached.stats.mode == "exact" and full.stats.mode == "full"
             assert cached.stats.reused_tokens > 0 and full.stats.reused_tokens == 0
             assert cached.prompt_ids == full.prompt_ids
             assert cached.stats.prompt_tokens == full.stats.computed_tokens == len(full.prompt_ids)

@@ -81,7 +81,7 @@ def test_a_new_model_recomputes_everything_and_the_old_one_keeps_working(docs, s
     with ragkv.open(store, device="cpu") as engine:
         assert engine.lm.facts.name == str(tiny_qwen2)  # the last ingested model is the default
     with ragkv.open(store, model=str(tiny_llama), device="cpu") as engine:
-        assert engine.ask(QUESTIONS[0], max_new_tokens=4).stats.mode == "cached"
+        assert engine.ask(QUESTIONS[0], max_new_tokens=4).stats.mode == "exact"
     gc = collect_garbage(store, other_models=True)
     assert gc.profiles_dropped == 1 and gc.bytes_reclaimed > 0
     with pytest.raises(ModelError, match="has no KV for model"):
@@ -121,7 +121,7 @@ def test_gc_never_deletes_what_a_reader_still_uses(docs, store, tiny_llama):
     code, report = reindex_json(docs, store, "--model", tiny_llama)
     assert code == 0 and report["gc"]["generations_kept_for_readers"] == [1]
     again = reader.ask(QUESTIONS[0], max_new_tokens=6)  # still on generation 1, still cached
-    assert again.stats.mode == "cached" and again.token_ids == expected.token_ids
+    assert again.stats.mode == "exact" and again.token_ids == expected.token_ids
     assert reader.refresh() and reader.snapshot.generation == read_current(store)
     reader.close()
     later = collect_garbage(store)

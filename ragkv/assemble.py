@@ -1,0 +1,81 @@
+"""Build the cache a prompt starts from, in one of three modes (how several chunks' KV is used):
+
+- `exact`: the first chunk's KV comes from the store; the other chunks are prefilled live on
+  top of it (or taken from the in-process prefix cache, which holds exactly that computation
+  from an earlier request). Equals a full prefill.
+- `concat` (approximate, TurboRAG-style): every chunk's stored KV, re-rotated to its place.
+- `blend` (approximate, CacheBlend-style): `concat`, then the most-deviating share of the
+  context tokens recomputed.
+
+Every function returns an `Assembly`: a cache holding the KV of the prompt's first
+`num_cached` tokens, and what it cost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from ragkv import kv
+from ragkv.blend import blend
+from ragkv.prefix_cache import PrefixCache
+from ragkv.rope import check_supported, shift_positions
+
+
+@dataclass
+class Assembly:
+    cache: object  # transformers cache holding the prompt's first `num_cached` tokens (batch 1)
+    reused_tokens: int = 0  # of those, KV taken from the store or the prefix cache
+    recomputed_tokens: int = 0  # context tokens whose approximate KV was recomputed (blend)
+    prefix_cache_tokens: int = 0  # of the reused, those that came from the in-process prefix cache
+    after_prefill: Callable[[object], None] | None = field(default=None, repr=False)
+
+    @property
+    def num_cached(self) -> int:
+        return kv.num_cached(self.cache)
+
+
+def exact(model, stored: list[torch.Tensor], segments: Sequence[Sequence[int]], prefix_cache: PrefixCache,
+          root: str) -> Assembly:
+    """`stored`: the prefix and first chunk KV from the store. `segments`: the token ids that
+    follow the first chunk, one per further chunk (separator + chunk). Matched segments come
+    from `prefix_cache`; `after_prefill` adds the ones the prefill computes."""
+    match = prefix_cache.match(root, segments)
+    cache = kv.to_cache([*stored, *match.kvs], model.config)
+    reused = sum(kv.num_tokens(t) for t in stored) + match.num_tokens
+    missing = segments[match.num_segments:]
+
+    def remember(filled_cache) -> None:
+        start, kvs = reused, []
+        for ids in missing:
+            kvs.append(kv.from_cache(filled_cache, 0, start, start + len(ids)))
+            start += len(ids)
+        prefix_cache.insert(root, segments, [*match.kvs, *kvs])
+
+    return Assembly(cache, reused, prefix_cache_tokens=match.num_tokens, after_prefill=remember if missing else None)
+
+
+def concat(model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor]) -> Assembly:
+    """`pieces`: KV computed right after `prefix` (stored chunks, and separators between
+    them), placed one after another: each piece's keys move from the position it was
+    computed at to the position it now starts at."""
+    check_supported(model)
+    start = num_prefix = kv.num_tokens(prefix)
+    placed = [prefix]
+    for piece in pieces:
+        placed.append(shift_positions(piece, start - num_prefix, model))
+        start += kv.num_tokens(piece)
+    cache = kv.to_cache(placed, model.config)
+    return Assembly(cache, reused_tokens=start)
+
+
+def blended(model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor], context_ids: Sequence[int],
+            ratio: float) -> Assembly:
+    """`concat`, then recompute `ratio` of the tokens after the prefix (the most deviating)."""
+    assembly = concat(model, prefix, pieces)
+    result = blend(model, assembly.cache, context_ids, kv.num_tokens(prefix), ratio)
+    assembly.recomputed_tokens = result.num_recomputed
+    assembly.reused_tokens -= result.num_recomputed
+    return assembly

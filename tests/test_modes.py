@@ -1,0 +1,96 @@
+"""Several chunks per question: exact (with the in-process prefix cache), concat and blend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ragkv
+from pipelines.compute import compute_chunks, compute_prefix
+from ragkv.errors import InputError, ModelError
+from ragkv.prefix_cache import PrefixCache
+from ragkv.rope import check_supported, shift_positions
+from tests.conftest import QUESTIONS
+
+
+def logit_gap(engine, question, **options) -> float:
+    approx = engine.first_token_logits(question, **options)
+    full = engine.first_token_logits(question, top_k=options.get("top_k", 1), use_cache=False)
+    return (approx - full).abs().max().item()
+
+
+def test_exact_reuses_a_repeated_chunk_combination_from_the_prefix_cache(tiny_store):
+    with ragkv.open(tiny_store, device="cpu") as engine:
+        first = engine.ask(QUESTIONS[0], top_k=3, max_new_tokens=8)
+        again = engine.ask(QUESTIONS[0], top_k=3, max_new_tokens=8)
+        full = engine.ask(QUESTIONS[0], top_k=3, max_new_tokens=8, use_cache=False)
+    assert first.stats.prefix_cache_tokens == 0 and again.stats.prefix_cache_tokens > 0
+    assert again.stats.reused_tokens == first.stats.reused_tokens + again.stats.prefix_cache_tokens
+    assert again.stats.computed_tokens < first.stats.computed_tokens
+    assert first.token_ids == again.token_ids == full.token_ids
+
+
+def test_shifting_keys_matches_computing_them_at_the_new_position(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    chunk = [504, 3458, 314, 18208, 30, 2683, 359]
+    prefix = compute_prefix(model, [1, 9690, 198])
+    longer = compute_prefix(model, [1, 9690, 198, 4093, 198, 17548, 42])  # 4 tokens more before the chunk
+    (at_3,) = compute_chunks(model, prefix, [chunk], 64, 2)
+    (at_7,) = compute_chunks(model, longer, [chunk], 64, 2)
+    moved = shift_positions(at_3.kv, 4, model)
+    assert torch.allclose(moved[0, 0], at_7.kv[0, 0], atol=1e-5)  # layer 0 keys: exact
+    assert torch.equal(moved[:, 1], at_3.kv[:, 1])  # values carry no position
+    assert not torch.allclose(moved[1, 0], at_7.kv[1, 0], atol=1e-5)  # deeper layers saw other tokens
+
+
+def test_concat_of_one_chunk_is_exact_and_blend_of_everything_is_a_full_prefill(tiny_store):
+    with ragkv.open(tiny_store, device="cpu") as engine:
+        for question in QUESTIONS[:2]:
+            assert logit_gap(engine, question, mode="concat") < 1e-4
+            assert logit_gap(engine, question, mode="blend", top_k=3, blend_ratio=1.0) < 1e-4
+            assert logit_gap(engine, question, mode="concat", top_k=3) > 1e-3  # approximate, for real
+
+
+@pytest.mark.parametrize("mode", ["concat", "blend"])
+def test_approximate_modes_answer_and_say_what_they_did(tiny_store, mode):
+    with ragkv.open(tiny_store, device="cpu") as engine:
+        answer = engine.ask(QUESTIONS[0], top_k=3, mode=mode, max_new_tokens=6)
+    stats = answer.stats
+    assert stats.mode == mode and len(answer.sources) == 3
+    assert stats.reused_tokens + stats.recomputed_tokens + stats.computed_tokens == len(answer.prompt_ids)
+    context = len(answer.prompt_ids) - stats.computed_tokens
+    if mode == "blend":
+        assert stats.recomputed_tokens == round(0.15 * (context - len(engine.active.layout.prefix_ids)))
+    else:
+        assert stats.recomputed_tokens == 0
+
+
+def test_unsupported_rotary_embeddings_are_refused(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    model.config.rope_parameters = {"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0}
+    with pytest.raises(ModelError, match="Use --mode exact"):
+        check_supported(model)
+
+
+def test_bad_options_are_named(tiny_store):
+    with ragkv.open(tiny_store, device="cpu") as engine:
+        with pytest.raises(InputError, match="unknown --mode 'fast'"):
+            engine.ask("hi", mode="fast")
+        answer = engine.ask(QUESTIONS[0], top_k=50, max_new_tokens=2)
+        assert len(answer.sources) == 6 and "store holds 6 chunks" in answer.stats.warnings[0]
+
+
+def test_prefix_cache_evicts_by_bytes_and_verifies_tokens():
+    cache = PrefixCache(max_bytes=3 * 400)
+    kv = lambda: torch.zeros(1, 2, 1, 10, 5)  # noqa: E731 - 400 bytes
+    cache.insert("root", [[1], [2], [3]], [kv(), kv(), kv()])
+    assert cache.match("root", [[1], [2], [3]]).num_segments == 3
+    cache.insert("other", [[9]], [kv()])  # evicts the least recently used
+    assert cache.bytes <= 1200 and len(cache) == 3
+    assert cache.match("root", [[1], [2]]).num_segments == 0  # [1] was evicted: the chain breaks there
+    assert cache.match("other", [[9]]).num_segments == 1
+    assert cache.match("root", [[1], [2], [4]]).num_segments == 0
