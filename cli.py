@@ -73,6 +73,11 @@ BatchTokensOption = typer.Option(0, "--batch-tokens", help="Padded tokens per fo
 WaitOption = typer.Option(False, "--wait", help="If another process is writing the store, wait for it instead of failing.")
 QuietOption = typer.Option(False, "--quiet", "-q", help="No progress bars.")
 PathsArgument = typer.Argument(..., help="Files or directories: .txt .md .rst .html .jsonl.")
+ModeOption = typer.Option("exact", "--mode", help="With several chunks: exact (equals a full prefill; the "
+                                                   "first chunk's KV from the store, the rest prefilled), or the "
+                                                   "approximate concat (every chunk's stored KV, re-rotated) and "
+                                                   "blend (concat, then the most-deviating tokens recomputed).")
+BlendRatioOption = typer.Option(0.15, "--blend-ratio", help="blend: share of context tokens recomputed.")
 
 
 def _settings(model, embedder, device, dtype, chunk_tokens, system_prompt, batch_tokens):
@@ -239,6 +244,8 @@ def ask(
     top_k: int = typer.Option(1, "--top-k", "-k", help="Chunks to retrieve; the first comes from the store, the rest are prefilled live."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Most tokens to generate."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Full prefill of the same prompt (to compare with the cached path)."),
+    mode: str = ModeOption,
+    blend_ratio: float = BlendRatioOption,
     json_out: bool = JsonOption,
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Override the model the store was built with."),
     embedder: Optional[str] = typer.Option(None, "--embedder", help="Override the embedder the store was built with."),
@@ -250,7 +257,8 @@ def ask(
     import ragkv
 
     with ragkv.open(store, model=model, embedder=embedder, device=device, dtype=dtype) as engine:
-        stream = engine.stream(question, top_k=top_k, max_new_tokens=max_new_tokens, use_cache=not no_cache)
+        stream = engine.stream(question, top_k=top_k, max_new_tokens=max_new_tokens, use_cache=not no_cache,
+                               mode=mode, blend_ratio=blend_ratio)
         for delta in stream:
             if not json_out:
                 sys.stdout.write(delta)
@@ -263,17 +271,123 @@ def ask(
     _print_answer_footer(answer)
 
 
-def _print_answer_footer(answer) -> None:
+def _print_answer_footer(answer, sources: bool = True) -> None:
     err = lambda text: typer.echo(text, err=True)  # noqa: E731
-    for s in answer.sources:
+    for s in answer.sources if sources else []:
         err(f"source: {s.source} (chunk {s.chunk_index}, score {s.score:.3f})")
     st = answer.stats
     rate = st.generated_tokens / st.decode_s if st.decode_s else 0.0
-    err(f"{st.mode}: {st.reused_tokens} tokens reused, {st.computed_tokens} computed, {st.generated_tokens} generated | "
+    recomputed = f"{st.recomputed_tokens} recomputed, " if st.recomputed_tokens else ""
+    err(f"{st.mode}: {st.reused_tokens} tokens reused, {recomputed}{st.computed_tokens} computed, "
+        f"{st.generated_tokens} generated | "
         f"retrieval {st.retrieval_ms:.0f} ms, KV load {st.kv_load_ms:.0f} ms, prefill {st.prefill_ms:.0f} ms, "
         f"TTFT {st.ttft_s:.2f} s, total {st.total_s:.2f} s ({rate:.1f} tokens/s)")
     for warning in st.warnings:
         err(f"warning: {warning}")
+
+
+@app.command()
+def batch(
+    questions: Path = typer.Argument(..., help='JSONL: one {"id", "question", "doc"?} per line ("doc" pins a document).'),
+    out: Path = typer.Option(..., "--out", "-o", help="Where to write one JSON answer (or error) per line."),
+    store: Path = StoreOption,
+    top_k: int = typer.Option(1, "--top-k", "-k", help="Chunks per question."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Most tokens per answer."),
+    mode: str = ModeOption,
+    blend_ratio: float = BlendRatioOption,
+    max_batch: int = typer.Option(16, "--max-batch", help="Most questions decoded together."),
+    device: str = DeviceOption,
+    json_out: bool = JsonOption,
+    quiet: bool = QuietOption,
+):
+    """Answer a file of questions: group them by the context they share, load it once, and
+    prefill and decode each group's questions as one batch. Each answer equals `ragkv ask`'s."""
+    _quiet_libraries()
+    import time
+
+    import ragkv
+    from pipelines.progress import default_reporter
+    from ragkv.batch import answer_all, read_questions
+    from ragkv.config import AskSettings
+
+    settings = AskSettings(top_k=top_k, max_new_tokens=max_new_tokens, mode=mode, blend_ratio=blend_ratio)
+    items, errors = read_questions(questions)
+    started = time.perf_counter()
+    reporter = default_reporter(quiet or json_out)
+    with ragkv.open(store, device=device) as engine, open(out, "w") as sink:
+        for outcome in errors:
+            sink.write(json.dumps(outcome.to_dict()) + "\n")
+        reporter.stage("questions", len(items), "questions")
+        answered = 0
+        for outcome in answer_all(engine, items, settings, max_batch=max_batch, on_done=reporter.advance):
+            sink.write(json.dumps(outcome.to_dict()) + "\n")
+            answered += outcome.error is None
+            if outcome.error:
+                errors.append(outcome)
+        reporter.done()
+        savings = engine.savings.to_dict()
+    seconds = time.perf_counter() - started
+    summary = {"questions": answered + len(errors), "answered": answered,
+               "errors": [e.error for e in errors], "seconds": round(seconds, 3),
+               "questions_per_s": round(answered / seconds, 3) if seconds else 0.0, "savings": savings}
+    if json_out:
+        typer.echo(json.dumps(summary))
+        return
+    typer.echo(f"{answered} answered, {len(errors)} errors, {seconds:.1f} s ({summary['questions_per_s']} questions/s) "
+               f"-> {out}")
+    for error in errors:
+        typer.echo(f"  {error.error}", err=True)
+    typer.echo(f"prefill: {savings['prompt_tokens']:,} prompt tokens, {savings['prefilled_tokens']:,} prefilled "
+               f"({savings['saved_pct']}% saved over {savings['requests']} requests)")
+
+
+@app.command()
+def chat(
+    store: Path = StoreOption,
+    top_k: int = typer.Option(1, "--top-k", "-k", help="Chunks the first message retrieves (kept for the conversation)."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Most tokens per answer."),
+    mode: str = ModeOption,
+    blend_ratio: float = BlendRatioOption,
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Override the model the store was built with."),
+    device: str = DeviceOption,
+):
+    """An interactive conversation. The first message retrieves its context; every later turn
+    reuses the cache of the whole conversation and prefills only the new message.
+
+    Commands: /reset starts over (and retrieves again), /sources shows the context, /quit (or EOF) ends."""
+    _quiet_libraries()
+    import ragkv
+
+    try:
+        import readline  # noqa: F401 - line editing and history for input()
+    except ImportError:
+        pass
+    with ragkv.open(store, model=model, device=device) as engine:
+        conversation = engine.conversation(top_k=top_k, max_new_tokens=max_new_tokens, mode=mode,
+                                           blend_ratio=blend_ratio)
+        typer.echo("Ask a question (/reset, /sources, /quit).", err=True)
+        while True:
+            try:
+                message = input("> ").strip()
+            except EOFError:
+                break
+            if message in ("/quit", "/exit"):
+                break
+            if message == "/reset":
+                conversation.reset()
+                continue
+            if message == "/sources":
+                for s in conversation.sources:
+                    typer.echo(f"{s.source} (chunk {s.chunk_index}, score {s.score:.3f})", err=True)
+                continue
+            if not message:
+                continue
+            stream = conversation.stream(message)
+            for delta in stream:
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+            typer.echo("")
+            _print_answer_footer(stream.answer, sources=len(conversation.turns) == 1)
 
 
 @app.command()

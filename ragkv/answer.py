@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, field
+from typing import Generator, Iterator
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,16 @@ class Stats:
 
     @property
     def prompt_tokens(self) -> int:
-        return self.reused_tokens + self.computed_tokens
+        return self.reused_tokens + self.recomputed_tokens + self.computed_tokens
+
+    def record(self, done, start: float) -> None:
+        """Take the timings of a finished `ragkv.generate.Generated` started at `start`."""
+        self.prefill_ms = done.prefill_s * 1000.0
+        self.ttft_s = done.first_token_s
+        self.finish_reason = done.finish_reason
+        self.generated_tokens = len(done.token_ids)
+        self.decode_s = done.decode_s
+        self.total_s = time.perf_counter() - start
 
 
 @dataclass
@@ -58,3 +69,36 @@ class Answer:
             "sources": [asdict(s) for s in self.sources],
             "stats": stats,
         }
+
+
+@dataclass
+class Savings:
+    """Cumulative prefill accounting over a run: what a system without a KV store would have
+    prefilled (every prompt token) against what was prefilled (computed + recomputed)."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    prefilled_tokens: int = 0
+
+    def add(self, stats: Stats) -> None:
+        self.requests += 1
+        self.prompt_tokens += stats.prompt_tokens
+        self.prefilled_tokens += stats.computed_tokens + stats.recomputed_tokens
+
+    @property
+    def saved_pct(self) -> float:
+        return 100.0 * (1 - self.prefilled_tokens / self.prompt_tokens) if self.prompt_tokens else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "saved_pct": round(self.saved_pct, 1)}
+
+
+class AnswerStream:
+    """Iterate for text deltas as they are generated; `.answer` holds the `Answer` afterwards."""
+
+    def __init__(self, steps: Generator[str, None, Answer]):
+        self._steps = steps
+        self.answer: Answer | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        self.answer = yield from self._steps

@@ -9,6 +9,8 @@ from typing import Generator, Sequence
 
 import torch
 
+from ragkv import kv
+
 
 @torch.inference_mode()
 def prefill(model, input_ids: Sequence[int], cache) -> torch.Tensor:
@@ -100,3 +102,56 @@ def generate(model, tokenizer, cache, live_ids: Sequence[int], eos_ids: Sequence
         yield tail
     return Generated(text.token_ids, text.text, finish_reason, prefill_s,
                      first_token_s or time.perf_counter() - started, time.perf_counter() - decode_start)
+
+
+@dataclass
+class BatchGenerated:
+    token_ids: list[list[int]]
+    finish_reasons: list[str]
+    prefill_s: float
+    decode_s: float
+
+
+@torch.inference_mode()
+def generate_batch(model, cache, rows: Sequence[Sequence[int]], eos_ids: Sequence[int], max_new_tokens: int,
+                   pad_id: int) -> BatchGenerated:
+    """Greedy answers for several prompts that share the `C` tokens `cache` holds (batch B,
+    one row per prompt): each row's own ids are prefilled right-padded, then all rows decode
+    together. A padding mask hides the pad slots and explicit positions keep every row's
+    tokens where a single-prompt run would put them."""
+    num_rows, num_shared = len(rows), kv.num_cached(cache)
+    lengths = torch.tensor([len(r) for r in rows])
+    longest = int(lengths.max())
+    device = model.device
+    ids = torch.full((num_rows, longest), pad_id, dtype=torch.long)  # (B, N)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(list(row))
+    real = torch.arange(longest)[None, :] < lengths[:, None]  # (B, N)
+    mask = torch.cat([torch.ones(num_rows, num_shared, dtype=torch.long), real.long()], dim=1)  # (B, C + N)
+    prefill_start = time.perf_counter()
+    logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), cache=cache, use_cache=True).logits
+    last = logits[torch.arange(num_rows), lengths - 1]  # (B, V): each row's last real position
+    prefill_s = time.perf_counter() - prefill_start
+
+    eos = torch.tensor(sorted(eos_ids))
+    positions = num_shared + lengths  # (B,) where each row's next token goes
+    outputs: list[list[int]] = [[] for _ in rows]
+    reasons = ["length"] * num_rows
+    running = torch.ones(num_rows, dtype=torch.bool)
+    decode_start = time.perf_counter()
+    for step in range(max_new_tokens):
+        tokens = last.argmax(dim=-1).cpu()  # (B,)
+        finished = running & torch.isin(tokens, eos)
+        for i in finished.nonzero().flatten().tolist():
+            reasons[i] = "stop"
+        running &= ~finished
+        for i in running.nonzero().flatten().tolist():
+            outputs[i].append(int(tokens[i]))
+        if not running.any() or step + 1 == max_new_tokens:
+            break
+        mask = torch.cat([mask, torch.ones(num_rows, 1, dtype=torch.long)], dim=1)  # (B, C + N + step + 1)
+        out = model(input_ids=tokens[:, None].to(device), attention_mask=mask.to(device),
+                    position_ids=positions[:, None].to(device), cache=cache, use_cache=True)
+        last = out.logits[:, -1]
+        positions = positions + 1
+    return BatchGenerated(outputs, reasons, prefill_s, time.perf_counter() - decode_start)

@@ -99,3 +99,8 @@ def layer_deviation(cache, exact: DynamicCache, layer: int, start: int) -> torch
     approx = cache.layers[layer].values[0, :, start:].float()  # (H, T, D)
     truth = exact.layers[layer].values[0, :, start:].float()
     return (approx - truth).norm(dim=(0, 2))
+
+
+def repeat_batch(cache, batch_size: int) -> None:
+    """Turn a batch-1 cache into `batch_size` identical rows, in place."""
+    cache.batch_repeat_interleave(batch_size)

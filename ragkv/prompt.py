@@ -23,6 +23,23 @@ CHUNK_SEPARATOR = "\n\n"
 FALLBACK_TEMPLATE = "{system}\n\n{user}\nAnswer:"  # models without a chat template
 _CONTEXT_MARK = "\x00RAGKV_CONTEXT\x00"
 _QUESTION_MARK = "\x00RAGKV_QUESTION\x00"
+_ANSWER_MARK = "\x00RAGKV_ANSWER\x00"
+_NEXT_MARK = "\x00RAGKV_NEXT\x00"
+
+
+def _turn_head(tokenizer, system_prompt: str, user: str, question_tail: str) -> tuple[int, ...] | None:
+    """The template text between an assistant answer and the next user message, provided
+    every user turn ends the same way (so turns can be appended by ids)."""
+    messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": user},
+                {"role": "assistant", "content": _ANSWER_MARK}, {"role": "user", "content": _NEXT_MARK}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if rendered.count(_ANSWER_MARK) != 1 or rendered.count(_NEXT_MARK) != 1:
+        return None
+    before_answer, after_answer = rendered.split(_ANSWER_MARK)
+    between, tail = after_answer.split(_NEXT_MARK)
+    if not before_answer.endswith(question_tail) or tail != question_tail:
+        return None
+    return tuple(_encode_template(tokenizer, between))
 
 
 def encode_text(tokenizer, text: str) -> list[int]:
@@ -42,6 +59,7 @@ class PromptLayout:
     question_head_ids: tuple[int, ...]
     question_tail_ids: tuple[int, ...]
     template_fingerprint: str  # chat template + context template + system prompt
+    turn_head_ids: tuple[int, ...] | None = None  # after an answer, before the next user message
 
     @classmethod
     def build(cls, tokenizer, system_prompt: str) -> "PromptLayout":
@@ -62,7 +80,15 @@ class PromptLayout:
             question_head_ids=tuple(_encode_template(tokenizer, middle)),
             question_tail_ids=tuple(_encode_template(tokenizer, tail)),
             template_fingerprint=digest(template or FALLBACK_TEMPLATE, CONTEXT_TEMPLATE, CHUNK_SEPARATOR, system_prompt),
+            turn_head_ids=_turn_head(tokenizer, system_prompt, user, tail) if template else None,
         )
+
+    def turn_ids(self, tokenizer, message: str) -> list[int]:
+        """Ids that follow an answer in a conversation: end of that turn, the user's next
+        message, end of turn, answer head."""
+        if self.turn_head_ids is None:
+            raise ModelError("this model has no chat template; multi-turn conversations need one")
+        return [*self.turn_head_ids, *encode_text(tokenizer, message), *self.question_tail_ids]
 
     def question_ids(self, tokenizer, question: str) -> list[int]:
         """Ids that follow the context: question head, the question, end of turn, answer head."""

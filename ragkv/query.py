@@ -7,17 +7,18 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Generator, Iterator
+from typing import Generator
 
 import torch
 
 from ragkv import assemble, kv
 from ragkv.assemble import Assembly
-from ragkv.answer import Answer, Source, Stats
+from ragkv.answer import Answer, AnswerStream, Savings, Source, Stats
 from ragkv.config import AskSettings, resolve_device, resolve_dtype
 from ragkv.embed import Embedder
 from ragkv.errors import InputError, ModelError, StoreCorruptError, StoreEmptyError
-from ragkv.generate import Generated, generate, prefill
+from ragkv.conversation import Conversation
+from ragkv.generate import generate, prefill
 from ragkv.prefix_cache import PrefixCache
 from ragkv.keys import KVKey, Profile
 from ragkv.model import LoadedModel, load_model, model_name
@@ -47,17 +48,6 @@ class _Prepared:
     assembly: Assembly
 
 
-class AnswerStream:
-    """Iterate for text deltas as they are generated; `.answer` holds the `Answer` afterwards."""
-
-    def __init__(self, steps: Generator[str, None, Answer]):
-        self._steps = steps
-        self.answer: Answer | None = None
-
-    def __iter__(self) -> Iterator[str]:
-        self.answer = yield from self._steps
-
-
 class QueryEngine:
     """Answers questions from a store. Loads the model and embedder once; holds the store's
     published generation open (a re-index published later is seen by the next `open`)."""
@@ -76,6 +66,7 @@ class QueryEngine:
         self._prefix_kv: torch.Tensor | None = None  # pinned in memory after the first load
         self._separator: torch.Tensor | None = None
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        self.savings = Savings()  # every answer's prefill accounting, since open
 
     # -- setup ----------------------------------------------------------------------------
     def _load_model(self, name: str | None, dtype: str | None) -> tuple[LoadedModel, ActiveProfile]:
@@ -136,10 +127,16 @@ class QueryEngine:
         return True
 
     # -- the query path -------------------------------------------------------------------
-    def retrieve(self, question: str, top_k: int = 1) -> list[tuple[ContextRow, float]]:
-        """The `top_k` chunks nearest to `question`, best first, with their cosine scores."""
+    def retrieve(self, question: str, top_k: int = 1, doc_id: str | None = None) -> list[tuple[ContextRow, float]]:
+        """The `top_k` chunks nearest to `question`, best first, with their cosine scores;
+        only chunks of document `doc_id` when given."""
+        allowed = None
+        if doc_id is not None:
+            allowed = self.snapshot.catalog.chunk_ids_of(doc_id)
+            if not allowed:
+                raise InputError(f"no document {doc_id!r} in the store")
         vector = self.embedder.embed([question])[0]
-        hits = self.snapshot.vectors.search(vector, top_k)
+        hits = self.snapshot.vectors.search(vector, top_k, allowed)
         rows = self.snapshot.catalog.context_rows(self.active.profile.profile_id, [h.chunk_id for h in hits])
         scores = {h.chunk_id: h.score for h in hits}
         return [(row, scores[row.chunk_id]) for row in rows]
@@ -158,6 +155,10 @@ class QueryEngine:
             raise InputError("the question is empty; ask something")
         return AnswerStream(self._answer(question, settings))
 
+    def conversation(self, settings: AskSettings | None = None, **options) -> Conversation:
+        """A multi-turn conversation: its first message retrieves, later ones reuse the cache."""
+        return Conversation(self, settings or AskSettings.from_dict(options))
+
     def first_token_logits(self, question: str, settings: AskSettings | None = None, **options) -> torch.Tensor:
         """The next-token logits `(V,)` after the prompt, as `ask` would see them (for comparing
         the cached path with a full prefill: exactness tests, fidelity evaluations)."""
@@ -172,7 +173,8 @@ class QueryEngine:
         max_new_tokens = self._fit_budget(len(prepared.prompt_ids), settings.max_new_tokens, stats)
         done = yield from generate(self.lm.model, self.lm.tokenizer, prepared.assembly.cache, prepared.live_ids,
                                    self.lm.facts.eos_ids, max_new_tokens, start, prepared.assembly.after_prefill)
-        _record(stats, done, start)
+        stats.record(done, start)
+        self.savings.add(stats)
         sources = [Source(r.doc_id, r.source, r.chunk_index, r.chunk_id, score) for r, score in prepared.retrieved]
         return Answer(question, done.text, done.token_ids, sources, stats, prepared.prompt_ids)
 
@@ -299,15 +301,6 @@ class QueryEngine:
 
 def _new_stats(settings: AskSettings, generation: int = 0) -> Stats:
     return Stats(mode=settings.mode if settings.use_cache else "full", store_generation=generation)
-
-
-def _record(stats: Stats, done: Generated, start: float) -> None:
-    stats.prefill_ms = done.prefill_s * 1000.0
-    stats.ttft_s = done.first_token_s
-    stats.finish_reason = done.finish_reason
-    stats.generated_tokens = len(done.token_ids)
-    stats.decode_s = done.decode_s
-    stats.total_s = time.perf_counter() - start
 
 
 def _ms(since: float) -> float:

@@ -342,6 +342,10 @@ class Catalog:
                                 [list(chunk_ids)]).fetchall()
         return dict(rows)
 
+    def chunk_ids_of(self, doc_id: str) -> list[int]:
+        return [r[0] for r in self.con.execute("SELECT chunk_id FROM chunks WHERE doc_id = ? ORDER BY chunk_index",
+                                               [doc_id]).fetchall()]
+
     def chunk_ids(self) -> set[int]:
         return {r[0] for r in self.con.execute("SELECT chunk_id FROM chunks").fetchall()}
 

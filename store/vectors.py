@@ -47,9 +47,15 @@ class VectorIndex:
             return 0
         return self.index.remove_ids(np.asarray(chunk_ids, dtype=np.int64))
 
-    def search(self, vector: np.ndarray, k: int) -> list[Hit]:
-        """The `k` nearest chunks to one `(dim,)` query vector, best first."""
-        scores, ids = self.index.search(np.ascontiguousarray(vector.reshape(1, -1), dtype=np.float32), k)
+    def search(self, vector: np.ndarray, k: int, allowed: list[int] | None = None) -> list[Hit]:
+        """The `k` nearest chunks to one `(dim,)` query vector, best first; only chunk ids in
+        `allowed` when given."""
+        query = np.ascontiguousarray(vector.reshape(1, -1), dtype=np.float32)
+        if allowed is None:
+            scores, ids = self.index.search(query, k)
+        else:
+            selector = faiss.IDSelectorBatch(np.asarray(allowed, dtype=np.int64))
+            scores, ids = self.index.search(query, k, params=faiss.SearchParameters(sel=selector))
         return [Hit(int(i), float(s)) for i, s in zip(ids[0], scores[0]) if i >= 0]
 
     def save(self, path: Path) -> None:

@@ -1,0 +1,113 @@
+"""Multi-turn conversations over one retrieved context. The first turn retrieves and loads the
+chunk KV; every later turn keeps the cache of everything before it (system, context, earlier
+questions and answers) and prefills only the new message and the template around it.
+
+The conversation is defined by token ids, answers included as generated, so turn N's cached
+answer equals a full prefill of the whole conversation so far (float32).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Generator
+
+from ragkv import kv
+from ragkv.answer import Answer, AnswerStream, Source, Stats
+from ragkv.config import AskSettings
+from ragkv.errors import InputError
+from ragkv.generate import generate
+
+
+@dataclass
+class Turn:
+    message: str
+    ids: list[int]  # the ids this turn added before its answer (message and template)
+    answer_ids: list[int]
+
+
+class Conversation:
+    """Use `engine.conversation()`; then `ask` (or `stream`) once per user message."""
+
+    def __init__(self, engine, settings: AskSettings):
+        self.engine = engine
+        self.settings = settings
+        self.turns: list[Turn] = []
+        self.context_ids: list[int] = []  # prefix + retrieved chunks
+        self.sources: list[Source] = []
+        self.cache = None  # holds the KV of ids()[:cached length]
+        self._stored_context: int = 0  # leading context tokens whose KV came from the store
+
+    def ids(self) -> list[int]:
+        """The whole conversation so far, as the model sees it."""
+        ids = list(self.context_ids)
+        for turn in self.turns:
+            ids += turn.ids + turn.answer_ids
+        return ids
+
+    def ask(self, message: str, max_new_tokens: int | None = None) -> Answer:
+        stream = self.stream(message, max_new_tokens)
+        for _ in stream:
+            pass
+        return stream.answer
+
+    def stream(self, message: str, max_new_tokens: int | None = None) -> AnswerStream:
+        if not message.strip():
+            raise InputError("the message is empty; say something")
+        return AnswerStream(self._turn(message, max_new_tokens or self.settings.max_new_tokens))
+
+    def reset(self) -> None:
+        """Forget everything: the next message retrieves again."""
+        self.__init__(self.engine, self.settings)
+
+    def _turn(self, message: str, max_new_tokens: int) -> Generator[str, None, Answer]:
+        start = time.perf_counter()
+        engine, layout = self.engine, self.engine.active.layout
+        stats = Stats(mode=self.settings.mode if self.settings.use_cache else "full",
+                      store_generation=engine.snapshot.generation)
+        after_prefill = None
+        if not self.turns:
+            prepared = engine._prepare(message, self.settings, stats)
+            new_ids = layout.question_ids(engine.lm.tokenizer, message)
+            self.context_ids = prepared.prompt_ids[: len(prepared.prompt_ids) - len(new_ids)]
+            self.sources = [Source(r.doc_id, r.source, r.chunk_index, r.chunk_id, s) for r, s in prepared.retrieved]
+            self.cache, after_prefill = prepared.assembly.cache, prepared.assembly.after_prefill
+            self._stored_context = prepared.assembly.num_cached
+        else:
+            new_ids = layout.turn_ids(engine.lm.tokenizer, message)
+            self._fit(len(new_ids) + max_new_tokens, stats)
+        turn = Turn(message, new_ids, [])
+        self.turns.append(turn)
+        conversation = self.ids()
+        cached = kv.num_cached(self.cache)
+        live_ids = conversation[cached:]
+        if len(self.turns) > 1:  # the first turn's counts come from assembling its context
+            stats.reused_tokens = cached
+        stats.computed_tokens = len(live_ids)
+        budget = engine._fit_budget(len(conversation), max_new_tokens, stats)
+        done = yield from generate(engine.lm.model, engine.lm.tokenizer, self.cache, live_ids, engine.lm.facts.eos_ids,
+                                   budget, start, after_prefill)
+        turn.answer_ids = list(done.token_ids)
+        stats.record(done, start)
+        engine.savings.add(stats)
+        return Answer(message, done.text, done.token_ids, self.sources, stats, conversation)
+
+    def _fit(self, needed: int, stats: Stats) -> None:
+        """Drop the oldest turns until the conversation plus `needed` tokens fits the context,
+        then rebuild the cache from the stored context and re-prefill the rest (said in stats)."""
+        room = self.engine.lm.facts.max_context
+        dropped = 0
+        while self.turns and len(self.ids()) + needed > room:
+            self.turns.pop(0)
+            dropped += 1
+        if not dropped:
+            return
+        if self.turns:  # the oldest kept turn now follows the context: it opens with the question head
+            first = self.turns[0]
+            question = first.ids[len(self.engine.active.layout.turn_head_ids):]
+            first.ids = [*self.engine.active.layout.question_head_ids, *question]
+        if len(self.ids()) + needed > room:
+            raise InputError("the context and this message do not fit the model's context; start a new conversation")
+        kv.crop(self.cache, self._stored_context)
+        stats.warnings.append(f"dropped the {dropped} oldest turn(s) to fit the model's context; "
+                              "re-prefilled the rest of the conversation")
