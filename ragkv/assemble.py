@@ -73,9 +73,10 @@ def concat(model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor]) -> Assem
 
 def blended(model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor], context_ids: Sequence[int],
             ratio: float) -> Assembly:
-    """`concat`, then recompute `ratio` of the tokens after the prefix (the most deviating)."""
+    """`concat`, then recompute `ratio` of the tokens after the first chunk (the most deviating
+    ones). The first chunk sits where it was computed, after the prefix only: its KV is exact."""
     assembly = concat(model, prefix, pieces)
-    result = blend(model, assembly.cache, context_ids, kv.num_tokens(prefix), ratio)
+    result = blend(model, assembly.cache, context_ids, kv.num_tokens(prefix) + kv.num_tokens(pieces[0]), ratio)
     assembly.recomputed_tokens = result.num_recomputed
     assembly.reused_tokens -= result.num_recomputed
     return assembly

@@ -43,7 +43,7 @@ def blend(model, cache, context_ids: Sequence[int], start: int, ratio: float) ->
     """Recompute, in place, the KV of the `ratio` share of `context_ids[start:]` that deviates
     most. `cache` holds approximate KV for all of `context_ids` (batch 1)."""
     total = len(context_ids)
-    count = min(total - start, max(1, round(ratio * (total - start)))) if ratio > 0 else 0
+    count = min(total - start, max(1, round(ratio * (total - start)))) if ratio > 0 and total > start else 0
     if count == 0:
         return BlendResult(0)
     ids = torch.tensor([list(context_ids)], dtype=torch.long, device=model.device)  # (1, T)
