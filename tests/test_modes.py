@@ -99,3 +99,19 @@ def test_prefix_cache_evicts_by_bytes_and_verifies_tokens():
     assert cache.match("root", [[1], [2]]).num_segments == 0  # [1] was evicted: the chain breaks there
     assert cache.match("other", [[9]]).num_segments == 1
     assert cache.match("root", [[1], [2], [4]]).num_segments == 0
+
+
+def test_too_many_chunks_for_the_context_are_trimmed_and_said(tiny_llama, tmp_path):
+    from tests.conftest import build_store
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(4):
+        (docs / f"long-{i}.md").write_text(" ".join(f"Line {j} of manual {i} covers valve {j}." for j in range(200)))
+    build_store(docs, tmp_path / "s", str(tiny_llama), chunk_tokens=400)
+    with ragkv.open(tmp_path / "s", device="cpu") as engine:
+        answer = engine.ask("Which manual covers valve 7?", top_k=4, max_new_tokens=4)
+        full = engine.ask("Which manual covers valve 7?", top_k=4, max_new_tokens=4, use_cache=False)
+    assert len(answer.sources) < 4 and any("top_k cut to" in w for w in answer.stats.warnings)
+    assert len(answer.prompt_ids) + 16 <= engine.lm.facts.max_context
+    assert answer.token_ids == full.token_ids
