@@ -49,8 +49,8 @@ class _Prepared:
 
 
 class QueryEngine:
-    """Answers questions from a store. Loads the model and embedder once; holds the store's
-    published generation open (a re-index published later is seen by the next `open`)."""
+    """Answers questions from a store. Loads the model and embedder once; holds one published
+    generation open (and leased) until `refresh()` moves it to a newer one or `close()`."""
 
     def __init__(self, store: Path | str, model: str | None = None, embedder: str | None = None,
                  device: str = "auto", dtype: str | None = None, prefix_cache_bytes: int = 512 << 20):
