@@ -25,6 +25,8 @@ class Stats:
     computed_tokens: int = 0  # prompt tokens prefilled now
     recomputed_tokens: int = 0  # blend: context tokens whose stored KV was recomputed
     prefix_cache_tokens: int = 0  # of the reused, those found in the in-process prefix cache
+    ram_hits: int = 0  # chunk KV found in the engine's RAM tier
+    ram_misses: int = 0  # chunk KV read (and verified) from the store
     generated_tokens: int = 0
     retrieval_ms: float = 0.0  # question embedding + vector search + catalog lookup
     kv_load_ms: float = 0.0  # shard read + checksum + cache assembly

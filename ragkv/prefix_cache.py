@@ -10,13 +10,13 @@ Bounded in bytes; least recently used segments go first.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from ragkv.keys import digest, token_bytes
+from ragkv.lru import ByteLRU
 
 
 @dataclass(frozen=True)
@@ -43,20 +43,25 @@ def chain(root: str, segments: Sequence[Sequence[int]]) -> list[str]:
 
 class PrefixCache:
     def __init__(self, max_bytes: int):
-        self.max_bytes = max_bytes
-        self._entries: OrderedDict[str, tuple[tuple[int, ...], torch.Tensor]] = OrderedDict()
-        self.bytes = 0
-        self.hits = 0
-        self.misses = 0
+        self._lru: ByteLRU[tuple[tuple[int, ...], torch.Tensor]] = ByteLRU(max_bytes)
+        self.hits = 0  # segments found
+        self.misses = 0  # segments looked for and not found
+
+    @property
+    def max_bytes(self) -> int:
+        return self._lru.max_bytes
+
+    @property
+    def bytes(self) -> int:
+        return self._lru.bytes
 
     def match(self, root: str, segments: Sequence[Sequence[int]]) -> PrefixMatch:
         """The KV of the longest run of leading `segments` this cache holds (after `root`)."""
         kvs = []
         for key, ids in zip(chain(root, segments), segments):
-            found = self._entries.get(key)
+            found = self._lru.get(key)
             if found is None or found[0] != tuple(ids):
                 break
-            self._entries.move_to_end(key)
             kvs.append(found[1])
         self.hits += len(kvs)
         self.misses += len(segments) - len(kvs)
@@ -66,14 +71,8 @@ class PrefixCache:
         """Remember `kvs[i]`, the KV of `segments[i]` computed after `root` and the segments
         before it. May evict least recently used entries."""
         for key, ids, kv in zip(chain(root, segments), segments, kvs):
-            size = kv.numel() * kv.element_size()
-            if key in self._entries or size > self.max_bytes:
-                continue
-            self._entries[key] = (tuple(ids), kv)
-            self.bytes += size
-        while self.bytes > self.max_bytes:
-            _, (_, evicted) = self._entries.popitem(last=False)
-            self.bytes -= evicted.numel() * evicted.element_size()
+            if key not in self._lru:
+                self._lru.put(key, (tuple(ids), kv))
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._lru)

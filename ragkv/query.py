@@ -21,6 +21,7 @@ from ragkv.conversation import Conversation
 from ragkv.generate import generate, prefill
 from ragkv.prefix_cache import PrefixCache
 from ragkv.keys import KVKey, Profile
+from ragkv.lru import ByteLRU
 from ragkv.model import LoadedModel, load_model, model_name
 from ragkv.prompt import PromptLayout, encode_text
 from store import ContextRow, StoreSnapshot, open_snapshot
@@ -53,7 +54,8 @@ class QueryEngine:
     generation open (and leased) until `refresh()` moves it to a newer one or `close()`."""
 
     def __init__(self, store: Path | str, model: str | None = None, embedder: str | None = None,
-                 device: str = "auto", dtype: str | None = None, prefix_cache_bytes: int = 512 << 20):
+                 device: str = "auto", dtype: str | None = None, prefix_cache_bytes: int = 512 << 20,
+                 ram_bytes: int = 1 << 30):
         self.snapshot: StoreSnapshot = open_snapshot(store)
         try:
             meta = self.snapshot.catalog.meta()
@@ -66,6 +68,7 @@ class QueryEngine:
         self._prefix_kv: torch.Tensor | None = None  # pinned in memory after the first load
         self._separator: torch.Tensor | None = None
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        self.ram: ByteLRU[torch.Tensor] = ByteLRU(ram_bytes)  # hot chunk KV by key, verified when loaded
         self.savings = Savings()  # every answer's prefill accounting, since open
 
     # -- setup ----------------------------------------------------------------------------
@@ -249,8 +252,7 @@ class QueryEngine:
                     raise StoreCorruptError(f"chunk {row.chunk_id} has no stored KV for this model")
                 if KVKey.for_chunk(profile, row.token_ids).to_string() != row.entry.kv_key:
                     raise StoreCorruptError(f"chunk {row.chunk_id}'s stored KV key does not match its tokens")
-                chunk = self.snapshot.shards.read(row.entry.shard, row.entry.tensor, row.entry.checksum)
-                loaded.append(chunk.to(self.device))
+                loaded.append(self._chunk_kv(row.entry, stats))
             return loaded
         except StoreCorruptError as exc:
             message = f"{exc}; answered with a full prefill instead"
@@ -258,6 +260,18 @@ class QueryEngine:
             stats.mode = "fallback"
             stats.warnings.append(message)
             return None
+
+    def _chunk_kv(self, entry, stats: Stats) -> torch.Tensor:
+        """A chunk's KV from the RAM tier, else from its shard (verified, then kept in RAM)."""
+        kv_tensor = self.ram.get(entry.kv_key)
+        if kv_tensor is not None:
+            stats.ram_hits += 1
+            return kv_tensor
+        stats.ram_misses += 1
+        kv_tensor = self.snapshot.shards.read(entry.shard, entry.tensor, entry.checksum).to(self.device)
+        kv_tensor = kv_tensor.clone() if kv_tensor.device.type == "cpu" else kv_tensor  # own memory, not the mmap
+        self.ram.put(entry.kv_key, kv_tensor)
+        return kv_tensor
 
     def _load_prefix(self) -> torch.Tensor:
         if self._prefix_kv is None:

@@ -115,3 +115,35 @@ def test_too_many_chunks_for_the_context_are_trimmed_and_said(tiny_llama, tmp_pa
     assert len(answer.sources) < 4 and any("top_k cut to" in w for w in answer.stats.warnings)
     assert len(answer.prompt_ids) + 16 <= engine.lm.facts.max_context
     assert answer.token_ids == full.token_ids
+
+
+def test_the_ram_tier_serves_hot_chunks_and_evicts_by_bytes(tiny_store):
+    from ragkv.lru import ByteLRU
+
+    with ragkv.open(tiny_store, device="cpu") as engine:
+        first = engine.ask(QUESTIONS[0], max_new_tokens=6)
+        again = engine.ask(QUESTIONS[0], max_new_tokens=6)
+        assert (first.stats.ram_misses, first.stats.ram_hits) == (1, 0)
+        assert (again.stats.ram_misses, again.stats.ram_hits) == (0, 1)
+        assert again.token_ids == first.token_ids
+        one_chunk = engine.ram.bytes
+        engine.ram = ByteLRU(int(one_chunk * 1.5))  # room for one or two chunks
+        for question in QUESTIONS:  # four different chunks
+            engine.ask(question, max_new_tokens=1)
+        assert engine.ram.bytes <= 1.5 * one_chunk and len(engine.ram) < 4
+        assert engine.ask(QUESTIONS[-1], max_new_tokens=1).stats.ram_hits == 1  # the most recent stays
+
+
+def test_byte_lru_keeps_the_most_recent_within_its_budget():
+    from ragkv.lru import ByteLRU
+
+    lru = ByteLRU(max_bytes=1000)
+    for name in "abc":
+        lru.put(name, torch.zeros(100))  # 400 bytes each
+    assert len(lru) == 2 and "a" not in lru and lru.bytes == 800
+    assert lru.get("b") is not None and lru.get("a") is None
+    lru.put("d", torch.zeros(100))  # evicts c: b was used more recently
+    assert "c" not in lru and "b" in lru
+    lru.put("huge", torch.zeros(1000))  # larger than the budget: not kept, nothing evicted
+    assert "huge" not in lru and len(lru) == 2
+    assert lru.stats()["hits"] == 1 and lru.stats()["misses"] == 1
