@@ -246,6 +246,7 @@ def ask(
     no_cache: bool = typer.Option(False, "--no-cache", help="Full prefill of the same prompt (to compare with the cached path)."),
     mode: str = ModeOption,
     blend_ratio: float = BlendRatioOption,
+    doc: Optional[str] = typer.Option(None, "--doc", help="Retrieve only from this document id."),
     json_out: bool = JsonOption,
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Override the model the store was built with."),
     embedder: Optional[str] = typer.Option(None, "--embedder", help="Override the embedder the store was built with."),
@@ -258,7 +259,7 @@ def ask(
 
     with ragkv.open(store, model=model, embedder=embedder, device=device, dtype=dtype) as engine:
         stream = engine.stream(question, top_k=top_k, max_new_tokens=max_new_tokens, use_cache=not no_cache,
-                               mode=mode, blend_ratio=blend_ratio)
+                               mode=mode, blend_ratio=blend_ratio, doc_id=doc)
         for delta in stream:
             if not json_out:
                 sys.stdout.write(delta)
@@ -280,7 +281,8 @@ def _print_answer_footer(answer, sources: bool = True) -> None:
     recomputed = f"{st.recomputed_tokens} recomputed, " if st.recomputed_tokens else ""
     err(f"{st.mode}: {st.reused_tokens} tokens reused, {recomputed}{st.computed_tokens} computed, "
         f"{st.generated_tokens} generated | "
-        f"retrieval {st.retrieval_ms:.0f} ms, KV load {st.kv_load_ms:.0f} ms, prefill {st.prefill_ms:.0f} ms, "
+        f"retrieval {st.retrieval_ms:.0f} ms, catalog {st.catalog_ms:.0f} ms, KV load {st.kv_load_ms:.0f} ms, "
+        f"prefill {st.prefill_ms:.0f} ms, "
         f"TTFT {st.ttft_s:.2f} s, total {st.total_s:.2f} s ({rate:.1f} tokens/s)")
     for warning in st.warnings:
         err(f"warning: {warning}")

@@ -28,8 +28,11 @@ class Stats:
     ram_hits: int = 0  # chunk KV found in the engine's RAM tier
     ram_misses: int = 0  # chunk KV read (and verified) from the store
     generated_tokens: int = 0
-    retrieval_ms: float = 0.0  # question embedding + vector search + catalog lookup
-    kv_load_ms: float = 0.0  # shard read + checksum + cache assembly
+    retrieval_ms: float = 0.0  # question embedding + vector search
+    catalog_ms: float = 0.0  # catalog lookup of the retrieved chunks and their KV entries
+    kv_load_ms: float = 0.0  # KV read (RAM tier or shard + checksum) + cache assembly
+    kv_read_ms: float = 0.0  # of kv_load: reading (and verifying) stored KV
+    assemble_ms: float = 0.0  # of kv_load: building the cache (re-rotation and blend included)
     prefill_ms: float = 0.0
     ttft_s: float = 0.0  # from the call to the first answer token
     decode_s: float = 0.0

@@ -109,6 +109,7 @@ class AskSettings(_Settings):
     use_cache: bool = True  # False: full prefill of the same prompt, for comparison
     mode: str = "exact"  # how several chunks' KV is used: exact, concat, blend (see ragkv.assemble)
     blend_ratio: float = 0.15  # blend: share of context tokens recomputed
+    doc_id: str | None = None  # retrieve only from this document
 
     def __post_init__(self):
         if self.mode not in MODES:

@@ -24,12 +24,13 @@ from ragkv.keys import KVKey, Profile
 from ragkv.lru import ByteLRU
 from ragkv.model import LoadedModel, load_model, model_name
 from ragkv.prompt import PromptLayout, encode_text
-from store import ContextRow, StoreSnapshot, open_snapshot
+from store import ContextRow, Hit, StoreSnapshot, open_snapshot
 from store.generations import read_current
 
 log = logging.getLogger("ragkv")
 
 MIN_ANSWER_TOKENS = 16  # a prompt must leave at least this much of the context to answer in
+ROW_CACHE_ENTRIES = 100_000  # catalog rows kept per engine (small: text and token ids)
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,9 @@ class QueryEngine:
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self.ram: ByteLRU[torch.Tensor] = ByteLRU(ram_bytes)  # hot chunk KV by key, verified when loaded
         self.savings = Savings()  # every answer's prefill accounting, since open
+        self._row_cache: dict[int, ContextRow] = {}  # catalog rows of the open generation
+        self._workspace = kv.Workspace()  # caches are assembled here (reused memory)
+        self._read_buffers: list[torch.Tensor] = []  # stored KV is read into these (reused memory)
 
     # -- setup ----------------------------------------------------------------------------
     def _load_model(self, name: str | None, dtype: str | None) -> tuple[LoadedModel, ActiveProfile]:
@@ -127,22 +131,32 @@ class QueryEngine:
             raise ModelError(f"the store's new generation no longer holds KV for model {self.lm.facts.name}; reopen it")
         self.snapshot.close()
         self.snapshot = snapshot
+        self._row_cache.clear()
         return True
 
     # -- the query path -------------------------------------------------------------------
     def retrieve(self, question: str, top_k: int = 1, doc_id: str | None = None) -> list[tuple[ContextRow, float]]:
         """The `top_k` chunks nearest to `question`, best first, with their cosine scores;
         only chunks of document `doc_id` when given."""
+        return self._rows(self._search(question, top_k, doc_id))
+
+    def _search(self, question: str, top_k: int, doc_id: str | None) -> list[Hit]:
         allowed = None
         if doc_id is not None:
             allowed = self.snapshot.catalog.chunk_ids_of(doc_id)
             if not allowed:
                 raise InputError(f"no document {doc_id!r} in the store")
-        vector = self.embedder.embed([question])[0]
-        hits = self.snapshot.vectors.search(vector, top_k, allowed)
-        rows = self.snapshot.catalog.context_rows(self.active.profile.profile_id, [h.chunk_id for h in hits])
-        scores = {h.chunk_id: h.score for h in hits}
-        return [(row, scores[row.chunk_id]) for row in rows]
+        return self.snapshot.vectors.search(self.embedder.embed([question])[0], top_k, allowed)
+
+    def _rows(self, hits: list[Hit]) -> list[tuple[ContextRow, float]]:
+        """Catalog rows of the hits; rows are immutable within a generation, so they are kept."""
+        missing = [h.chunk_id for h in hits if h.chunk_id not in self._row_cache]
+        if missing:
+            if len(self._row_cache) > ROW_CACHE_ENTRIES:
+                self._row_cache.clear()
+            for row in self.snapshot.catalog.context_rows(self.active.profile.profile_id, missing):
+                self._row_cache[row.chunk_id] = row
+        return [(self._row_cache[h.chunk_id], h.score) for h in hits if h.chunk_id in self._row_cache]
 
     def ask(self, question: str, settings: AskSettings | None = None, **options) -> Answer:
         """Answer `question` (options as in `AskSettings`: top_k, max_new_tokens, use_cache, mode)."""
@@ -185,12 +199,15 @@ class QueryEngine:
         """Retrieve, build the prompt ids, and assemble what the store holds of it into a cache."""
         start = time.perf_counter()
         layout = self.active.layout
-        retrieved = self.retrieve(question, settings.top_k)
+        hits = self._search(question, settings.top_k, settings.doc_id)
+        stats.retrieval_ms = _ms(start)
+        catalog_start = time.perf_counter()
+        retrieved = self._rows(hits)
+        stats.catalog_ms = _ms(catalog_start)
         if not retrieved:
             raise StoreEmptyError(f"store {self.snapshot.root} returned no chunks for the question")
         if len(retrieved) < settings.top_k:
             stats.warnings.append(f"top_k {settings.top_k} but the store holds {len(retrieved)} chunks")
-        stats.retrieval_ms = _ms(start)
         question_ids = layout.question_ids(self.lm.tokenizer, question)
         retrieved = self._fit_chunks(retrieved, question_ids, stats)
         chunk_ids = [self._chunk_token_ids(row) for row, _ in retrieved]
@@ -219,21 +236,30 @@ class QueryEngine:
         model = self.lm.model
         if not settings.use_cache:
             return Assembly(kv.to_cache_empty(model.config))
+        read_start = time.perf_counter()
         stored = self._load_stored(rows if settings.mode != "exact" else rows[:1], stats)
+        stats.kv_read_ms = _ms(read_start)
         if stored is None:
             return Assembly(kv.to_cache_empty(model.config))
+        assemble_start = time.perf_counter()
+        assembly = self._assemble_mode(stored, rows, chunk_ids, settings)
+        stats.assemble_ms = _ms(assemble_start)
+        return assembly
+
+    def _assemble_mode(self, stored: list[torch.Tensor], rows: list[ContextRow], chunk_ids, settings) -> Assembly:
+        model = self.lm.model
         prefix, chunks = stored[0], stored[1:]
         separator = list(self.active.layout.separator_ids)
         if settings.mode == "exact":
             segments = [separator + list(ids) for ids in chunk_ids[1:]]
-            return assemble.exact(model, stored, segments, self.prefix_cache, root=rows[0].entry.kv_key)
+            return assemble.exact(model, stored, segments, self.prefix_cache, rows[0].entry.kv_key, self._workspace)
         pieces = [chunks[0]]
         for chunk in chunks[1:]:
             pieces += [self._separator_kv(), chunk]
         if settings.mode == "concat":
-            return assemble.concat(model, prefix, pieces)
+            return assemble.concat(model, prefix, pieces, self._workspace)
         context_ids = [*self.active.layout.prefix_ids, *self.active.layout.context_ids(chunk_ids)]
-        return assemble.blended(model, prefix, pieces, context_ids, settings.blend_ratio)
+        return assemble.blended(model, prefix, pieces, context_ids, settings.blend_ratio, self._workspace)
 
     def _chunk_token_ids(self, row: ContextRow) -> tuple[int, ...]:
         if row.token_ids is not None:
@@ -247,12 +273,12 @@ class QueryEngine:
         profile = self.active.profile
         try:
             loaded = [self._load_prefix()]
-            for row in rows:
+            for index, row in enumerate(rows):
                 if row.entry is None or row.token_ids is None:
                     raise StoreCorruptError(f"chunk {row.chunk_id} has no stored KV for this model")
                 if KVKey.for_chunk(profile, row.token_ids).to_string() != row.entry.kv_key:
                     raise StoreCorruptError(f"chunk {row.chunk_id}'s stored KV key does not match its tokens")
-                loaded.append(self._chunk_kv(row.entry, stats))
+                loaded.append(self._chunk_kv(row.entry, stats, index))
             return loaded
         except StoreCorruptError as exc:
             message = f"{exc}; answered with a full prefill instead"
@@ -261,17 +287,28 @@ class QueryEngine:
             stats.warnings.append(message)
             return None
 
-    def _chunk_kv(self, entry, stats: Stats) -> torch.Tensor:
-        """A chunk's KV from the RAM tier, else from its shard (verified, then kept in RAM)."""
+    def _chunk_kv(self, entry, stats: Stats, slot: int) -> torch.Tensor:
+        """A chunk's KV from the RAM tier, else read (and verified) from its shard into read
+        buffer `slot` (valid until the next request assembles), then kept in the RAM tier."""
         kv_tensor = self.ram.get(entry.kv_key)
         if kv_tensor is not None:
             stats.ram_hits += 1
             return kv_tensor
         stats.ram_misses += 1
-        kv_tensor = self.snapshot.shards.read(entry.shard, entry.tensor, entry.checksum).to(self.device)
-        kv_tensor = kv_tensor.clone() if kv_tensor.device.type == "cpu" else kv_tensor  # own memory, not the mmap
-        self.ram.put(entry.kv_key, kv_tensor)
+        buffer = self._read_buffer(slot, entry.nbytes) if entry.nbytes else None
+        kv_tensor = self.snapshot.shards.read(entry.shard, entry.tensor, entry.checksum, out=buffer).to(self.device)
+        if kv_tensor.numel() * kv_tensor.element_size() <= self.ram.max_bytes:
+            kv_tensor = kv_tensor.clone() if kv_tensor.device.type == "cpu" else kv_tensor  # own memory
+            self.ram.put(entry.kv_key, kv_tensor)
         return kv_tensor
+
+    def _read_buffer(self, slot: int, size: int) -> torch.Tensor:
+        """Reused host memory to read stored KV into: one buffer per chunk of a request."""
+        while len(self._read_buffers) <= slot:
+            self._read_buffers.append(torch.empty(0, dtype=torch.uint8))
+        if self._read_buffers[slot].numel() < size:
+            self._read_buffers[slot] = torch.empty(size, dtype=torch.uint8)
+        return self._read_buffers[slot]
 
     def _load_prefix(self) -> torch.Tensor:
         if self._prefix_kv is None:

@@ -47,7 +47,7 @@ _MIGRATIONS: list[tuple[str, str]] = [
 ]
 
 
-_ENTRY_COLUMNS = "e.kv_key, e.shard, e.tensor, e.num_tokens, e.dtype, e.checksum"
+_ENTRY_COLUMNS = "e.kv_key, e.shard, e.tensor, e.num_tokens, e.dtype, e.checksum, e.nbytes"
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,7 @@ class EntryRow:
     num_tokens: int
     dtype: str
     checksum: str
+    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -372,7 +373,7 @@ class Catalog:
         rows = self.con.execute(
             """
             SELECT c.chunk_id, c.doc_id, d.source, c.chunk_index, c.text, k.token_ids,
-                   e.kv_key, e.shard, e.tensor, e.num_tokens, e.dtype, e.checksum
+                   e.kv_key, e.shard, e.tensor, e.num_tokens, e.dtype, e.checksum, e.nbytes
             FROM chunks c JOIN documents d USING (doc_id)
             LEFT JOIN chunk_kv k ON k.chunk_id = c.chunk_id AND k.profile_id = ?
             LEFT JOIN kv_entries e ON e.kv_key = k.kv_key
