@@ -69,6 +69,8 @@ DtypeOption = typer.Option("auto", "--dtype", help="KV dtype, part of the cache 
 ChunkTokensOption = typer.Option(512, "--chunk-tokens", help="Most LLM tokens per chunk.")
 SystemPromptOption = typer.Option(DEFAULT_SYSTEM_PROMPT, "--system-prompt",
                                   help="System prompt, computed once and part of every cache key.")
+KvDtypeOption = typer.Option("auto", "--kv-dtype", help="How KV is stored: auto (as computed: lossless), or "
+                             "bfloat16, float16, int8 (smaller, approximate, named in every answer's stats).")
 BatchTokensOption = typer.Option(0, "--batch-tokens", help="Padded tokens per forward (0: 2048 on CPU, 16384 on CUDA).")
 WaitOption = typer.Option(False, "--wait", help="If another process is writing the store, wait for it instead of failing.")
 QuietOption = typer.Option(False, "--quiet", "-q", help="No progress bars.")
@@ -80,11 +82,12 @@ ModeOption = typer.Option("exact", "--mode", help="With several chunks: exact (e
 BlendRatioOption = typer.Option(0.15, "--blend-ratio", help="blend: share of context tokens recomputed.")
 
 
-def _settings(model, embedder, device, dtype, chunk_tokens, system_prompt, batch_tokens):
+def _settings(model, embedder, device, dtype, chunk_tokens, system_prompt, batch_tokens, kv_dtype):
     from ragkv.config import IngestSettings, ModelSettings
 
     return (ModelSettings(model=model, embedder=embedder, device=device, dtype=dtype),
-            IngestSettings(chunk_tokens=chunk_tokens, system_prompt=system_prompt, batch_tokens=batch_tokens))
+            IngestSettings(chunk_tokens=chunk_tokens, system_prompt=system_prompt, batch_tokens=batch_tokens,
+                           kv_dtype=kv_dtype))
 
 
 @app.command()
@@ -98,6 +101,7 @@ def ingest(
     chunk_tokens: int = ChunkTokensOption,
     system_prompt: str = SystemPromptOption,
     batch_tokens: int = BatchTokensOption,
+    kv_dtype: str = KvDtypeOption,
     prune: bool = typer.Option(False, "--prune", help="Also remove stored documents that are not under PATHS."),
     wait: bool = WaitOption,
     json_out: bool = JsonOption,
@@ -108,7 +112,8 @@ def ingest(
     import ragkv
     from pipelines.progress import default_reporter
 
-    model_settings, settings = _settings(model, embedder, device, dtype, chunk_tokens, system_prompt, batch_tokens)
+    model_settings, settings = _settings(model, embedder, device, dtype, chunk_tokens, system_prompt, batch_tokens,
+                                         kv_dtype)
     report = ragkv.ingest(paths, store, model=model_settings, settings=settings,
                           reporter=default_reporter(quiet or json_out), wait=wait, prune=prune)
     if json_out:
@@ -143,6 +148,7 @@ def reindex(
     chunk_tokens: int = ChunkTokensOption,
     system_prompt: str = SystemPromptOption,
     batch_tokens: int = BatchTokensOption,
+    kv_dtype: str = KvDtypeOption,
     gc: bool = typer.Option(True, "--gc/--no-gc", help="Reclaim space of retired KV afterwards."),
     check: bool = typer.Option(True, "--verify/--no-verify", help="Verify every entry afterwards."),
     report_file: Optional[Path] = typer.Option(None, "--report", help="Also write the JSON report to this file."),
@@ -157,7 +163,8 @@ def reindex(
     from pipelines.nightly import run_nightly
     from pipelines.progress import default_reporter
 
-    model_settings, settings = _settings(model, embedder, device, dtype, chunk_tokens, system_prompt, batch_tokens)
+    model_settings, settings = _settings(model, embedder, device, dtype, chunk_tokens, system_prompt, batch_tokens,
+                                         kv_dtype)
     report = run_nightly(paths, store, model=model_settings, settings=settings, gc=gc, check=check, wait=wait,
                          reporter=default_reporter(quiet or json_out))
     if report_file:
@@ -251,13 +258,14 @@ def ask(
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Override the model the store was built with."),
     embedder: Optional[str] = typer.Option(None, "--embedder", help="Override the embedder the store was built with."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Which of the store's dtypes to use (default: the last ingested)."),
+    kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="Which stored KV form to use when the store holds several."),
     device: str = DeviceOption,
 ):
     """Answer a question from the store: retrieve, load the chunk's KV, prefill only the question."""
     _quiet_libraries()
     import ragkv
 
-    with ragkv.open(store, model=model, embedder=embedder, device=device, dtype=dtype) as engine:
+    with ragkv.open(store, model=model, embedder=embedder, device=device, dtype=dtype, kv_dtype=kv_dtype) as engine:
         stream = engine.stream(question, top_k=top_k, max_new_tokens=max_new_tokens, use_cache=not no_cache,
                                mode=mode, blend_ratio=blend_ratio, doc_id=doc)
         for delta in stream:
@@ -279,7 +287,8 @@ def _print_answer_footer(answer, sources: bool = True) -> None:
     st = answer.stats
     rate = st.generated_tokens / st.decode_s if st.decode_s else 0.0
     recomputed = f"{st.recomputed_tokens} recomputed, " if st.recomputed_tokens else ""
-    err(f"{st.mode}: {st.reused_tokens} tokens reused, {recomputed}{st.computed_tokens} computed, "
+    stored_as = f" (KV stored as {st.kv_quant}: approximate)" if st.kv_quant != "none" else ""
+    err(f"{st.mode}{stored_as}: {st.reused_tokens} tokens reused, {recomputed}{st.computed_tokens} computed, "
         f"{st.generated_tokens} generated | "
         f"retrieval {st.retrieval_ms:.0f} ms, catalog {st.catalog_ms:.0f} ms, KV load {st.kv_load_ms:.0f} ms, "
         f"prefill {st.prefill_ms:.0f} ms, "

@@ -17,6 +17,7 @@ from pipelines.compute import compute_chunks, compute_prefix, shard_metadata
 from pipelines.plan import DocumentPlan, content_hash, plan_documents
 from pipelines.progress import Reporter
 from pipelines.read import Document, Skipped, read_documents
+from ragkv import codec
 from ragkv.config import IngestSettings, ModelSettings
 from ragkv.embed import Embedder
 from ragkv.errors import InputError, ModelError
@@ -87,7 +88,7 @@ def ingest(paths: Sequence[Path | str], store: Path | str, model: ModelSettings 
     layout = PromptLayout.build(lm.tokenizer, settings.system_prompt)
     _check_fits(lm, layout, settings.chunk_tokens)
     profile = Profile(lm.facts.fingerprint, lm.facts.tokenizer_fingerprint, layout.template_fingerprint,
-                      layout.prefix_ids, model.dtype)
+                      layout.prefix_ids, model.dtype, codec.kv_quant(settings.kv_dtype, model.dtype))
     report = IngestReport(str(store), model=lm.facts.name, dtype=model.dtype, device=model.device, skipped=found.skipped)
     try:
         with StoreWriter(store, wait=wait) as writer:
@@ -211,11 +212,12 @@ def _compute_and_store(writer: StoreWriter, pending: list[PendingChunk], lm: Loa
     compute_started = time.perf_counter()
     prefix_kv = compute_prefix(lm.model, profile.prefix_ids)
     if prefix_key not in stored:
-        catalog.add_entries(profile.profile_id, shards.add(prefix_key, prefix_kv) + shards.flush(), {prefix_key})
+        sealed = shards.add(prefix_key, codec.encode(prefix_kv, profile.kv_quant)) + shards.flush()
+        catalog.add_entries(profile.profile_id, sealed, {prefix_key})
     batch_tokens = settings.batch_tokens_for(lm.device)
     for result in compute_chunks(lm.model, prefix_kv, [p.token_ids for p in work], batch_tokens, lm.pad_id):
         chunk = work[result.index]
-        sealed = shards.add(chunk.key, result.kv)
+        sealed = shards.add(chunk.key, codec.encode(result.kv, profile.kv_quant))
         if sealed:
             catalog.add_entries(profile.profile_id, sealed)
         report.kv_computed += 1

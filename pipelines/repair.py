@@ -9,6 +9,7 @@ from pathlib import Path
 import faiss
 
 from pipelines.compute import compute_chunks, compute_prefix, shard_metadata
+from ragkv import codec
 from ragkv.config import IngestSettings
 from ragkv.embed import Embedder
 from ragkv.errors import ModelError
@@ -66,14 +67,15 @@ def _recompute(writer: StoreWriter, profile_id: str, keys: list[str], device: st
     shards = writer.shard_writer(IngestSettings().shard_bytes, shard_metadata(profile_id, row["model_name"], row["dtype"]))
     prefix_key = KVKey.prefix_of(profile_id).to_string()
     prefix_kv = compute_prefix(lm.model, row["prefix_ids"])
-    sealed = shards.add(prefix_key, prefix_kv) if prefix_key in keys else []
+    quant = row["kv_quant"]
+    sealed = shards.add(prefix_key, codec.encode(prefix_kv, quant)) if prefix_key in keys else []
     chunk_keys = [k for k in keys if k != prefix_key and catalog.token_ids_of(k) is not None]
     unused = [k for k in keys if k != prefix_key and k not in chunk_keys]
     catalog.delete_entries(unused)
     report.entries_dropped += len(unused)
     token_ids = [catalog.token_ids_of(k) for k in chunk_keys]
     for result in compute_chunks(lm.model, prefix_kv, token_ids, IngestSettings().batch_tokens_for(device), lm.pad_id):
-        sealed += shards.add(chunk_keys[result.index], result.kv)
+        sealed += shards.add(chunk_keys[result.index], codec.encode(result.kv, quant))
     sealed += shards.flush()
     catalog.delete_entries(e.name for e in sealed)
     catalog.add_entries(profile_id, sealed, {prefix_key})

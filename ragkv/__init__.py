@@ -26,11 +26,12 @@ __all__ = [
 ]
 
 
-def open(store, model=None, embedder=None, device="auto", dtype=None):  # noqa: A001 - the API's verb
-    """Open a store for questions: `ragkv.open("./kvstore").ask("...")`. See `QueryEngine`."""
+def open(store, model=None, embedder=None, device="auto", dtype=None, **options):  # noqa: A001 - the API's verb
+    """Open a store for questions: `ragkv.open("./kvstore").ask("...")`. Options as for
+    `QueryEngine` (kv_dtype, ram_bytes, prefix_cache_bytes)."""
     from ragkv.query import QueryEngine
 
-    return QueryEngine(store, model=model, embedder=embedder, device=device, dtype=dtype)
+    return QueryEngine(store, model=model, embedder=embedder, device=device, dtype=dtype, **options)
 
 
 def ingest(paths, store, model=None, settings=None, reporter=None, wait=False, prune=False):

@@ -38,12 +38,12 @@ class Assembly:
 
 
 def exact(model, stored: list[torch.Tensor], segments: Sequence[Sequence[int]], prefix_cache: PrefixCache,
-          root: str, workspace: kv.Workspace | None = None) -> Assembly:
+          root: str) -> Assembly:
     """`stored`: the prefix and first chunk KV from the store. `segments`: the token ids that
     follow the first chunk, one per further chunk (separator + chunk). Matched segments come
     from `prefix_cache`; `after_prefill` adds the ones the prefill computes."""
     match = prefix_cache.match(root, segments)
-    cache = kv.to_cache([*stored, *match.kvs], model.config, workspace=workspace)
+    cache = kv.to_cache([*stored, *match.kvs], model.config)
     reused = sum(kv.num_tokens(t) for t in stored) + match.num_tokens
     missing = segments[match.num_segments:]
 
@@ -57,8 +57,7 @@ def exact(model, stored: list[torch.Tensor], segments: Sequence[Sequence[int]], 
     return Assembly(cache, reused, prefix_cache_tokens=match.num_tokens, after_prefill=remember if missing else None)
 
 
-def concat(model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor], workspace: kv.Workspace | None = None
-           ) -> Assembly:
+def concat(model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor]) -> Assembly:
     """`pieces`: KV computed right after `prefix` (stored chunks, and separators between
     them), placed one after another: each piece's keys move from the position it was
     computed at to the position it now starts at."""
@@ -68,15 +67,15 @@ def concat(model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor], workspac
     for piece in pieces:
         placed.append(shift_positions(piece, start - num_prefix, model))
         start += kv.num_tokens(piece)
-    cache = kv.to_cache(placed, model.config, workspace=workspace)
+    cache = kv.to_cache(placed, model.config)
     return Assembly(cache, reused_tokens=start)
 
 
 def blended(model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor], context_ids: Sequence[int],
-            ratio: float, workspace: kv.Workspace | None = None) -> Assembly:
+            ratio: float) -> Assembly:
     """`concat`, then recompute `ratio` of the tokens after the first chunk (the most deviating
     ones). The first chunk sits where it was computed, after the prefix only: its KV is exact."""
-    assembly = concat(model, prefix, pieces, workspace)
+    assembly = concat(model, prefix, pieces)
     result = blend(model, assembly.cache, context_ids, kv.num_tokens(prefix) + kv.num_tokens(pieces[0]), ratio)
     assembly.recomputed_tokens = result.num_recomputed
     assembly.reused_tokens -= result.num_recomputed

@@ -23,6 +23,7 @@ DEFAULT_SYSTEM_PROMPT = (
 DEFAULT_STORE = "./kvstore"
 DTYPES = ("float32", "bfloat16", "float16")
 MODES = ("exact", "concat", "blend")
+KV_DTYPES = ("auto", "bfloat16", "float16", "int8")  # see ragkv.codec
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -87,12 +88,15 @@ class IngestSettings(_Settings):
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     batch_tokens: int = 0  # padded tokens per forward; 0 picks by device
     shard_bytes: int = 256 << 20  # seal a shard once it holds this many bytes
+    kv_dtype: str = "auto"  # how KV is stored: auto (as computed, lossless) or bfloat16/float16/int8 (approximate)
 
     def __post_init__(self):
         if self.chunk_tokens < 16:
             raise InputError(f"--chunk-tokens must be at least 16, got {self.chunk_tokens}")
         if self.batch_tokens < 0:
             raise InputError(f"--batch-tokens must be positive (or 0 for automatic), got {self.batch_tokens}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise InputError(f"unknown --kv-dtype {self.kv_dtype!r}; use one of {', '.join(KV_DTYPES)}")
         if self.shard_bytes < 1:
             raise InputError(f"shard_bytes must be positive, got {self.shard_bytes}")
 

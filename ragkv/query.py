@@ -11,7 +11,7 @@ from typing import Generator
 
 import torch
 
-from ragkv import assemble, kv
+from ragkv import assemble, codec, kv
 from ragkv.assemble import Assembly
 from ragkv.answer import Answer, AnswerStream, Savings, Source, Stats
 from ragkv.config import AskSettings, resolve_device, resolve_dtype
@@ -55,13 +55,13 @@ class QueryEngine:
     generation open (and leased) until `refresh()` moves it to a newer one or `close()`."""
 
     def __init__(self, store: Path | str, model: str | None = None, embedder: str | None = None,
-                 device: str = "auto", dtype: str | None = None, prefix_cache_bytes: int = 512 << 20,
-                 ram_bytes: int = 1 << 30):
+                 device: str = "auto", dtype: str | None = None, kv_dtype: str | None = None,
+                 prefix_cache_bytes: int = 512 << 20, ram_bytes: int = 1 << 30):
         self.snapshot: StoreSnapshot = open_snapshot(store)
         try:
             meta = self.snapshot.catalog.meta()
             self.device = resolve_device(device)
-            self.lm, self.active = self._load_model(model, dtype)
+            self.lm, self.active = self._load_model(model, dtype, kv_dtype)
             self.embedder = self._load_embedder(embedder or meta["embedder"], meta)
         except BaseException:
             self.snapshot.close()
@@ -72,11 +72,10 @@ class QueryEngine:
         self.ram: ByteLRU[torch.Tensor] = ByteLRU(ram_bytes)  # hot chunk KV by key, verified when loaded
         self.savings = Savings()  # every answer's prefill accounting, since open
         self._row_cache: dict[int, ContextRow] = {}  # catalog rows of the open generation
-        self._workspace = kv.Workspace()  # caches are assembled here (reused memory)
         self._read_buffers: list[torch.Tensor] = []  # stored KV is read into these (reused memory)
 
     # -- setup ----------------------------------------------------------------------------
-    def _load_model(self, name: str | None, dtype: str | None) -> tuple[LoadedModel, ActiveProfile]:
+    def _load_model(self, name: str | None, dtype: str | None, kv_dtype: str | None) -> tuple[LoadedModel, ActiveProfile]:
         rows = self.snapshot.catalog.profiles()
         if not rows:
             raise StoreEmptyError(f"store {self.snapshot.root} holds no KV; add documents with: ragkv ingest DOCS")
@@ -86,11 +85,13 @@ class QueryEngine:
         same_name = [r for r in rows if r["model_name"] == name]
         dtype = resolve_dtype(dtype, self.device) if dtype else (same_name[0]["dtype"] if same_name else default["dtype"])
         lm = load_model(name, self.device, dtype)
-        candidates = [r for r in rows if r["model_fingerprint"] == lm.facts.fingerprint and r["dtype"] == dtype]
+        candidates = [r for r in rows if r["model_fingerprint"] == lm.facts.fingerprint and r["dtype"] == dtype
+                      and (kv_dtype is None or r["kv_quant"] == codec.kv_quant(kv_dtype, dtype))]
         if not candidates:
-            held = ", ".join(sorted({f"{r['model_name']} ({r['dtype']})" for r in rows}))
+            held = ", ".join(sorted({f"{r['model_name']} ({r['dtype']}, KV {r['kv_quant']})" for r in rows}))
             raise ModelError(
-                f"store {self.snapshot.root} has no KV for model {name} in {dtype} (it holds: {held}); "
+                f"store {self.snapshot.root} has no KV for model {name} in {dtype}"
+                f"{f' stored as {kv_dtype}' if kv_dtype else ''} (it holds: {held}); "
                 f"ingest with --model {name} --dtype {dtype}, or omit --model"
             )
         row = next((r for r in candidates if r["profile_id"] == last), candidates[0])
@@ -236,6 +237,7 @@ class QueryEngine:
         model = self.lm.model
         if not settings.use_cache:
             return Assembly(kv.to_cache_empty(model.config))
+        stats.kv_quant = self.active.profile.kv_quant
         read_start = time.perf_counter()
         stored = self._load_stored(rows if settings.mode != "exact" else rows[:1], stats)
         stats.kv_read_ms = _ms(read_start)
@@ -252,14 +254,14 @@ class QueryEngine:
         separator = list(self.active.layout.separator_ids)
         if settings.mode == "exact":
             segments = [separator + list(ids) for ids in chunk_ids[1:]]
-            return assemble.exact(model, stored, segments, self.prefix_cache, rows[0].entry.kv_key, self._workspace)
+            return assemble.exact(model, stored, segments, self.prefix_cache, rows[0].entry.kv_key)
         pieces = [chunks[0]]
         for chunk in chunks[1:]:
             pieces += [self._separator_kv(), chunk]
         if settings.mode == "concat":
-            return assemble.concat(model, prefix, pieces, self._workspace)
+            return assemble.concat(model, prefix, pieces)
         context_ids = [*self.active.layout.prefix_ids, *self.active.layout.context_ids(chunk_ids)]
-        return assemble.blended(model, prefix, pieces, context_ids, settings.blend_ratio, self._workspace)
+        return assemble.blended(model, prefix, pieces, context_ids, settings.blend_ratio)
 
     def _chunk_token_ids(self, row: ContextRow) -> tuple[int, ...]:
         if row.token_ids is not None:
@@ -295,8 +297,9 @@ class QueryEngine:
             stats.ram_hits += 1
             return kv_tensor
         stats.ram_misses += 1
-        buffer = self._read_buffer(slot, entry.nbytes) if entry.nbytes else None
-        kv_tensor = self.snapshot.shards.read(entry.shard, entry.tensor, entry.checksum, out=buffer).to(self.device)
+        buffer = self._read_buffer(slot, entry.nbytes + 64) if entry.nbytes else None  # + alignment of parts
+        parts = self.snapshot.shards.read_parts(entry.shard, entry.tensor, entry.checksum, out=buffer)
+        kv_tensor = codec.decode(parts, self.lm.model.dtype).to(self.device)
         if kv_tensor.numel() * kv_tensor.element_size() <= self.ram.max_bytes:
             kv_tensor = kv_tensor.clone() if kv_tensor.device.type == "cpu" else kv_tensor  # own memory
             self.ram.put(entry.kv_key, kv_tensor)
@@ -316,7 +319,8 @@ class QueryEngine:
             entry = self.snapshot.catalog.entry(key)
             if entry is None:
                 raise StoreCorruptError("the system-prompt KV is missing from the store")
-            self._prefix_kv = self.snapshot.shards.read(entry.shard, entry.tensor, entry.checksum).to(self.device)
+            parts = self.snapshot.shards.read_parts(entry.shard, entry.tensor, entry.checksum)
+            self._prefix_kv = codec.decode(parts, self.lm.model.dtype).to(self.device)
         return self._prefix_kv
 
     def _separator_kv(self) -> torch.Tensor:

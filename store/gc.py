@@ -70,7 +70,7 @@ def _rewrite_sparse_shards(writer: StoreWriter, rewrite_below: float) -> int:
     for shard in sparse:
         for entry in catalog.entries_in(shard):
             try:
-                sealed += shards.add(entry.kv_key, reader.read(shard, entry.tensor, entry.checksum))
+                sealed += shards.add(entry.kv_key, reader.read_parts(shard, entry.tensor, entry.checksum))
             except StoreCorruptError:
                 continue  # left where it is, for `verify --repair` to see and fix
     sealed += shards.flush()

@@ -30,10 +30,29 @@ SHARD_SUFFIX = ".safetensors"
 _SHARD_NAME = re.compile(r"^[0-9a-f]{32}\.safetensors$")
 
 
-def checksum(tensor: torch.Tensor) -> str:
-    """xxh3-64 of the tensor's raw bytes (any dtype), as hex."""
-    raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-    return xxhash.xxh3_64_hexdigest(raw)
+PART_SEPARATOR = "#"  # an entry's extra tensors (e.g. int8 scales) are stored as f"{name}#{part}"
+
+
+def _raw(tensor: torch.Tensor):
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def checksum(tensor: torch.Tensor | dict[str, torch.Tensor]) -> str:
+    """xxh3-64 of an entry's raw bytes (any dtype; a dict's parts in name order), as hex."""
+    parts = tensor if isinstance(tensor, dict) else {"": tensor}
+    digest = xxhash.xxh3_64()
+    for part in sorted(parts):
+        digest.update(_raw(parts[part]))
+    return digest.hexdigest()
+
+
+def _as_parts(kv: torch.Tensor | dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    parts = kv if isinstance(kv, dict) else {"": kv}
+    return {part: t.detach().cpu().contiguous() for part, t in parts.items()}
+
+
+def _stored_name(name: str, part: str) -> str:
+    return f"{name}{PART_SEPARATOR}{part}" if part else name
 
 
 def is_shard_name(name: str) -> bool:
@@ -61,9 +80,10 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _entry(name: str, shard: str, kv: torch.Tensor, digest: str) -> SealedEntry:
-    return SealedEntry(name=name, shard=shard, num_tokens=kv.shape[3], dtype=str(kv.dtype).removeprefix("torch."),
-                       nbytes=kv.numel() * kv.element_size(), checksum=digest)
+def _entry(name: str, shard: str, parts: dict[str, torch.Tensor], digest: str) -> SealedEntry:
+    data = parts[""]
+    return SealedEntry(name=name, shard=shard, num_tokens=data.shape[3], dtype=str(data.dtype).removeprefix("torch."),
+                       nbytes=sum(t.numel() * t.element_size() for t in parts.values()), checksum=digest)
 
 
 class ShardWriter:
@@ -74,16 +94,18 @@ class ShardWriter:
         self.shard_dir = shard_dir
         self.max_bytes = max_bytes
         self.metadata = {"format": "ragkv-kv-shard", "format_version": SHARD_FORMAT, **metadata}
-        self._pending: dict[str, torch.Tensor] = {}
+        self._pending: dict[str, dict[str, torch.Tensor]] = {}
         self._pending_bytes = 0
         shard_dir.mkdir(parents=True, exist_ok=True)
 
-    def add(self, name: str, kv: torch.Tensor) -> list[SealedEntry]:
-        """Queue one entry (`kv`: `(L, 2, H, T, D)`); seals the shard once it is full enough."""
+    def add(self, name: str, kv: torch.Tensor | dict[str, torch.Tensor]) -> list[SealedEntry]:
+        """Queue one entry: a canonical `(L, 2, H, T, D)` tensor, or its encoded parts ("" the
+        data, others e.g. scales). Seals the shard once it is full enough."""
         if name in self._pending:
             return []
-        self._pending[name] = kv.detach().cpu().contiguous()
-        self._pending_bytes += kv.numel() * kv.element_size()
+        parts = _as_parts(kv)
+        self._pending[name] = parts
+        self._pending_bytes += sum(t.numel() * t.element_size() for t in parts.values())
         return self.flush() if self._pending_bytes >= self.max_bytes else []
 
     def flush(self) -> list[SealedEntry]:
@@ -93,10 +115,11 @@ class ShardWriter:
         shard = f"{uuid.uuid4().hex}{SHARD_SUFFIX}"
         final = self.shard_dir / shard
         tmp = self.shard_dir / f".{shard}.tmp"
-        digests = {name: checksum(kv) for name, kv in self._pending.items()}
+        digests = {name: checksum(parts) for name, parts in self._pending.items()}
+        tensors = {_stored_name(name, part): t for name, parts in self._pending.items() for part, t in parts.items()}
         try:
             try:
-                save_file(self._pending, str(tmp), metadata={**self.metadata, "checksums": json.dumps(digests)})
+                save_file(tensors, str(tmp), metadata={**self.metadata, "checksums": json.dumps(digests)})
             except SafetensorError as exc:  # safetensors reports I/O failures (disk full) in its own type
                 raise OSError(f"cannot write shard: {str(exc).split(': ', 1)[-1]}") from exc
             with open(tmp, "rb") as f:
@@ -106,7 +129,7 @@ class ShardWriter:
             tmp.unlink(missing_ok=True)
             raise
         fsync_dir(self.shard_dir)
-        entries = [_entry(name, shard, kv, digests[name]) for name, kv in self._pending.items()]
+        entries = [_entry(name, shard, parts, digests[name]) for name, parts in self._pending.items()]
         self._pending = {}
         self._pending_bytes = 0
         return entries
@@ -122,7 +145,17 @@ class _Shard:
 
     fd: int
     data_start: int
-    tensors: dict  # name -> (dtype, shape, begin, end), offsets relative to data_start
+    tensors: dict  # stored name -> (dtype, shape, begin, end), offsets relative to data_start
+    parts: dict  # entry name -> its part names ("" the data)
+
+
+def _align(size: int) -> int:
+    return (size + 7) // 8 * 8
+
+
+def _aligned_size(parts_info: dict) -> int:
+    """Bytes to read an entry's parts into one buffer, each part 8-byte aligned."""
+    return sum(_align(end - begin) for _, _, begin, end in parts_info.values())
 
 
 class ShardReader:
@@ -137,22 +170,36 @@ class ShardReader:
         self._open: dict[str, _Shard] = {}
 
     def read(self, shard: str, name: str, expected_checksum: str, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The entry's `(L, 2, H, T, D)` tensor; raises StoreCorruptError if it is missing,
-        truncated, or its bytes do not match `expected_checksum`. With `out` (a uint8 tensor
-        at least as large as the entry), the result is a view of `out`."""
+        """The entry's `(L, 2, H, T, D)` data tensor (see `read_parts` for encoded entries)."""
+        return self.read_parts(shard, name, expected_checksum, out)[""]
+
+    def read_parts(self, shard: str, name: str, expected_checksum: str, out: torch.Tensor | None = None
+                   ) -> dict[str, torch.Tensor]:
+        """The entry's stored parts ("" the data, others e.g. int8 scales); raises
+        StoreCorruptError if it is missing, truncated, or its bytes do not match
+        `expected_checksum`. With `out` (a uint8 tensor with room for every part, 8-byte aligned), the
+        parts are views of `out`."""
         opened = self._shard(shard)
-        if name not in opened.tensors:
+        names = {part: opened.tensors[stored] for part in opened.parts.get(name, ())
+                 if (stored := _stored_name(name, part)) in opened.tensors}
+        if "" not in names:
             raise StoreCorruptError(f"KV entry {name[:24]}… is not in shard {shard}")
-        dtype, shape, begin, end = opened.tensors[name]
-        size = end - begin
+        size = _aligned_size(names)
         buffer = out[:size] if out is not None and out.numel() >= size else torch.empty(size, dtype=torch.uint8)
-        got = os.preadv(opened.fd, [memoryview(buffer.numpy())], opened.data_start + begin)
-        if got != size:
-            self.close_shard(shard)
-            raise StoreCorruptError(f"KV entry {name[:24]}… in shard {shard} is truncated ({got} of {size} bytes)")
-        if xxhash.xxh3_64_hexdigest(buffer.numpy()) != expected_checksum:
+        parts, offset, digest = {}, 0, xxhash.xxh3_64()
+        for part in sorted(names):
+            dtype, shape, begin, end = names[part]
+            view = buffer[offset:offset + end - begin]
+            got = os.preadv(opened.fd, [memoryview(view.numpy())], opened.data_start + begin) if end > begin else 0
+            if got != end - begin:
+                self.close_shard(shard)
+                raise StoreCorruptError(f"KV entry {name[:24]}… in shard {shard} is truncated")
+            digest.update(view.numpy())
+            parts[part] = view.view(dtype).reshape(shape) if end > begin else torch.empty(shape, dtype=dtype)
+            offset += _align(end - begin)
+        if digest.hexdigest() != expected_checksum:
             raise StoreCorruptError(f"KV entry {name[:24]}… in shard {shard} fails its checksum")
-        return buffer.view(dtype).reshape(shape) if size else torch.empty(shape, dtype=dtype)
+        return parts
 
     def _shard(self, shard: str) -> _Shard:
         opened = self._open.get(shard)
@@ -195,7 +242,11 @@ def _parse_header(fd: int, shard: str) -> tuple[int, dict]:
                    for name, info in header.items() if name != "__metadata__"}
     except (ValueError, KeyError, TypeError, OverflowError, MemoryError) as exc:
         raise StoreCorruptError(f"shard {shard} has an unreadable header ({type(exc).__name__})") from None
-    return 8 + length, tensors
+    parts: dict[str, list[str]] = {}
+    for stored in tensors:
+        name, _, part = stored.partition(PART_SEPARATOR)
+        parts.setdefault(name, []).append(part)
+    return 8 + length, tensors, parts
 
 
 def shard_files(shard_dir: Path) -> dict[str, int]:
@@ -222,13 +273,17 @@ def sealed_entries(shard_dir: Path, shard: str) -> Iterator[SealedEntry]:
     try:
         handle = safe_open(str(shard_dir / shard), framework="pt")
         digests = json.loads((handle.metadata() or {}).get("checksums", "{}"))
+        stored = list(handle.keys())
     except Exception:  # not a readable safetensors file
         return
-    for name in handle.keys():
+    grouped: dict[str, list[str]] = {}
+    for name in stored:
+        grouped.setdefault(name.partition(PART_SEPARATOR)[0], []).append(name.partition(PART_SEPARATOR)[2])
+    for name, part_names in grouped.items():
         try:
-            kv = handle.get_tensor(name)
+            parts = {part: handle.get_tensor(_stored_name(name, part)) for part in part_names}
         except Exception:
             continue
-        digest = checksum(kv)
-        if digests.get(name) == digest:
-            yield _entry(name, shard, kv, digest)
+        digest = checksum(parts)
+        if "" in parts and digests.get(name) == digest:
+            yield _entry(name, shard, parts, digest)

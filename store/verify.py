@@ -43,8 +43,8 @@ def verify(snapshot: StoreSnapshot) -> VerifyReport:
     catalog = snapshot.catalog
     for entry in catalog.all_entries():
         try:
-            tensor = snapshot.shards.read(entry.shard, entry.tensor, entry.checksum)
-            report.bytes_checked += tensor.numel() * tensor.element_size()
+            parts = snapshot.shards.read_parts(entry.shard, entry.tensor, entry.checksum)
+            report.bytes_checked += sum(t.numel() * t.element_size() for t in parts.values())
         except StoreCorruptError as exc:
             report.problems.append(Problem("entry", str(exc), entry.kv_key))
         report.entries_checked += 1

@@ -68,7 +68,8 @@ def captured_kv(monkeypatch):
     original = ShardWriter.add
 
     def add(self, name, kv):
-        seen[name] = kv.detach().clone()
+        data = kv[""] if isinstance(kv, dict) else kv  # encoded parts: "" is the data
+        seen[name] = data.detach().clone()
         return original(self, name, kv)
 
     monkeypatch.setattr(ShardWriter, "add", add)
