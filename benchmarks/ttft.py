@@ -255,6 +255,20 @@ def render(results, retrieval, args) -> str:
     for result in results:
         lines.append(f"| {result['model']} | {result['dtype']} | {result['ingest']:,.0f} | {result['bare']:,.0f} | "
                      f"{result['ingest'] / result['bare']:.2f} | {result['disk'] / result['raw']:.4f} |")
+    lines += ["", "## Targets", "", "| target | measured | met |", "|---|---|---|"]
+    for result in results:
+        worst = max((r for r in result["rows"] if r["doc_tokens"] >= 512), key=lambda r: r["cached"][0] / r["oracle"][0])
+        ratio = worst["cached"][0] / worst["oracle"][0]
+        ram = max(r["ram"][0] / r["oracle"][0] for r in result["rows"] if r["doc_tokens"] >= 512)
+        lines.append(f"| cached ≤ 1.15 × oracle, ≥ 512 tokens ({result['model']}, {result['dtype']}) | worst {ratio:.2f} "
+                     f"at {worst['length']} tokens (RAM tier worst {ram:.2f}) | {'yes' if ratio <= 1.15 else 'no'} |")
+    worst_ingest = min(r["ingest"] / r["bare"] for r in results)
+    worst_disk = max(r["disk"] / r["raw"] for r in results)
+    lines.append(f"| ingest ≥ 0.9 × bare forward | worst {worst_ingest:.2f} | {'yes' if worst_ingest >= 0.9 else 'no'} |")
+    lines.append(f"| stored bytes ≤ 1.02 × raw KV | worst {worst_disk:.4f} | {'yes' if worst_disk <= 1.02 else 'no'} |")
+    if retrieval:
+        p50 = max(r["total"][0] for r in retrieval)
+        lines.append(f"| retrieval p50 ≤ 25 ms | {p50:.1f} ms at {retrieval[-1]['size']:,} chunks | {'yes' if p50 <= 25 else 'no'} |")
     lines += ["", "## Retrieval (question embedding with all-MiniLM-L6-v2 + FAISS flat search, 1 query at a time)", "",
               f"FAISS threads: {faiss.omp_get_max_threads()}.", "",
               "| chunks | embed p50 / p99 ms | search p50 / p99 ms | total p50 / p99 ms |", "|---|---|---|---|"]

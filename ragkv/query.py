@@ -299,18 +299,23 @@ class QueryEngine:
         stats.ram_misses += 1
         buffer = self._read_buffer(slot, entry.nbytes + 64) if entry.nbytes else None  # + alignment of parts
         parts = self.snapshot.shards.read_parts(entry.shard, entry.tensor, entry.checksum, out=buffer)
-        kv_tensor = codec.decode(parts, self.lm.model.dtype).to(self.device)
+        # From pinned host memory the copy to the GPU is asynchronous; the prefill that uses
+        # the KV runs after it on the same stream, and its first token synchronises.
+        parts = {name: t.to(self.device, non_blocking=True) for name, t in parts.items()}
+        kv_tensor = codec.decode(parts, self.lm.model.dtype)
         if kv_tensor.numel() * kv_tensor.element_size() <= self.ram.max_bytes:
             kv_tensor = kv_tensor.clone() if kv_tensor.device.type == "cpu" else kv_tensor  # own memory
             self.ram.put(entry.kv_key, kv_tensor)
         return kv_tensor
 
     def _read_buffer(self, slot: int, size: int) -> torch.Tensor:
-        """Reused host memory to read stored KV into: one buffer per chunk of a request."""
+        """Reused host memory to read stored KV into: one buffer per chunk of a request,
+        page-locked when the model is on a GPU (so the host-to-device copy can overlap)."""
         while len(self._read_buffers) <= slot:
             self._read_buffers.append(torch.empty(0, dtype=torch.uint8))
         if self._read_buffers[slot].numel() < size:
-            self._read_buffers[slot] = torch.empty(size, dtype=torch.uint8)
+            pinned = torch.device(self.device).type == "cuda"
+            self._read_buffers[slot] = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
         return self._read_buffers[slot]
 
     def _load_prefix(self) -> torch.Tensor:
