@@ -267,7 +267,7 @@ def ask(
 
     with ragkv.open(store, model=model, embedder=embedder, device=device, dtype=dtype, kv_dtype=kv_dtype) as engine:
         stream = engine.stream(question, top_k=top_k, max_new_tokens=max_new_tokens, use_cache=not no_cache,
-                               mode=mode, blend_ratio=blend_ratio, doc_id=doc)
+                               mode=mode, blend_ratio=blend_ratio, doc_ids=[doc] if doc else None)
         for delta in stream:
             if not json_out:
                 sys.stdout.write(delta)
@@ -399,6 +399,34 @@ def chat(
                 sys.stdout.flush()
             typer.echo("")
             _print_answer_footer(stream.answer, sources=len(conversation.turns) == 1)
+
+
+@app.command()
+def serve(
+    store: Path = StoreOption,
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback unless you say otherwise)."),
+    port: int = typer.Option(8000, "--port", help="TCP port."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="RAGKV_API_KEY",
+                                          help="Require Authorization: Bearer KEY (env RAGKV_API_KEY)."),
+    max_queue: int = typer.Option(16, "--max-queue", help="Requests that may wait for the model; more get 503."),
+    max_tokens_cap: int = typer.Option(1024, "--max-tokens-cap", help="Largest max_tokens a request gets."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Override the model the store was built with."),
+    device: str = DeviceOption,
+):
+    """Serve the store over HTTP: OpenAI-compatible /v1/chat/completions (streaming too),
+    /v1/retrieve, /v1/models, /healthz, /metrics. Picks up re-indexed generations live."""
+    _quiet_libraries()
+    import uvicorn
+
+    import ragkv
+    from ragkv.service import ServeSettings, build_app
+
+    settings = ServeSettings(host=host, port=port, api_key=api_key or None, max_queue=max_queue,
+                             max_tokens_cap=max_tokens_cap)
+    with ragkv.open(store, model=model, device=device) as engine:
+        app = build_app(engine, settings)
+        typer.echo(f"ragkv serving {store} ({engine.lm.facts.name}) on http://{host}:{port}", err=True)
+        uvicorn.run(app, host=host, port=port, log_level="warning", limit_concurrency=settings.max_queue * 4 + 16)
 
 
 @app.command()

@@ -97,9 +97,9 @@ def median_spread(values: list[float]) -> tuple[float, float, float]:
 
 def oracle_s(engine, doc: str) -> float:
     """Question-only prefill and first token over the same KV, already a ready cache."""
-    answer = engine.ask(QUESTION, doc_id=doc, max_new_tokens=1)
+    answer = engine.ask(QUESTION, doc_ids=[doc], max_new_tokens=1)
     live = answer.prompt_ids[answer.stats.reused_tokens:]
-    rows = [row for row, _ in engine.retrieve(QUESTION, 1, doc_id=doc)]
+    rows = [row for row, _ in engine.retrieve(QUESTION, 1, doc_ids=[doc])]
     stored = engine._load_stored(rows, answer.stats)
     cache = kv.to_cache(stored, engine.lm.model.config)
     held = kv.num_cached(cache)
@@ -117,17 +117,17 @@ def measure(engine, docs: dict[int, str], repeats: int) -> list[dict]:
         samples = {"full": [], "cached": [], "ram": [], "oracle": []}
         parts = {"catalog_ms": [], "kv_read_ms": [], "assemble_ms": [], "prefill_ms": [], "retrieval_ms": []}
         engine.ram = ram_tier
-        engine.ask(QUESTION, doc_id=doc, max_new_tokens=1)  # warm: pages, kernels, RAM tier
+        engine.ask(QUESTION, doc_ids=[doc], max_new_tokens=1)  # warm: pages, kernels, RAM tier
         for _ in range(repeats):
-            full = engine.ask(QUESTION, doc_id=doc, max_new_tokens=1, use_cache=False).stats
+            full = engine.ask(QUESTION, doc_ids=[doc], max_new_tokens=1, use_cache=False).stats
             samples["full"].append(full.ttft_s - full.retrieval_ms / 1000)
             engine.ram = store_tier
-            cached = engine.ask(QUESTION, doc_id=doc, max_new_tokens=1).stats
+            cached = engine.ask(QUESTION, doc_ids=[doc], max_new_tokens=1).stats
             samples["cached"].append(cached.ttft_s - cached.retrieval_ms / 1000)
             for key in parts:
                 parts[key].append(getattr(cached, key))
             engine.ram = ram_tier
-            ram = engine.ask(QUESTION, doc_id=doc, max_new_tokens=1).stats
+            ram = engine.ask(QUESTION, doc_ids=[doc], max_new_tokens=1).stats
             assert ram.ram_hits == 1
             samples["ram"].append(ram.ttft_s - ram.retrieval_ms / 1000)
             samples["oracle"].append(oracle_s(engine, doc))

@@ -74,7 +74,7 @@ def answer_all(engine, questions: list[Question], settings: AskSettings, max_bat
     groups: dict[tuple[int, ...], list[tuple[Question, list]]] = {}
     for question in questions:
         try:
-            retrieved = engine.retrieve(question.question, settings.top_k, doc_id=question.doc)
+            retrieved = engine.retrieve(question.question, settings.top_k, [question.doc] if question.doc else None)
         except InputError as exc:
             yield BatchOutcome(question, error=str(exc))
             continue

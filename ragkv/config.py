@@ -113,7 +113,7 @@ class AskSettings(_Settings):
     use_cache: bool = True  # False: full prefill of the same prompt, for comparison
     mode: str = "exact"  # how several chunks' KV is used: exact, concat, blend (see ragkv.assemble)
     blend_ratio: float = 0.15  # blend: share of context tokens recomputed
-    doc_id: str | None = None  # retrieve only from this document
+    doc_ids: tuple[str, ...] | None = None  # retrieve only from these documents
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -123,6 +123,10 @@ class AskSettings(_Settings):
             raise InputError(f"--blend-ratio must be between 0 and 1, got {self.blend_ratio}")
         if self.top_k < 1:
             raise InputError(f"--top-k must be at least 1, got {self.top_k}")
+        if self.doc_ids is not None:
+            if isinstance(self.doc_ids, str) or not all(isinstance(d, str) and 0 < len(d) <= 1024 for d in self.doc_ids):
+                raise InputError("doc_ids must be a list of document id strings")
+            object.__setattr__(self, "doc_ids", tuple(self.doc_ids))
         if self.max_new_tokens < 1:
             raise InputError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
 

@@ -17,6 +17,7 @@ from ragkv.answer import Answer, AnswerStream, Source, Stats
 from ragkv.config import AskSettings
 from ragkv.errors import InputError
 from ragkv.generate import generate
+from ragkv.prompt import encode_text
 
 
 @dataclass
@@ -56,6 +57,18 @@ class Conversation:
             raise InputError("the message is empty; say something")
         return AnswerStream(self._turn(message, max_new_tokens or self.settings.max_new_tokens))
 
+    def replay(self, message: str, answer: str) -> None:
+        """Add an earlier turn as a client remembers it (its answer as text; nothing is
+        generated). Its tokens are prefilled with the next message."""
+        engine = self.engine
+        if not self.turns:
+            stats = Stats(mode=self.settings.mode if self.settings.use_cache else "full")
+            self._open_context(message, stats)
+            new_ids = engine.active.layout.question_ids(engine.lm.tokenizer, message)
+        else:
+            new_ids = engine.active.layout.turn_ids(engine.lm.tokenizer, message)
+        self.turns.append(Turn(message, new_ids, encode_text(engine.lm.tokenizer, answer)))
+
     def reset(self) -> None:
         """Forget everything: the next message retrieves again."""
         self.__init__(self.engine, self.settings)
@@ -67,12 +80,8 @@ class Conversation:
                       store_generation=engine.snapshot.generation)
         after_prefill = None
         if not self.turns:
-            prepared = engine._prepare(message, self.settings, stats)
+            after_prefill = self._open_context(message, stats)
             new_ids = layout.question_ids(engine.lm.tokenizer, message)
-            self.context_ids = prepared.prompt_ids[: len(prepared.prompt_ids) - len(new_ids)]
-            self.sources = [Source(r.doc_id, r.source, r.chunk_index, r.chunk_id, s) for r, s in prepared.retrieved]
-            self.cache, after_prefill = prepared.assembly.cache, prepared.assembly.after_prefill
-            self._stored_context = prepared.assembly.num_cached
         else:
             new_ids = layout.turn_ids(engine.lm.tokenizer, message)
             self._fit(len(new_ids) + max_new_tokens, stats)
@@ -91,6 +100,17 @@ class Conversation:
         stats.record(done, start)
         engine.savings.add(stats)
         return Answer(message, done.text, done.token_ids, self.sources, stats, conversation)
+
+    def _open_context(self, message: str, stats: Stats):
+        """Retrieve for the first message and assemble the context's cache; returns the
+        assembly's after-prefill hook."""
+        prepared = self.engine._prepare(message, self.settings, stats)
+        question = self.engine.active.layout.question_ids(self.engine.lm.tokenizer, message)
+        self.context_ids = prepared.prompt_ids[: len(prepared.prompt_ids) - len(question)]
+        self.sources = [Source(r.doc_id, r.source, r.chunk_index, r.chunk_id, s) for r, s in prepared.retrieved]
+        self.cache = prepared.assembly.cache
+        self._stored_context = prepared.assembly.num_cached
+        return prepared.assembly.after_prefill
 
     def _fit(self, needed: int, stats: Stats) -> None:
         """Drop the oldest turns until the conversation plus `needed` tokens fits the context,

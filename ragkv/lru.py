@@ -37,10 +37,10 @@ class ByteLRU(Generic[V]):
         self.hits += 1
         return found[0]
 
-    def put(self, key: Hashable, value: V) -> None:
-        """Remember `value`; evicts least recently used items beyond `max_bytes`. A value
-        larger than the whole budget is not kept."""
-        size = nbytes(value)
+    def put(self, key: Hashable, value: V, size: int | None = None) -> None:
+        """Remember `value` (its bytes: `size`, else counted from its tensors); evicts least
+        recently used items beyond `max_bytes`. A value larger than the whole budget is not kept."""
+        size = nbytes(value) if size is None else size
         if size > self.max_bytes:
             return
         if key in self._items:
@@ -50,6 +50,14 @@ class ByteLRU(Generic[V]):
         while self.bytes > self.max_bytes:
             _, (_, evicted) = self._items.popitem(last=False)
             self.bytes -= evicted
+
+    def pop(self, key: Hashable) -> V | None:
+        """Take `key` out (it is the caller's now), or None."""
+        found = self._items.pop(key, None)
+        if found is None:
+            return None
+        self.bytes -= found[1]
+        return found[0]
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._items

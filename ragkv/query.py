@@ -7,7 +7,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Generator
+from typing import Generator, Sequence
 
 import torch
 
@@ -136,17 +136,21 @@ class QueryEngine:
         return True
 
     # -- the query path -------------------------------------------------------------------
-    def retrieve(self, question: str, top_k: int = 1, doc_id: str | None = None) -> list[tuple[ContextRow, float]]:
+    def retrieve(self, question: str, top_k: int = 1, doc_ids: Sequence[str] | None = None
+                 ) -> list[tuple[ContextRow, float]]:
         """The `top_k` chunks nearest to `question`, best first, with their cosine scores;
-        only chunks of document `doc_id` when given."""
-        return self._rows(self._search(question, top_k, doc_id))
+        only chunks of the documents `doc_ids` when given."""
+        return self._rows(self._search(question, top_k, doc_ids))
 
-    def _search(self, question: str, top_k: int, doc_id: str | None) -> list[Hit]:
+    def _search(self, question: str, top_k: int, doc_ids: Sequence[str] | None) -> list[Hit]:
         allowed = None
-        if doc_id is not None:
-            allowed = self.snapshot.catalog.chunk_ids_of(doc_id)
-            if not allowed:
-                raise InputError(f"no document {doc_id!r} in the store")
+        if doc_ids is not None:
+            allowed = []
+            for doc_id in doc_ids:
+                chunk_ids = self.snapshot.catalog.chunk_ids_of(doc_id)
+                if not chunk_ids:
+                    raise InputError(f"no document {doc_id!r} in the store")
+                allowed += chunk_ids
         return self.snapshot.vectors.search(self.embedder.embed([question])[0], top_k, allowed)
 
     def _rows(self, hits: list[Hit]) -> list[tuple[ContextRow, float]]:
@@ -200,7 +204,7 @@ class QueryEngine:
         """Retrieve, build the prompt ids, and assemble what the store holds of it into a cache."""
         start = time.perf_counter()
         layout = self.active.layout
-        hits = self._search(question, settings.top_k, settings.doc_id)
+        hits = self._search(question, settings.top_k, settings.doc_ids)
         stats.retrieval_ms = _ms(start)
         catalog_start = time.perf_counter()
         retrieved = self._rows(hits)

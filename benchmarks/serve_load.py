@@ -1,0 +1,123 @@
+"""Load on `ragkv serve`: N concurrent streaming clients against the sample corpus on the
+bundled SmolLM2; throughput, client-side time to first token (p50/p99), errors (must be 0).
+
+    python benchmarks/serve_load.py [--clients 1,4,8] [--requests 24] [--tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+QUESTIONS = (ROOT / "benchmarks" / "questions.txt").read_text().splitlines()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def one_request(base: str, question: str, tokens: int) -> tuple[float, float, int, str | None]:
+    """(TTFT, total seconds, content chunks, error) of one streaming chat completion."""
+    start, first, chunks = time.perf_counter(), None, 0
+    body = {"messages": [{"role": "user", "content": question}], "max_tokens": tokens, "stream": True}
+    try:
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=300) as response:
+            if response.status_code != 200:
+                return 0.0, 0.0, 0, f"HTTP {response.status_code}"
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    return 0.0, 0.0, 0, event["error"]["message"]
+                if event["choices"][0]["delta"].get("content"):
+                    first = first or time.perf_counter()
+                    chunks += 1
+    except httpx.HTTPError as exc:
+        return 0.0, 0.0, 0, repr(exc)
+    end = time.perf_counter()
+    return (first or end) - start, end - start, chunks, None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", default="1,4,8")
+    parser.add_argument("--requests", type=int, default=24, help="requests per concurrency level")
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "serve_load.md")
+    args = parser.parse_args()
+    levels = [int(n) for n in args.clients.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Path(tmp) / "store"
+        subprocess.run([sys.executable, "-c", "import cli; cli.main()", "ingest", str(ROOT / "data"), "--store",
+                        str(store), "--quiet"], cwd=ROOT, check=True, capture_output=True)
+        port = free_port()
+        server = subprocess.Popen([sys.executable, "-c", "import cli; cli.main()", "serve", "--store", str(store),
+                                   "--port", str(port), "--max-queue", str(max(levels) * 2)],
+                                  cwd=ROOT, stderr=subprocess.DEVNULL, env={**os.environ})
+        base = f"http://127.0.0.1:{port}"
+        try:
+            for _ in range(240):
+                try:
+                    httpx.get(f"{base}/healthz")
+                    break
+                except httpx.TransportError:
+                    time.sleep(0.25)
+            one_request(base, QUESTIONS[0], 2)  # warm
+            rows = []
+            for clients in levels:
+                questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.requests)]
+                start = time.perf_counter()
+                with ThreadPoolExecutor(clients) as pool:
+                    results = list(pool.map(lambda q: one_request(base, q, args.tokens), questions))
+                wall = time.perf_counter() - start
+                ok = [r for r in results if r[3] is None]
+                ttfts = [r[0] for r in ok]
+                rows.append({"clients": clients, "requests": len(results), "errors": len(results) - len(ok),
+                             "rps": len(ok) / wall, "tps": sum(r[2] for r in ok) / wall,
+                             "p50": np.percentile(ttfts, 50), "p99": np.percentile(ttfts, 99),
+                             "latency": statistics.median(r[1] for r in ok)})
+                print(f"{clients} clients: {rows[-1]}", file=sys.stderr)
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+    lines = [
+        "# `ragkv serve` under load",
+        "",
+        f"Bundled SmolLM2-135M-Instruct (float32, CPU: {platform.machine()}, {os.cpu_count()} cores) over the sample "
+        f"corpus; streaming chat completions, {args.tokens} new tokens, questions from benchmarks/questions.txt; "
+        "clients and server on one machine (they share its cores). Model forwards are serialised on one worker "
+        "thread, so throughput is bounded by one model; waiting requests queue. "
+        "Command: `python benchmarks/serve_load.py`.",
+        "",
+        "| concurrent clients | requests | errors | requests/s | streamed chunks/s | TTFT p50 s | TTFT p99 s | "
+        "latency p50 s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['clients']} | {r['requests']} | {r['errors']} | {r['rps']:.2f} | {r['tps']:.1f} | "
+                     f"{r['p50']:.3f} | {r['p99']:.3f} | {r['latency']:.2f} |")
+    lines += ["", "TTFT grows with concurrency because requests wait for the one model thread (a queue, not "
+              "failures); batching concurrent requests that share a prefix is the next lever.", ""]
+    args.out.write_text("\n".join(lines))
+    print(args.out.read_text())
+
+
+if __name__ == "__main__":
+    main()

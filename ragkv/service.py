@@ -1,0 +1,380 @@
+"""`ragkv serve`: an OpenAI-compatible RAG endpoint that keeps the model, the store and hot KV
+warm. FastAPI + uvicorn; model work runs on one worker thread (forwards are serialised), and a
+bounded number of requests may wait for it (beyond that: 503 with Retry-After).
+
+    POST /v1/chat/completions   OpenAI chat completions (stream or not), plus a `ragkv` block
+    POST /v1/retrieve           question -> chunks and scores
+    GET  /v1/models, /healthz, /metrics (Prometheus text)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+
+from ragkv.config import AskSettings
+from ragkv.errors import InputError, ModelError, RagkvError, StoreEmptyError
+from ragkv.keys import digest
+from ragkv.lru import ByteLRU
+
+log = logging.getLogger("ragkv")
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_body_bytes: int = 1 << 20
+    max_tokens_cap: int = 1024  # a request's max_tokens is cut to this
+    default_max_tokens: int = 256
+    max_queue: int = 16  # requests that may wait for the model; more get 503
+    conversation_bytes: int = 512 << 20  # KV of recent conversations kept for their next turn
+
+
+# -- request bodies ------------------------------------------------------------------------
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields ragkv does not use
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class RagkvOptions(_Body):
+    model_config = ConfigDict(extra="forbid")
+    top_k: int = Field(1, ge=1, le=50)
+    mode: Literal["exact", "concat", "blend"] = "exact"
+    no_cache: bool = False
+    doc_ids: list[str] | None = Field(None, max_length=100)
+
+
+class ChatRequest(_Body):
+    model: str | None = None
+    messages: list[Message] = Field(min_length=1, max_length=200)
+    stream: bool = False
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    ragkv: RagkvOptions = Field(default_factory=RagkvOptions)
+
+
+class RetrieveRequest(_Body):
+    query: str = Field(min_length=1, max_length=20_000)
+    top_k: int = Field(5, ge=1, le=100)
+    doc_ids: list[str] | None = Field(None, max_length=100)
+
+
+# -- errors --------------------------------------------------------------------------------
+class Busy(Exception):
+    """The queue for the model is full."""
+
+
+def _error(status: int, message: str, kind: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status, headers=headers)
+
+
+_STATUS = {InputError: 400, StoreEmptyError: 404, ModelError: 409}
+
+
+# -- the model worker ----------------------------------------------------------------------
+class Worker:
+    """Runs engine calls one at a time on its own thread. Before each call it moves the
+    engine to the newest published store generation (requests never see a mix)."""
+
+    def __init__(self, engine, max_queue: int):
+        self.engine = engine
+        self.max_queue = max_queue
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragkv-model")
+        self._lock = threading.Lock()
+        self.waiting = 0
+
+    def submit(self, fn, *args):
+        """Schedule `fn(*args)` on the model thread; raises Busy when too many wait."""
+        with self._lock:
+            if self.waiting >= self.max_queue:
+                raise Busy()
+            self.waiting += 1
+
+        def run():
+            with self._lock:
+                self.waiting -= 1
+            try:
+                self.engine.refresh()
+            except RagkvError as exc:  # keep serving the generation we have
+                log.warning("not switching store generation: %s", exc)
+            return fn(*args)
+
+        return asyncio.wrap_future(self._executor.submit(run))
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+
+# -- conversations -------------------------------------------------------------------------
+def _history_key(messages: list[tuple[str, str]]) -> str:
+    return digest("ragkv-chat", json.dumps(messages))
+
+
+class Conversations:
+    """The KV of recent conversations, keyed by their messages, so that a follow-up request
+    that repeats the history prefills only its new message. Bounded in bytes."""
+
+    def __init__(self, engine, max_bytes: int):
+        self.engine = engine
+        self._lru: ByteLRU = ByteLRU(max_bytes)
+
+    def take(self, history: list[tuple[str, str]], settings: AskSettings):
+        """A conversation holding `history` ((user, assistant) pairs): a kept one when the
+        history matches, else a new one that replays it."""
+        kept = self._lru.pop(_history_key(history)) if history else None
+        if kept is not None:
+            return kept, True
+        conversation = self.engine.conversation(settings)
+        for user, assistant in history:
+            conversation.replay(user, assistant)
+        return conversation, False
+
+    def keep(self, conversation, history: list[tuple[str, str]]) -> None:
+        size = conversation.engine.lm.facts.kv_bytes_per_token * len(conversation.ids())
+        self._lru.put(_history_key(history), conversation, size=size)
+
+
+# -- the app -------------------------------------------------------------------------------
+class Metrics:
+    def __init__(self, engine):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("ragkv_requests", "HTTP requests", ["endpoint", "status"], registry=r)
+        self.ttft = Histogram("ragkv_ttft_seconds", "Time to first token", registry=r,
+                              buckets=(0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8))
+        self.reused = Counter("ragkv_tokens_reused", "Prompt tokens whose KV came from the store", registry=r)
+        self.computed = Counter("ragkv_tokens_computed", "Prompt tokens prefilled", registry=r)
+        self.generated = Counter("ragkv_tokens_generated", "Answer tokens", registry=r)
+        tier = engine.ram
+        Gauge("ragkv_ram_tier_bytes", "Bytes of chunk KV in the RAM tier", registry=r).set_function(lambda: tier.bytes)
+        Gauge("ragkv_ram_tier_hits", "RAM tier hits", registry=r).set_function(lambda: tier.hits)
+        Gauge("ragkv_ram_tier_misses", "RAM tier misses", registry=r).set_function(lambda: tier.misses)
+        Gauge("ragkv_store_generation", "Store generation being served", registry=r).set_function(
+            lambda: engine.snapshot.generation)
+
+    def record(self, stats) -> None:
+        self.ttft.observe(stats.ttft_s)
+        self.reused.inc(stats.reused_tokens)
+        self.computed.inc(stats.computed_tokens + stats.recomputed_tokens)
+        self.generated.inc(stats.generated_tokens)
+
+
+def build_app(engine, settings: ServeSettings) -> FastAPI:
+    worker = Worker(engine, settings.max_queue)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        worker.close()
+
+    app = FastAPI(title="ragkv", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    conversations = Conversations(engine, settings.conversation_bytes)
+    metrics = Metrics(engine)
+    model_id = engine.lm.facts.name
+    app.state.worker = worker
+
+    @app.middleware("http")
+    async def limit_and_count(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > settings.max_body_bytes):
+            response = _error(413, f"request body over {settings.max_body_bytes} bytes", "request_too_large")
+        else:
+            response = await call_next(request)
+        metrics.requests.labels(request.url.path, str(response.status_code)).inc()
+        return response
+
+    async def authorised(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        sent = request.headers.get("authorization", "")
+        if not hmac.compare_digest(sent.encode(), f"Bearer {settings.api_key}".encode()):
+            raise _Unauthorised()
+
+    @app.exception_handler(_Unauthorised)
+    async def unauthorised(request, exc):
+        return _error(401, "missing or wrong API key: send Authorization: Bearer KEY", "invalid_api_key")
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, exc):
+        first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":
+            return _error(400, "the request body is not valid JSON", "invalid_request_error")
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
+        return _error(400, f"invalid request: {where}: {first.get('msg', 'malformed')}", "invalid_request_error")
+
+    @app.exception_handler(RagkvError)
+    async def ragkv_error(request, exc):
+        status = next((code for kind, code in _STATUS.items() if isinstance(exc, kind)), 500)
+        return _error(status, str(exc), type(exc).__name__)
+
+    @app.exception_handler(Busy)
+    async def busy(request, exc):
+        return _error(503, "the model is busy; retry shortly", "server_busy", headers={"Retry-After": "1"})
+
+    @app.get("/healthz")
+    async def healthz():
+        return {"status": "ok", "generation": engine.snapshot.generation, "model": model_id,
+                "waiting": worker.waiting}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(generate_latest(metrics.registry).decode(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models", dependencies=[Depends(authorised)])
+    async def models():
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": "ragkv"}]}
+
+    @app.post("/v1/retrieve", dependencies=[Depends(authorised)])
+    async def retrieve(body: RetrieveRequest):
+        hits = await worker.submit(engine.retrieve, body.query, body.top_k, body.doc_ids)
+        return {"object": "list", "data": [
+            {"chunk_id": row.chunk_id, "doc_id": row.doc_id, "source": row.source, "chunk_index": row.chunk_index,
+             "score": score, "text": row.text} for row, score in hits]}
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorised)])
+    async def chat(body: ChatRequest):
+        history, question, warnings = _split(body.messages)
+        requested = body.max_completion_tokens or body.max_tokens or settings.default_max_tokens
+        if requested > settings.max_tokens_cap:
+            warnings.append(f"max_tokens cut from {requested} to {settings.max_tokens_cap}")
+        ask = AskSettings(top_k=body.ragkv.top_k, mode=body.ragkv.mode, use_cache=not body.ragkv.no_cache,
+                          max_new_tokens=min(requested, settings.max_tokens_cap),
+                          doc_ids=tuple(body.ragkv.doc_ids) if body.ragkv.doc_ids is not None else None)
+        created, reply_id = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
+        if not body.stream:
+            answer, reused_history = await worker.submit(_answer, conversations, history, question, ask)
+            metrics.record(answer.stats)
+            return _completion(reply_id, created, model_id, answer, warnings, reused_history)
+        return StreamingResponse(_stream(worker, conversations, history, question, ask, reply_id, created, model_id,
+                                         warnings, metrics), media_type="text/event-stream")
+
+    return app
+
+
+class _Unauthorised(Exception):
+    pass
+
+
+def _split(messages: list[Message]) -> tuple[list[tuple[str, str]], str, list[str]]:
+    """(earlier (user, assistant) pairs, the last user message, warnings) from chat messages."""
+    warnings = []
+    if any(m.role in ("system", "developer") for m in messages):
+        warnings.append("system messages are ignored: the store's system prompt is part of its cache keys")
+    turns = [m for m in messages if m.role in ("user", "assistant")]
+    if not turns or turns[-1].role != "user" or not turns[-1].text.strip():
+        raise InputError("the last message must be a user message with text")
+    history, pending_user = [], None
+    for message in turns[:-1]:
+        if message.role == "user":
+            if pending_user is not None:
+                raise InputError("user messages must alternate with assistant messages")
+            pending_user = message.text
+        else:
+            if pending_user is None:
+                raise InputError("an assistant message must follow a user message")
+            history.append((pending_user, message.text))
+            pending_user = None
+    if pending_user is not None:
+        raise InputError("user messages must alternate with assistant messages")
+    return history, turns[-1].text, warnings
+
+
+def _answer(conversations: Conversations, history, question: str, settings: AskSettings):
+    conversation, reused = conversations.take(history, settings)
+    answer = conversation.ask(question, settings.max_new_tokens)
+    conversations.keep(conversation, [*history, (question, answer.text)])
+    return answer, reused
+
+
+def _ragkv_block(answer, warnings: list[str], reused_history: bool) -> dict:
+    return {"sources": [asdict(s) for s in answer.sources], "stats": {**asdict(answer.stats),
+            "warnings": answer.stats.warnings + warnings}, "token_ids": answer.token_ids,
+            "conversation_reused": reused_history}
+
+
+def _usage(answer) -> dict:
+    prompt = answer.stats.prompt_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": len(answer.token_ids),
+            "total_tokens": prompt + len(answer.token_ids)}
+
+
+def _completion(reply_id, created, model_id, answer, warnings, reused_history) -> dict:
+    return {"id": reply_id, "object": "chat.completion", "created": created, "model": model_id,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": answer.text},
+                         "finish_reason": answer.stats.finish_reason or "stop"}],
+            "usage": _usage(answer), "ragkv": _ragkv_block(answer, warnings, reused_history)}
+
+
+async def _stream(worker, conversations, history, question, settings, reply_id, created, model_id, warnings, metrics):
+    """Server-sent events in OpenAI's chunk format; the generation runs on the model thread
+    and hands text over through a queue."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+
+    def chunk(delta: dict, finish: str | None = None, **extra) -> str:
+        body = {"id": reply_id, "object": "chat.completion.chunk", "created": created, "model": model_id,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
+        return f"data: {json.dumps(body)}\n\n"
+
+    def generate():
+        conversation, reused = conversations.take(history, settings)
+        stream = conversation.stream(question, settings.max_new_tokens)
+        for text in stream:
+            loop.call_soon_threadsafe(queue.put_nowait, ("text", text))
+        conversations.keep(conversation, [*history, (question, stream.answer.text)])
+        return stream.answer, reused
+
+    try:
+        job = worker.submit(generate)
+    except Busy:
+        yield f"data: {json.dumps({'error': {'message': 'the model is busy; retry shortly', 'type': 'server_busy'}})}\n\n"
+        return
+    yield chunk({"role": "assistant", "content": ""})
+    while not (job.done() and queue.empty()):
+        getter = asyncio.ensure_future(queue.get())
+        done, _ = await asyncio.wait({getter, job}, return_when=asyncio.FIRST_COMPLETED)
+        if getter in done:
+            yield chunk({"content": getter.result()[1]})
+        else:
+            getter.cancel()
+    try:
+        answer, reused = job.result()
+    except RagkvError as exc:
+        yield f"data: {json.dumps({'error': {'message': str(exc), 'type': type(exc).__name__}})}\n\n"
+        return
+    metrics.record(answer.stats)
+    yield chunk({}, answer.stats.finish_reason or "stop", usage=_usage(answer),
+                ragkv=_ragkv_block(answer, warnings, reused))
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,184 @@
+"""`ragkv serve`: a real server on a free loopback port, spoken to with the official openai
+client and httpx. Answers equal `ask`; bad requests get JSON 4xx and leave it healthy; a
+re-index published while a client loops fails no request."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from openai import OpenAI
+
+import ragkv
+from ragkv.config import ModelSettings
+from tests.conftest import QUESTIONS, ROOT
+
+KEY = "test-key-123"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tiny_store, corpus):
+    """A server over a copy of the tiny store (so the test may re-index it), with an API key."""
+    root = tmp_path_factory.mktemp("served")
+    store, docs = root / "store", root / "docs"
+    shutil.copytree(tiny_store, store)
+    shutil.copytree(corpus, docs)
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-c", "import cli; cli.main()", "serve", "--store", str(store), "--port", str(port),
+         "--device", "cpu", "--max-queue", "3", "--max-tokens-cap", "64"],
+        cwd=ROOT, env={**os.environ, "RAGKV_API_KEY": KEY}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(120):
+        try:
+            if httpx.get(f"{base}/healthz").status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.25)
+    else:
+        server.kill()
+        pytest.fail(f"the server did not start: {server.stderr.read()}")
+    yield base, store, docs
+    server.terminate()
+    server.wait(timeout=30)
+
+
+def client(base: str) -> OpenAI:
+    return OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0)
+
+
+def post(base, body, key=KEY, **kwargs):
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    return httpx.post(f"{base}/v1/chat/completions", headers=headers, timeout=60, **kwargs,
+                      **({"json": body} if not isinstance(body, (bytes, str)) else {"content": body}))
+
+
+def test_answers_equal_ask_streaming_or_not(served, tiny_store):
+    base, _, _ = served
+    with ragkv.open(tiny_store, device="cpu") as engine:
+        expected = engine.ask(QUESTIONS[0], max_new_tokens=12)
+    reply = client(base).chat.completions.create(
+        model="ragkv", messages=[{"role": "user", "content": QUESTIONS[0]}], max_tokens=12)
+    assert reply.choices[0].message.content == expected.text
+    extra = reply.model_extra["ragkv"]
+    assert extra["token_ids"] == expected.token_ids and extra["stats"]["reused_tokens"] > 0
+    assert extra["sources"][0]["chunk_id"] == expected.sources[0].chunk_id
+    assert reply.usage.completion_tokens == len(expected.token_ids)
+
+    pieces, last = [], None
+    for event in client(base).chat.completions.create(
+            model="ragkv", messages=[{"role": "user", "content": QUESTIONS[0]}], max_tokens=12, stream=True):
+        pieces.append(event.choices[0].delta.content or "")
+        last = event
+    assert "".join(pieces) == expected.text
+    assert last.choices[0].finish_reason == "length" and last.model_extra["ragkv"]["token_ids"] == expected.token_ids
+
+
+def test_a_follow_up_reuses_the_conversation(served):
+    base, _, _ = served
+    first = client(base).chat.completions.create(
+        model="ragkv", messages=[{"role": "user", "content": QUESTIONS[1]}], max_tokens=8)
+    history = [{"role": "user", "content": QUESTIONS[1]},
+               {"role": "assistant", "content": first.choices[0].message.content},
+               {"role": "user", "content": "And who approves it?"}]
+    follow = client(base).chat.completions.create(model="ragkv", messages=history, max_tokens=8)
+    stats = follow.model_extra["ragkv"]
+    assert stats["conversation_reused"] and stats["stats"]["computed_tokens"] < 30
+    assert stats["stats"]["reused_tokens"] >= first.usage.prompt_tokens
+
+
+def test_other_endpoints(served):
+    base, _, _ = served
+    auth = {"Authorization": f"Bearer {KEY}"}
+    assert client(base).models.list().data[0].owned_by == "ragkv"
+    found = httpx.post(f"{base}/v1/retrieve", json={"query": QUESTIONS[2], "top_k": 2}, headers=auth).json()["data"]
+    assert len(found) == 2 and found[0]["doc_id"] == "payroll" and found[0]["score"] >= found[1]["score"]
+    metrics = httpx.get(f"{base}/metrics").text
+    for name in ("ragkv_requests_total", "ragkv_ttft_seconds_bucket", "ragkv_tokens_reused_total",
+                 "ragkv_ram_tier_hits", "ragkv_store_generation"):
+        assert name in metrics
+
+
+@pytest.mark.parametrize("key, status", [(None, 401), ("wrong", 401)])
+def test_requests_without_the_key_are_refused(served, key, status):
+    base, _, _ = served
+    response = post(base, {"messages": [{"role": "user", "content": "hi"}]}, key=key)
+    assert response.status_code == status and response.json()["error"]["type"] == "invalid_api_key"
+    assert httpx.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {key}"} if key else {}).status_code == 401
+
+
+@pytest.mark.parametrize("body, status, fragment", [
+    (b"{not json", 400, "not valid JSON"),
+    ({"model": "x"}, 400, "messages"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "assistant", "content": "hi"}]}, 400, "last message must be a user message"),
+    ({"messages": [{"role": "user", "content": "hi"}], "ragkv": {"mode": "fast"}}, 400, "mode"),
+    ({"messages": [{"role": "user", "content": "hi"}], "ragkv": {"doc_ids": ["no-such-doc"]}}, 400, "no-such-doc"),
+    ({"messages": [{"role": "user", "content": "hi"}], "ragkv": {"doc_ids": ["d"] * 101}}, 400, "doc_ids"),
+    ({"messages": [{"role": "user", "content": "x" * (2 << 20)}]}, 413, "over"),
+])
+def test_bad_requests_get_json_errors_and_the_server_stays_healthy(served, body, status, fragment):
+    base, _, _ = served
+    response = post(base, body)
+    assert response.status_code == status, response.text
+    assert fragment in response.json()["error"]["message"]
+    assert httpx.get(f"{base}/healthz").json()["status"] == "ok"
+
+
+def test_max_tokens_is_capped_and_said(served):
+    base, _, _ = served
+    reply = post(base, {"messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 100000}).json()
+    assert reply["usage"]["completion_tokens"] <= 64
+    assert any("cut from 100000 to 64" in w for w in reply["ragkv"]["stats"]["warnings"])
+
+
+def test_a_full_queue_answers_503_with_retry_after(served):
+    base, _, _ = served
+    body = {"messages": [{"role": "user", "content": QUESTIONS[3]}], "max_tokens": 64}
+    with ThreadPoolExecutor(12) as pool:
+        responses = list(pool.map(lambda _: post(base, body), range(12)))
+    codes = sorted(r.status_code for r in responses)
+    assert 200 in codes and 503 in codes and set(codes) <= {200, 503}
+    busy = next(r for r in responses if r.status_code == 503)
+    assert busy.headers["retry-after"] == "1" and busy.json()["error"]["type"] == "server_busy"
+
+
+def test_a_reindex_published_while_a_client_loops_fails_no_request(served, tiny_llama):
+    base, store, docs = served
+    results, stop = [], threading.Event()
+
+    def loop():
+        while not stop.is_set():
+            response = post(base, {"messages": [{"role": "user", "content": "When are salaries paid?"}],
+                                   "max_tokens": 4})
+            results.append((response.status_code, response.json()))
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+    try:
+        for version in range(3):
+            (docs / "payroll-extra.md").write_text(f"Payroll notice {version}: salaries are paid on the 25th.")
+            ragkv.ingest([docs], store, model=ModelSettings(model=str(tiny_llama), device="cpu"), prune=True)
+            time.sleep(1.0)
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    assert results and all(status == 200 for status, _ in results), [r for r in results if r[0] != 200][:1]
+    generations = [body["ragkv"]["stats"]["store_generation"] for _, body in results]
+    assert generations == sorted(generations) and generations[-1] > generations[0]
+    assert all(body["ragkv"]["stats"]["mode"] == "exact" for _, body in results)
