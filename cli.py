@@ -39,8 +39,12 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 
-StoreOption = typer.Option(Path(DEFAULT_STORE), "--store", "-s", envvar="RAGKV_STORE",
-                           help="Store directory (env RAGKV_STORE).")
+StoreOption = typer.Option(DEFAULT_STORE, "--store", "-s", envvar="RAGKV_STORE",
+                           help="Store: a directory, or s3://BUCKET/PREFIX (AWS credentials and AWS_ENDPOINT_URL "
+                                "from the environment) (env RAGKV_STORE).")
+EngineOption = typer.Option("local", "--engine", help="local (this process) or ray (a Ray Data job: joins RAY_ADDRESS, "
+                                                      "else starts Ray here; pip install 'ragkv[ray]').")
+WorkersOption = typer.Option(0, "--workers", help="With --engine ray: model actors (0: one per GPU, else one per 2 CPUs).")
 JsonOption = typer.Option(False, "--json", help="Print one JSON object instead of text (for scripts).")
 DeviceOption = typer.Option("auto", "--device", help="auto (CUDA when available), cpu or cuda.")
 
@@ -93,7 +97,7 @@ def _settings(model, embedder, device, dtype, chunk_tokens, system_prompt, batch
 @app.command()
 def ingest(
     paths: List[Path] = PathsArgument,
-    store: Path = StoreOption,
+    store: str = StoreOption,
     model: str = ModelOption,
     embedder: str = EmbedderOption,
     dtype: str = DtypeOption,
@@ -103,6 +107,8 @@ def ingest(
     batch_tokens: int = BatchTokensOption,
     kv_dtype: str = KvDtypeOption,
     prune: bool = typer.Option(False, "--prune", help="Also remove stored documents that are not under PATHS."),
+    engine: str = EngineOption,
+    workers: int = WorkersOption,
     wait: bool = WaitOption,
     json_out: bool = JsonOption,
     quiet: bool = QuietOption,
@@ -115,7 +121,8 @@ def ingest(
     model_settings, settings = _settings(model, embedder, device, dtype, chunk_tokens, system_prompt, batch_tokens,
                                          kv_dtype)
     report = ragkv.ingest(paths, store, model=model_settings, settings=settings,
-                          reporter=default_reporter(quiet or json_out), wait=wait, prune=prune)
+                          reporter=default_reporter(quiet or json_out), wait=wait, prune=prune, engine=engine,
+                          workers=workers)
     if json_out:
         typer.echo(json.dumps(report.to_dict()))
         return
@@ -140,7 +147,7 @@ def _print_ingest(report: dict) -> None:
 @app.command()
 def reindex(
     paths: List[Path] = PathsArgument,
-    store: Path = StoreOption,
+    store: str = StoreOption,
     model: str = ModelOption,
     embedder: str = EmbedderOption,
     dtype: str = DtypeOption,
@@ -152,6 +159,8 @@ def reindex(
     gc: bool = typer.Option(True, "--gc/--no-gc", help="Reclaim space of retired KV afterwards."),
     check: bool = typer.Option(True, "--verify/--no-verify", help="Verify every entry afterwards."),
     report_file: Optional[Path] = typer.Option(None, "--report", help="Also write the JSON report to this file."),
+    engine: str = EngineOption,
+    workers: int = WorkersOption,
     wait: bool = WaitOption,
     json_out: bool = JsonOption,
     quiet: bool = QuietOption,
@@ -166,7 +175,7 @@ def reindex(
     model_settings, settings = _settings(model, embedder, device, dtype, chunk_tokens, system_prompt, batch_tokens,
                                          kv_dtype)
     report = run_nightly(paths, store, model=model_settings, settings=settings, gc=gc, check=check, wait=wait,
-                         reporter=default_reporter(quiet or json_out))
+                         reporter=default_reporter(quiet or json_out), engine=engine, workers=workers)
     if report_file:
         report_file.write_text(json.dumps(report.to_dict(), indent=2))
     if json_out:
@@ -182,7 +191,7 @@ def reindex(
 
 @app.command()
 def gc(
-    store: Path = StoreOption,
+    store: str = StoreOption,
     other_models: bool = typer.Option(False, "--other-models",
                                       help="Also drop KV of every model except the one last ingested with."),
     wait: bool = WaitOption,
@@ -207,7 +216,7 @@ def _print_gc(report: dict) -> None:
 
 @app.command()
 def verify(
-    store: Path = StoreOption,
+    store: str = StoreOption,
     repair: bool = typer.Option(False, "--repair", help="Recompute bad entries with the model that made them."),
     device: str = DeviceOption,
     json_out: bool = JsonOption,
@@ -247,7 +256,7 @@ def _print_verify(report: dict) -> None:
 @app.command()
 def ask(
     question: str = typer.Argument(..., help="The question."),
-    store: Path = StoreOption,
+    store: str = StoreOption,
     top_k: int = typer.Option(1, "--top-k", "-k", help="Chunks to retrieve; the first comes from the store, the rest are prefilled live."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Most tokens to generate."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Full prefill of the same prompt (to compare with the cached path)."),
@@ -301,7 +310,7 @@ def _print_answer_footer(answer, sources: bool = True) -> None:
 def batch(
     questions: Path = typer.Argument(..., help='JSONL: one {"id", "question", "doc"?} per line ("doc" pins a document).'),
     out: Path = typer.Option(..., "--out", "-o", help="Where to write one JSON answer (or error) per line."),
-    store: Path = StoreOption,
+    store: str = StoreOption,
     top_k: int = typer.Option(1, "--top-k", "-k", help="Chunks per question."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Most tokens per answer."),
     mode: str = ModeOption,
@@ -354,7 +363,7 @@ def batch(
 
 @app.command()
 def chat(
-    store: Path = StoreOption,
+    store: str = StoreOption,
     top_k: int = typer.Option(1, "--top-k", "-k", help="Chunks the first message retrieves (kept for the conversation)."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Most tokens per answer."),
     mode: str = ModeOption,
@@ -403,7 +412,7 @@ def chat(
 
 @app.command()
 def serve(
-    store: Path = StoreOption,
+    store: str = StoreOption,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback unless you say otherwise)."),
     port: int = typer.Option(8000, "--port", help="TCP port."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="RAGKV_API_KEY",
@@ -430,7 +439,7 @@ def serve(
 
 
 @app.command()
-def stats(store: Path = StoreOption, json_out: bool = JsonOption):
+def stats(store: str = StoreOption, json_out: bool = JsonOption):
     """What a store holds: documents, chunks, tokens and bytes per model and dtype, shards, dead bytes."""
     from store import open_snapshot
     from store.stats import store_stats

@@ -1,20 +1,29 @@
 """`ingest`: read → chunk → plan → embed → compute KV → write shards → publish a generation.
 
+Embedding and KV run in this process (`engine="local"`) or as a Ray Data job
+(`engine="ray"`, see pipelines.ray_engine); reading, chunking and planning always run here,
+against the catalog, so both engines build the same store.
+
 Idempotent: a document whose content and chunking are unchanged is not chunked or embedded
 again, and a chunk whose KV key is already in the store is not computed again.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
+
 from pipelines.chunk import chunk_text, chunking_id
 from pipelines.compute import compute_chunks, compute_prefix, shard_metadata
 from pipelines.plan import DocumentPlan, content_hash, plan_documents
+from pipelines import ray_engine
 from pipelines.progress import Reporter
 from pipelines.read import Document, Skipped, read_documents
 from ragkv import codec
@@ -24,8 +33,10 @@ from ragkv.errors import InputError, ModelError
 from ragkv.keys import KVKey, Profile
 from ragkv.model import LoadedModel, load_model
 from ragkv.prompt import PromptLayout, encode_text
-from store import ChunkRow, DocumentRow, StoreWriter
+from store import ChunkRow, DocumentRow, SealedEntry, StoreWriter
+from store.store import open_writer
 
+ENGINES = ("local", "ray")
 ROOM_FOR_QUESTION = 64  # tokens a chunk must leave free in the context for question and answer
 
 
@@ -36,11 +47,13 @@ class IngestReport:
     model: str = ""
     dtype: str = ""
     device: str = ""
+    engine: str = "local"
     documents: dict[str, int] = field(default_factory=lambda: {"added": 0, "changed": 0, "unchanged": 0, "removed": 0})
     chunks_embedded: int = 0
     kv_computed: int = 0  # KV entries computed now
     kv_reused: int = 0  # chunks whose KV was already stored (unchanged, or identical text)
     kv_adopted: int = 0  # entries sealed by an earlier, interrupted run, verified and kept
+    shards_discarded: int = 0  # ray: shards of killed, retried attempts (duplicates), deleted
     tokens_computed: int = 0
     tokens_skipped: int = 0
     compute_s: float = 0.0  # model forwards only
@@ -68,10 +81,13 @@ class PendingChunk:
 
 def ingest(paths: Sequence[Path | str], store: Path | str, model: ModelSettings | None = None,
            settings: IngestSettings | None = None, reporter: Reporter | None = None, wait: bool = False,
-           prune: bool = False) -> IngestReport:
-    """Ingest documents under `paths` into the store at `store` and publish a new generation.
+           prune: bool = False, engine: str = "local", workers: int = 0) -> IngestReport:
+    """Ingest documents under `paths` into the store at `store` (a folder or s3://bucket/prefix)
+    and publish a new generation.
 
     With `prune`, `paths` are the whole corpus: stored documents not found there are removed.
+    `engine="ray"` embeds and computes KV in a Ray Data job (`workers` actors; 0: one per GPU,
+    else one per 2 CPUs) instead of in this process; the store it builds is the same.
     Nothing is written unless documents were found and the model loaded; on any error the
     published store is left exactly as it was.
     """
@@ -83,18 +99,25 @@ def ingest(paths: Sequence[Path | str], store: Path | str, model: ModelSettings 
     if not found.documents:
         reasons = "; ".join(f"{s.source}: {s.reason}" for s in found.skipped[:3]) or "no files"
         raise InputError(f"no documents to ingest under {', '.join(map(str, paths))} ({reasons})")
-    lm = load_model(model.model, model.device, model.dtype)
-    embedder = Embedder.load(model.embedder, model.device)
+    if engine not in ENGINES:
+        raise InputError(f"unknown --engine {engine!r}; use one of {', '.join(ENGINES)}")
+    job = RayJob(*ray_engine.connect(workers), model=model) if engine == "ray" else None
+    here = "cpu" if job else model.device  # with Ray, this process only plans: the workers compute
+    lm = load_model(model.model, here, model.dtype)
+    embedder = Embedder.load(model.embedder, here)
     layout = PromptLayout.build(lm.tokenizer, settings.system_prompt)
     _check_fits(lm, layout, settings.chunk_tokens)
     profile = Profile(lm.facts.fingerprint, lm.facts.tokenizer_fingerprint, layout.template_fingerprint,
                       layout.prefix_ids, model.dtype, codec.kv_quant(settings.kv_dtype, model.dtype))
-    report = IngestReport(str(store), model=lm.facts.name, dtype=model.dtype, device=model.device, skipped=found.skipped)
+    report = IngestReport(str(store), model=lm.facts.name, dtype=model.dtype, device=model.device,
+                          engine=engine, skipped=found.skipped)
     try:
-        with StoreWriter(store, wait=wait) as writer:
+        with open_writer(store, wait=wait) as writer:
             report.kv_adopted = len(writer.adopt_orphans())
-            _write(writer, found.documents, lm, embedder, layout, profile, settings, reporter, report, prune)
-            report.generation = writer.generation
+            _write(writer, found.documents, lm, embedder, layout, profile, settings, reporter, report, prune, job)
+            report.generation = writer.publish()
+            if job:  # shards sealed by killed attempts of retried batches: unreferenced duplicates
+                report.shards_discarded = writer.delete_unreferenced_shards()[0]
     finally:
         reporter.done()
     report.total_s = time.perf_counter() - started
@@ -125,7 +148,7 @@ def _check_chunks_fit(pending: list[PendingChunk], lm: LoadedModel, layout: Prom
 
 def _write(writer: StoreWriter, documents: list[Document], lm: LoadedModel, embedder: Embedder,
            layout: PromptLayout, profile: Profile, settings: IngestSettings, reporter: Reporter,
-           report: IngestReport, prune: bool) -> None:
+           report: IngestReport, prune: bool, job: "RayJob | None") -> None:
     catalog = writer.catalog
     meta = catalog.meta()
     if meta.get("embedder_fingerprint", embedder.fingerprint) != embedder.fingerprint:
@@ -134,7 +157,8 @@ def _write(writer: StoreWriter, documents: list[Document], lm: LoadedModel, embe
     chunking = chunking_id(settings.chunk_tokens)
     plan = plan_documents(documents, catalog.documents(), chunking, prune)
     report.documents = plan.counts()
-    new_chunks = _replace_documents(writer, plan, chunking, lm, embedder, settings, reporter)
+    new_chunks = _replace_documents(writer, plan, chunking, lm, settings, reporter)
+    vectors = writer.ensure_vectors(embedder.dim)
     report.chunks_embedded = len(new_chunks)
 
     # KV: every chunk without a link under this profile; compute only keys not stored yet.
@@ -145,7 +169,12 @@ def _write(writer: StoreWriter, documents: list[Document], lm: LoadedModel, embe
     pending = [_pending(c, lm.tokenizer, profile) for c in candidates]
     _check_chunks_fit(pending, lm, layout)
     catalog.add_profile(_profile_row(profile, lm, settings.system_prompt))
-    _compute_and_store(writer, pending, lm, profile, settings, reporter, report)
+    work, prefix_key = _todo(catalog, pending, profile, report)
+    if job:
+        _run_ray_job(job, writer, new_chunks, work, prefix_key, lm, profile, settings, vectors, reporter, report)
+    else:
+        _embed(new_chunks, embedder, vectors, reporter)
+        _compute_and_store(writer, work, prefix_key, lm, profile, settings, reporter, report)
     catalog.link_chunks(profile.profile_id, [(p.chunk_id, p.key, p.token_ids) for p in pending])
     catalog.set_meta({
         "embedder": embedder.name,
@@ -155,17 +184,18 @@ def _write(writer: StoreWriter, documents: list[Document], lm: LoadedModel, embe
 
 
 def _replace_documents(writer: StoreWriter, plan: DocumentPlan, chunking: str, lm: LoadedModel,
-                       embedder: Embedder, settings: IngestSettings, reporter: Reporter) -> list[ChunkRow]:
-    """Retire the chunks of changed and removed documents; chunk and embed new and changed
-    ones. Returns the new chunks."""
-    catalog, vectors = writer.catalog, writer.ensure_vectors(embedder.dim)
+                       settings: IngestSettings, reporter: Reporter) -> list[ChunkRow]:
+    """Retire the chunks (and vectors) of changed and removed documents; chunk new and changed
+    ones. Returns the new chunks, still to be embedded."""
+    catalog, vectors = writer.catalog, writer.vectors
     new_chunks = _chunk_documents(plan.to_chunk, lm.tokenizer, settings.chunk_tokens, catalog.next_chunk_id(), reporter)
     per_doc = Counter(c.doc_id for c in new_chunks)
     rows = [DocumentRow(d.doc_id, d.source, content_hash(d), chunking, per_doc[d.doc_id]) for d in plan.to_chunk]
     with catalog.transaction():
-        vectors.remove(catalog.delete_documents(plan.retired_ids))
+        retired = catalog.delete_documents(plan.retired_ids)
+        if vectors is not None:
+            vectors.remove(retired)
         catalog.add_documents(rows, [d.metadata for d in plan.to_chunk], new_chunks)
-    _embed(new_chunks, embedder, vectors, reporter)
     return new_chunks
 
 
@@ -193,25 +223,30 @@ def _pending(chunk: ChunkRow, tokenizer, profile: Profile) -> PendingChunk:
     return PendingChunk(chunk.chunk_id, chunk.text, ids, KVKey.for_chunk(profile, ids).to_string())
 
 
-def _compute_and_store(writer: StoreWriter, pending: list[PendingChunk], lm: LoadedModel, profile: Profile,
-                       settings: IngestSettings, reporter: Reporter, report: IngestReport) -> None:
-    catalog = writer.catalog
-    shards = writer.shard_writer(settings.shard_bytes, shard_metadata(profile.profile_id, lm.facts.name, profile.dtype))
+def _todo(catalog, pending: list[PendingChunk], profile: Profile, report: IngestReport
+          ) -> tuple[list[PendingChunk], str | None]:
+    """The chunks to compute (one per distinct key not stored yet), and the prefix key if the
+    store lacks the prefix entry."""
     prefix_key = KVKey.for_prefix(profile).to_string()
     stored = catalog.existing_keys([prefix_key] + [p.key for p in pending])
-
-    todo: dict[str, PendingChunk] = {}  # one computation per distinct key
+    todo: dict[str, PendingChunk] = {}
     for p in pending:
         if p.key in stored or p.key in todo:
             report.kv_reused += 1  # stored already, or identical to another chunk of this run
             report.tokens_skipped += len(p.token_ids)
         else:
             todo[p.key] = p
-    work = list(todo.values())
+    return list(todo.values()), None if prefix_key in stored else prefix_key
+
+
+def _compute_and_store(writer: StoreWriter, work: list[PendingChunk], prefix_key: str | None, lm: LoadedModel,
+                       profile: Profile, settings: IngestSettings, reporter: Reporter, report: IngestReport) -> None:
+    catalog = writer.catalog
+    shards = writer.shard_writer(settings.shard_bytes, shard_metadata(profile.profile_id, lm.facts.name, profile.dtype))
     reporter.stage("KV", len(work))
     compute_started = time.perf_counter()
     prefix_kv = compute_prefix(lm.model, profile.prefix_ids)
-    if prefix_key not in stored:
+    if prefix_key:
         sealed = shards.add(prefix_key, codec.encode(prefix_kv, profile.kv_quant)) + shards.flush()
         catalog.add_entries(profile.profile_id, sealed, {prefix_key})
     batch_tokens = settings.batch_tokens_for(lm.device)
@@ -225,6 +260,56 @@ def _compute_and_store(writer: StoreWriter, pending: list[PendingChunk], lm: Loa
         reporter.advance(1, tokens=len(chunk.token_ids))
     catalog.add_entries(profile.profile_id, shards.flush())
     report.compute_s = time.perf_counter() - compute_started
+
+
+@dataclass(frozen=True)
+class RayJob:
+    workers: int
+    cpus: float  # per worker
+    gpus: float  # per worker
+    model: ModelSettings  # what the workers load and where (the driver plans on the CPU)
+
+
+def _run_ray_job(job: RayJob, writer: StoreWriter, to_embed: list[ChunkRow], work: list[PendingChunk],
+                 prefix_key: str | None, lm: LoadedModel, profile: Profile, settings: IngestSettings, vectors,
+                 reporter: Reporter, report: IngestReport) -> None:
+    """Embed `to_embed` and compute `work` (and the prefix) on Ray; commit what comes back."""
+    rows: dict[int, dict] = {c.chunk_id: {"chunk_id": c.chunk_id, "text": c.text, "embed": True, "key": "",
+                                          "token_ids": [], "prefix": False} for c in to_embed}
+    for p in work:
+        row = rows.setdefault(p.chunk_id, {"chunk_id": p.chunk_id, "text": p.text, "embed": False, "prefix": False})
+        row.update(key=p.key, token_ids=list(p.token_ids))
+    if prefix_key:
+        rows[-1] = {"chunk_id": -1, "text": "", "embed": False, "key": prefix_key, "token_ids": [], "prefix": True}
+    if not rows:
+        return
+    spec = ray_engine.WorkerSpec(
+        model=job.model.model, embedder=job.model.embedder, device=job.model.device, dtype=job.model.dtype,
+        model_fingerprint=profile.model_fingerprint, tokenizer_fingerprint=profile.tokenizer_fingerprint,
+        prefix_ids=tuple(profile.prefix_ids), kv_quant=profile.kv_quant,
+        batch_tokens=settings.batch_tokens_for(job.model.device),
+        shard_metadata=shard_metadata(profile.profile_id, lm.facts.name, profile.dtype),
+        shard_target=writer.location,
+        threads=max(1, math.ceil(job.cpus - 0.01)) if not job.gpus else 1,  # the CPUs each actor was given
+        kill_once_marker=os.environ.get(ray_engine.KILL_ONCE_ENV, ""),
+    )
+    tokens = {p.key: len(p.token_ids) for p in work}
+    reporter.stage("embed + KV", len(rows))
+    started = time.perf_counter()
+    for batch in ray_engine.run_job(list(rows.values()), spec, job.workers, job.cpus, job.gpus,
+                                    ray_engine.DEFAULT_BATCH_ROWS):
+        embedded = np.flatnonzero(batch["embed"])
+        if len(embedded):
+            vectors.add([int(batch["chunk_id"][i]) for i in embedded], batch["vector"][embedded])
+        entries = [SealedEntry(str(batch["key"][i]), str(batch["shard"][i]), int(batch["num_tokens"][i]),
+                               str(batch["dtype"][i]), int(batch["nbytes"][i]), str(batch["checksum"][i]))
+                   for i in range(len(batch["key"])) if batch["shard"][i]]
+        writer.catalog.add_entries(profile.profile_id, entries, {prefix_key} if prefix_key else set())
+        computed = [e for e in entries if e.name in tokens]
+        report.kv_computed += len(computed)
+        report.tokens_computed += sum(tokens[e.name] for e in computed)
+        reporter.advance(len(batch["chunk_id"]), tokens=sum(tokens[e.name] for e in computed))
+    report.compute_s = time.perf_counter() - started  # the whole job: embedding, KV, shard writes
 
 
 def _profile_row(profile: Profile, lm: LoadedModel, system_prompt: str) -> dict:

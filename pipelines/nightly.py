@@ -46,11 +46,11 @@ class NightlyReport:
 
 def run_nightly(paths: Sequence[Path | str], store: Path | str, model: ModelSettings | None = None,
                 settings: IngestSettings | None = None, gc: bool = True, check: bool = True, wait: bool = False,
-                reporter: Reporter | None = None) -> NightlyReport:
+                reporter: Reporter | None = None, engine: str = "local", workers: int = 0) -> NightlyReport:
     started = time.perf_counter()
     report = NightlyReport()
     report.ingest = ingest(paths, store, model=model, settings=settings, reporter=reporter, wait=wait,
-                           prune=True).to_dict()
+                           prune=True, engine=engine, workers=workers).to_dict()
     if gc:
         report.gc = collect_garbage(store, wait=wait).to_dict()
     if check:

@@ -16,6 +16,7 @@ from ragkv.errors import ModelError
 from ragkv.keys import KVKey
 from ragkv.model import load_model
 from store import StoreWriter, open_snapshot, verify
+from store.store import open_writer
 
 
 @dataclass
@@ -38,7 +39,7 @@ def repair(store: Path | str, device: str = "cpu", wait: bool = False) -> Repair
     if not problems:
         return report
     bad_keys = {p.kv_key for p in problems if p.kind in ("entry", "link", "prefix")}
-    with StoreWriter(store, wait=wait) as writer:
+    with open_writer(store, wait=wait) as writer:
         by_profile: dict[str, list[str]] = {}
         for key in bad_keys:
             by_profile.setdefault(KVKey.from_string(key).profile_id, []).append(key)

@@ -34,14 +34,16 @@ def open(store, model=None, embedder=None, device="auto", dtype=None, **options)
     return QueryEngine(store, model=model, embedder=embedder, device=device, dtype=dtype, **options)
 
 
-def ingest(paths, store, model=None, settings=None, reporter=None, wait=False, prune=False):
-    """Ingest documents (files or directories) into a store; returns an `IngestReport`.
-    `model` is a `ModelSettings`, `settings` an `IngestSettings` (defaults if omitted)."""
+def ingest(paths, store, model=None, settings=None, reporter=None, wait=False, prune=False, engine="local", workers=0):
+    """Ingest documents (files or directories) into a store (a folder or s3://bucket/prefix);
+    returns an `IngestReport`. `model` is a `ModelSettings`, `settings` an `IngestSettings`
+    (defaults if omitted); `engine="ray"` runs embedding and KV as a Ray Data job."""
     from pipelines.ingest import ingest as run
 
     if isinstance(paths, (str, bytes)) or hasattr(paths, "__fspath__"):
         paths = [paths]
-    return run(paths, store, model=model, settings=settings, reporter=reporter, wait=wait, prune=prune)
+    return run(paths, store, model=model, settings=settings, reporter=reporter, wait=wait, prune=prune, engine=engine,
+               workers=workers)
 
 
 def __getattr__(name):

@@ -25,7 +25,6 @@ from ragkv.lru import ByteLRU
 from ragkv.model import LoadedModel, load_model, model_name
 from ragkv.prompt import PromptLayout, encode_text
 from store import ContextRow, Hit, StoreSnapshot, open_snapshot
-from store.generations import read_current
 
 log = logging.getLogger("ragkv")
 
@@ -78,7 +77,7 @@ class QueryEngine:
     def _load_model(self, name: str | None, dtype: str | None, kv_dtype: str | None) -> tuple[LoadedModel, ActiveProfile]:
         rows = self.snapshot.catalog.profiles()
         if not rows:
-            raise StoreEmptyError(f"store {self.snapshot.root} holds no KV; add documents with: ragkv ingest DOCS")
+            raise StoreEmptyError(f"store {self.snapshot.location} holds no KV; add documents with: ragkv ingest DOCS")
         last = self.snapshot.catalog.meta().get("last_profile")
         default = next((r for r in rows if r["profile_id"] == last), rows[0])
         name = model_name(name) if name else default["model_name"]
@@ -90,7 +89,7 @@ class QueryEngine:
         if not candidates:
             held = ", ".join(sorted({f"{r['model_name']} ({r['dtype']}, KV {r['kv_quant']})" for r in rows}))
             raise ModelError(
-                f"store {self.snapshot.root} has no KV for model {name} in {dtype}"
+                f"store {self.snapshot.location} has no KV for model {name} in {dtype}"
                 f"{f' stored as {kv_dtype}' if kv_dtype else ''} (it holds: {held}); "
                 f"ingest with --model {name} --dtype {dtype}, or omit --model"
             )
@@ -106,7 +105,7 @@ class QueryEngine:
         )
         if profile.profile_id != row["profile_id"]:
             raise ModelError(
-                f"model {name}'s tokenizer or chat template differs from when store {self.snapshot.root} was built; "
+                f"model {name}'s tokenizer or chat template differs from when store {self.snapshot.location} was built; "
                 "re-run ragkv ingest to recompute the KV"
             )
         return lm, ActiveProfile(profile, layout, row["system_prompt"])
@@ -115,7 +114,7 @@ class QueryEngine:
         embedder = Embedder.load(name, self.device)
         if embedder.fingerprint != meta.get("embedder_fingerprint"):
             raise ModelError(
-                f"embedder {name} differs from the one store {self.snapshot.root} was built with "
+                f"embedder {name} differs from the one store {self.snapshot.location} was built with "
                 f"({meta.get('embedder')}); omit --embedder"
             )
         return embedder
@@ -123,9 +122,9 @@ class QueryEngine:
     def refresh(self) -> bool:
         """Switch to the store's newest published generation if there is one (between
         questions: an answer always comes from one generation). Returns whether it switched."""
-        if read_current(self.snapshot.root) == self.snapshot.generation:
+        if self.snapshot.latest_generation() == self.snapshot.generation:
             return False
-        snapshot = open_snapshot(self.snapshot.root)
+        snapshot = open_snapshot(self.snapshot.location)
         profile_id = self.active.profile.profile_id
         if all(p["profile_id"] != profile_id for p in snapshot.catalog.profiles()):
             snapshot.close()
@@ -210,7 +209,7 @@ class QueryEngine:
         retrieved = self._rows(hits)
         stats.catalog_ms = _ms(catalog_start)
         if not retrieved:
-            raise StoreEmptyError(f"store {self.snapshot.root} returned no chunks for the question")
+            raise StoreEmptyError(f"store {self.snapshot.location} returned no chunks for the question")
         if len(retrieved) < settings.top_k:
             stats.warnings.append(f"top_k {settings.top_k} but the store holds {len(retrieved)} chunks")
         question_ids = layout.question_ids(self.lm.tokenizer, question)

@@ -7,8 +7,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ragkv.errors import StoreCorruptError
-from store.shards import ShardReader, shard_files
-from store.store import StoreWriter
+from store.store import StoreWriter, open_writer
 
 REWRITE_BELOW = 0.5  # rewrite a shard once less than this fraction of its bytes is live
 
@@ -35,7 +34,7 @@ def collect_garbage(root: Path | str, other_models: bool = False, wait: bool = F
     other_models: also drop every model profile except the one last ingested with.
     """
     report = GcReport()
-    writer = StoreWriter(root, wait=wait)
+    writer = open_writer(root, wait=wait)
     try:
         catalog = writer.catalog
         if other_models:
@@ -61,10 +60,10 @@ def _rewrite_sparse_shards(writer: StoreWriter, rewrite_below: float) -> int:
     """Copy the live entries of mostly-dead shards into new shards and repoint their rows.
     The old files are deleted once no generation references them."""
     catalog = writer.catalog
-    sizes = shard_files(writer.shard_dir)
+    sizes = writer.shard_sizes()
     sparse = [shard for shard, live in catalog.live_bytes_by_shard().items()
               if shard in sizes and live < rewrite_below * sizes[shard]]
-    reader = ShardReader(writer.shard_dir)
+    reader = writer.shard_reader()
     shards = writer.shard_writer(max_bytes=max(sizes.values(), default=1), metadata={"rewritten_by": "gc"})
     sealed = []
     for shard in sparse:

@@ -59,7 +59,7 @@ def publish(root: Path, generation: int) -> None:
 
 def is_store_file(name: str) -> bool:
     """A name a store writer creates at the top of a store."""
-    return name in (CURRENT, LOCK, f".{CURRENT}.tmp") or bool(_GENERATION_FILE.match(name))
+    return name in (CURRENT, LOCK, f".{CURRENT}.tmp", ".remote-CURRENT") or bool(_GENERATION_FILE.match(name))
 
 
 def generations_on_disk(root: Path) -> set[int]:

@@ -16,7 +16,7 @@ import re
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import xxhash
@@ -165,8 +165,9 @@ class ShardReader:
 
     MAX_OPEN = 64
 
-    def __init__(self, shard_dir: Path):
+    def __init__(self, shard_dir: Path, fetch: Callable[[str], Path] | None = None):
         self.shard_dir = shard_dir
+        self.fetch = fetch  # copies a shard missing from `shard_dir` into it (an S3 store's mirror)
         self._open: dict[str, _Shard] = {}
 
     def read(self, shard: str, name: str, expected_checksum: str, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -208,7 +209,7 @@ class ShardReader:
         if not is_shard_name(shard):
             raise StoreCorruptError(f"catalog names an invalid shard file {shard!r}")
         try:
-            fd = os.open(self.shard_dir / shard, os.O_RDONLY)
+            fd = os.open(self.fetch(shard) if self.fetch else self.shard_dir / shard, os.O_RDONLY)
         except FileNotFoundError:
             raise StoreCorruptError(f"shard {shard} is missing from {self.shard_dir}") from None
         try:

@@ -10,12 +10,12 @@ def store_stats(snapshot: StoreSnapshot) -> dict:
     """Counts, tokens and bytes per model profile, and shard space: live (referenced by this
     generation's entries) vs dead (anything else in shard files: gc reclaims it)."""
     catalog = snapshot.catalog
-    files = shard_files(snapshot.root / "shards")
+    files = snapshot.remote.shards() if snapshot.remote else shard_files(snapshot.root / "shards")
     referenced = catalog.shards()
     live_bytes = catalog.kv_bytes()
     disk_bytes = sum(files.values())
     return {
-        "store": str(snapshot.root),
+        "store": snapshot.location,
         "generation": snapshot.generation,
         **catalog.counts(),
         "vectors": len(snapshot.vectors),

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
 
 import duckdb
 
-from ragkv.errors import InputError, StoreEmptyError, StoreFormatError, StoreNotFoundError, StoreWriteError
+from ragkv.errors import InputError, RagkvError, StoreEmptyError, StoreFormatError, StoreNotFoundError, StoreWriteError
 from ragkv.keys import KVKey
 from store.catalog import Catalog
 from store.generations import (
@@ -16,10 +17,12 @@ from store.generations import (
     remove_retired,
     remove_unpublished, vectors_path,
 )
+from store.remote import RemoteStore, UploadingShardWriter, is_remote, referenced_shards, write_error
 from store.shards import SealedEntry, ShardReader, ShardWriter, fsync_dir, remove_temporary, sealed_entries, shard_files
 from store.vectors import VectorIndex
 
 SHARD_DIR = "shards"
+log = logging.getLogger("ragkv")
 _WRITE_ERRORS = (OSError, duckdb.IOException, duckdb.FatalException)  # FatalException: a failed checkpoint
 
 
@@ -42,10 +45,12 @@ def _write_error(root: Path, exc: BaseException) -> StoreWriteError:
 
 class StoreSnapshot:
     """A read-only view of one published generation: catalog, vectors and shard reader.
-    Holds the generation's reader lease until `close`."""
+    Holds the generation's reader lease until `close`. For an S3 store, `root` is the local
+    mirror and `remote` the bucket shards are fetched from."""
 
-    def __init__(self, root: Path, generation: int):
+    def __init__(self, root: Path, generation: int, remote: RemoteStore | None = None):
         self.root = root
+        self.remote = remote
         self.generation = generation
         self._lease = ReaderLease(root, generation)
         try:
@@ -54,7 +59,16 @@ class StoreSnapshot:
         except BaseException:
             self._lease.release()
             raise
-        self.shards = ShardReader(root / SHARD_DIR)
+        self.shards = ShardReader(root / SHARD_DIR, fetch=remote.fetch_shard if remote else None)
+
+    @property
+    def location(self) -> str:
+        """What the user named: the folder, or the s3:// URI."""
+        return self.remote.location.uri if self.remote else str(self.root)
+
+    def latest_generation(self) -> int | None:
+        """The generation published now (an S3 store's is copied down first)."""
+        return self.remote.sync() if self.remote else read_current(self.root)
 
     def close(self) -> None:
         self.shards.close()
@@ -68,15 +82,17 @@ class StoreSnapshot:
         self.close()
 
 
-def open_snapshot(root: Path | str, require_documents: bool = True) -> StoreSnapshot:
-    """Open the published generation of the store at `root`."""
-    root = Path(root)
+def open_snapshot(location: Path | str, require_documents: bool = True) -> StoreSnapshot:
+    """Open the published generation of the store at `location` (a folder or s3://bucket/prefix)."""
+    remote = RemoteStore(str(location)) if is_remote(location) else None
+    root = remote.mirror if remote else Path(location)
     for _ in range(5):  # the generation may be retired between reading CURRENT and leasing it
-        generation = read_current(root)
+        generation = remote.sync() if remote else read_current(root)
         if generation is None:
-            raise StoreNotFoundError(f"no ragkv store at {root}; create one with: ragkv ingest DOCS --store {root}")
+            raise StoreNotFoundError(f"no ragkv store at {location}; create one with: "
+                                     f"ragkv ingest DOCS --store {location}")
         try:
-            snapshot = StoreSnapshot(root, generation)
+            snapshot = StoreSnapshot(root, generation, remote)
             break
         except RetiredError:
             continue
@@ -84,7 +100,8 @@ def open_snapshot(root: Path | str, require_documents: bool = True) -> StoreSnap
         raise StoreFormatError(f"store {root}: CURRENT names generation {generation} but its files are missing")
     if require_documents and len(snapshot.vectors) == 0:
         snapshot.close()
-        raise StoreEmptyError(f"store {root} holds no documents; add some with: ragkv ingest DOCS --store {root}")
+        raise StoreEmptyError(f"store {location} holds no documents; add some with: "
+                              f"ragkv ingest DOCS --store {location}")
     return snapshot
 
 
@@ -133,8 +150,20 @@ class StoreWriter:
     def shard_dir(self) -> Path:
         return self.root / SHARD_DIR
 
+    @property
+    def location(self) -> str:
+        """What the user named: the folder, or the s3:// URI."""
+        return str(self.root)
+
     def shard_writer(self, max_bytes: int, metadata: dict[str, str]) -> ShardWriter:
         return ShardWriter(self.shard_dir, max_bytes, metadata)
+
+    def shard_sizes(self) -> dict[str, int]:
+        """Sealed shard files of the store and their sizes."""
+        return shard_files(self.shard_dir)
+
+    def shard_reader(self) -> ShardReader:
+        return ShardReader(self.shard_dir)
 
     def ensure_vectors(self, dim: int) -> VectorIndex:
         if self.vectors is None:
@@ -239,3 +268,94 @@ def _is_key(name: str) -> bool:
         return True
     except ValueError:
         return False
+
+
+class RemoteStoreWriter(StoreWriter):
+    """A StoreWriter for an S3 store: builds the next generation in the local mirror (see
+    store.remote), uploads each shard as it is sealed and publishes catalog, index and then
+    CURRENT to the bucket. Holds the bucket's LOCK object as well as the mirror's lock."""
+
+    def __init__(self, uri: str, wait: bool = False):
+        self.remote = RemoteStore(uri)
+        try:
+            self._token = self.remote.lock(wait)
+        except OSError as exc:
+            raise write_error(uri, exc) from exc
+        try:
+            self.remote_base = self.remote.sync()
+            super().__init__(self.remote.mirror, wait)
+            if self.base_generation != self.remote_base:
+                raise StoreWriteError(f"store {uri}: the local mirror {self.root} changed while opening; try again")
+        except BaseException:
+            self.remote.unlock(self._token)
+            raise
+
+    @property
+    def location(self) -> str:
+        return self.remote.location.uri
+
+    def shard_writer(self, max_bytes: int, metadata: dict[str, str]) -> ShardWriter:
+        return UploadingShardWriter(self.remote, max_bytes, metadata)
+
+    def shard_sizes(self) -> dict[str, int]:
+        return self.remote.shards()
+
+    def shard_reader(self) -> ShardReader:
+        return ShardReader(self.shard_dir, fetch=self.remote.fetch_shard)
+
+    def adopt_orphans(self) -> list[SealedEntry]:
+        adopted = super().adopt_orphans()  # sealed in the mirror by a killed writer: maybe never uploaded
+        on_bucket = self.remote.shards()
+        for shard in {e.shard for e in adopted} - set(on_bucket):
+            self.remote.upload_shard(shard)
+        return adopted
+
+    def publish(self) -> int:
+        if self._published:
+            return self.generation
+        try:
+            missing = self.catalog.shards() - set(self.remote.shards())
+            for shard in sorted(missing):
+                if not (self.shard_dir / shard).exists():
+                    raise StoreWriteError(f"cannot publish {self.location}: shard {shard} is neither on the bucket "
+                                          "nor in the local mirror")
+                self.remote.upload_shard(shard)
+        except OSError as exc:
+            self.abort()
+            raise write_error(self.location, exc) from exc
+        except BaseException:
+            self.abort()
+            raise
+        generation = super().publish()
+        try:
+            self.remote.upload_generation(generation)
+        except OSError as exc:
+            # The mirror is ahead of the bucket; the next sync puts it back.
+            raise write_error(self.location, exc) from exc
+        try:
+            self.remote.trim_generations(generation)
+        except OSError as exc:  # published already; old generations stay until the next writer
+            log.warning("store %s: could not delete old generations: %s", self.location, exc)
+        return generation
+
+    def delete_unreferenced_shards(self) -> tuple[int, int]:
+        """Also delete shards on the bucket that no kept generation references."""
+        files, freed = super().delete_unreferenced_shards()
+        referenced = referenced_shards(self.remote, self.remote.remote_generations())
+        for shard, size in self.remote.shards().items():
+            if shard not in referenced:
+                self.remote.delete_shard(shard)
+                files, freed = files + 1, freed + size
+        return files, freed
+
+    def release(self) -> None:
+        super().release()
+        try:
+            self.remote.unlock(self._token)
+        except (OSError, RagkvError) as exc:
+            log.warning("store %s: could not delete its LOCK object (%s); delete it by hand", self.location, exc)
+
+
+def open_writer(location: Path | str, wait: bool = False) -> StoreWriter:
+    """A writer for the store at `location`: a folder, or s3://bucket/prefix."""
+    return RemoteStoreWriter(str(location), wait) if is_remote(location) else StoreWriter(location, wait)

