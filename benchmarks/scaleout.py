@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 import ragkv  # noqa: E402
 from ragkv.config import IngestSettings, ModelSettings, cache_dir  # noqa: E402
+from store.remote import RemoteStore  # noqa: E402
 from tests import s3server  # noqa: E402
 
 QUESTIONS = (Path(__file__).parent / "questions.txt").read_text().splitlines()[:5]
@@ -79,6 +80,9 @@ def main() -> None:
         local_ttft = statistics.median(ttfts(work / "local-0"))
         fresh_home(work / "reader")  # another machine: an empty cache
         cold = ttfts("s3://ragkv/bench")
+        shards = RemoteStore("s3://ragkv/bench").mirror / "shards"
+        while not list(shards.glob("*.safetensors")):  # the background copy: warm reads are local
+            time.sleep(0.1)
         warm = statistics.median(ttfts("s3://ragkv/bench"))
     print("s3", f"{s3_seconds:.1f} s", cold, warm, local_ttft)
 
@@ -115,9 +119,9 @@ def main() -> None:
         f"| TTFT of a new engine's first question s (S3: empty cache) | {local_first:.3f} | {cold[0]:.3f} |",
         f"| TTFT median, {len(QUESTIONS)} questions, warm s | {local_ttft:.3f} | {warm:.3f} ({warm / local_ttft:.2f}x) |",
         "",
-        "A cold reader copies the catalog and index down on open and each shard on its first read (the",
-        "sample corpus fits one shard); after that every read is a local `pread`. The cold first answer",
-        "pays for the whole shard: fetching only the entry's byte range is the next lever.",
+        "A cold reader copies the catalog and index down on open; a shard's first read fetches only the",
+        "entry's bytes (ranged GETs) while the whole shard is copied down in the background (the sample",
+        "corpus fits one shard); once copied, every read is a local `pread`.",
     ]
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

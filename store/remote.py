@@ -4,8 +4,9 @@ The objects mirror a local store's layout (`CURRENT`, `catalog-N.duckdb`, `vecto
 `shards/*.safetensors`). Every machine keeps a local mirror under the ragkv cache
 (`$RAGKV_HOME/s3/BUCKET/PREFIX`) that is itself a local store: DuckDB and FAISS only ever
 open local files (DuckDB's httpfs is not needed), published catalogs and indexes are copied
-down, and shards are fetched when first read and evicted least-recently-used beyond
-`$RAGKV_S3_CACHE_BYTES` (default 8 GiB).
+down; a shard's first read fetches just the entry's bytes (ranged GETs) while the whole shard
+is copied down in the background for later reads, and copies are evicted least-recently-used
+beyond `$RAGKV_S3_CACHE_BYTES` (default 8 GiB).
 
 Writing: `RemoteStoreWriter` takes the store's `LOCK` object, builds the next generation in
 the mirror, uploads each shard as it is sealed, and publishes by uploading the catalog and
@@ -27,8 +28,10 @@ machine must be deleted by hand (the error says so).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -41,6 +44,8 @@ from store.generations import (
 )
 from store.shards import SHARD_SUFFIX, SealedEntry, ShardWriter, is_shard_name
 
+log = logging.getLogger("ragkv")
+
 SCHEME = "s3://"
 SYNCED = ".remote-CURRENT"  # in the mirror: the bucket's CURRENT it last copied
 KEEP_GENERATIONS = 2
@@ -48,6 +53,7 @@ CACHE_BYTES_ENV = "RAGKV_S3_CACHE_BYTES"
 DEFAULT_CACHE_BYTES = 8 << 30
 _COPY_BLOCK = 8 << 20
 _FRESH_S = 120  # a shard written or read this recently is never evicted
+_STALE_TMP_S = 3600  # a partial copy this old belongs to no live process
 
 
 def is_remote(location: str | Path) -> bool:
@@ -103,6 +109,8 @@ class RemoteStore:
         self.mirror = cache_dir() / "s3" / self.location.bucket / (self.location.prefix or "_")
         self.cache_bytes = int(os.environ.get(CACHE_BYTES_ENV, DEFAULT_CACHE_BYTES))
         (self.mirror / "shards").mkdir(parents=True, exist_ok=True)
+        self._fetching: dict[str, threading.Thread] = {}  # shard -> its background copy
+        self._fetching_lock = threading.Lock()
 
     # -- objects ------------------------------------------------------------------------------
     def _read(self, name: str) -> bytes | None:
@@ -227,6 +235,49 @@ class RemoteStore:
     def delete_shard(self, name: str) -> None:
         self.fs.delete_file(self.location.key("shards", name))
 
+    # The reader side (store.shards.RemoteShards): read ranges now, keep a local copy for later.
+    def local(self, shard: str) -> Path | None:
+        path = self.mirror / "shards" / shard
+        try:
+            os.utime(path)  # recently used: evicted last
+        except FileNotFoundError:
+            return None
+        return path
+
+    def open(self, shard: str):
+        try:
+            handle = self.fs.open_input_file(self.location.key("shards", shard))
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            raise _read_error(self.location, exc) from exc
+        self._prefetch(shard)
+        return handle
+
+    def _prefetch(self, shard: str) -> None:
+        with self._fetching_lock:
+            if shard in self._fetching:
+                return
+            self._fetching[shard] = thread = threading.Thread(
+                target=self._fetch_quietly, args=(shard,), daemon=True, name=f"ragkv-fetch-{shard[:8]}")
+        thread.start()
+
+    def _fetch_quietly(self, shard: str) -> None:
+        try:
+            self.fetch_shard(shard)
+        except Exception as exc:  # reads go on from the bucket; the next open tries again
+            log.warning("could not copy shard %s from %s: %s", shard, self.location.uri, exc)
+        finally:
+            with self._fetching_lock:
+                self._fetching.pop(shard, None)
+
+    def wait_for_copies(self, timeout: float | None = None) -> None:
+        """Wait for background shard copies started so far."""
+        with self._fetching_lock:
+            threads = list(self._fetching.values())
+        for thread in threads:
+            thread.join(timeout)
+
     def fetch_shard(self, name: str) -> Path:
         """The local copy of a shard, downloaded if missing; keeps the cache within its bound."""
         path = self.mirror / "shards" / name
@@ -252,6 +303,12 @@ class RemoteStore:
                 continue
             files.append((stat.st_mtime, stat.st_size, path))
         total, freed, now = sum(size for _, size, _ in files), 0, time.time()
+        for tmp in (self.mirror / "shards").glob(".*.tmp"):  # copies cut short by a process exit
+            try:
+                if now - tmp.stat().st_mtime > _STALE_TMP_S:
+                    tmp.unlink()
+            except FileNotFoundError:
+                pass
         for mtime, size, path in sorted(files):
             if total - freed <= self.cache_bytes:
                 break

@@ -16,7 +16,7 @@ import re
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator, Protocol
 
 import torch
 import xxhash
@@ -139,14 +139,61 @@ _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "
            "U8": torch.uint8, "F64": torch.float64, "I32": torch.int32, "I64": torch.int64}
 
 
+class RemoteShards(Protocol):
+    """Where shards missing from a reader's folder come from (an S3 store, see store.remote)."""
+
+    def local(self, shard: str) -> Path | None:
+        """The local copy, if there is one (marking it recently used)."""
+
+    def open(self, shard: str):
+        """A random-access file (pyarrow's: `read_at(nbytes, offset)`, `close()`) on the remote
+        shard; also starts copying it down in the background for later reads."""
+
+
+class _LocalFile:
+    def __init__(self, path: Path):
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def read(self, size: int, offset: int) -> bytes:
+        return os.pread(self.fd, size, offset)
+
+    def read_into(self, view: memoryview, offset: int) -> int:
+        return os.preadv(self.fd, [view], offset)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class _RemoteFile:
+    """Ranged GETs: a cold read fetches only the entry's bytes, not the whole shard."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def read(self, size: int, offset: int) -> bytes:
+        return self.handle.read_at(size, offset)
+
+    def read_into(self, view: memoryview, offset: int) -> int:
+        data = self.handle.read_at(len(view), offset)
+        view[:len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        self.handle.close()
+
+
 @dataclass(frozen=True)
 class _Shard:
-    """An open sealed shard: its file descriptor, where its data starts, and its tensors."""
+    """An open sealed shard: its file, where its data starts, and its tensors."""
 
-    fd: int
+    file: _LocalFile | _RemoteFile
     data_start: int
     tensors: dict  # stored name -> (dtype, shape, begin, end), offsets relative to data_start
     parts: dict  # entry name -> its part names ("" the data)
+
+    @property
+    def remote(self) -> bool:
+        return isinstance(self.file, _RemoteFile)
 
 
 def _align(size: int) -> int:
@@ -165,9 +212,9 @@ class ShardReader:
 
     MAX_OPEN = 64
 
-    def __init__(self, shard_dir: Path, fetch: Callable[[str], Path] | None = None):
+    def __init__(self, shard_dir: Path, remote: RemoteShards | None = None):
         self.shard_dir = shard_dir
-        self.fetch = fetch  # copies a shard missing from `shard_dir` into it (an S3 store's mirror)
+        self.remote = remote  # shards not (yet) in `shard_dir`: an S3 store's mirror
         self._open: dict[str, _Shard] = {}
 
     def read(self, shard: str, name: str, expected_checksum: str, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -191,7 +238,12 @@ class ShardReader:
         for part in sorted(names):
             dtype, shape, begin, end = names[part]
             view = buffer[offset:offset + end - begin]
-            got = os.preadv(opened.fd, [memoryview(view.numpy())], opened.data_start + begin) if end > begin else 0
+            try:
+                got = opened.file.read_into(memoryview(view.numpy()), opened.data_start + begin) if end > begin else 0
+            except OSError as exc:  # a remote read that failed
+                self.close_shard(shard)
+                raise StoreCorruptError(f"KV entry {name[:24]}… in shard {shard} could not be read: "
+                                        f"{str(exc).splitlines()[0]}") from None
             if got != end - begin:
                 self.close_shard(shard)
                 raise StoreCorruptError(f"KV entry {name[:24]}… in shard {shard} is truncated")
@@ -204,44 +256,51 @@ class ShardReader:
 
     def _shard(self, shard: str) -> _Shard:
         opened = self._open.get(shard)
-        if opened is not None:
+        if opened is not None and not (opened.remote and self.remote.local(shard)):
             return opened
+        if opened is not None:  # the background copy has arrived: read locally from now on
+            self.close_shard(shard)
         if not is_shard_name(shard):
             raise StoreCorruptError(f"catalog names an invalid shard file {shard!r}")
-        try:
-            fd = os.open(self.fetch(shard) if self.fetch else self.shard_dir / shard, os.O_RDONLY)
-        except FileNotFoundError:
-            raise StoreCorruptError(f"shard {shard} is missing from {self.shard_dir}") from None
-        try:
-            opened = _Shard(fd, *_parse_header(fd, shard))
-        except BaseException:
-            os.close(fd)
-            raise
+        opened = self._open_shard(shard)
         if len(self._open) >= self.MAX_OPEN:
             self.close_shard(next(iter(self._open)))
         self._open[shard] = opened
         return opened
 
+    def _open_shard(self, shard: str) -> _Shard:
+        path = self.remote.local(shard) if self.remote else self.shard_dir / shard
+        try:
+            file = _LocalFile(path) if path else _RemoteFile(self.remote.open(shard))
+        except FileNotFoundError:
+            where = self.shard_dir if path else "the bucket"
+            raise StoreCorruptError(f"shard {shard} is missing from {where}") from None
+        try:
+            return _Shard(file, *_parse_header(file, shard))
+        except BaseException:
+            file.close()
+            raise
+
     def close_shard(self, shard: str) -> None:
         opened = self._open.pop(shard, None)
         if opened is not None:
-            os.close(opened.fd)
+            opened.file.close()
 
     def close(self) -> None:
         for shard in list(self._open):
             self.close_shard(shard)
 
 
-def _parse_header(fd: int, shard: str) -> tuple[int, dict]:
-    """(data start, tensors) from a safetensors header: 8-byte little-endian length, then JSON."""
+def _parse_header(file: _LocalFile | _RemoteFile, shard: str) -> tuple[int, dict, dict]:
+    """(data start, tensors, parts) from a safetensors header: 8-byte little-endian length, then JSON."""
     try:
-        length = int.from_bytes(os.pread(fd, 8, 0), "little")
+        length = int.from_bytes(file.read(8, 0), "little")
         if not 0 < length < 100 << 20:
             raise ValueError("header length")
-        header = json.loads(os.pread(fd, length, 8))
+        header = json.loads(file.read(length, 8))
         tensors = {name: (_DTYPES[info["dtype"]], tuple(info["shape"]), *info["data_offsets"])
                    for name, info in header.items() if name != "__metadata__"}
-    except (ValueError, KeyError, TypeError, OverflowError, MemoryError) as exc:
+    except (ValueError, KeyError, TypeError, OverflowError, MemoryError, OSError) as exc:
         raise StoreCorruptError(f"shard {shard} has an unreadable header ({type(exc).__name__})") from None
     parts: dict[str, list[str]] = {}
     for stored in tensors:

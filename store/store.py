@@ -59,7 +59,7 @@ class StoreSnapshot:
         except BaseException:
             self._lease.release()
             raise
-        self.shards = ShardReader(root / SHARD_DIR, fetch=remote.fetch_shard if remote else None)
+        self.shards = ShardReader(root / SHARD_DIR, remote)
 
     @property
     def location(self) -> str:
@@ -301,7 +301,7 @@ class RemoteStoreWriter(StoreWriter):
         return self.remote.shards()
 
     def shard_reader(self) -> ShardReader:
-        return ShardReader(self.shard_dir, fetch=self.remote.fetch_shard)
+        return ShardReader(self.shard_dir, self.remote)
 
     def adopt_orphans(self) -> list[SealedEntry]:
         adopted = super().adopt_orphans()  # sealed in the mirror by a killed writer: maybe never uploaded
