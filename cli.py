@@ -137,7 +137,7 @@ def _print_ingest(report: dict) -> None:
     typer.echo(f"KV: {report['kv_computed']} chunks computed ({report['tokens_computed']:,} tokens, "
                f"{report['tokens_per_s']:,.0f} tokens/s), {report['kv_reused']} already stored "
                f"({report['tokens_skipped']:,} tokens skipped){adopted}; {report['model']} {report['dtype']} on "
-               f"{report['device']}; {report['total_s']:.1f} s")
+               f"{report['device']}{' (Ray)' if report.get('engine') == 'ray' else ''}; {report['total_s']:.1f} s")
     if report["skipped"]:
         typer.echo(f"Skipped {len(report['skipped'])} file(s):")
         for item in report["skipped"]:
@@ -418,6 +418,8 @@ def serve(
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="RAGKV_API_KEY",
                                           help="Require Authorization: Bearer KEY (env RAGKV_API_KEY)."),
     max_queue: int = typer.Option(16, "--max-queue", help="Requests that may wait for the model; more get 503."),
+    max_batch: int = typer.Option(8, "--max-batch", help="Waiting non-streaming questions answered together "
+                                                         "(grouped by context; 1: one at a time)."),
     max_tokens_cap: int = typer.Option(1024, "--max-tokens-cap", help="Largest max_tokens a request gets."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Override the model the store was built with."),
     device: str = DeviceOption,
@@ -430,7 +432,7 @@ def serve(
     import ragkv
     from ragkv.service import ServeSettings, build_app
 
-    settings = ServeSettings(host=host, port=port, api_key=api_key or None, max_queue=max_queue,
+    settings = ServeSettings(host=host, port=port, api_key=api_key or None, max_queue=max_queue, max_batch=max_batch,
                              max_tokens_cap=max_tokens_cap)
     with ragkv.open(store, model=model, device=device) as engine:
         app = build_app(engine, settings)

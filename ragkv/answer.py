@@ -39,6 +39,7 @@ class Stats:
     decode_s: float = 0.0
     total_s: float = 0.0
     finish_reason: str = ""  # "stop" (end of turn) or "length" (max_new_tokens)
+    batch_size: int = 1  # questions prefilled and decoded together with this one (same context)
     store_generation: int = 0
     warnings: list[str] = field(default_factory=list)
 

@@ -74,7 +74,8 @@ def answer_all(engine, questions: list[Question], settings: AskSettings, max_bat
     groups: dict[tuple[int, ...], list[tuple[Question, list]]] = {}
     for question in questions:
         try:
-            retrieved = engine.retrieve(question.question, settings.top_k, [question.doc] if question.doc else None)
+            retrieved = engine.retrieve(question.question, settings.top_k,
+                                        [question.doc] if question.doc else settings.doc_ids)
         except InputError as exc:
             yield BatchOutcome(question, error=str(exc))
             continue
@@ -120,6 +121,7 @@ def _answer_group(engine, members, settings: AskSettings) -> Iterator[BatchOutco
         row_stats.computed_tokens = len(context_ids) - assembly.reused_tokens - assembly.recomputed_tokens + len(questions[i])
         row_stats.generated_tokens = len(done.token_ids[i])
         row_stats.finish_reason = done.finish_reasons[i]
+        row_stats.batch_size = len(members)
         row_stats.prefill_ms = done.prefill_s * 1000.0
         row_stats.ttft_s = elapsed - done.decode_s  # the group's first tokens all come at once
         row_stats.decode_s = done.decode_s

@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
+from ragkv.batch import Question, answer_all
 from ragkv.config import AskSettings
 from ragkv.errors import InputError, ModelError, RagkvError, StoreEmptyError
 from ragkv.keys import digest
@@ -44,7 +45,13 @@ class ServeSettings:
     max_tokens_cap: int = 1024  # a request's max_tokens is cut to this
     default_max_tokens: int = 256
     max_queue: int = 16  # requests that may wait for the model; more get 503
+    max_batch: int = 8  # waiting non-streaming questions answered together
     conversation_bytes: int = 512 << 20  # KV of recent conversations kept for their next turn
+
+    def __post_init__(self):
+        for name in ("max_queue", "max_batch", "max_tokens_cap"):
+            if getattr(self, name) < 1:
+                raise InputError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
 
 
 # -- request bodies ------------------------------------------------------------------------
@@ -106,32 +113,86 @@ _STATUS = {InputError: 400, StoreEmptyError: 404, ModelError: 409}
 # -- the model worker ----------------------------------------------------------------------
 class Worker:
     """Runs engine calls one at a time on its own thread. Before each call it moves the
-    engine to the newest published store generation (requests never see a mix)."""
+    engine to the newest published store generation (requests never see a mix).
 
-    def __init__(self, engine, max_queue: int):
+    Single-turn, non-streaming questions that wait together are answered together
+    (`submit_question`): grouped by the context they retrieve, each group's context is loaded
+    once and its questions prefilled and decoded as one batch (ragkv.batch; in float32 each
+    answer equals the lone one)."""
+
+    def __init__(self, engine, max_queue: int, answer_one, max_batch: int = 8):
         self.engine = engine
+        self.answer_one = answer_one  # (question, settings) -> Answer, for a question waiting alone
         self.max_queue = max_queue
+        self.max_batch = max_batch
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragkv-model")
         self._lock = threading.Lock()
         self.waiting = 0
+        self._questions: list[tuple[str, AskSettings, Future]] = []  # waiting for the next batch
 
-    def submit(self, fn, *args):
-        """Schedule `fn(*args)` on the model thread; raises Busy when too many wait."""
+    def _reserve(self) -> None:
         with self._lock:
             if self.waiting >= self.max_queue:
                 raise Busy()
             self.waiting += 1
 
+    def _refresh(self) -> None:
+        try:
+            self.engine.refresh()
+        except RagkvError as exc:  # keep serving the generation we have
+            log.warning("not switching store generation: %s", exc)
+
+    def submit(self, fn, *args):
+        """Schedule `fn(*args)` on the model thread; raises Busy when too many wait."""
+        self._reserve()
+
         def run():
             with self._lock:
                 self.waiting -= 1
-            try:
-                self.engine.refresh()
-            except RagkvError as exc:  # keep serving the generation we have
-                log.warning("not switching store generation: %s", exc)
+            self._refresh()
             return fn(*args)
 
         return asyncio.wrap_future(self._executor.submit(run))
+
+    def submit_question(self, question: str, settings: AskSettings):
+        """An Answer for `question`, possibly computed in a batch with other waiting questions."""
+        self._reserve()
+        future: Future = Future()
+        with self._lock:
+            self._questions.append((question, settings, future))
+        self._executor.submit(self._answer_waiting)
+        return asyncio.wrap_future(future)
+
+    def _answer_waiting(self) -> None:
+        """On the model thread: answer up to `max_batch` waiting questions that share settings
+        (an earlier call may have answered this call's question already)."""
+        with self._lock:
+            if not self._questions:
+                return
+            settings = self._questions[0][1]
+            batch = [q for q in self._questions if q[1] == settings][:self.max_batch]
+            self._questions = [q for q in self._questions if q not in batch]
+            self.waiting -= len(batch)
+        self._refresh()
+        if len(batch) == 1:  # alone: the conversation path, kept for a follow-up
+            question, _, future = batch[0]
+            try:
+                future.set_result(self.answer_one(question, settings))
+            except BaseException as exc:
+                future.set_exception(exc)
+            return
+        questions = [Question(str(i), text) for i, (text, _, _) in enumerate(batch)]
+        try:
+            for outcome in answer_all(self.engine, questions, settings, self.max_batch):
+                future = batch[int(outcome.question.id)][2]
+                if outcome.error is not None:
+                    future.set_exception(InputError(outcome.error))
+                else:
+                    future.set_result(outcome.answer)
+        except BaseException as exc:
+            for _, _, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
@@ -192,7 +253,9 @@ class Metrics:
 
 
 def build_app(engine, settings: ServeSettings) -> FastAPI:
-    worker = Worker(engine, settings.max_queue)
+    conversations = Conversations(engine, settings.conversation_bytes)
+    worker = Worker(engine, settings.max_queue, lambda question, ask: _answer(conversations, [], question, ask)[0],
+                    settings.max_batch)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -200,7 +263,6 @@ def build_app(engine, settings: ServeSettings) -> FastAPI:
         worker.close()
 
     app = FastAPI(title="ragkv", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
-    conversations = Conversations(engine, settings.conversation_bytes)
     metrics = Metrics(engine)
     model_id = engine.lm.facts.name
     app.state.worker = worker
@@ -273,6 +335,10 @@ def build_app(engine, settings: ServeSettings) -> FastAPI:
                           max_new_tokens=min(requested, settings.max_tokens_cap),
                           doc_ids=tuple(body.ragkv.doc_ids) if body.ragkv.doc_ids is not None else None)
         created, reply_id = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
+        if not body.stream and not history:  # may be batched with other waiting questions
+            answer, reused_history = await worker.submit_question(question, ask), False
+            metrics.record(answer.stats)
+            return _completion(reply_id, created, model_id, answer, warnings, reused_history)
         if not body.stream:
             answer, reused_history = await worker.submit(_answer, conversations, history, question, ask)
             metrics.record(answer.stats)

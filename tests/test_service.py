@@ -147,6 +147,32 @@ def test_max_tokens_is_capped_and_said(served):
     assert any("cut from 100000 to 64" in w for w in reply["ragkv"]["stats"]["warnings"])
 
 
+def test_questions_waiting_together_are_answered_in_one_batch(served):
+    """While the model is busy, two non-streaming questions wait; they are answered as one
+    batch (same context: loaded once, decoded together) and equal their lone answers."""
+    base, _, _ = served
+    body = {"messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 16}
+    alone = post(base, body).json()
+    assert alone["ragkv"]["stats"]["batch_size"] == 1
+    busy = {"messages": [{"role": "user", "content": QUESTIONS[2]}], "max_tokens": 64, "stream": True}
+    for _ in range(5):  # the two must arrive while the streamed answer still runs
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=busy, timeout=60,
+                          headers={"Authorization": f"Bearer {KEY}"}) as stream:
+            lines = stream.iter_lines()
+            next(line for line in lines if '"content": "' in line and '"content": ""' not in line)
+            with ThreadPoolExecutor(2) as pool:
+                replies = list(pool.map(lambda _: post(base, body), range(2)))
+            for _ in lines:
+                pass
+        assert [r.status_code for r in replies] == [200, 200]
+        if {r.json()["ragkv"]["stats"]["batch_size"] for r in replies} == {2}:
+            break
+    else:
+        pytest.fail("the waiting questions were never batched")
+    for reply in replies:
+        assert reply.json()["ragkv"]["token_ids"] == alone["ragkv"]["token_ids"]
+
+
 def test_a_full_queue_answers_503_with_retry_after(served):
     base, _, _ = served
     body = {"messages": [{"role": "user", "content": QUESTIONS[3]}], "max_tokens": 64}
