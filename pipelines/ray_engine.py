@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import time
 import warnings
 from dataclasses import dataclass
 
@@ -104,7 +103,6 @@ class KVWorker:
         if len(embed_rows):
             vectors[embed_rows] = self.embedder.embed([str(batch["text"][i]) for i in embed_rows])
 
-        started = time.perf_counter()
         sink = ShardSink(self.spec.shard_target, self.spec.shard_metadata)
         kv_rows = [i for i in range(n) if batch["key"][i] and not batch["prefix"][i]]
         for i in np.flatnonzero(batch["prefix"]):
@@ -131,7 +129,6 @@ class KVWorker:
             "dtype": np.array(field("dtype", "")),
             "nbytes": np.array(field("nbytes", 0), dtype=np.int64),
             "checksum": np.array(field("checksum", "")),
-            "seconds": np.full(n, (time.perf_counter() - started) / n),
         }
 
 
@@ -152,6 +149,7 @@ def _claim(marker: str) -> bool:
 
 def run_job(rows: list[dict], spec: WorkerSpec, workers: int, cpus: float, gpus: float, batch_rows: int):
     """Run the job over `rows` and yield result batches (dicts of numpy arrays) as they finish."""
+    import ray
     import ray.data
 
     logging.getLogger("ray.data").setLevel(logging.ERROR)  # its INFO/WARNING chatter; our bar reports
@@ -168,5 +166,9 @@ def run_job(rows: list[dict], spec: WorkerSpec, workers: int, cpus: float, gpus:
             compute=ray.data.ActorPoolStrategy(size=workers), num_cpus=cpus, num_gpus=gpus,
             ray_remote_args_fn=_retry_args, runtime_env={"env_vars": aws} if aws else None,
         )
-    yield from mapped.iter_batches(batch_size=None, batch_format="numpy")
+    try:
+        yield from mapped.iter_batches(batch_size=None, batch_format="numpy")
+    except ray.exceptions.RayError as exc:  # retries exhausted, or a worker refused to start
+        cause = next((line for line in str(exc).splitlines() if "Error:" in line), str(exc).splitlines()[0])
+        raise ModelError(f"the Ray job failed: {cause.strip()[:300]}") from exc
 

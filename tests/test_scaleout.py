@@ -298,3 +298,19 @@ def test_a_rebuilt_bucket_is_not_confused_with_the_local_mirror(s3_env, tiny_lla
     assert report.generation == 1 and report.documents["added"] == 1 and report.kv_adopted == 0
     with open_snapshot(uri) as snapshot:
         assert list(snapshot.catalog.documents()) == ["keys.md"] and verify(snapshot).ok
+
+
+def test_a_worker_with_other_weights_fails_the_job_in_one_line(ray_cluster, tiny_llama, tmp_path):
+    """A node whose model differs from the driver's must not write KV under the driver's keys."""
+    from pipelines import ray_engine
+    from ragkv.errors import ModelError
+
+    spec = ray_engine.WorkerSpec(
+        model=str(tiny_llama), embedder="all-MiniLM-L6-v2", device="cpu", dtype="float32",
+        model_fingerprint="not-this-model", tokenizer_fingerprint="nor-this-tokenizer", prefix_ids=(1, 2, 3),
+        kv_quant="none", batch_tokens=256, shard_metadata={}, shard_target=str(tmp_path), threads=1)
+    rows = [{"chunk_id": 0, "text": "x", "embed": True, "key": "", "token_ids": [], "prefix": False}]
+    with pytest.raises(ModelError, match="the Ray job failed: .*different") as failed:
+        list(ray_engine.run_job(rows, spec, workers=1, cpus=0.5, gpus=0.0, batch_rows=1))
+    assert "\n" not in str(failed.value), str(failed.value)
+    assert not (tmp_path / "shards").exists() or not list((tmp_path / "shards").iterdir())
