@@ -85,14 +85,19 @@ def serve(store: Path, max_queue: int, max_batch: int) -> tuple[subprocess.Popen
     return server, base
 
 
+def run_level(clients: int, questions: list[str], call) -> tuple[list, float]:
+    """`call(question)` for every question from `clients` threads: (results, wall seconds)."""
+    start = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = list(pool.map(call, questions))
+    return results, time.perf_counter() - start
+
+
 def streaming_rows(base: str, levels: list[int], requests: int, tokens: int) -> list[dict]:
     rows = []
     for clients in levels:
         questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(requests)]
-        start = time.perf_counter()
-        with ThreadPoolExecutor(clients) as pool:
-            results = list(pool.map(lambda q: one_request(base, q, tokens), questions))
-        wall = time.perf_counter() - start
+        results, wall = run_level(clients, questions, lambda q: one_request(base, q, tokens))
         ok = [r for r in results if r[3] is None]
         ttfts = [r[0] for r in ok]
         rows.append({"clients": clients, "requests": len(results), "errors": len(results) - len(ok),
@@ -108,10 +113,7 @@ def popular_rows(base: str, levels: list[int], requests: int, tokens: int) -> li
     rows = []
     for clients in levels:
         questions = [QUESTIONS[i % POPULAR] for i in range(requests)]
-        start = time.perf_counter()
-        with ThreadPoolExecutor(clients) as pool:
-            results = list(pool.map(lambda q: one_completion(base, q, tokens), questions))
-        wall = time.perf_counter() - start
+        results, wall = run_level(clients, questions, lambda q: one_completion(base, q, tokens))
         ok = [r for r in results if r[2] is None]
         latencies = [r[0] for r in ok]
         rows.append({"clients": clients, "requests": len(results), "errors": len(results) - len(ok),
