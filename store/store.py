@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
 import duckdb
@@ -22,6 +23,7 @@ from store.shards import SealedEntry, ShardReader, ShardWriter, fsync_dir, remov
 from store.vectors import VectorIndex
 
 SHARD_DIR = "shards"
+REMOTE_POLL_S = 2.0  # how often a long-lived reader asks an S3 store for a newer generation
 log = logging.getLogger("ragkv")
 _WRITE_ERRORS = (OSError, duckdb.IOException, duckdb.FatalException)  # FatalException: a failed checkpoint
 
@@ -51,6 +53,7 @@ class StoreSnapshot:
     def __init__(self, root: Path, generation: int, remote: RemoteStore | None = None):
         self.root = root
         self.remote = remote
+        self._polled = time.monotonic()  # when the bucket's CURRENT was last read
         self.generation = generation
         self._lease = ReaderLease(root, generation)
         try:
@@ -67,8 +70,16 @@ class StoreSnapshot:
         return self.remote.location.uri if self.remote else str(self.root)
 
     def latest_generation(self) -> int | None:
-        """The generation published now (an S3 store's is copied down first)."""
-        return self.remote.sync() if self.remote else read_current(self.root)
+        """The generation published now. An S3 store is asked at most every REMOTE_POLL_S
+        seconds (a GET per question would add a round trip to every answer); its catalog and
+        index are copied down when they change."""
+        if not self.remote:
+            return read_current(self.root)
+        now = time.monotonic()
+        if now - self._polled < REMOTE_POLL_S:
+            return self.generation
+        self._polled = now
+        return self.remote.sync()
 
     def close(self) -> None:
         self.shards.close()

@@ -19,6 +19,7 @@ import torch
 import ragkv
 from ragkv.config import IngestSettings, ModelSettings, cache_dir
 from ragkv.errors import StoreNotFoundError
+import store.store as store_module
 from store import open_snapshot, verify
 from tests import s3server
 from tests.conftest import QUESTIONS, run_cli
@@ -176,9 +177,13 @@ def test_s3_store_round_trip(s3_env, local_store, corpus, tmp_path, monkeypatch)
 
     stats = run_cli("stats", "--store", uri, "--json")
     assert stats.exit_code == 0 and '"generation": 1' in stats.output
-    unchanged = run_cli("ingest", corpus, "--store", uri, "--chunk-tokens", SETTINGS.chunk_tokens, "--json")
-    assert unchanged.exit_code == 0 and '"tokens_computed": 0' in unchanged.output
-    assert "catalog-000002.duckdb" in _objects(s3_env, "roundtrip")
+    with open_snapshot(uri) as reader:  # a long-lived reader, as in `ragkv serve`
+        unchanged = run_cli("ingest", corpus, "--store", uri, "--chunk-tokens", SETTINGS.chunk_tokens, "--json")
+        assert unchanged.exit_code == 0 and '"tokens_computed": 0' in unchanged.output
+        assert "catalog-000002.duckdb" in _objects(s3_env, "roundtrip")
+        assert reader.latest_generation() == 1  # asked the bucket moments ago: not again yet
+        monkeypatch.setattr(store_module, "REMOTE_POLL_S", 0.0)
+        assert reader.latest_generation() == 2
 
 
 def test_ray_workers_write_shards_to_s3(ray_cluster, s3_env, local_store, corpus):
