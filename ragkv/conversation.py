@@ -62,9 +62,7 @@ class Conversation:
         generated). Its tokens are prefilled with the next message."""
         engine = self.engine
         if not self.turns:
-            stats = Stats(mode=self.settings.mode if self.settings.use_cache else "full")
-            self._open_context(message, stats)
-            new_ids = engine.active.layout.question_ids(engine.lm.tokenizer, message)
+            new_ids, _ = self._open_context(message, Stats(mode=self.settings.mode if self.settings.use_cache else "full"))
         else:
             new_ids = engine.active.layout.turn_ids(engine.lm.tokenizer, message)
         self.turns.append(Turn(message, new_ids, encode_text(engine.lm.tokenizer, answer)))
@@ -80,8 +78,7 @@ class Conversation:
                       store_generation=engine.snapshot.generation)
         after_prefill = None
         if not self.turns:
-            after_prefill = self._open_context(message, stats)
-            new_ids = layout.question_ids(engine.lm.tokenizer, message)
+            new_ids, after_prefill = self._open_context(message, stats)
         else:
             new_ids = layout.turn_ids(engine.lm.tokenizer, message)
             self._fit(len(new_ids) + max_new_tokens, stats)
@@ -103,14 +100,13 @@ class Conversation:
 
     def _open_context(self, message: str, stats: Stats):
         """Retrieve for the first message and assemble the context's cache; returns the
-        assembly's after-prefill hook."""
+        message's ids (the question template around it) and the assembly's after-prefill hook."""
         prepared = self.engine._prepare(message, self.settings, stats)
-        question = self.engine.active.layout.question_ids(self.engine.lm.tokenizer, message)
-        self.context_ids = prepared.prompt_ids[: len(prepared.prompt_ids) - len(question)]
+        self.context_ids = prepared.prompt_ids[: len(prepared.prompt_ids) - len(prepared.question_ids)]
         self.sources = [Source(r.doc_id, r.source, r.chunk_index, r.chunk_id, s) for r, s in prepared.retrieved]
         self.cache = prepared.assembly.cache
         self._stored_context = prepared.assembly.num_cached
-        return prepared.assembly.after_prefill
+        return prepared.question_ids, prepared.assembly.after_prefill
 
     def _fit(self, needed: int, stats: Stats) -> None:
         """Drop the oldest turns until the conversation plus `needed` tokens fits the context,

@@ -45,6 +45,7 @@ class ActiveProfile:
 class _Prepared:
     retrieved: list[tuple[ContextRow, float]]
     prompt_ids: list[int]  # the whole prompt
+    question_ids: list[int]  # its tail: the question with its template
     live_ids: list[int]  # the part to prefill now (after what the assembled cache holds)
     assembly: Assembly
 
@@ -223,7 +224,7 @@ class QueryEngine:
         stats.reused_tokens, stats.recomputed_tokens = assembly.reused_tokens, assembly.recomputed_tokens
         stats.prefix_cache_tokens = assembly.prefix_cache_tokens
         stats.computed_tokens = len(live_ids)
-        return _Prepared(retrieved, prompt_ids, live_ids, assembly)
+        return _Prepared(retrieved, prompt_ids, question_ids, live_ids, assembly)
 
     def _fit_chunks(self, retrieved, question_ids: list[int], stats: Stats):
         """Drop the lowest-ranked chunks until the prompt leaves room to answer."""
