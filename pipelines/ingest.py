@@ -305,10 +305,10 @@ def _run_ray_job(job: RayJob, writer: StoreWriter, to_embed: list[ChunkRow], wor
                                str(batch["dtype"][i]), int(batch["nbytes"][i]), str(batch["checksum"][i]))
                    for i in range(len(batch["key"])) if batch["shard"][i]]
         writer.catalog.add_entries(profile.profile_id, entries, {prefix_key} if prefix_key else set())
-        computed = [e for e in entries if e.name in tokens]
+        computed = [tokens[e.name] for e in entries if e.name in tokens]
         report.kv_computed += len(computed)
-        report.tokens_computed += sum(tokens[e.name] for e in computed)
-        reporter.advance(len(batch["chunk_id"]), tokens=sum(tokens[e.name] for e in computed))
+        report.tokens_computed += sum(computed)
+        reporter.advance(len(batch["chunk_id"]), tokens=sum(computed))
     report.compute_s = time.perf_counter() - started  # the whole job: embedding, KV, shard writes
 
 

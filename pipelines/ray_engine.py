@@ -123,7 +123,6 @@ class KVWorker:
             "embed": batch["embed"],
             "vector": vectors,
             "key": batch["key"],
-            "prefix": batch["prefix"],
             "shard": np.array(field("shard", "")),
             "num_tokens": np.array(field("num_tokens", 0), dtype=np.int64),
             "dtype": np.array(field("dtype", "")),

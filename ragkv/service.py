@@ -335,12 +335,11 @@ def build_app(engine, settings: ServeSettings) -> FastAPI:
                           max_new_tokens=min(requested, settings.max_tokens_cap),
                           doc_ids=tuple(body.ragkv.doc_ids) if body.ragkv.doc_ids is not None else None)
         created, reply_id = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
-        if not body.stream and not history:  # may be batched with other waiting questions
-            answer, reused_history = await worker.submit_question(question, ask), False
-            metrics.record(answer.stats)
-            return _completion(reply_id, created, model_id, answer, warnings, reused_history)
         if not body.stream:
-            answer, reused_history = await worker.submit(_answer, conversations, history, question, ask)
+            if history:
+                answer, reused_history = await worker.submit(_answer, conversations, history, question, ask)
+            else:  # may be batched with other waiting questions
+                answer, reused_history = await worker.submit_question(question, ask), False
             metrics.record(answer.stats)
             return _completion(reply_id, created, model_id, answer, warnings, reused_history)
         return StreamingResponse(_stream(worker, conversations, history, question, ask, reply_id, created, model_id,
