@@ -20,6 +20,7 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+import uuid
 from pathlib import Path
 
 from ragkv.errors import StoreLockedError
@@ -27,6 +28,7 @@ from store.shards import fsync_dir
 
 CURRENT = "CURRENT"
 LOCK = "LOCK"
+_POINTER_TMP = re.compile(r"^\.\.?(remote-)?CURRENT\.[0-9a-f]{12}\.tmp$")  # write_atomic's temporary names
 _GENERATION_FILE = re.compile(r"^(catalog|vectors)-(\d{6})\.(duckdb|faiss)(\.partial)?(\.wal)?$")
 
 
@@ -48,18 +50,23 @@ def read_current(root: Path) -> int | None:
 
 def publish(root: Path, generation: int) -> None:
     """Make `generation` current, atomically and durably."""
-    tmp = root / f".{CURRENT}.tmp"
-    with open(tmp, "w") as f:
-        f.write(f"{generation}\n")
+    write_atomic(root / CURRENT, f"{generation}\n".encode())
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` atomically and durably (aside, fsync, rename, fsync the folder)."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")  # unique: mirrors sync from many processes
+    with open(tmp, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, root / CURRENT)
-    fsync_dir(root)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
 
 
 def is_store_file(name: str) -> bool:
     """A name a store writer creates at the top of a store."""
-    return name in (CURRENT, LOCK, f".{CURRENT}.tmp", ".remote-CURRENT") or bool(_GENERATION_FILE.match(name))
+    return name in (CURRENT, LOCK, ".remote-CURRENT") or bool(_GENERATION_FILE.match(name) or _POINTER_TMP.match(name))
 
 
 def generations_on_disk(root: Path) -> set[int]:

@@ -40,7 +40,7 @@ from pathlib import Path
 from ragkv.config import cache_dir
 from ragkv.errors import InputError, StoreCorruptError, StoreLockedError, StoreNotFoundError, StoreWriteError
 from store.generations import (
-    CURRENT, LOCK, WriteLock, catalog_path, publish, read_current, remove_retired, vectors_path,
+    CURRENT, LOCK, WriteLock, catalog_path, publish, read_current, remove_retired, vectors_path, write_atomic,
 )
 from store.shards import SHARD_SUFFIX, SealedEntry, ShardWriter, is_shard_name
 
@@ -153,10 +153,6 @@ class RemoteStore:
         return {info.base_name: info.size for info in infos if info.type == fs.FileType.File}
 
     # -- generations --------------------------------------------------------------------------
-    def current(self) -> int | None:
-        data = self._read(CURRENT)
-        return int(data.decode().split()[0]) if data is not None else None
-
     def sync(self) -> int | None:
         """Make the mirror's published generation the bucket's (copying its catalog and index
         down when the bucket published something new). Returns that generation, or None if
@@ -183,7 +179,7 @@ class RemoteStore:
                         raise StoreCorruptError(f"store {self.location.uri}: CURRENT names generation "
                                                 f"{generation} but {path.name} is missing") from None
             publish(self.mirror, generation)
-            _write_atomic(marker, body)
+            write_atomic(marker, body)
             self._trim_mirror(generation)
         return generation
 
@@ -211,7 +207,7 @@ class RemoteStore:
             self._upload(path, path.name)
         body = f"{generation}\n{uuid.uuid4().hex}\n".encode()
         self._put(CURRENT, body)
-        _write_atomic(self.mirror / SYNCED, body)
+        write_atomic(self.mirror / SYNCED, body)
 
     def remote_generations(self) -> set[int]:
         names = self._list()
@@ -270,13 +266,6 @@ class RemoteStore:
         finally:
             with self._fetching_lock:
                 self._fetching.pop(shard, None)
-
-    def wait_for_copies(self, timeout: float | None = None) -> None:
-        """Wait for background shard copies started so far."""
-        with self._fetching_lock:
-            threads = list(self._fetching.values())
-        for thread in threads:
-            thread.join(timeout)
 
     def fetch_shard(self, name: str) -> Path:
         """The local copy of a shard, downloaded if missing; keeps the cache within its bound."""
@@ -339,12 +328,6 @@ class RemoteStore:
         data = self._read("LOCK")
         if data is not None and _parse_lock(data).get("token") == token:
             self.fs.delete_file(self.location.key("LOCK"))
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def _parse_lock(data: bytes) -> dict:
