@@ -14,8 +14,11 @@ from typing import List, Optional
 import typer
 from typer.core import TyperGroup
 
-from ragkv.config import DEFAULT_EMBEDDER, DEFAULT_MODEL, DEFAULT_STORE, DEFAULT_SYSTEM_PROMPT, DTYPES
-from ragkv.errors import RagkvError
+from ragkv.config import (
+    DEFAULT_EMBEDDER, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODEL, DEFAULT_NO_REPEAT_NGRAM, DEFAULT_REPETITION_PENALTY,
+    DEFAULT_STORE, DEFAULT_SYSTEM_PROMPT, DTYPES, AskSettings, DecodeSettings,
+)
+from ragkv.errors import InputError, RagkvError
 
 
 class _Group(TyperGroup):
@@ -84,6 +87,17 @@ ModeOption = typer.Option("exact", "--mode", help="With several chunks: exact (e
                                                    "approximate concat (every chunk's stored KV, re-rotated) and "
                                                    "blend (concat, then the most-deviating tokens recomputed).")
 BlendRatioOption = typer.Option(0.15, "--blend-ratio", help="blend: share of context tokens recomputed.")
+MaxNewTokensOption = typer.Option(DEFAULT_MAX_NEW_TOKENS, "--max-new-tokens", help="Most tokens to generate per answer.")
+RepetitionPenaltyOption = typer.Option(DEFAULT_REPETITION_PENALTY, "--repetition-penalty",
+                                       help="Penalise tokens the answer already used (1.0: off). The context is "
+                                            "never penalised: answers may copy from it freely.")
+NoRepeatNgramOption = typer.Option(DEFAULT_NO_REPEAT_NGRAM, "--no-repeat-ngram",
+                                   help="The answer never repeats a run of this many of its own tokens (0: off).")
+TemperatureOption = typer.Option(0.0, "--temperature", help="0: greedy (deterministic, the default); above 0 samples.")
+TopPOption = typer.Option(1.0, "--top-p", help="With --temperature: sample from the smallest set of tokens "
+                                               "holding this much probability.")
+SeedOption = typer.Option(None, "--seed", help="With --temperature: the same seed gives the same answer.")
+StopOption = typer.Option(None, "--stop", help="End the answer where this text appears (repeatable; not shown).")
 
 
 def _settings(model, embedder, device, dtype, chunk_tokens, system_prompt, batch_tokens, kv_dtype):
@@ -258,7 +272,7 @@ def ask(
     question: str = typer.Argument(..., help="The question."),
     store: str = StoreOption,
     top_k: int = typer.Option(1, "--top-k", "-k", help="Chunks to retrieve; the first comes from the store, the rest are prefilled live."),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Most tokens to generate."),
+    max_new_tokens: int = MaxNewTokensOption,
     no_cache: bool = typer.Option(False, "--no-cache", help="Full prefill of the same prompt (to compare with the cached path)."),
     mode: str = ModeOption,
     blend_ratio: float = BlendRatioOption,
@@ -269,14 +283,27 @@ def ask(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Which of the store's dtypes to use (default: the last ingested)."),
     kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="Which stored KV form to use when the store holds several."),
     device: str = DeviceOption,
+    repetition_penalty: float = RepetitionPenaltyOption,
+    no_repeat_ngram: int = NoRepeatNgramOption,
+    temperature: float = TemperatureOption,
+    top_p: float = TopPOption,
+    seed: Optional[int] = SeedOption,
+    stop: Optional[List[str]] = StopOption,
 ):
-    """Answer a question from the store: retrieve, load the chunk's KV, prefill only the question."""
+    """Answer a question from the store: retrieve, load the chunk's KV, prefill only the question.
+
+    Decoding is greedy (deterministic) with light repetition control; the cached answer and
+    --no-cache decode alike, so in float32 they are token for token the same."""
     _quiet_libraries()
     import ragkv
 
+    if not question.strip():
+        raise InputError("the question is empty; ask something")
+    decoding = _decoding(repetition_penalty, no_repeat_ngram, temperature, top_p, seed, stop)
+    settings = AskSettings(top_k=top_k, max_new_tokens=max_new_tokens, use_cache=not no_cache, mode=mode,
+                           blend_ratio=blend_ratio, doc_ids=(doc,) if doc else None, decoding=decoding)
     with ragkv.open(store, model=model, embedder=embedder, device=device, dtype=dtype, kv_dtype=kv_dtype) as engine:
-        stream = engine.stream(question, top_k=top_k, max_new_tokens=max_new_tokens, use_cache=not no_cache,
-                               mode=mode, blend_ratio=blend_ratio, doc_ids=[doc] if doc else None)
+        stream = engine.stream(question, settings)
         for delta in stream:
             if not json_out:
                 sys.stdout.write(delta)
@@ -287,6 +314,11 @@ def ask(
         return
     typer.echo("")
     _print_answer_footer(answer)
+
+
+def _decoding(repetition_penalty, no_repeat_ngram, temperature, top_p, seed, stop) -> DecodeSettings:
+    return DecodeSettings(repetition_penalty=repetition_penalty, no_repeat_ngram=no_repeat_ngram,
+                          temperature=temperature, top_p=top_p, seed=seed, stop=tuple(stop or ()))
 
 
 def _print_answer_footer(answer, sources: bool = True) -> None:
@@ -312,13 +344,19 @@ def batch(
     out: Path = typer.Option(..., "--out", "-o", help="Where to write one JSON answer (or error) per line."),
     store: str = StoreOption,
     top_k: int = typer.Option(1, "--top-k", "-k", help="Chunks per question."),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Most tokens per answer."),
+    max_new_tokens: int = MaxNewTokensOption,
     mode: str = ModeOption,
     blend_ratio: float = BlendRatioOption,
     max_batch: int = typer.Option(16, "--max-batch", help="Most questions decoded together."),
     device: str = DeviceOption,
     json_out: bool = JsonOption,
     quiet: bool = QuietOption,
+    repetition_penalty: float = RepetitionPenaltyOption,
+    no_repeat_ngram: int = NoRepeatNgramOption,
+    temperature: float = TemperatureOption,
+    top_p: float = TopPOption,
+    seed: Optional[int] = SeedOption,
+    stop: Optional[List[str]] = StopOption,
 ):
     """Answer a file of questions: group them by the context they share, load it once, and
     prefill and decode each group's questions as one batch. Each answer equals `ragkv ask`'s."""
@@ -328,9 +366,12 @@ def batch(
     import ragkv
     from pipelines.progress import default_reporter
     from ragkv.batch import answer_all, read_questions
-    from ragkv.config import AskSettings
 
-    settings = AskSettings(top_k=top_k, max_new_tokens=max_new_tokens, mode=mode, blend_ratio=blend_ratio)
+    if max_batch < 1:
+        raise InputError(f"--max-batch must be at least 1, got {max_batch}")
+    decoding = _decoding(repetition_penalty, no_repeat_ngram, temperature, top_p, seed, stop)
+    settings = AskSettings(top_k=top_k, max_new_tokens=max_new_tokens, mode=mode, blend_ratio=blend_ratio,
+                           decoding=decoding)
     items, errors = read_questions(questions)
     started = time.perf_counter()
     reporter = default_reporter(quiet or json_out)
@@ -365,11 +406,17 @@ def batch(
 def chat(
     store: str = StoreOption,
     top_k: int = typer.Option(1, "--top-k", "-k", help="Chunks the first message retrieves (kept for the conversation)."),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Most tokens per answer."),
+    max_new_tokens: int = MaxNewTokensOption,
     mode: str = ModeOption,
     blend_ratio: float = BlendRatioOption,
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Override the model the store was built with."),
     device: str = DeviceOption,
+    repetition_penalty: float = RepetitionPenaltyOption,
+    no_repeat_ngram: int = NoRepeatNgramOption,
+    temperature: float = TemperatureOption,
+    top_p: float = TopPOption,
+    seed: Optional[int] = SeedOption,
+    stop: Optional[List[str]] = StopOption,
 ):
     """An interactive conversation. The first message retrieves its context; every later turn
     reuses the cache of the whole conversation and prefills only the new message.
@@ -378,13 +425,15 @@ def chat(
     _quiet_libraries()
     import ragkv
 
+    decoding = _decoding(repetition_penalty, no_repeat_ngram, temperature, top_p, seed, stop)
+    settings = AskSettings(top_k=top_k, max_new_tokens=max_new_tokens, mode=mode, blend_ratio=blend_ratio,
+                           decoding=decoding)
     try:
         import readline  # noqa: F401 - line editing and history for input()
     except ImportError:
         pass
     with ragkv.open(store, model=model, device=device) as engine:
-        conversation = engine.conversation(top_k=top_k, max_new_tokens=max_new_tokens, mode=mode,
-                                           blend_ratio=blend_ratio)
+        conversation = engine.conversation(settings)
         typer.echo("Ask a question (/reset, /sources, /quit).", err=True)
         while True:
             try:

@@ -112,7 +112,8 @@ def _answer_group(engine, members, settings: AskSettings) -> Iterator[BatchOutco
             yield BatchOutcome(question, error="the question and its context do not fit the model's context")
         return
     kv.repeat_batch(assembly.cache, len(members))
-    done = generate_batch(model, assembly.cache, questions, engine.lm.facts.eos_ids, budget, engine.lm.pad_id)
+    done = generate_batch(model, tokenizer, assembly.cache, questions, engine.lm.facts.eos_ids, budget,
+                          engine.lm.pad_id, settings.decoding)
     elapsed = time.perf_counter() - start
     for i, (question, hits) in enumerate(members):
         row_stats = dataclasses.replace(stats, warnings=list(stats.warnings))
@@ -127,7 +128,7 @@ def _answer_group(engine, members, settings: AskSettings) -> Iterator[BatchOutco
         row_stats.decode_s = done.decode_s
         row_stats.total_s = elapsed
         sources = [Source(r.doc_id, r.source, r.chunk_index, r.chunk_id, score) for r, score in hits]
-        text = tokenizer.decode(done.token_ids[i], skip_special_tokens=True)
+        text = done.texts[i]
         engine.savings.add(row_stats)
         yield BatchOutcome(question, Answer(question.question, text, done.token_ids[i], sources, row_stats,
                                             [*context_ids, *questions[i]]))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -46,12 +46,56 @@ def resolve_device(device: str) -> str:
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
-    """'auto' is bfloat16 on CUDA and float32 on CPU (the dtype in which cached == full prefill)."""
+    """'auto' is bfloat16 on CUDA and float32 on CPU (the dtype in which cached == full prefill,
+    and the fast one on CPUs without native bf16). An explicit bfloat16 on such a CPU warns once."""
     if dtype == "auto":
         return "bfloat16" if device == "cuda" else "float32"
     if dtype not in DTYPES:
         raise InputError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(DTYPES)}")
+    if dtype == "bfloat16" and device == "cpu":
+        from ragkv.cpu import has_fast_bf16, warn_slow_bf16
+
+        if not has_fast_bf16():
+            warn_slow_bf16()
     return dtype
+
+
+# Chosen by measurement on the bundled SmolLM2 (benchmarks/results/answer_quality.md).
+DEFAULT_REPETITION_PENALTY = 1.1
+DEFAULT_NO_REPEAT_NGRAM = 6
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    """Deterministic by default (greedy). `temperature > 0` samples, reproducibly for a
+    given `seed`. `stop` strings end the answer and are not part of its text."""
+
+    repetition_penalty: float = DEFAULT_REPETITION_PENALTY  # 1.0: off
+    no_repeat_ngram: int = DEFAULT_NO_REPEAT_NGRAM  # 0: off; else the answer never repeats an n-gram of its own
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self):
+        if not 1.0 <= self.repetition_penalty <= 10.0:
+            raise InputError(f"--repetition-penalty must be between 1.0 (off) and 10, got {self.repetition_penalty}")
+        if self.no_repeat_ngram < 0:
+            raise InputError(f"--no-repeat-ngram must be 0 (off) or more, got {self.no_repeat_ngram}")
+        if not 0.0 <= self.temperature <= 5.0:
+            raise InputError(f"--temperature must be between 0 (greedy) and 5, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InputError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if not all(isinstance(s, str) and s for s in self.stop) or len(self.stop) > 16:
+            raise InputError("stop must be at most 16 non-empty strings")
+        object.__setattr__(self, "stop", tuple(self.stop))
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
 
 
 class _Settings:
@@ -104,16 +148,29 @@ class IngestSettings(_Settings):
         return self.batch_tokens or (16384 if device == "cuda" else 2048)
 
 
+DECODE_KEYS = frozenset(f.name for f in dataclasses.fields(DecodeSettings))
+
+
 @dataclass(frozen=True)
 class AskSettings(_Settings):
-    """How `ask` retrieves and generates."""
+    """How `ask` retrieves and generates. `from_dict` also takes `DecodeSettings`' keys
+    (repetition_penalty, no_repeat_ngram, temperature, top_p, seed, stop) flat."""
 
     top_k: int = 1
-    max_new_tokens: int = 256
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     use_cache: bool = True  # False: full prefill of the same prompt, for comparison
     mode: str = "exact"  # how several chunks' KV is used: exact, concat, blend (see ragkv.assemble)
     blend_ratio: float = 0.15  # blend: share of context tokens recomputed
     doc_ids: tuple[str, ...] | None = None  # retrieve only from these documents
+    decoding: DecodeSettings = field(default_factory=DecodeSettings)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]):
+        values = dict(values)
+        decoding = {k: values.pop(k) for k in list(values) if k in DECODE_KEYS}
+        if decoding:
+            values["decoding"] = DecodeSettings(**decoding)
+        return super().from_dict(values)
 
     def __post_init__(self):
         if self.mode not in MODES:

@@ -92,7 +92,7 @@ class Conversation:
         stats.computed_tokens = len(live_ids)
         budget = engine._fit_budget(len(conversation), max_new_tokens, stats)
         done = yield from generate(engine.lm.model, engine.lm.tokenizer, self.cache, live_ids, engine.lm.facts.eos_ids,
-                                   budget, start, after_prefill)
+                                   budget, start, after_prefill, self.settings.decoding)
         turn.answer_ids = list(done.token_ids)
         stats.record(done, start)
         engine.savings.add(stats)

@@ -1,5 +1,6 @@
-"""Prefill and greedy decoding over a transformers cache, one token at a time (so tokens can
-be streamed and timed). Both the cached and the full-prefill paths go through here."""
+"""Prefill and decoding over a transformers cache, one token at a time (so tokens can be
+streamed and timed). Both the cached and the full-prefill paths go through here, and every
+token is chosen by a `ragkv.decoding.Decoder`."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Generator, Sequence
 import torch
 
 from ragkv import kv
+from ragkv.decoding import DecodeSettings, Decoder, held_back, stop_at
 
 
 @torch.inference_mode()
@@ -25,14 +27,14 @@ def prefill(model, input_ids: Sequence[int], cache) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def greedy_decode(model, first_logits: torch.Tensor, cache, eos_ids: Sequence[int], max_new_tokens: int
-                  ) -> Generator[int, None, str]:
-    """Yield greedy tokens, starting from `first_logits`, until an EOS (not yielded) or
-    `max_new_tokens`; returns the finish reason, "stop" or "length". Mutates `cache`."""
+def decode(model, first_logits: torch.Tensor, cache, eos_ids: Sequence[int], max_new_tokens: int,
+           decoder: Decoder) -> Generator[int, None, str]:
+    """Yield tokens chosen by `decoder`, starting from `first_logits`, until an EOS (not
+    yielded) or `max_new_tokens`; returns the finish reason, "stop" or "length". Mutates `cache`."""
     logits = first_logits
     eos = set(eos_ids)
     for step in range(max_new_tokens):
-        token = int(logits.argmax())
+        token = decoder.next_token(logits)
         if token in eos:
             return "stop"
         yield token
@@ -43,23 +45,38 @@ def greedy_decode(model, first_logits: torch.Tensor, cache, eos_ids: Sequence[in
 
 
 class TextStream:
-    """Turns token ids into text deltas, holding back an incomplete UTF-8 character."""
+    """Turns token ids into text deltas, holding back an incomplete UTF-8 character and any
+    tail that may be the start of a stop string; `stopped` once a stop string appeared (the
+    text ends before it)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, stops: Sequence[str] = ()):
         self.tokenizer = tokenizer
+        self.stops = tuple(stops)
         self.token_ids: list[int] = []
-        self.text = ""
+        self.text = ""  # shown so far
+        self.stopped = False
 
     def push(self, token: int) -> str:
         self.token_ids.append(token)
         text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
         if text.endswith("\ufffd"):
             return ""
-        delta, self.text = text[len(self.text):], text
-        return delta
+        if self.stops:
+            cut = stop_at(text, self.stops)
+            if cut is not None:
+                self.stopped = True
+                return self._show(text[:cut])
+            text = text[:len(text) - held_back(text, self.stops)]
+        return self._show(text)
 
     def finish(self) -> str:
+        if self.stopped:
+            return ""
         text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        cut = stop_at(text, self.stops) if self.stops else None
+        return self._show(text if cut is None else text[:cut])
+
+    def _show(self, text: str) -> str:
         delta, self.text = text[len(self.text):], text
         return delta
 
@@ -75,22 +92,25 @@ class Generated:
 
 
 def generate(model, tokenizer, cache, live_ids: Sequence[int], eos_ids: Sequence[int], max_new_tokens: int,
-             started: float, after_prefill=None) -> Generator[str, None, Generated]:
-    """Prefill `live_ids` on top of `cache`, then greedy-decode, yielding text deltas; returns
-    what was generated and when. `after_prefill(cache)` runs between the two (it may read the
-    prompt's KV before decoding grows the cache)."""
+             started: float, after_prefill=None, decoding: DecodeSettings | None = None
+             ) -> Generator[str, None, Generated]:
+    """Prefill `live_ids` on top of `cache`, then decode (`decoding`, default greedy with the
+    default repetition controls), yielding text deltas; returns what was generated and when.
+    `after_prefill(cache)` runs between the two (it may read the prompt's KV before decoding
+    grows the cache)."""
+    decoding = decoding or DecodeSettings()
     prefill_start = time.perf_counter()
     logits = prefill(model, live_ids, cache)
     prefill_s = time.perf_counter() - prefill_start
     if after_prefill is not None:
         after_prefill(cache)
-    text = TextStream(tokenizer)
-    decode = greedy_decode(model, logits, cache, eos_ids, max_new_tokens)
+    text = TextStream(tokenizer, decoding.stop)
+    tokens = decode(model, logits, cache, eos_ids, max_new_tokens, Decoder(decoding))
     decode_start = time.perf_counter()
     first_token_s = 0.0
     while True:
         try:
-            token = next(decode)
+            token = next(tokens)
         except StopIteration as done:
             finish_reason = done.value
             break
@@ -98,6 +118,10 @@ def generate(model, tokenizer, cache, live_ids: Sequence[int], eos_ids: Sequence
             first_token_s = time.perf_counter() - started
         if delta := text.push(token):
             yield delta
+        if text.stopped:
+            finish_reason = "stop"
+            tokens.close()
+            break
     if tail := text.finish():
         yield tail
     return Generated(text.token_ids, text.text, finish_reason, prefill_s,
@@ -107,18 +131,21 @@ def generate(model, tokenizer, cache, live_ids: Sequence[int], eos_ids: Sequence
 @dataclass
 class BatchGenerated:
     token_ids: list[list[int]]
+    texts: list[str]
     finish_reasons: list[str]
     prefill_s: float
     decode_s: float
 
 
 @torch.inference_mode()
-def generate_batch(model, cache, rows: Sequence[Sequence[int]], eos_ids: Sequence[int], max_new_tokens: int,
-                   pad_id: int) -> BatchGenerated:
-    """Greedy answers for several prompts that share the `C` tokens `cache` holds (batch B,
-    one row per prompt): each row's own ids are prefilled right-padded, then all rows decode
-    together. A padding mask hides the pad slots and explicit positions keep every row's
-    tokens where a single-prompt run would put them."""
+def generate_batch(model, tokenizer, cache, rows: Sequence[Sequence[int]], eos_ids: Sequence[int],
+                   max_new_tokens: int, pad_id: int, decoding: DecodeSettings | None = None) -> BatchGenerated:
+    """Answers for several prompts that share the `C` tokens `cache` holds (batch B, one row
+    per prompt): each row's own ids are prefilled right-padded, then all rows decode together,
+    each with its own `Decoder` (so a row's tokens are the ones a lone run would pick). A
+    padding mask hides the pad slots and explicit positions keep every row's tokens where a
+    single-prompt run would put them."""
+    decoding = decoding or DecodeSettings()
     num_rows, num_shared = len(rows), kv.num_cached(cache)
     lengths = torch.tensor([len(r) for r in rows])
     longest = int(lengths.max())
@@ -133,25 +160,32 @@ def generate_batch(model, cache, rows: Sequence[Sequence[int]], eos_ids: Sequenc
     last = logits[torch.arange(num_rows), lengths - 1]  # (B, V): each row's last real position
     prefill_s = time.perf_counter() - prefill_start
 
-    eos = torch.tensor(sorted(eos_ids))
+    eos = set(eos_ids)
+    decoders = [Decoder(decoding) for _ in rows]
+    texts = [TextStream(tokenizer, decoding.stop) for _ in rows]
     positions = num_shared + lengths  # (B,) where each row's next token goes
-    outputs: list[list[int]] = [[] for _ in rows]
     reasons = ["length"] * num_rows
-    running = torch.ones(num_rows, dtype=torch.bool)
+    running = [True] * num_rows
+    tokens = torch.full((num_rows,), pad_id, dtype=torch.long)  # (B,) finished rows feed a pad
     decode_start = time.perf_counter()
     for step in range(max_new_tokens):
-        tokens = last.argmax(dim=-1).cpu()  # (B,)
-        finished = running & torch.isin(tokens, eos)
-        for i in finished.nonzero().flatten().tolist():
-            reasons[i] = "stop"
-        running &= ~finished
-        for i in running.nonzero().flatten().tolist():
-            outputs[i].append(int(tokens[i]))
-        if not running.any() or step + 1 == max_new_tokens:
+        for i in (i for i in range(num_rows) if running[i]):
+            token = decoders[i].next_token(last[i])
+            if token in eos:
+                reasons[i], running[i] = "stop", False
+                continue
+            tokens[i] = token
+            texts[i].push(token)
+            if texts[i].stopped:
+                reasons[i], running[i] = "stop", False
+        if not any(running) or step + 1 == max_new_tokens:
             break
         mask = torch.cat([mask, torch.ones(num_rows, 1, dtype=torch.long)], dim=1)  # (B, C + N + step + 1)
         out = model(input_ids=tokens[:, None].to(device), attention_mask=mask.to(device),
                     position_ids=positions[:, None].to(device), cache=cache, use_cache=True)
         last = out.logits[:, -1]
         positions = positions + 1
-    return BatchGenerated(outputs, reasons, prefill_s, time.perf_counter() - decode_start)
+    for text in texts:
+        text.finish()
+    return BatchGenerated([t.token_ids for t in texts], [t.text for t in texts], reasons, prefill_s,
+                          time.perf_counter() - decode_start)

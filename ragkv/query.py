@@ -14,10 +14,11 @@ import torch
 from ragkv import assemble, codec, kv
 from ragkv.assemble import Assembly
 from ragkv.answer import Answer, AnswerStream, Savings, Source, Stats
-from ragkv.config import AskSettings, resolve_device, resolve_dtype
+from ragkv.config import KV_DTYPES, AskSettings, resolve_device, resolve_dtype
 from ragkv.embed import Embedder
 from ragkv.errors import InputError, ModelError, StoreCorruptError, StoreEmptyError
 from ragkv.conversation import Conversation
+from ragkv.forward import compute_chunks
 from ragkv.generate import generate, prefill
 from ragkv.prefix_cache import PrefixCache
 from ragkv.keys import KVKey, Profile
@@ -57,6 +58,8 @@ class QueryEngine:
     def __init__(self, store: Path | str, model: str | None = None, embedder: str | None = None,
                  device: str = "auto", dtype: str | None = None, kv_dtype: str | None = None,
                  prefix_cache_bytes: int = 512 << 20, ram_bytes: int = 1 << 30):
+        if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+            raise InputError(f"unknown --kv-dtype {kv_dtype!r}; use one of {', '.join(KV_DTYPES)}")
         self.snapshot: StoreSnapshot = open_snapshot(store)
         try:
             meta = self.snapshot.catalog.meta()
@@ -194,7 +197,8 @@ class QueryEngine:
         prepared = self._prepare(question, settings, stats)
         max_new_tokens = self._fit_budget(len(prepared.prompt_ids), settings.max_new_tokens, stats)
         done = yield from generate(self.lm.model, self.lm.tokenizer, prepared.assembly.cache, prepared.live_ids,
-                                   self.lm.facts.eos_ids, max_new_tokens, start, prepared.assembly.after_prefill)
+                                   self.lm.facts.eos_ids, max_new_tokens, start, prepared.assembly.after_prefill,
+                                   settings.decoding)
         stats.record(done, start)
         self.savings.add(stats)
         sources = [Source(r.doc_id, r.source, r.chunk_index, r.chunk_id, score) for r, score in prepared.retrieved]
@@ -335,8 +339,6 @@ class QueryEngine:
     def _separator_kv(self) -> torch.Tensor:
         """KV of the chunk separator computed right after the prefix, like a stored chunk."""
         if self._separator is None:
-            from pipelines.compute import compute_chunks  # noqa: PLC0415 - same computation as ingest
-
             separator = list(self.active.layout.separator_ids)
             (result,) = compute_chunks(self.lm.model, self._load_prefix(), [separator], len(separator), self.lm.pad_id)
             self._separator = result.kv.to(self.device)
