@@ -1,7 +1,13 @@
 """Split a document into chunks of at most `max_tokens` LLM tokens, on paragraph boundaries
-where possible, then sentence boundaries, then (for a run-on sentence) token boundaries.
+where possible, then sentence boundaries, then (for a run-on sentence) the last safe point
+that fits: after a comma or a space, else between two CJK characters, never inside a number
+or a word.
 
-Token counts are exact: every chunk is checked by tokenising it as it will be stored.
+Sentences end at `.!?;:` followed by white space (not after a list number such as "4."), and at the CJK and full-width sentence
+ends `。！？；：．` (which need no space after them; Chinese and Japanese text has none).
+Pieces are joined back with the white space that separated them (none between CJK
+sentences). Token counts are exact: every chunk is checked by tokenising it as it will be
+stored.
 """
 
 from __future__ import annotations
@@ -11,14 +17,16 @@ from dataclasses import dataclass
 
 from ragkv.prompt import encode_text
 
-CHUNKER_VERSION = "1"
-_SENTENCE_END = re.compile(r"(?<=[.!?;:])\s+")
+CHUNKER_VERSION = "2"
+# "4. Watch the panel": a list number ("4.", "12.") ends no sentence.
+_SENTENCE_END = re.compile(r"(?<!\b\d\.)(?<!\b\d\d\.)(?<=[.!?;:])\s+|(?<=[。！？；：．])\s*")
+_SOFT_BREAK = set("，、,;；:：)）」』》】”’")  # a cut right after one of these keeps phrases whole
 
 
 @dataclass(frozen=True)
 class Piece:
     text: str
-    starts_paragraph: bool
+    joiner: str  # what separated it from the piece before: "\n\n" (new paragraph), " " or ""
 
 
 def chunking_id(max_tokens: int) -> str:
@@ -39,7 +47,7 @@ def chunk_text(text: str, tokenizer, max_tokens: int) -> list[str]:
         if not current:
             current = piece.text
             continue
-        candidate = current + ("\n\n" if piece.starts_paragraph else " ") + piece.text
+        candidate = current + piece.joiner + piece.text
         if _count(tokenizer, candidate) <= max_tokens:
             current = candidate
         else:
@@ -51,30 +59,73 @@ def chunk_text(text: str, tokenizer, max_tokens: int) -> list[str]:
 
 
 def _pieces(text: str, tokenizer, max_tokens: int):
-    """Paragraphs that fit, else their sentences, else token windows of a sentence."""
+    """Paragraphs that fit, else their sentences, else windows of a sentence."""
     for paragraph in re.split(r"\n\s*\n", text):
         paragraph = paragraph.strip()
         if not paragraph:
             continue
         if _count(tokenizer, paragraph) <= max_tokens:
-            yield Piece(paragraph, True)
+            yield Piece(paragraph, "\n\n")
             continue
         first = True
-        for sentence in _SENTENCE_END.split(paragraph):
-            for part in [sentence] if _count(tokenizer, sentence) <= max_tokens else _windows(sentence, tokenizer, max_tokens):
-                yield Piece(part, first)
+        for sentence, gap in _split(paragraph, _SENTENCE_END):
+            fits = _count(tokenizer, sentence) <= max_tokens
+            for index, (part, part_gap) in enumerate([(sentence, gap)] if fits else _windows(sentence, tokenizer, max_tokens)):
+                yield Piece(part, "\n\n" if first else _joiner(gap if index == 0 else part_gap))
                 first = False
 
 
-def _windows(text: str, tokenizer, max_tokens: int) -> list[str]:
-    """Cut `text` at token offsets into parts of at most `max_tokens` tokens each."""
+def _split(text: str, pattern: re.Pattern) -> list[tuple[str, str]]:
+    """Non-empty pieces of `text` between matches of `pattern`, each with the text that
+    separated it from the previous piece."""
+    pieces, start, gap = [], 0, ""
+    for match in pattern.finditer(text):
+        if match.end() == 0 or match.start() < start:
+            continue
+        if piece := text[start:match.start()]:
+            pieces.append((piece, gap))
+            gap = ""
+        gap += match.group()
+        start = match.end()
+    if piece := text[start:]:
+        pieces.append((piece, gap))
+    return pieces
+
+
+def _joiner(gap: str) -> str:
+    return " " if gap and gap.isspace() or " " in gap else ""
+
+
+def _is_cjk(char: str) -> bool:
+    code = ord(char)
+    return (0x3040 <= code <= 0x30FF or 0x3400 <= code <= 0x4DBF or 0x4E00 <= code <= 0x9FFF
+            or 0xAC00 <= code <= 0xD7AF or 0xF900 <= code <= 0xFAFF)
+
+
+def _cut_quality(text: str, at: int) -> int:
+    """How good a place `at` (a character index) is to cut a run-on sentence: 2 after white
+    space or a comma-like mark, 1 between two CJK characters, 0 inside a word or a number."""
+    if at <= 0 or at >= len(text):
+        return 2
+    left, right = text[at - 1], text[at]
+    if left.isspace() or right.isspace() or left in _SOFT_BREAK:
+        return 2
+    if _is_cjk(left) and _is_cjk(right):
+        return 1
+    return 0
+
+
+def _windows(text: str, tokenizer, max_tokens: int) -> list[tuple[str, str]]:
+    """Cut `text` into parts of at most `max_tokens` tokens each, at the best token boundary
+    of the last half of each window (see `_cut_quality`); each part with the white space
+    before it."""
     offsets = tokenizer(text, add_special_tokens=False, split_special_tokens=True,
                         return_offsets_mapping=True)["offset_mapping"]
-    parts, start_token = [], 0
+    parts, start_token, previous_end = [], 0, 0
     while start_token < len(offsets):
         size = max_tokens
         while True:
-            stop_token = min(start_token + size, len(offsets))
+            stop_token = _best_stop(text, offsets, start_token, min(start_token + size, len(offsets)))
             begin = offsets[start_token][0]
             end = offsets[stop_token][0] if stop_token < len(offsets) else len(text)
             part = text[begin:end].strip()
@@ -83,9 +134,26 @@ def _windows(text: str, tokenizer, max_tokens: int) -> list[str]:
                 break
             size -= max(1, size // 16)
         if part:
-            parts.append(part)
+            parts.append((part, text[previous_end:begin]))
+            previous_end = end
         start_token = stop_token
     return parts
+
+
+def _best_stop(text: str, offsets, start_token: int, stop_token: int) -> int:
+    """The token index to end a window at: the last one in (start, stop] whose boundary cuts
+    best, looking back at most half the window; `stop_token` itself when nothing better."""
+    if stop_token >= len(offsets):
+        return stop_token
+    best, best_quality = stop_token, _cut_quality(text, offsets[stop_token][0])
+    lowest = start_token + max(1, (stop_token - start_token) // 2)
+    for token in range(stop_token, lowest - 1, -1):
+        quality = _cut_quality(text, offsets[token][0])
+        if quality > best_quality:
+            best, best_quality = token, quality
+            if quality == 2:
+                break
+    return best
 
 
 def _count(tokenizer, text: str) -> int:
