@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import ragkv  # noqa: E402
-from pipelines.compute import compute_chunks, compute_prefix  # noqa: E402
+from ragkv.forward import compute_chunks, compute_prefix  # noqa: E402
 from ragkv import kv  # noqa: E402
 from ragkv.config import IngestSettings, ModelSettings, cache_dir  # noqa: E402
 from ragkv.generate import prefill  # noqa: E402

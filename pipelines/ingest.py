@@ -21,7 +21,7 @@ from typing import Sequence
 import numpy as np
 
 from pipelines.chunk import chunk_text, chunking_id
-from pipelines.compute import compute_chunks, compute_prefix, shard_metadata
+from ragkv.forward import compute_chunks, compute_prefix, shard_metadata
 from pipelines.plan import DocumentPlan, content_hash, plan_documents
 from pipelines import ray_engine
 from pipelines.progress import Reporter

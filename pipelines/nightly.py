@@ -1,7 +1,7 @@
 """The nightly re-index job: make the store match the corpus, reclaim space, check integrity.
 
-    ragkv reindex DOCS... --store DIR [--report report.json] [--json]
-    python -m pipelines.nightly DOCS... --store DIR          (the same command)
+    ragkv reindex DOCS... --store DIR [--report report.json] [--json]     (cron)
+    run_nightly(["docs/"], "./kvstore").to_dict()                         (an Airflow task)
 
 Steps: an incremental ingest that also removes documents no longer in DOCS (unchanged ones
 cost nothing), `gc`, then `verify`. Exit code 0 when every step succeeded and the store
@@ -59,15 +59,3 @@ def run_nightly(paths: Sequence[Path | str], store: Path | str, model: ModelSett
     report.seconds = time.perf_counter() - started
     return report
 
-
-def main() -> None:
-    import sys
-
-    from cli import main as cli_main
-
-    sys.argv = [sys.argv[0], "reindex", *sys.argv[1:]]
-    cli_main()
-
-
-if __name__ == "__main__":
-    main()

@@ -78,7 +78,7 @@ class KVWorker:
     def __init__(self, spec: WorkerSpec):
         import torch
 
-        from pipelines.compute import compute_prefix
+        from ragkv.forward import compute_prefix
         from ragkv.embed import Embedder
         from ragkv.model import load_model
 
@@ -93,7 +93,7 @@ class KVWorker:
         self.prefix_kv = compute_prefix(self.lm.model, spec.prefix_ids)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        from pipelines.compute import compute_chunks
+        from ragkv.forward import compute_chunks
         from ragkv import codec
         from store.remote import ShardSink
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import faiss
 
-from pipelines.compute import compute_chunks, compute_prefix, shard_metadata
+from ragkv.forward import compute_chunks, compute_prefix, shard_metadata
 from ragkv import codec
 from ragkv.config import IngestSettings
 from ragkv.embed import Embedder

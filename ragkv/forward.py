@@ -1,4 +1,5 @@
-"""Compute KV: the shared prefix once, then chunks in padded batches on top of it.
+"""The forward that computes KV: the shared prefix once, then chunks in padded batches on top of
+it. Ingest, repair, the Ray workers and the query path (the separator's KV) all compute here.
 
 Each chunk is computed right after the prefix (positions P..P+T-1), exactly where `ask`
 will place it. Batches are right-padded: under a causal mask a real token never attends to

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ragkv
-from pipelines.compute import compute_chunks, compute_prefix
+from ragkv.forward import compute_chunks, compute_prefix
 from ragkv.errors import InputError, ModelError
 from ragkv.prefix_cache import PrefixCache
 from ragkv.rope import check_supported, shift_positions

@@ -62,15 +62,15 @@ def test_reindex_adds_changes_removes_and_reports(docs, store, tiny_llama):
     assert_cached_equals_full(store, QUESTIONS[:2], max_new_tokens=8)
 
 
-def test_the_nightly_entry_point_writes_its_report_and_exit_code(docs, store, tiny_llama, tmp_path):
+def test_the_nightly_command_writes_its_report_and_exit_code(docs, store, tiny_llama, tmp_path):
     report_file = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "pipelines.nightly", str(docs), "--store", str(store), "--model", str(tiny_llama),
+    cmd = [sys.executable, "-c", "import cli; cli.main()", "reindex", str(docs), "--store", str(store), "--model", str(tiny_llama),
            "--report", str(report_file), "--quiet"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     report = json.loads(report_file.read_text())
     assert report["ok"] and report["ingest"]["tokens_computed"] == 0 and "removed" in report["ingest"]["documents"]
-    done = subprocess.run(cmd[:3] + [str(tmp_path / "missing")] + cmd[4:], cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(cmd[:4] + [str(tmp_path / "missing")] + cmd[5:], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 2 and done.stderr.startswith("error: ")
 
 
