@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from ragkv.errors import StoreFormatError
+
 _FLOAT = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -24,7 +26,7 @@ def encode(kv: torch.Tensor, quant: str) -> dict[str, torch.Tensor]:
     if quant in _FLOAT:
         return {"": kv.to(_FLOAT[quant])}
     if quant != "int8":
-        raise ValueError(f"unknown KV quantisation {quant!r}")
+        raise StoreFormatError(f"unknown KV quantisation {quant!r}: the store was written by a newer ragkv")
     data = kv.float()
     keys, values = data[:, 0], data[:, 1]  # each (L, H, T, D)
     key_scale = keys.abs().amax(dim=2, keepdim=True).clamp_min(1e-8) / 127  # (L, H, 1, D): per channel

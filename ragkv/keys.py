@@ -16,6 +16,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from ragkv.errors import StoreFormatError
+
 KEY_FORMAT = 1
 _DIGEST_SIZE = 32
 
@@ -109,5 +111,6 @@ class KVKey:
     def from_string(cls, text: str) -> "KVKey":
         parts = text.split(":")
         if len(parts) != 3 or parts[0] != f"kv{KEY_FORMAT}":
-            raise ValueError(f"not a ragkv KV key: {text!r}")
+            raise StoreFormatError(f"not a ragkv KV key: {text[:80]!r} (a store written by another ragkv version, "
+                                   "or a damaged catalog: run ragkv verify)")
         return cls(parts[1], parts[2])

@@ -13,6 +13,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from ragkv.errors import ModelError
+
 KV_LAYOUT = "L2HTD"
 TOKEN_DIM = 3
 
@@ -82,8 +84,9 @@ def check_layout(cache: DynamicCache) -> None:
     """Refuse caches whose layers are not plain `(B, H, T, D)` key/value tensors."""
     for layer in cache.layers:
         if getattr(layer, "keys", None) is None or layer.keys.dim() != 4:
-            raise TypeError(
-                f"unsupported cache layer {type(layer).__name__}: ragkv stores (B, H, T, D) keys/values"
+            raise ModelError(
+                f"this model's cache has {type(layer).__name__} layers; ragkv stores plain (batch, heads, tokens, "
+                "head_dim) keys and values: use a model with standard attention (e.g. Llama, Qwen2, Mistral)"
             )
 
 

@@ -103,6 +103,7 @@ class Catalog:
             self.con = duckdb.connect(str(path), read_only=read_only)
         except duckdb.Error as exc:
             raise StoreFormatError(f"cannot open catalog {path}: {exc}".splitlines()[0]) from exc
+        self.migrated = False  # whether opening applied schema migrations (a change to publish)
         self._migrate()
 
     # -- schema ---------------------------------------------------------------------------
@@ -134,6 +135,15 @@ class Catalog:
                 self.con.execute(sql)
                 applied.append(name)
             self._set_meta_rows({"migrations": json.dumps(applied), "format_version": str(FORMAT_VERSION)})
+        self.migrated = True
+
+    def fingerprint(self) -> tuple:
+        """Row count and an order-independent hash of the rows of every table: equal before
+        and after a write means the write changed nothing (and there is nothing to publish)."""
+        tables = self.con.execute("SELECT table_name FROM information_schema.tables WHERE table_schema = 'main' "
+                                  "AND table_type = 'BASE TABLE' ORDER BY table_name").fetchall()
+        return tuple((name, *self.con.execute(f'SELECT count(*), coalesce(sum(hash(t)), 0) FROM "{name}" t').fetchone())
+                     for (name,) in tables)
 
     @contextmanager
     def transaction(self):

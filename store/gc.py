@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ragkv.errors import StoreCorruptError
+from ragkv.errors import StoreCorruptError, StoreNotFoundError
 from store.store import StoreWriter, open_writer
 
 REWRITE_BELOW = 0.5  # rewrite a shard once less than this fraction of its bytes is live
@@ -35,6 +35,9 @@ def collect_garbage(root: Path | str, other_models: bool = False, wait: bool = F
     """
     report = GcReport()
     writer = open_writer(root, wait=wait)
+    if writer.base_generation is None:
+        writer.abort()
+        raise StoreNotFoundError(f"no ragkv store at {root}; create one with: ragkv ingest DOCS --store {root}")
     try:
         catalog = writer.catalog
         if other_models:

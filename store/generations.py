@@ -18,13 +18,16 @@ lease, so a long-lived reader never loses the catalog (or, through gc, the shard
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import re
 import uuid
 from pathlib import Path
 
-from ragkv.errors import StoreLockedError
+from ragkv.errors import StoreFormatError, StoreLockedError, StoreNotFoundError
 from store.shards import fsync_dir
+
+log = logging.getLogger("ragkv")
 
 CURRENT = "CURRENT"
 LOCK = "LOCK"
@@ -41,11 +44,18 @@ def vectors_path(root: Path, generation: int) -> Path:
 
 
 def read_current(root: Path) -> int | None:
-    """The published generation, or None if nothing was ever published."""
+    """The published generation, or None if nothing was ever published (or `root` is no folder)."""
     try:
-        return int((root / CURRENT).read_text().strip())
-    except FileNotFoundError:
+        text = (root / CURRENT).read_text()
+    except (FileNotFoundError, NotADirectoryError):
         return None
+    except OSError as exc:
+        raise StoreNotFoundError(f"cannot read store {root}: {exc.strerror or exc}") from None
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise StoreFormatError(f"store {root}: CURRENT holds {text[:40]!r}, not a generation number; "
+                               "restore it, or re-ingest into a new store") from None
 
 
 def publish(root: Path, generation: int) -> None:
@@ -151,14 +161,17 @@ class WriteLock:
         self.path = root / LOCK
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(self._fd)
-            raise StoreLockedError(
-                f"store {root} is being written by another process (pid {holder}); "
-                "wait for it to finish, or pass --wait to queue behind it"
-            ) from None
+            if not wait:
+                os.close(self._fd)
+                raise StoreLockedError(
+                    f"store {root} is being written by another process (pid {holder}); "
+                    "wait for it to finish, or pass --wait to queue behind it"
+                ) from None
+            log.info("store %s is being written by another process (pid %s); waiting for it", root, holder)
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
 

@@ -97,6 +97,8 @@ def open_snapshot(location: Path | str, require_documents: bool = True) -> Store
     """Open the published generation of the store at `location` (a folder or s3://bucket/prefix)."""
     remote = RemoteStore(str(location)) if is_remote(location) else None
     root = remote.mirror if remote else Path(location)
+    if not remote and root.exists() and not root.is_dir():
+        raise StoreNotFoundError(f"{location} is a file, not a ragkv store (a folder made by ragkv ingest)")
     for _ in range(5):  # the generation may be retired between reading CURRENT and leasing it
         generation = remote.sync() if remote else read_current(root)
         if generation is None:
@@ -146,6 +148,9 @@ class StoreWriter:
             else:
                 self.vectors = None
             self.catalog = Catalog(self._partial, read_only=False)
+            # What the published generation holds; publishing the same again would be a no-op.
+            self._base_rows = (self.catalog.fingerprint()
+                               if self.base_generation is not None and not self.catalog.migrated else None)
         except BaseException as exc:
             if self._lock:
                 self._lock.release()
@@ -154,6 +159,7 @@ class StoreWriter:
             raise
         self._closed = False
         self._published = False
+        self.unchanged = False  # publish found nothing new: the current generation stays
         self.retired: list[int] = []  # generations removed at publish
         self.held_by_readers: list[int] = []  # retired generations kept because a reader holds them
 
@@ -206,9 +212,14 @@ class StoreWriter:
 
     def publish(self) -> int:
         """Publish the new generation (catalog and index together) and remove retired ones
-        nobody reads, still holding the write lock (see `delete_unreferenced_shards`)."""
+        nobody reads, still holding the write lock (see `delete_unreferenced_shards`). When the
+        catalog holds exactly what the current generation holds, nothing is published and the
+        current generation number is returned (`unchanged`)."""
         if self._published:
             return self.generation
+        vectors_changed = self.vectors is not None and self.vectors.num_changes > 0
+        if self._base_rows is not None and not vectors_changed and self.catalog.fingerprint() == self._base_rows:
+            return self._keep_current()
         try:
             self.catalog.close()
             with open(self._partial, "rb") as f:
@@ -221,6 +232,14 @@ class StoreWriter:
             self.abort()
             raise _write_error(self.root, exc) from exc
         self._published = True
+        self.retired, self.held_by_readers = remove_retired(self.root, self.generation)
+        return self.generation
+
+    def _keep_current(self) -> int:
+        self.catalog.close()
+        remove_unpublished(self.root, self.base_generation)
+        self.generation, self.unchanged, self._published = self.base_generation, True, True
+        # Generations retired earlier that readers held then may be free now.
         self.retired, self.held_by_readers = remove_retired(self.root, self.generation)
         return self.generation
 
@@ -277,7 +296,7 @@ def _is_key(name: str) -> bool:
     try:
         KVKey.from_string(name)
         return True
-    except ValueError:
+    except StoreFormatError:
         return False
 
 
@@ -338,6 +357,8 @@ class RemoteStoreWriter(StoreWriter):
             self.abort()
             raise
         generation = super().publish()
+        if self.unchanged:
+            return generation
         try:
             self.remote.upload_generation(generation)
         except OSError as exc:

@@ -21,6 +21,7 @@ class Hit:
 class VectorIndex:
     def __init__(self, index: "faiss.Index"):
         self.index = index
+        self.num_changes = 0  # add/remove calls that changed the index since it was loaded
 
     @classmethod
     def empty(cls, dim: int) -> "VectorIndex":
@@ -40,12 +41,15 @@ class VectorIndex:
     def add(self, chunk_ids: list[int], vectors: np.ndarray) -> None:
         """vectors: `(N, dim)` float32, already normalised."""
         if len(chunk_ids):
+            self.num_changes += 1
             self.index.add_with_ids(np.ascontiguousarray(vectors, dtype=np.float32), np.asarray(chunk_ids, dtype=np.int64))
 
     def remove(self, chunk_ids: list[int]) -> int:
         if not chunk_ids:
             return 0
-        return self.index.remove_ids(np.asarray(chunk_ids, dtype=np.int64))
+        removed = self.index.remove_ids(np.asarray(chunk_ids, dtype=np.int64))
+        self.num_changes += bool(removed)
+        return removed
 
     def search(self, vector: np.ndarray, k: int, allowed: list[int] | None = None) -> list[Hit]:
         """The `k` nearest chunks to one `(dim,)` query vector, best first; only chunk ids in
