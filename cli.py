@@ -21,8 +21,25 @@ from ragkv.config import (
 from ragkv.errors import InputError, RagkvError
 
 
+class _StderrHandler(logging.Handler):
+    """Our own messages (the one-time model conversion, waiting for a lock, warnings) to
+    whatever stderr is now (test runners swap it)."""
+
+    def emit(self, record):
+        sys.stderr.write(self.format(record) + "\n")
+
+
+def _log_to_stderr() -> None:
+    logger = logging.getLogger("ragkv")
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        logger.addHandler(_StderrHandler())
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
 class _Group(TyperGroup):
     def invoke(self, ctx):
+        _log_to_stderr()
         try:
             return super().invoke(ctx)
         except RagkvError as exc:
@@ -53,14 +70,8 @@ DeviceOption = typer.Option("auto", "--device", help="auto (CUDA when available)
 
 
 def _quiet_libraries() -> None:
-    """Our own messages (e.g. the one-time model conversion) to stderr; library chatter off."""
+    """Library chatter (transformers' warnings and progress bars) off."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    logger = logging.getLogger("ragkv")
-    if not logger.handlers:
-        logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()

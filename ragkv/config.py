@@ -37,7 +37,7 @@ def cache_dir() -> Path:
 
 def resolve_device(device: str) -> str:
     if device not in DEVICES:
-        raise InputError(f"unknown device {device!r}; use one of {', '.join(DEVICES)}")
+        raise InputError(f"unknown --device {device!r}; use one of {', '.join(DEVICES)}")
     if device != "auto":
         return device
     import torch
@@ -51,7 +51,7 @@ def resolve_dtype(dtype: str, device: str) -> str:
     if dtype == "auto":
         return "bfloat16" if device == "cuda" else "float32"
     if dtype not in DTYPES:
-        raise InputError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(DTYPES)}")
+        raise InputError(f"unknown --dtype {dtype!r}; use one of auto, {', '.join(DTYPES)}")
     if dtype == "bfloat16" and device == "cpu":
         from ragkv.cpu import has_fast_bf16, warn_slow_bf16
 

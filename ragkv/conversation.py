@@ -14,7 +14,7 @@ from typing import Generator
 
 from ragkv import kv
 from ragkv.answer import Answer, AnswerStream, Source, Stats
-from ragkv.config import AskSettings
+from ragkv.config import AskSettings, DecodeSettings
 from ragkv.errors import InputError
 from ragkv.generate import generate
 from ragkv.prompt import encode_text
@@ -46,16 +46,20 @@ class Conversation:
             ids += turn.ids + turn.answer_ids
         return ids
 
-    def ask(self, message: str, max_new_tokens: int | None = None) -> Answer:
-        stream = self.stream(message, max_new_tokens)
+    def ask(self, message: str, max_new_tokens: int | None = None, decoding: DecodeSettings | None = None) -> Answer:
+        stream = self.stream(message, max_new_tokens, decoding)
         for _ in stream:
             pass
         return stream.answer
 
-    def stream(self, message: str, max_new_tokens: int | None = None) -> AnswerStream:
+    def stream(self, message: str, max_new_tokens: int | None = None, decoding: DecodeSettings | None = None
+               ) -> AnswerStream:
+        """This turn's answer as it is generated; `max_new_tokens` and `decoding` default to
+        the conversation's settings."""
         if not message.strip():
             raise InputError("the message is empty; say something")
-        return AnswerStream(self._turn(message, max_new_tokens or self.settings.max_new_tokens))
+        return AnswerStream(self._turn(message, max_new_tokens or self.settings.max_new_tokens,
+                                       decoding or self.settings.decoding))
 
     def replay(self, message: str, answer: str) -> None:
         """Add an earlier turn as a client remembers it (its answer as text; nothing is
@@ -71,7 +75,7 @@ class Conversation:
         """Forget everything: the next message retrieves again."""
         self.__init__(self.engine, self.settings)
 
-    def _turn(self, message: str, max_new_tokens: int) -> Generator[str, None, Answer]:
+    def _turn(self, message: str, max_new_tokens: int, decoding: DecodeSettings) -> Generator[str, None, Answer]:
         start = time.perf_counter()
         engine, layout = self.engine, self.engine.active.layout
         stats = Stats(mode=self.settings.mode if self.settings.use_cache else "full",
@@ -92,7 +96,7 @@ class Conversation:
         stats.computed_tokens = len(live_ids)
         budget = engine._fit_budget(len(conversation), max_new_tokens, stats)
         done = yield from generate(engine.lm.model, engine.lm.tokenizer, self.cache, live_ids, engine.lm.facts.eos_ids,
-                                   budget, start, after_prefill, self.settings.decoding)
+                                   budget, start, after_prefill, decoding)
         turn.answer_ids = list(done.token_ids)
         stats.record(done, start)
         engine.savings.add(stats)

@@ -41,8 +41,11 @@ class Embedder:
         path = resolve_embedder_path(name)
         if name != DEFAULT_EMBEDDER and Path(path).is_dir():
             name = str(Path(path).resolve())  # recorded in the store: usable from any directory
+        from ragkv.model import quiet_loading
+
         try:
-            model = SentenceTransformer(path, device=device)
+            with quiet_loading():
+                model = SentenceTransformer(path, device=device)
         except Exception as exc:
             raise ModelError(f"could not load embedder {name!r}: {exc}".splitlines()[0]) from exc
         return cls(name=name, model=model)

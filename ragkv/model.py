@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,23 @@ from ragkv.keys import digest
 log = logging.getLogger("ragkv")
 
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@contextmanager
+def quiet_loading():
+    """Load without transformers' progress bars ("Loading weights") and info chatter: a
+    library is quiet unless asked. Restores the caller's settings afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 @dataclass(frozen=True)
@@ -121,8 +139,9 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        with quiet_loading():
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
         config = quantised.config
         # save_pretrained refuses a GGUF-loaded model; rebuild it as a plain Llama.
         if hasattr(config, "quantization_config"):
@@ -156,8 +175,9 @@ def load_model(name: str, device: str, dtype: str) -> LoadedModel:
 
     folder = resolve_model_path(name)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
+        with quiet_loading():
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
     except Exception as exc:  # transformers raises many types; name the folder and the cause
         raise ModelError(f"could not load model from {folder}: {exc}".splitlines()[0]) from exc
     model.to(device).eval()

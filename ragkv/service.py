@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from pydantic import BaseModel, ConfigDict, Field
 
 from ragkv.batch import Question, answer_all
-from ragkv.config import AskSettings
+from ragkv.config import DEFAULT_NO_REPEAT_NGRAM, DEFAULT_REPETITION_PENALTY, AskSettings, DecodeSettings
 from ragkv.errors import InputError, ModelError, RagkvError, StoreEmptyError
 from ragkv.keys import digest
 from ragkv.lru import ByteLRU
@@ -78,6 +78,8 @@ class Message(_Body):
 class RagkvOptions(_Body):
     model_config = ConfigDict(extra="forbid")
     top_k: int = Field(1, ge=1, le=50)
+    repetition_penalty: float = Field(DEFAULT_REPETITION_PENALTY, ge=1.0, le=10.0)
+    no_repeat_ngram: int = Field(DEFAULT_NO_REPEAT_NGRAM, ge=0, le=64)
     mode: Literal["exact", "concat", "blend"] = "exact"
     no_cache: bool = False
     doc_ids: list[str] | None = Field(None, max_length=100)
@@ -89,6 +91,10 @@ class ChatRequest(_Body):
     stream: bool = False
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(0.0, ge=0.0, le=5.0)  # 0 (the default here): greedy
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = Field(None, max_length=16)
     ragkv: RagkvOptions = Field(default_factory=RagkvOptions)
 
 
@@ -107,6 +113,7 @@ def _error(status: int, message: str, kind: str, headers: dict | None = None) ->
     return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status, headers=headers)
 
 
+SERVED_MODEL_ID = "ragkv"  # what /v1/models lists and replies name; requests may also name the LLM itself
 _STATUS = {InputError: 400, StoreEmptyError: 404, ModelError: 409}
 
 
@@ -264,7 +271,8 @@ def build_app(engine, settings: ServeSettings) -> FastAPI:
 
     app = FastAPI(title="ragkv", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     metrics = Metrics(engine)
-    model_id = engine.lm.facts.name
+    model_id = SERVED_MODEL_ID  # one id for the RAG service; the LLM behind it is its "root"
+    accepted_ids = {SERVED_MODEL_ID, engine.lm.facts.name}
     app.state.worker = worker
 
     @app.middleware("http")
@@ -301,6 +309,11 @@ def build_app(engine, settings: ServeSettings) -> FastAPI:
         status = next((code for kind, code in _STATUS.items() if isinstance(exc, kind)), 500)
         return _error(status, str(exc), type(exc).__name__)
 
+    @app.exception_handler(_UnknownModel)
+    async def unknown_model(request, exc):
+        return _error(404, f"the model {exc.args[0]!r} does not exist; this service serves {SERVED_MODEL_ID!r} "
+                           f"(the LLM {engine.lm.facts.name})", "model_not_found")
+
     @app.exception_handler(Busy)
     async def busy(request, exc):
         return _error(503, "the model is busy; retry shortly", "server_busy", headers={"Retry-After": "1"})
@@ -316,7 +329,8 @@ def build_app(engine, settings: ServeSettings) -> FastAPI:
 
     @app.get("/v1/models", dependencies=[Depends(authorised)])
     async def models():
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": "ragkv"}]}
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": "ragkv",
+                                            "root": engine.lm.facts.name}]}
 
     @app.post("/v1/retrieve", dependencies=[Depends(authorised)])
     async def retrieve(body: RetrieveRequest):
@@ -327,13 +341,20 @@ def build_app(engine, settings: ServeSettings) -> FastAPI:
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorised)])
     async def chat(body: ChatRequest):
+        if body.model is not None and body.model not in accepted_ids:
+            raise _UnknownModel(body.model)
         history, question, warnings = _split(body.messages)
         requested = body.max_completion_tokens or body.max_tokens or settings.default_max_tokens
         if requested > settings.max_tokens_cap:
             warnings.append(f"max_tokens cut from {requested} to {settings.max_tokens_cap}")
+        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        decoding = DecodeSettings(repetition_penalty=body.ragkv.repetition_penalty,
+                                  no_repeat_ngram=body.ragkv.no_repeat_ngram, temperature=body.temperature,
+                                  top_p=body.top_p, seed=body.seed, stop=stop)
         ask = AskSettings(top_k=body.ragkv.top_k, mode=body.ragkv.mode, use_cache=not body.ragkv.no_cache,
                           max_new_tokens=min(requested, settings.max_tokens_cap),
-                          doc_ids=tuple(body.ragkv.doc_ids) if body.ragkv.doc_ids is not None else None)
+                          doc_ids=tuple(body.ragkv.doc_ids) if body.ragkv.doc_ids is not None else None,
+                          decoding=decoding)
         created, reply_id = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
         if not body.stream:
             if history:
@@ -349,6 +370,10 @@ def build_app(engine, settings: ServeSettings) -> FastAPI:
 
 
 class _Unauthorised(Exception):
+    pass
+
+
+class _UnknownModel(Exception):
     pass
 
 
@@ -378,7 +403,7 @@ def _split(messages: list[Message]) -> tuple[list[tuple[str, str]], str, list[st
 
 def _answer(conversations: Conversations, history, question: str, settings: AskSettings):
     conversation, reused = conversations.take(history, settings)
-    answer = conversation.ask(question, settings.max_new_tokens)
+    answer = conversation.ask(question, settings.max_new_tokens, settings.decoding)
     conversations.keep(conversation, [*history, (question, answer.text)])
     return answer, reused
 
@@ -415,7 +440,7 @@ async def _stream(worker, conversations, history, question, settings, reply_id, 
 
     def generate():
         conversation, reused = conversations.take(history, settings)
-        stream = conversation.stream(question, settings.max_new_tokens)
+        stream = conversation.stream(question, settings.max_new_tokens, settings.decoding)
         for text in stream:
             loop.call_soon_threadsafe(queue.put_nowait, ("text", text))
         conversations.keep(conversation, [*history, (question, stream.answer.text)])

@@ -92,7 +92,7 @@ def test_bad_input_gets_one_line_and_leaves_the_store_untouched(sample_store, tm
     one_line_error(run("ingest", bad, "--store", store), 2, "no documents to ingest", "empty")
     one_line_error(run("ingest", SAMPLE_DATA, "--store", store, "--model", tmp_path / "no-model"), 6, "does not exist")
     one_line_error(run("ingest", SAMPLE_DATA, "--store", store, "--chunk-tokens", 100000), 2, "does not fit", "at most")
-    one_line_error(run("ingest", SAMPLE_DATA, "--store", store, "--dtype", "float8"), 2, "unknown dtype")
+    one_line_error(run("ingest", SAMPLE_DATA, "--store", store, "--dtype", "float8"), 2, "unknown --dtype")
     one_line_error(run("ask", "hi", "--store", store, "--top-k", 0), 2, "--top-k")
     one_line_error(run("ask", "hi", "--store", store, "--dtype", "bfloat16"), 6, "no KV for model")
     assert {p: p.stat().st_mtime_ns for p in store.rglob("*")} == before

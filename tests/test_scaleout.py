@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -163,9 +164,10 @@ def test_s3_store_round_trip(s3_env, local_store, corpus, tmp_path, monkeypatch)
     from store.remote import RemoteStore
 
     remote = RemoteStore(uri)
-    deadline = time.time() + 60  # read by ranges first, copied down in the background
-    while not (cached := list((remote.mirror / "shards").glob("*.safetensors"))) and time.time() < deadline:
-        time.sleep(0.2)
+    for thread in threading.enumerate():  # read by ranges first, copied down in the background: wait for the copies
+        if thread.name.startswith("ragkv-fetch-"):
+            thread.join()
+    cached = list((remote.mirror / "shards").glob("*.safetensors"))
     assert cached
     remote.cache_bytes = 1
     for path in cached:
@@ -177,10 +179,17 @@ def test_s3_store_round_trip(s3_env, local_store, corpus, tmp_path, monkeypatch)
 
     stats = run_cli("stats", "--store", uri, "--json")
     assert stats.exit_code == 0 and '"generation": 1' in stats.output
+    unchanged = run_cli("ingest", corpus, "--store", uri, "--chunk-tokens", SETTINGS.chunk_tokens, "--json")
+    assert unchanged.exit_code == 0 and '"tokens_computed": 0' in unchanged.output and '"generation": 1' in unchanged.output
+    assert "catalog-000002.duckdb" not in _objects(s3_env, "roundtrip")  # nothing changed: nothing published
+    # The reader's clock is driven, not waited on: first the poll interval has not passed, then it has.
+    monkeypatch.setattr(store_module, "REMOTE_POLL_S", float("inf"))
     with open_snapshot(uri) as reader:  # a long-lived reader, as in `ragkv serve`
-        unchanged = run_cli("ingest", corpus, "--store", uri, "--chunk-tokens", SETTINGS.chunk_tokens, "--json")
-        assert unchanged.exit_code == 0 and '"tokens_computed": 0' in unchanged.output
-        assert "catalog-000002.duckdb" in _objects(s3_env, "roundtrip")
+        docs = tmp_path / "more-docs"
+        shutil.copytree(corpus, docs)
+        (docs / "parking.md").write_text("Parking is free for employees on level -2.")
+        changed = run_cli("ingest", docs, "--store", uri, "--chunk-tokens", SETTINGS.chunk_tokens, "--json")
+        assert changed.exit_code == 0 and "catalog-000002.duckdb" in _objects(s3_env, "roundtrip")
         assert reader.latest_generation() == 1  # asked the bucket moments ago: not again yet
         monkeypatch.setattr(store_module, "REMOTE_POLL_S", 0.0)
         assert reader.latest_generation() == 2

@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -44,18 +43,23 @@ def served(tmp_path_factory, tiny_store, corpus):
          "--device", "cpu", "--max-queue", "3", "--max-tokens-cap", "64"],
         cwd=ROOT, env={**os.environ, "RAGKV_API_KEY": KEY}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
-    for _ in range(120):
+    # Wait for the event, not for a number of seconds (model loading takes as long as the
+    # machine's load makes it): the server says it is about to bind, then answers.
+    said = []
+    while not (said and "ragkv serving" in said[-1]):
+        said.append(server.stderr.readline())
+        if not said[-1]:  # EOF: the server ended
+            pytest.fail(f"the server did not start: {''.join(said)}")
+    while True:
         try:
             if httpx.get(f"{base}/healthz").status_code == 200:
                 break
         except httpx.TransportError:
-            time.sleep(0.25)
-    else:
-        server.kill()
-        pytest.fail(f"the server did not start: {server.stderr.read()}")
+            if server.poll() is not None:
+                pytest.fail(f"the server did not start: {server.stderr.read()}")
     yield base, store, docs
     server.terminate()
-    server.wait(timeout=30)
+    server.wait()
 
 
 def client(base: str) -> OpenAI:
@@ -105,7 +109,8 @@ def test_a_follow_up_reuses_the_conversation(served):
 def test_other_endpoints(served):
     base, _, _ = served
     auth = {"Authorization": f"Bearer {KEY}"}
-    assert client(base).models.list().data[0].owned_by == "ragkv"
+    (listed,) = client(base).models.list().data
+    assert listed.id == "ragkv" and listed.owned_by == "ragkv" and listed.model_extra["root"]
     found = httpx.post(f"{base}/v1/retrieve", json={"query": QUESTIONS[2], "top_k": 2}, headers=auth).json()["data"]
     assert len(found) == 2 and found[0]["doc_id"] == "payroll" and found[0]["score"] >= found[1]["score"]
     metrics = httpx.get(f"{base}/metrics").text
@@ -125,6 +130,8 @@ def test_requests_without_the_key_are_refused(served, key, status):
 @pytest.mark.parametrize("body, status, fragment", [
     (b"{not json", 400, "not valid JSON"),
     ({"model": "x"}, 400, "messages"),
+    ({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404, "does not exist"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"role": "assistant", "content": "hi"}]}, 400, "last message must be a user message"),
     ({"messages": [{"role": "user", "content": "hi"}], "ragkv": {"mode": "fast"}}, 400, "mode"),
@@ -186,24 +193,31 @@ def test_a_full_queue_answers_503_with_retry_after(served):
 
 def test_a_reindex_published_while_a_client_loops_fails_no_request(served, tiny_llama):
     base, store, docs = served
-    results, stop = [], threading.Event()
+    results, stop, answered = [], threading.Event(), threading.Condition()
 
     def loop():
         while not stop.is_set():
             response = post(base, {"messages": [{"role": "user", "content": "When are salaries paid?"}],
                                    "max_tokens": 4})
-            results.append((response.status_code, response.json()))
+            with answered:
+                results.append((response.status_code, response.json()))
+                answered.notify_all()
+
+    def answered_from(generation: int) -> bool:
+        return any(body.get("ragkv", {}).get("stats", {}).get("store_generation", 0) >= generation
+                   for _, body in results)
 
     thread = threading.Thread(target=loop)
     thread.start()
     try:
         for version in range(3):
             (docs / "payroll-extra.md").write_text(f"Payroll notice {version}: salaries are paid on the 25th.")
-            ragkv.ingest([docs], store, model=ModelSettings(model=str(tiny_llama), device="cpu"), prune=True)
-            time.sleep(1.0)
+            report = ragkv.ingest([docs], store, model=ModelSettings(model=str(tiny_llama), device="cpu"), prune=True)
+            with answered:  # the client has been answered from the new generation (a hang guard, not a timing)
+                assert answered.wait_for(lambda: answered_from(report.generation), timeout=600)
     finally:
         stop.set()
-        thread.join(timeout=60)
+        thread.join()
     assert results and all(status == 200 for status, _ in results), [r for r in results if r[0] != 200][:1]
     generations = [body["ragkv"]["stats"]["store_generation"] for _, body in results]
     assert generations == sorted(generations) and generations[-1] > generations[0]
