@@ -8,7 +8,6 @@ its single-question answer.
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 import tempfile
 import time
@@ -18,6 +17,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.machine import describe  # noqa: E402
 
 import ragkv  # noqa: E402
 from ragkv.batch import Question, answer_all  # noqa: E402
@@ -68,7 +69,7 @@ def main() -> None:
     lines = [
         "# Batches grouped by shared context vs one question at a time",
         "",
-        f"Bundled SmolLM2-135M-Instruct on the sample corpus, CPU ({platform.machine()}, {torch.get_num_threads()} "
+        f"Bundled SmolLM2-135M-Instruct on the sample corpus, CPU ({describe()}, {torch.get_num_threads()} "
         f"threads, torch {torch.__version__}); {len(questions)} questions ({len(TOPICS)} topics, 4 phrasings each), "
         f"top-1, greedy, {args.tokens} new tokens, --max-batch {args.max_batch}. Both runs in one process, warm. "
         "Command: `python benchmarks/batch_throughput.py`.",

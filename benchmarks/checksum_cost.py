@@ -10,7 +10,6 @@ the time of the xxh3-64 checksum over it, and the checksum's cost per MB.
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import sys
 import tempfile
@@ -21,6 +20,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.machine import describe  # noqa: E402
 
 from store.shards import ShardReader, ShardWriter, checksum  # noqa: E402
 
@@ -59,7 +60,7 @@ def main() -> None:
     lines = [
         "# Checksum cost on the query path",
         "",
-        f"xxh3-64 over each KV entry before use. {platform.machine()}, torch {torch.__version__}; median of "
+        f"xxh3-64 over each KV entry before use. {describe()}, torch {torch.__version__}; median of "
         f"{args.repeats}; page cache warm. Command: `python benchmarks/checksum_cost.py`.",
         "",
         "| dtype | tokens | entry MB | read ms | read + verify ms | checksum ms | checksum ms per MB | GB/s |",

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import platform
 import re
 import statistics
 import subprocess
@@ -27,6 +26,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.machine import describe  # noqa: E402
 
 import ragkv  # noqa: E402
 from ragkv.config import ModelSettings  # noqa: E402
@@ -127,7 +128,7 @@ def render(results: dict, tokens: int) -> str:
     lines = [
         "# Multi-chunk modes: fidelity and speed against a full prefill",
         "",
-        f"Bundled SmolLM2-135M-Instruct, float32, CPU ({platform.machine()}, {torch.get_num_threads()} threads, "
+        f"Bundled SmolLM2-135M-Instruct, float32, CPU ({describe()}, {torch.get_num_threads()} threads, "
         f"torch {torch.__version__}). Greedy, {tokens} new tokens. `exact` is promised equal to a full prefill; "
         "`concat` and `blend` (15% of context tokens recomputed) are approximate. TTFT ratio: median time to first "
         "token of the mode over that of a full prefill of the same prompt (lower is faster), prefix cache cold. "

@@ -8,7 +8,6 @@ questions (all in one run).
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import sys
 import tempfile
@@ -18,6 +17,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.machine import describe  # noqa: E402
 
 import ragkv  # noqa: E402
 from ragkv.config import IngestSettings, ModelSettings  # noqa: E402
@@ -62,7 +63,7 @@ def main() -> None:
     lines = [
         "# Compressed KV in the store",
         "",
-        f"Bundled SmolLM2-135M-Instruct computing in float32 on the CPU ({platform.machine()}, "
+        f"Bundled SmolLM2-135M-Instruct computing in float32 on the CPU ({describe()}, "
         f"{torch.get_num_threads()} threads, torch {torch.__version__}); the sample corpus and its {len(QUESTIONS)} "
         f"questions; greedy, {args.tokens} new tokens; against a full float32 prefill of the same prompt. KV read = "
         "shard read + checksum + decode to float32, RAM tier off, page cache warm (median). "

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -21,6 +20,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.machine import describe  # noqa: E402
 
 import ragkv  # noqa: E402
 from ragkv.config import IngestSettings, ModelSettings, cache_dir  # noqa: E402
@@ -86,7 +87,7 @@ def main() -> None:
         warm = statistics.median(ttfts("s3://ragkv/bench"))
     print("s3", f"{s3_seconds:.1f} s", cold, warm, local_ttft)
 
-    cpu = f"{platform.machine()}, {os.cpu_count()} cores"
+    cpu = describe()
     lines = [
         "# Scale-out: the Ray engine and an S3 store",
         "",

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -24,6 +23,10 @@ import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.machine import describe  # noqa: E402
+
 QUESTIONS = (ROOT / "benchmarks" / "questions.txt").read_text().splitlines()
 
 
@@ -151,7 +154,7 @@ def main() -> None:
     lines = [
         "# `ragkv serve` under load",
         "",
-        f"Bundled SmolLM2-135M-Instruct (float32, CPU: {platform.machine()}, {os.cpu_count()} cores) over the sample "
+        f"Bundled SmolLM2-135M-Instruct (float32, CPU: {describe()}) over the sample "
         f"corpus, {args.tokens} new tokens, {args.requests} requests per level; clients and server on one machine "
         "(they share its cores). Model work runs on one worker thread. Command: `python benchmarks/serve_load.py`.",
         "",

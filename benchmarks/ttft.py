@@ -32,6 +32,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.machine import describe  # noqa: E402
+
 import ragkv  # noqa: E402
 from ragkv.forward import compute_chunks, compute_prefix  # noqa: E402
 from ragkv import kv  # noqa: E402
@@ -227,7 +229,7 @@ def render(results, retrieval, args) -> str:
     lines = [
         "# Time to first token vs document length",
         "",
-        f"CPU: {platform.machine()}, {torch.get_num_threads()} torch threads, sdpa attention, inference_mode; "
+        f"CPU: {describe()}, {torch.get_num_threads()} torch threads, sdpa attention, inference_mode; "
         f"torch {torch.__version__}, python {platform.python_version()}. Median of {args.repeats} interleaved "
         "warm runs (min-max). Retrieval excluded from every column and reported below. "
         "Command: `python benchmarks/ttft.py`. Plot: `ttft.png`.",

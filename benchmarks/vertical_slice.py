@@ -25,6 +25,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.machine import describe  # noqa: E402
+
 import ragkv  # noqa: E402
 from pipelines.chunk import chunk_text  # noqa: E402
 from ragkv.forward import compute_chunks, compute_prefix  # noqa: E402
@@ -109,7 +111,7 @@ def render(results: dict, repeats: int) -> str:
     lines = [
         "# Vertical slice: bundled SmolLM2-135M on the sample corpus (CPU)",
         "",
-        f"Machine: {platform.machine()}, {torch.get_num_threads()} torch threads; torch {torch.__version__}, "
+        f"Machine: {describe()}, {torch.get_num_threads()} torch threads; torch {torch.__version__}, "
         f"python {platform.python_version()}. Command: `python benchmarks/vertical_slice.py --repeats {repeats}`.",
         "",
         "## Ingest throughput (the sample corpus, `--chunk-tokens 512`)",

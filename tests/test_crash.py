@@ -3,7 +3,6 @@ and re-running the ingest completes, computing only what the killed run had not 
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
 import signal

@@ -4,7 +4,6 @@ re-index published while a client loops fails no request."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
