@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import pytest
 
 import ragkv
-from ragkv.errors import ModelError, StoreFormatError, StoreLockedError
+from ragkv.errors import ModelError, StoreFormatError
 from store import StoreWriter, collect_garbage, open_snapshot, verify
 from store import catalog as catalog_module
 from store.generations import read_current
