@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 import ragkv  # noqa: E402
 from benchmarks.fidelity import python_faq  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
-from ragkv.config import ModelSettings  # noqa: E402
+from ragkv.config import IngestSettings, ModelSettings  # noqa: E402
 
 # (label, ask options): the first is the old behaviour, the last the new defaults.
 VARIANTS = [
@@ -32,10 +32,15 @@ VARIANTS = [
      dict(max_new_tokens=256, repetition_penalty=1.0, no_repeat_ngram=0)),
     ("greedy, 128 tokens", dict(max_new_tokens=128, repetition_penalty=1.0, no_repeat_ngram=0)),
     ("repetition penalty 1.1", dict(max_new_tokens=128, repetition_penalty=1.1, no_repeat_ngram=0)),
-    ("repetition penalty 1.3", dict(max_new_tokens=128, repetition_penalty=1.3, no_repeat_ngram=0)),
     ("no-repeat 6-grams", dict(max_new_tokens=128, repetition_penalty=1.0, no_repeat_ngram=6)),
     ("after (defaults): penalty 1.1 + no-repeat 6-grams, 128 tokens", dict()),
 ]
+# The system prompts tried for the bundled model (each a store of its own), with the defaults.
+SYSTEM_PROMPTS = {
+    "before": "You are a helpful assistant. Answer the question using only the context provided. "
+              "If the context does not contain the answer, say so.",
+    "after (default)": None,
+}
 WORD = re.compile(r"\w+", re.UNICODE)
 STOPWORDS = set("the a an and or of to in on for is are be it this that with as by at from you your can if not "
                 "do does i we they he she its was were will would should has have had".split())
@@ -55,9 +60,9 @@ def grounded(answer: str, context: str) -> float:
     return len(words & seen) / len(words)
 
 
-def evaluate(engine, questions: list[str]) -> list[dict]:
+def evaluate(engine, questions: list[str], variants=VARIANTS) -> list[dict]:
     rows = []
-    for label, options in VARIANTS:
+    for label, options in variants:
         loops = length_cut = tokens = 0
         grounding = []
         for question in questions:
@@ -74,7 +79,7 @@ def evaluate(engine, questions: list[str]) -> list[dict]:
     return rows
 
 
-def render(results: dict, examples: list[tuple[str, str, str]]) -> str:
+def render(results: dict, examples: list[tuple[str, str, str]], prompts: list[dict]) -> str:
     lines = ["# Answer quality: repetition before and after the decoding defaults", "",
              f"Bundled SmolLM2-135M-Instruct, float32, top-1 chunk, on {describe()}. "
              "Command: `python benchmarks/answer_quality.py`.", "",
@@ -86,7 +91,11 @@ def render(results: dict, examples: list[tuple[str, str, str]]) -> str:
         lines += [f"| {r['label']} | {r['loops']:.0%} | {r['length']:.0%} | {r['tokens']:.0f} | {r['grounded']:.2f} |"
                   for r in rows]
         lines.append("")
-    lines += ["## The demo question", ""]
+    lines += ["## System prompt (sample corpus, default decoding)", "",
+              "| system prompt | loops | grounded | mean tokens | answer to the demo question |", "|---|---|---|---|---|"]
+    lines += [f"| {p['label']}: \"{p['prompt']}\" | {p['loops']:.0%} | {p['grounded']:.2f} | {p['tokens']:.0f} | "
+              f"{p['demo'][:160].replace(chr(10), ' ')}... |" for p in prompts]
+    lines += ["", "## The demo question", ""]
     for label, question, text in examples:
         lines += [f"{label}, \"{question}\":", "", "> " + text.replace("\n", "\n> "), ""]
     return "\n".join(lines)
@@ -94,7 +103,7 @@ def render(results: dict, examples: list[tuple[str, str, str]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--faq-questions", type=int, default=20)
+    parser.add_argument("--faq-questions", type=int, default=12)
     parser.add_argument("--work", type=Path, default=None, help="reuse stores and downloads across runs")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "answer_quality.md")
     args = parser.parse_args()
@@ -113,7 +122,15 @@ def main() -> None:
             if not examples:
                 for label, options in (VARIANTS[0], VARIANTS[-1]):
                     examples.append((label, qs[0], engine.ask(qs[0], **options).text))
-    args.out.write_text(render(results, examples))
+    prompts = []
+    for label, prompt in SYSTEM_PROMPTS.items():
+        store = work / f"prompt-{label.split()[0]}"
+        settings = IngestSettings(system_prompt=prompt) if prompt else IngestSettings()
+        ragkv.ingest([ROOT / "data"], store, model=ModelSettings(device="cpu", dtype="float32"), settings=settings)
+        with ragkv.open(store, device="cpu") as engine:
+            (row,) = evaluate(engine, questions, [(label, {})])
+            prompts.append({**row, "prompt": settings.system_prompt, "demo": engine.ask(questions[0]).text})
+    args.out.write_text(render(results, examples, prompts))
     print(args.out.read_text())
 
 

@@ -118,3 +118,15 @@ def flip_bit_of_entry(shard: Path, name: str) -> None:
     begin, end = json.loads(data[8:8 + header_len])[name]["data_offsets"]
     data[8 + header_len + (begin + end) // 2] ^= 0x04
     shard.write_bytes(bytes(data))
+
+
+SLOW_MODULES = {"test_scaleout", "test_service", "test_crash", "test_concurrency"}  # Ray, S3, servers, kill trials
+
+
+def pytest_collection_modifyitems(config, items):
+    """Slow (still run in CI; `pytest -m "not slow"` for a quick loop): whole modules that
+    start servers, Ray or kill processes, and every test on the bundled SmolLM2 over the
+    whole sample corpus (one ingest of data/ plus real-model answers)."""
+    for item in items:
+        if item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES or "sample_store" in item.fixturenames:
+            item.add_marker(pytest.mark.slow)
