@@ -36,9 +36,9 @@ MODES = ("exact", "concat", "blend")
 KS = (1, 3, 5)
 
 
-def python_faq(work: Path, count: int) -> tuple[Path, list[str]] | None:
-    """The Python FAQ HTML pages and up to `count` of their questions, or None if the package
-    cannot be fetched here."""
+def python_faq(work: Path, count: int, pages: tuple[str, ...] = ()) -> tuple[Path, list[str]] | None:
+    """The Python FAQ HTML pages (only `pages`, e.g. ("general.html",), when given) and up to
+    `count` of their questions, or None if the package cannot be fetched here."""
     html = work / "pyfaq" / "usr" / "share" / "doc" / "python3.11" / "html" / "faq"
     if not html.is_dir():
         (work / "pyfaq").mkdir(parents=True, exist_ok=True)
@@ -48,13 +48,13 @@ def python_faq(work: Path, count: int) -> tuple[Path, list[str]] | None:
             print("python3.11-doc unavailable; FAQ corpus skipped", file=sys.stderr)
             return None
         subprocess.run(["dpkg-deb", "-x", str(debs[-1]), str(work / "pyfaq")], check=True)
-    docs = work / "faq-docs"
+    docs = work / ("faq-docs" + ("-" + "-".join(p.split(".")[0] for p in pages) if pages else ""))
     docs.mkdir(exist_ok=True)
     from bs4 import BeautifulSoup
 
     questions = []
     for page in sorted(glob.glob(str(html / "*.html"))):
-        if page.endswith("index.html"):
+        if page.endswith("index.html") or (pages and Path(page).name not in pages):
             continue
         (docs / Path(page).name).write_text(Path(page).read_text(encoding="utf-8"))
         soup = BeautifulSoup(Path(page).read_text(encoding="utf-8"), "html.parser")
