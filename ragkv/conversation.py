@@ -10,14 +10,28 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Generator
+from typing import Callable, Generator
 
 from ragkv import kv
 from ragkv.answer import Answer, AnswerStream, Source, Stats
 from ragkv.config import AskSettings, DecodeSettings
 from ragkv.errors import InputError
-from ragkv.generate import generate
+from ragkv.generate import Generated, generate
 from ragkv.prompt import encode_text
+
+
+@dataclass
+class TurnPlan:
+    """One turn's generation: prefill `live_ids` on top of `cache`, decode up to `budget`."""
+
+    message: str
+    cache: object  # the conversation's cache (batch 1), holding prompt_ids[:num_cached]
+    live_ids: list[int]
+    budget: int
+    after_prefill: Callable[[object], None] | None
+    stats: Stats
+    start: float  # the caller's clock when the turn began
+    prompt_ids: list[int]  # the whole conversation up to the answer
 
 
 @dataclass
@@ -76,6 +90,17 @@ class Conversation:
         self.__init__(self.engine, self.settings)
 
     def _turn(self, message: str, max_new_tokens: int, decoding: DecodeSettings) -> Generator[str, None, Answer]:
+        plan = self.begin_turn(message, max_new_tokens)
+        engine = self.engine
+        done = yield from generate(engine.lm.model, engine.lm.tokenizer, plan.cache, plan.live_ids,
+                                   engine.lm.facts.eos_ids, plan.budget, plan.start, plan.after_prefill, decoding)
+        return self.end_turn(plan, done)
+
+    def begin_turn(self, message: str, max_new_tokens: int) -> "TurnPlan":
+        """Add `message` as the next turn and say what generating its answer takes: prefill
+        `live_ids` on top of `cache` (this conversation's cache, which the caller grows), then
+        decode up to `budget` tokens. The first turn retrieves and assembles the context.
+        Finish with `end_turn`."""
         start = time.perf_counter()
         engine, layout = self.engine, self.engine.active.layout
         stats = Stats(mode=self.settings.mode if self.settings.use_cache else "full",
@@ -86,8 +111,7 @@ class Conversation:
         else:
             new_ids = layout.turn_ids(engine.lm.tokenizer, message)
             self._fit(len(new_ids) + max_new_tokens, stats)
-        turn = Turn(message, new_ids, [])
-        self.turns.append(turn)
+        self.turns.append(Turn(message, new_ids, []))
         conversation = self.ids()
         cached = kv.num_cached(self.cache)
         live_ids = conversation[cached:]
@@ -95,12 +119,17 @@ class Conversation:
             stats.reused_tokens = cached
         stats.computed_tokens = len(live_ids)
         budget = engine._fit_budget(len(conversation), max_new_tokens, stats)
-        done = yield from generate(engine.lm.model, engine.lm.tokenizer, self.cache, live_ids, engine.lm.facts.eos_ids,
-                                   budget, start, after_prefill, decoding)
-        turn.answer_ids = list(done.token_ids)
-        stats.record(done, start)
-        engine.savings.add(stats)
-        return Answer(message, done.text, done.token_ids, self.sources, stats, conversation)
+        return TurnPlan(message, self.cache, live_ids, budget, after_prefill, stats, start, conversation)
+
+    def end_turn(self, plan: "TurnPlan", done: Generated, cache=None) -> Answer:
+        """Record the turn's answer (`done`); `cache`, when given, replaces the conversation's
+        cache (it must hold the conversation's KV so far, as `plan.cache` would)."""
+        if cache is not None:
+            self.cache = cache
+        self.turns[-1].answer_ids = list(done.token_ids)
+        plan.stats.record(done, plan.start)
+        self.engine.savings.add(plan.stats)
+        return Answer(plan.message, done.text, done.token_ids, self.sources, plan.stats, plan.prompt_ids)
 
     def _open_context(self, message: str, stats: Stats):
         """Retrieve for the first message and assemble the context's cache; returns the

@@ -132,3 +132,89 @@ def layer_deviation(cache, exact: DynamicCache, layer: int, start: int) -> torch
 def repeat_batch(cache, batch_size: int) -> None:
     """Turn a batch-1 cache into `batch_size` identical rows, in place."""
     cache.batch_repeat_interleave(batch_size)
+
+
+class RaggedBatch:
+    """Sequences of different lengths decoded together (continuous batching): one cache of B
+    rows, each row's tokens right-aligned (left-padded to the longest). A padding mask hides
+    the pads and each row's positions are its own, so every row computes what it would alone.
+
+    Rows join (`add`, a copy of the row's KV), advance together (`step`) and leave (`remove`,
+    a copy of the remaining rows; all-pad leading columns are dropped). Padded width costs
+    attention work; the engine bounds rows x width (its token budget)."""
+
+    def __init__(self, config):
+        self.config = config
+        self.cache: DynamicCache | None = None
+        self.lengths: list[int] = []  # real tokens per row
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def width(self) -> int:
+        return self.cache.get_seq_length() if self.cache is not None else 0
+
+    def add(self, single: DynamicCache) -> int:
+        """Append the batch-1 `single` as a new row (copied; `single` may be reused after).
+        Returns the row's index."""
+        check_layout(single)
+        length = single.get_seq_length()
+        if self.cache is None:
+            self.cache = DynamicCache(config=self.config)
+            for batch_layer, row_layer in zip(self.cache.layers, single.layers):
+                keys, values = row_layer.keys.clone(), row_layer.values.clone()  # (1, H, T, D)
+                batch_layer.lazy_initialization(keys, values)
+                batch_layer.keys, batch_layer.values = keys, values
+            self.lengths = [length]
+            return 0
+        width = max(self.width, length)
+        for batch_layer, row_layer in zip(self.cache.layers, single.layers):
+            batch_layer.keys = _append_row(batch_layer.keys, row_layer.keys, width)
+            batch_layer.values = _append_row(batch_layer.values, row_layer.values, width)
+        self.lengths.append(length)
+        return self.num_rows - 1
+
+    def remove(self, rows: Sequence[int]) -> None:
+        """Drop `rows`; the others keep their order."""
+        gone = set(rows)
+        keep = [i for i in range(self.num_rows) if i not in gone]
+        self.lengths = [self.lengths[i] for i in keep]
+        if not keep:
+            self.cache = None
+            return
+        trim = self.width - max(self.lengths)  # leading columns that are padding in every row left
+        index = torch.tensor(keep, device=self.cache.layers[0].keys.device)
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(0, index)[:, :, trim:]  # (B', H, T', D)
+            layer.values = layer.values.index_select(0, index)[:, :, trim:]
+
+    def extract(self, row: int) -> DynamicCache:
+        """Row `row`'s real tokens as a batch-1 cache of its own (new memory)."""
+        start = self.width - self.lengths[row]
+        parts = [torch.stack([layer.keys[row, :, start:], layer.values[row, :, start:]])  # (2, H, T, D)
+                 for layer in self.cache.layers]
+        return to_cache([torch.stack(parts)], self.config)  # (L, 2, H, T, D) copied into a new cache
+
+    def step(self, model, tokens: Sequence[int]) -> torch.Tensor:
+        """Feed one token per row; returns the next-token logits `(B, V)`. Grows every row by one."""
+        device = model.device
+        width = self.width
+        lengths = torch.tensor(self.lengths)  # (B,)
+        columns = torch.arange(width + 1)[None, :]  # (1, T + 1)
+        mask = (columns >= (width - lengths)[:, None]).long()  # (B, T + 1): pads 0, real tokens and the new one 1
+        ids = torch.tensor(list(tokens), dtype=torch.long)[:, None]  # (B, 1)
+        out = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=lengths[:, None].to(device),
+                    cache=self.cache, use_cache=True, logits_to_keep=1)
+        self.lengths = [n + 1 for n in self.lengths]
+        return out.logits[:, -1]
+
+
+def _append_row(batch: torch.Tensor, row: torch.Tensor, width: int) -> torch.Tensor:
+    """batch `(B, H, T, D)` and row `(1, H, t, D)` -> `(B + 1, H, width, D)`, right-aligned."""
+    rows, heads, old_width, dim = batch.shape
+    out = batch.new_zeros((rows + 1, heads, width, dim))
+    out[:rows, :, width - old_width:] = batch
+    out[rows, :, width - row.shape[2]:] = row[0]
+    return out

@@ -1,0 +1,158 @@
+"""Continuous batching: every answer produced inside a running batch equals the same question
+asked alone (float32), whatever its context, length, or when it joined; a conversation turn
+too; cancelled turns leave at once; admission respects the token budget."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+
+import pytest
+
+import ragkv
+from ragkv.config import AskSettings, DecodeSettings
+from ragkv.errors import InputError
+from ragkv.scheduler import BatchSettings, Batcher, Busy
+from tests.conftest import QUESTIONS, flip_bit_of_entry
+
+MIXED = [  # different contexts, prompt lengths, answer lengths and paths
+    ("How do I rotate the API key?", dict(max_new_tokens=24)),
+    ("How many days of annual leave do I get?", dict(max_new_tokens=9)),
+    ("When are salaries paid?", dict(max_new_tokens=30, top_k=2)),
+    ("What happens during a production deploy?", dict(max_new_tokens=16, use_cache=False)),  # a full prefill
+    ("Who approves leave requests in the HR portal?", dict(max_new_tokens=20, stop=["the"])),
+    ("What is the guest wifi password?", dict(max_new_tokens=12, temperature=0.7, seed=5)),
+]
+
+
+def _settings(options) -> AskSettings:
+    return AskSettings.from_dict(options)
+
+
+def _alone(engine, question, options):
+    return engine.ask(question, _settings(options))
+
+
+@pytest.fixture()
+def engine(tiny_store):
+    with ragkv.open(tiny_store, device="cpu") as engine:
+        yield engine
+
+
+def test_answers_decoded_together_equal_answers_alone(engine):
+    alone = [_alone(engine, q, o) for q, o in MIXED]
+    with Batcher(engine, BatchSettings(prefill_chunk=8)) as batcher:  # small chunks: prefills interleave
+        tickets = [batcher.submit(lambda o=o: engine.conversation(_settings(o)), q, _settings(o).max_new_tokens,
+                                  _settings(o).decoding) for q, o in MIXED]
+        batched = [t.result() for t in tickets]
+    assert max(a.stats.batch_size for a in batched) >= 3  # they really decoded together
+    for (question, _), one, many in zip(MIXED, alone, batched):
+        assert many.token_ids == one.token_ids, question
+        assert many.text == one.text and many.stats.finish_reason == one.stats.finish_reason
+        assert many.stats.mode == one.stats.mode  # (reused counts differ: the lone runs warmed the prefix cache)
+
+
+def test_a_request_joining_mid_decode_changes_nobody(engine):
+    long_q, short_q = QUESTIONS[0], QUESTIONS[2]
+    long_alone = engine.ask(long_q, max_new_tokens=40, no_repeat_ngram=0, repetition_penalty=1.0)
+    short_alone = engine.ask(short_q, max_new_tokens=10)
+    started = threading.Event()
+    pieces = []
+
+    def on_text(text):
+        pieces.append(text)
+        if len(pieces) == 3:
+            started.set()
+
+    with Batcher(engine) as batcher:
+        plain = DecodeSettings(repetition_penalty=1.0, no_repeat_ngram=0)
+        first = batcher.submit(lambda: engine.conversation(AskSettings()), long_q, 40, plain, on_text)
+        started.wait()  # the first is decoding: the second joins the running batch
+        second = batcher.submit(lambda: engine.conversation(AskSettings()), short_q, 10, DecodeSettings())
+        assert second.result().token_ids == short_alone.token_ids
+        assert first.result().token_ids == long_alone.token_ids
+        assert "".join(pieces) == first.result().text
+    assert second.result().stats.batch_size == 2
+
+
+def test_a_conversation_turn_in_the_batch_equals_one_alone(engine):
+    lone = engine.conversation(max_new_tokens=10)
+    expected = [lone.ask(QUESTIONS[1]).token_ids, lone.ask("And who approves it?").token_ids]
+    with Batcher(engine) as batcher:
+        chat = engine.conversation(max_new_tokens=10)
+        other = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[3], 20, DecodeSettings())
+        got = [batcher.submit(chat, QUESTIONS[1], 10, DecodeSettings()).result().token_ids]
+        follow = batcher.submit(chat, "And who approves it?", 10, DecodeSettings()).result()
+        got.append(follow.token_ids)
+        other.result()
+    assert got == expected
+    assert follow.stats.computed_tokens < 30 and follow.stats.reused_tokens > 0  # only the new message prefilled
+
+
+def test_a_cancelled_turn_leaves_at_once_and_the_others_finish(engine):
+    expected = engine.ask(QUESTIONS[2], max_new_tokens=12).token_ids
+    begun = threading.Event()
+    with Batcher(engine) as batcher:
+        doomed = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[0], 200, DecodeSettings(),
+                                on_text=lambda _: begun.set())
+        other = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[2], 12, DecodeSettings())
+        begun.wait()
+        doomed.cancel()
+        assert doomed.result().stats.finish_reason == "cancelled"
+        assert other.result().token_ids == expected
+    assert batcher.num_running == 0 and batcher.num_waiting == 0
+
+
+def test_admission_keeps_the_batch_within_its_token_budget(engine):
+    alone = [engine.ask(q, max_new_tokens=8).token_ids for q in QUESTIONS]
+    with Batcher(engine, BatchSettings(max_batch_tokens=1)) as batcher:  # room for one row at a time
+        tickets = [batcher.submit(lambda: engine.conversation(AskSettings()), q, 8, DecodeSettings()) for q in QUESTIONS]
+        answers = [t.result() for t in tickets]
+    assert [a.token_ids for a in answers] == alone
+    assert all(a.stats.batch_size == 1 for a in answers)
+
+
+def test_a_full_queue_is_busy_and_bad_turns_fail_alone(engine):
+    gate = threading.Event()
+    expected = engine.ask(QUESTIONS[0], max_new_tokens=4).token_ids
+    with Batcher(engine, BatchSettings(max_queue=3)) as batcher:
+        blocker = batcher.call(gate.wait)  # holds the model thread: the next two wait
+        good = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[0], 4, DecodeSettings())
+        bad = batcher.submit(lambda: engine.conversation(AskSettings(doc_ids=("no-such-doc",))), QUESTIONS[1], 4,
+                             DecodeSettings())
+        with pytest.raises(Busy):
+            batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[1], 4, DecodeSettings())
+        gate.set()
+        blocker.result()
+        with pytest.raises(InputError, match="no-such-doc"):
+            bad.result()
+        assert good.result().token_ids == expected
+
+
+def test_a_corrupt_entry_falls_back_inside_the_batch_and_the_others_are_unaffected(tiny_store, tmp_path):
+    store = tmp_path / "s"
+    shutil.copytree(tiny_store, store)
+    with ragkv.open(store, device="cpu") as engine:
+        (row, _), = engine.retrieve(QUESTIONS[0])
+        full = engine.ask(QUESTIONS[0], max_new_tokens=10, use_cache=False).token_ids
+        others = [engine.ask(q, max_new_tokens=10) for q in QUESTIONS[1:]]
+    flip_bit_of_entry(store / "shards" / row.entry.shard, row.entry.tensor)
+    with ragkv.open(store, device="cpu") as engine, Batcher(engine) as batcher:
+        tickets = [batcher.submit(lambda: engine.conversation(AskSettings()), q, 10, DecodeSettings()) for q in QUESTIONS]
+        answers = [t.result() for t in tickets]
+    assert answers[0].stats.mode == "fallback" and answers[0].token_ids == full
+    assert [a.token_ids for a in answers[1:]] == [o.token_ids for o in others]
+    assert all(a.stats.mode == "exact" for a in answers[1:])
+
+
+def test_the_bundled_model_batched_equals_alone(sample_store):
+    questions = (QUESTIONS + ["What is a SEV1 incident?", "How long are database backups kept?"])
+    with ragkv.open(sample_store[0], device="cpu") as engine:
+        alone = [engine.ask(q, max_new_tokens=24).token_ids for q in questions]
+        with Batcher(engine, BatchSettings(prefill_chunk=64)) as batcher:
+            answers = [batcher.ask(q, max_new_tokens=24) for q in questions[:1]]  # warm, alone
+            tickets = [batcher.submit(lambda: engine.conversation(AskSettings()), q, 24, DecodeSettings())
+                       for q in questions]
+            answers = [t.result() for t in tickets]
+    assert [a.token_ids for a in answers] == alone
+    assert max(a.stats.batch_size for a in answers) > 1
