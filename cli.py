@@ -477,9 +477,14 @@ def serve(
     port: int = typer.Option(8000, "--port", help="TCP port."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="RAGKV_API_KEY",
                                           help="Require Authorization: Bearer KEY (env RAGKV_API_KEY)."),
-    max_queue: int = typer.Option(16, "--max-queue", help="Requests that may wait for the model; more get 503."),
-    max_batch: int = typer.Option(8, "--max-batch", help="Waiting non-streaming questions answered together "
-                                                         "(grouped by context; 1: one at a time)."),
+    max_queue: int = typer.Option(16, "--max-queue", help="Requests that may wait to join the batch; more get 503."),
+    max_batch: int = typer.Option(16, "--max-batch", help="Requests decoded together (continuous batching: each "
+                                                          "forward advances every running answer by one token)."),
+    max_batch_tokens: int = typer.Option(32768, "--max-batch-tokens",
+                                         help="KV tokens the running batch may hold (rows x the longest prompt + "
+                                              "answer); requests beyond it wait. Bounds memory."),
+    prefill_chunk: int = typer.Option(256, "--prefill-chunk", help="Prompt tokens a request prefills per step, so "
+                                                                   "a long prefill never stalls running streams."),
     max_tokens_cap: int = typer.Option(1024, "--max-tokens-cap", help="Largest max_tokens a request gets."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Override the model the store was built with."),
     device: str = DeviceOption,
@@ -493,7 +498,8 @@ def serve(
     from ragkv.service import ServeSettings, build_app
 
     settings = ServeSettings(host=host, port=port, api_key=api_key or None, max_queue=max_queue, max_batch=max_batch,
-                             max_tokens_cap=max_tokens_cap)
+                             max_tokens_cap=max_tokens_cap, max_batch_tokens=max_batch_tokens,
+                             prefill_chunk=prefill_chunk)
     with ragkv.open(store, model=model, device=device) as engine:
         app = build_app(engine, settings)
         typer.echo(f"ragkv serving {store} ({engine.lm.facts.name}) on http://{host}:{port}", err=True)

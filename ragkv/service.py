@@ -1,6 +1,9 @@
 """`ragkv serve`: an OpenAI-compatible RAG endpoint that keeps the model, the store and hot KV
-warm. FastAPI + uvicorn; model work runs on one worker thread (forwards are serialised), and a
-bounded number of requests may wait for it (beyond that: 503 with Retry-After).
+warm. FastAPI + uvicorn; model work runs on one thread (`ragkv.scheduler.Batcher`), which
+decodes every active request together, one token per forward (continuous batching): new
+requests join at the next step, finished or disconnected ones leave at once, and a long
+prefill is split into chunks so running streams keep flowing. A bounded number of requests
+may wait to be admitted (beyond that: 503 with Retry-After).
 
     POST /v1/chat/completions   OpenAI chat completions (stream or not), plus a `ragkv` block
     POST /v1/retrieve           question -> chunks and scores
@@ -13,10 +16,8 @@ import asyncio
 import hmac
 import json
 import logging
-import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -27,11 +28,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
-from ragkv.batch import Question, answer_all
 from ragkv.config import DEFAULT_NO_REPEAT_NGRAM, DEFAULT_REPETITION_PENALTY, AskSettings, DecodeSettings
 from ragkv.errors import InputError, ModelError, RagkvError, StoreEmptyError
 from ragkv.keys import digest
 from ragkv.lru import ByteLRU
+from ragkv.scheduler import BatchSettings, Batcher, Busy
 
 log = logging.getLogger("ragkv")
 
@@ -44,12 +45,14 @@ class ServeSettings:
     max_body_bytes: int = 1 << 20
     max_tokens_cap: int = 1024  # a request's max_tokens is cut to this
     default_max_tokens: int = 256
-    max_queue: int = 16  # requests that may wait for the model; more get 503
-    max_batch: int = 8  # waiting non-streaming questions answered together
+    max_queue: int = 16  # requests that may wait to be admitted; more get 503
+    max_batch: int = 16  # requests decoded together (continuous batching)
+    max_batch_tokens: int = 32768  # KV tokens the running batch may hold (rows x longest prompt + answer)
+    prefill_chunk: int = 256  # prompt tokens one request prefills per step (the others keep decoding)
     conversation_bytes: int = 512 << 20  # KV of recent conversations kept for their next turn
 
     def __post_init__(self):
-        for name in ("max_queue", "max_batch", "max_tokens_cap"):
+        for name in ("max_queue", "max_batch", "max_tokens_cap", "max_batch_tokens", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise InputError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
 
@@ -105,104 +108,12 @@ class RetrieveRequest(_Body):
 
 
 # -- errors --------------------------------------------------------------------------------
-class Busy(Exception):
-    """The queue for the model is full."""
-
-
 def _error(status: int, message: str, kind: str, headers: dict | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status, headers=headers)
 
 
 SERVED_MODEL_ID = "ragkv"  # what /v1/models lists and replies name; requests may also name the LLM itself
 _STATUS = {InputError: 400, StoreEmptyError: 404, ModelError: 409}
-
-
-# -- the model worker ----------------------------------------------------------------------
-class Worker:
-    """Runs engine calls one at a time on its own thread. Before each call it moves the
-    engine to the newest published store generation (requests never see a mix).
-
-    Single-turn, non-streaming questions that wait together are answered together
-    (`submit_question`): grouped by the context they retrieve, each group's context is loaded
-    once and its questions prefilled and decoded as one batch (ragkv.batch; in float32 each
-    answer equals the lone one)."""
-
-    def __init__(self, engine, max_queue: int, answer_one, max_batch: int = 8):
-        self.engine = engine
-        self.answer_one = answer_one  # (question, settings) -> Answer, for a question waiting alone
-        self.max_queue = max_queue
-        self.max_batch = max_batch
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragkv-model")
-        self._lock = threading.Lock()
-        self.waiting = 0
-        self._questions: list[tuple[str, AskSettings, Future]] = []  # waiting for the next batch
-
-    def _reserve(self) -> None:
-        with self._lock:
-            if self.waiting >= self.max_queue:
-                raise Busy()
-            self.waiting += 1
-
-    def _refresh(self) -> None:
-        try:
-            self.engine.refresh()
-        except RagkvError as exc:  # keep serving the generation we have
-            log.warning("not switching store generation: %s", exc)
-
-    def submit(self, fn, *args):
-        """Schedule `fn(*args)` on the model thread; raises Busy when too many wait."""
-        self._reserve()
-
-        def run():
-            with self._lock:
-                self.waiting -= 1
-            self._refresh()
-            return fn(*args)
-
-        return asyncio.wrap_future(self._executor.submit(run))
-
-    def submit_question(self, question: str, settings: AskSettings):
-        """An Answer for `question`, possibly computed in a batch with other waiting questions."""
-        self._reserve()
-        future: Future = Future()
-        with self._lock:
-            self._questions.append((question, settings, future))
-        self._executor.submit(self._answer_waiting)
-        return asyncio.wrap_future(future)
-
-    def _answer_waiting(self) -> None:
-        """On the model thread: answer up to `max_batch` waiting questions that share settings
-        (an earlier call may have answered this call's question already)."""
-        with self._lock:
-            if not self._questions:
-                return
-            settings = self._questions[0][1]
-            batch = [q for q in self._questions if q[1] == settings][:self.max_batch]
-            self._questions = [q for q in self._questions if q not in batch]
-            self.waiting -= len(batch)
-        self._refresh()
-        if len(batch) == 1:  # alone: the conversation path, kept for a follow-up
-            question, _, future = batch[0]
-            try:
-                future.set_result(self.answer_one(question, settings))
-            except BaseException as exc:
-                future.set_exception(exc)
-            return
-        questions = [Question(str(i), text) for i, (text, _, _) in enumerate(batch)]
-        try:
-            for outcome in answer_all(self.engine, questions, settings, self.max_batch):
-                future = batch[int(outcome.question.id)][2]
-                if outcome.error is not None:
-                    future.set_exception(InputError(outcome.error))
-                else:
-                    future.set_result(outcome.answer)
-        except BaseException as exc:
-            for _, _, future in batch:
-                if not future.done():
-                    future.set_exception(exc)
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=True)
 
 
 # -- conversations -------------------------------------------------------------------------
@@ -236,7 +147,7 @@ class Conversations:
 
 # -- the app -------------------------------------------------------------------------------
 class Metrics:
-    def __init__(self, engine):
+    def __init__(self, engine, batcher):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("ragkv_requests", "HTTP requests", ["endpoint", "status"], registry=r)
@@ -251,6 +162,12 @@ class Metrics:
         Gauge("ragkv_ram_tier_misses", "RAM tier misses", registry=r).set_function(lambda: tier.misses)
         Gauge("ragkv_store_generation", "Store generation being served", registry=r).set_function(
             lambda: engine.snapshot.generation)
+        Gauge("ragkv_batch_running", "Requests in the running batch (decoding or prefilling)",
+              registry=r).set_function(lambda: batcher.num_running)
+        Gauge("ragkv_requests_waiting", "Requests waiting to join the batch", registry=r).set_function(
+            lambda: batcher.num_waiting)
+        Gauge("ragkv_tokens_per_second", "Answer tokens generated per second over the last 10 s",
+              registry=r).set_function(batcher.tokens_per_s)
 
     def record(self, stats) -> None:
         self.ttft.observe(stats.ttft_s)
@@ -261,19 +178,27 @@ class Metrics:
 
 def build_app(engine, settings: ServeSettings) -> FastAPI:
     conversations = Conversations(engine, settings.conversation_bytes)
-    worker = Worker(engine, settings.max_queue, lambda question, ask: _answer(conversations, [], question, ask)[0],
-                    settings.max_batch)
+
+    def refresh() -> None:  # before admitting new requests: the newest published generation
+        try:
+            engine.refresh()
+        except RagkvError as exc:  # keep serving the generation we have
+            log.warning("not switching store generation: %s", exc)
+
+    batcher = Batcher(engine, BatchSettings(max_batch=settings.max_batch, max_batch_tokens=settings.max_batch_tokens,
+                                            prefill_chunk=settings.prefill_chunk, max_queue=settings.max_queue),
+                      before_admit=refresh)
 
     @asynccontextmanager
     async def lifespan(app):
         yield
-        worker.close()
+        batcher.close()
 
     app = FastAPI(title="ragkv", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
-    metrics = Metrics(engine)
+    metrics = Metrics(engine, batcher)
     model_id = SERVED_MODEL_ID  # one id for the RAG service; the LLM behind it is its "root"
     accepted_ids = {SERVED_MODEL_ID, engine.lm.facts.name}
-    app.state.worker = worker
+    app.state.batcher = batcher
 
     @app.middleware("http")
     async def limit_and_count(request: Request, call_next):
@@ -321,7 +246,7 @@ def build_app(engine, settings: ServeSettings) -> FastAPI:
     @app.get("/healthz")
     async def healthz():
         return {"status": "ok", "generation": engine.snapshot.generation, "model": model_id,
-                "waiting": worker.waiting}
+                "running": batcher.num_running, "waiting": batcher.num_waiting}
 
     @app.get("/metrics")
     async def prometheus():
@@ -334,7 +259,7 @@ def build_app(engine, settings: ServeSettings) -> FastAPI:
 
     @app.post("/v1/retrieve", dependencies=[Depends(authorised)])
     async def retrieve(body: RetrieveRequest):
-        hits = await worker.submit(engine.retrieve, body.query, body.top_k, body.doc_ids)
+        hits = await asyncio.wrap_future(batcher.call(engine.retrieve, body.query, body.top_k, body.doc_ids))
         return {"object": "list", "data": [
             {"chunk_id": row.chunk_id, "doc_id": row.doc_id, "source": row.source, "chunk_index": row.chunk_index,
              "score": score, "text": row.text} for row, score in hits]}
@@ -357,13 +282,14 @@ def build_app(engine, settings: ServeSettings) -> FastAPI:
                           decoding=decoding)
         created, reply_id = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
         if not body.stream:
-            if history:
-                answer, reused_history = await worker.submit(_answer, conversations, history, question, ask)
-            else:  # may be batched with other waiting questions
-                answer, reused_history = await worker.submit_question(question, ask), False
+            ticket, opened = _submit(batcher, conversations, history, question, ask)
+            try:
+                answer = await asyncio.wrap_future(ticket.future)
+            finally:
+                ticket.cancel()  # a client that went away frees its row (no-op once answered)
             metrics.record(answer.stats)
-            return _completion(reply_id, created, model_id, answer, warnings, reused_history)
-        return StreamingResponse(_stream(worker, conversations, history, question, ask, reply_id, created, model_id,
+            return _completion(reply_id, created, model_id, answer, warnings, opened["reused"])
+        return StreamingResponse(_stream(batcher, conversations, history, question, ask, reply_id, created, model_id,
                                          warnings, metrics), media_type="text/event-stream")
 
     return app
@@ -401,11 +327,25 @@ def _split(messages: list[Message]) -> tuple[list[tuple[str, str]], str, list[st
     return history, turns[-1].text, warnings
 
 
-def _answer(conversations: Conversations, history, question: str, settings: AskSettings):
-    conversation, reused = conversations.take(history, settings)
-    answer = conversation.ask(question, settings.max_new_tokens, settings.decoding)
-    conversations.keep(conversation, [*history, (question, answer.text)])
-    return answer, reused
+def _submit(batcher: Batcher, conversations: Conversations, history, question: str, settings: AskSettings,
+            on_text=None):
+    """Queue a turn: the kept conversation holding `history` (or a new one replaying it) is
+    opened on the model thread when the turn is admitted, and kept again once answered.
+    Returns the Ticket and a dict whose "reused" says whether a kept conversation served."""
+    opened = {"reused": False, "conversation": None}
+
+    def open_conversation():
+        opened["conversation"], opened["reused"] = conversations.take(history, settings)
+        return opened["conversation"]
+
+    ticket = batcher.submit(open_conversation, question, settings.max_new_tokens, settings.decoding, on_text)
+
+    def keep(future) -> None:  # on the model thread, like `take`
+        if not future.cancelled() and future.exception() is None and future.result().stats.finish_reason != "cancelled":
+            conversations.keep(opened["conversation"], [*history, (question, future.result().text)])
+
+    ticket.future.add_done_callback(keep)
+    return ticket, opened
 
 
 def _ragkv_block(answer, warnings: list[str], reused_history: bool) -> dict:
@@ -427,9 +367,10 @@ def _completion(reply_id, created, model_id, answer, warnings, reused_history) -
             "usage": _usage(answer), "ragkv": _ragkv_block(answer, warnings, reused_history)}
 
 
-async def _stream(worker, conversations, history, question, settings, reply_id, created, model_id, warnings, metrics):
-    """Server-sent events in OpenAI's chunk format; the generation runs on the model thread
-    and hands text over through a queue."""
+async def _stream(batcher, conversations, history, question, settings, reply_id, created, model_id, warnings,
+                  metrics):
+    """Server-sent events in OpenAI's chunk format; the turn decodes in the running batch on the
+    model thread and hands text over through a queue. A client that disconnects cancels it."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -438,33 +379,30 @@ async def _stream(worker, conversations, history, question, settings, reply_id, 
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
         return f"data: {json.dumps(body)}\n\n"
 
-    def generate():
-        conversation, reused = conversations.take(history, settings)
-        stream = conversation.stream(question, settings.max_new_tokens, settings.decoding)
-        for text in stream:
-            loop.call_soon_threadsafe(queue.put_nowait, ("text", text))
-        conversations.keep(conversation, [*history, (question, stream.answer.text)])
-        return stream.answer, reused
-
     try:
-        job = worker.submit(generate)
+        ticket, opened = _submit(batcher, conversations, history, question, settings,
+                                 on_text=lambda text: loop.call_soon_threadsafe(queue.put_nowait, text))
     except Busy:
         yield f"data: {json.dumps({'error': {'message': 'the model is busy; retry shortly', 'type': 'server_busy'}})}\n\n"
         return
-    yield chunk({"role": "assistant", "content": ""})
-    while not (job.done() and queue.empty()):
-        getter = asyncio.ensure_future(queue.get())
-        done, _ = await asyncio.wait({getter, job}, return_when=asyncio.FIRST_COMPLETED)
-        if getter in done:
-            yield chunk({"content": getter.result()[1]})
-        else:
-            getter.cancel()
+    job = asyncio.wrap_future(ticket.future)
     try:
-        answer, reused = job.result()
-    except RagkvError as exc:
-        yield f"data: {json.dumps({'error': {'message': str(exc), 'type': type(exc).__name__}})}\n\n"
-        return
-    metrics.record(answer.stats)
-    yield chunk({}, answer.stats.finish_reason or "stop", usage=_usage(answer),
-                ragkv=_ragkv_block(answer, warnings, reused))
-    yield "data: [DONE]\n\n"
+        yield chunk({"role": "assistant", "content": ""})
+        while not (job.done() and queue.empty()):
+            getter = asyncio.ensure_future(queue.get())
+            done, _ = await asyncio.wait({getter, job}, return_when=asyncio.FIRST_COMPLETED)
+            if getter in done:
+                yield chunk({"content": getter.result()})
+            else:
+                getter.cancel()
+        try:
+            answer = job.result()
+        except RagkvError as exc:
+            yield f"data: {json.dumps({'error': {'message': str(exc), 'type': type(exc).__name__}})}\n\n"
+            return
+        metrics.record(answer.stats)
+        yield chunk({}, answer.stats.finish_reason or "stop", usage=_usage(answer),
+                    ragkv=_ragkv_block(answer, warnings, opened["reused"]))
+        yield "data: [DONE]\n\n"
+    finally:
+        ticket.cancel()  # the client went away mid-stream: its row leaves at the next step

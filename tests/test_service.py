@@ -153,9 +153,9 @@ def test_max_tokens_is_capped_and_said(served):
     assert any("cut from 100000 to 64" in w for w in reply["ragkv"]["stats"]["warnings"])
 
 
-def test_questions_waiting_together_are_answered_in_one_batch(served):
-    """While the model is busy, two non-streaming questions wait; they are answered as one
-    batch (same context: loaded once, decoded together) and equal their lone answers."""
+def test_requests_join_a_running_stream_and_equal_their_lone_answers(served):
+    """While a streamed answer decodes, two non-streaming questions arrive: they join the
+    running batch (continuous batching) and still equal their lone answers."""
     base, _, _ = served
     body = {"messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 16}
     alone = post(base, body).json()
@@ -171,10 +171,10 @@ def test_questions_waiting_together_are_answered_in_one_batch(served):
             for _ in lines:
                 pass
         assert [r.status_code for r in replies] == [200, 200]
-        if {r.json()["ragkv"]["stats"]["batch_size"] for r in replies} == {2}:
+        if all(r.json()["ragkv"]["stats"]["batch_size"] >= 2 for r in replies):
             break
     else:
-        pytest.fail("the waiting questions were never batched")
+        pytest.fail("the questions never joined the running batch")
     for reply in replies:
         assert reply.json()["ragkv"]["token_ids"] == alone["ragkv"]["token_ids"]
 
@@ -188,6 +188,32 @@ def test_a_full_queue_answers_503_with_retry_after(served):
     assert 200 in codes and 503 in codes and set(codes) <= {200, 503}
     busy = next(r for r in responses if r.status_code == 503)
     assert busy.headers["retry-after"] == "1" and busy.json()["error"]["type"] == "server_busy"
+
+
+def test_a_burst_gets_clean_503s_and_nothing_else_fails(served):
+    base, _, _ = served
+    body = {"messages": [{"role": "user", "content": QUESTIONS[2]}], "max_tokens": 4}
+    with ThreadPoolExecutor(32) as pool:
+        codes = [r.status_code for r in pool.map(lambda _: post(base, body), range(200))]
+    assert set(codes) <= {200, 503} and codes.count(200) >= 3 and 503 in codes
+    assert httpx.get(f"{base}/healthz").json()["status"] == "ok"
+
+
+def test_clients_that_disconnect_mid_stream_leave_no_sequence_behind(served):
+    base, _, _ = served
+    body = {"messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 64, "stream": True}
+    for _ in range(3):
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {KEY}"}) as stream:
+            next(line for line in stream.iter_lines() if '"content": "' in line and '"content": ""' not in line)
+        # leaving the block closed the connection mid-answer
+    while True:  # the server notices at its next write and frees the row at the next step
+        metrics = httpx.get(f"{base}/metrics").text
+        running = next(line for line in metrics.splitlines() if line.startswith("ragkv_batch_running "))
+        if float(running.split()[1]) == 0:
+            break
+    assert "ragkv_requests_waiting 0.0" in metrics and "ragkv_tokens_per_second" in metrics
+    assert post(base, {"messages": [{"role": "user", "content": QUESTIONS[1]}], "max_tokens": 4}).status_code == 200
 
 
 def test_a_reindex_published_while_a_client_loops_fails_no_request(served, tiny_llama):
