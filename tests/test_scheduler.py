@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -143,6 +144,14 @@ def test_a_corrupt_entry_falls_back_inside_the_batch_and_the_others_are_unaffect
     assert answers[0].stats.mode == "fallback" and answers[0].token_ids == full
     assert [a.token_ids for a in answers[1:]] == [o.token_ids for o in others]
     assert all(a.stats.mode == "exact" for a in answers[1:])
+
+
+def test_threads_asking_through_the_python_api_share_the_batch(engine):
+    questions = QUESTIONS * 2
+    alone = {q: engine.ask(q, max_new_tokens=12).token_ids for q in QUESTIONS}
+    with engine.batched(max_batch=8) as batcher, ThreadPoolExecutor(len(questions)) as pool:
+        answers = list(pool.map(lambda q: batcher.ask(q, max_new_tokens=12), questions))
+    assert [a.token_ids for a in answers] == [alone[q] for q in questions]
 
 
 def test_the_bundled_model_batched_equals_alone(sample_store):
