@@ -86,7 +86,7 @@ def test_stream_yields_the_answer_text_piece_by_piece(tiny_store):
         with pytest.raises(InputError, match="empty"):
             engine.ask("   ")
         with pytest.raises(InputError, match="unknown AskSettings"):
-            engine.ask("hi", temperature=0.7)
+            engine.ask("hi", temprature=0.7)
 
 
 def test_a_failed_ingest_leaves_the_store_untouched(tiny_store, tmp_path, corpus):
