@@ -135,26 +135,33 @@ def level(call, clients: int, work: list[tuple[str, list[int]]], tokens: int) ->
 
 
 def measure(name: str, start_server, call, levels: list[int], work, tokens: int) -> list[dict]:
-    """Both workloads at every level, each on a freshly started server."""
+    """First seen: every level on a freshly started server. Repeated: one server, every
+    document asked once to warm it, then every level."""
     rows = []
+
+    def record(workload: str, row: dict) -> None:
+        rows.append({"system": name, "workload": workload, **row})
+        print(rows[-1], file=sys.stderr, flush=True)
+
     for clients in levels:
-        for workload in ("first seen", "repeated"):
-            server = start_server()
-            try:
-                if workload == "repeated":
-                    for question, ids in work:  # warm: every document seen once
-                        call(server.base, question, ids, 1)
-                else:
-                    call(server.base, "Hello?", [1, 2], 1)  # warm the process, not the documents
-                row = level(lambda q, i, t: call(server.base, q, i, t), clients, work, tokens)
-            finally:
-                server.stop()
-            rows.append({"system": name, "workload": workload, **row})
-            print(rows[-1], file=sys.stderr, flush=True)
+        server = start_server()
+        try:
+            call(server.base, "Hello?", [1, 2], 1)  # warm the process, not the documents
+            record("first seen", level(lambda q, i, t: call(server.base, q, i, t), clients, work, tokens))
+        finally:
+            server.stop()
+    server = start_server()
+    try:
+        for question, ids in work:
+            call(server.base, question, ids, 1)
+        for clients in levels:
+            record("repeated", level(lambda q, i, t: call(server.base, q, i, t), clients, work, tokens))
+    finally:
+        server.stop()
     return rows
 
 
-def prompt_ids(store: Path, questions: list[str]) -> list[list[int]]:
+def prompt_ids(store: Path, questions: list[str]) -> tuple[list[list[int]], str]:
     import ragkv
 
     with ragkv.open(store, device="cpu") as engine:
@@ -168,7 +175,7 @@ def render(rows: list[dict], args, vllm_note: str) -> str:
         "",
         f"Bundled SmolLM2-135M-Instruct, float32, on {describe()}. Clients and server share the machine; one server "
         f"at a time. {len(QUESTIONS)} streamed requests per level (each a question from benchmarks/questions.txt), up to "
-        f"{args.tokens} new tokens, each level on a freshly started server. Command: `python benchmarks/serve_load.py"
+        f"{args.tokens} new tokens; first seen: each level on a freshly started server; repeated: one server, warmed. Command: `python benchmarks/serve_load.py"
         f"{' --vllm-python ...' if args.vllm_python else ''}`.",
         "",
         "- `ragkv`: `ragkv serve` (continuous batching, --max-batch 16); `ragkv, one at a time`: --max-batch 1, "

@@ -50,6 +50,7 @@ def test_several_retrieved_chunks_are_exact(tiny_store):
     assert_cached_equals_full(tiny_store, QUESTIONS[:2], top_k=3)
 
 
+@pytest.mark.slow
 def test_bundled_smollm2_float32_cached_equals_full_prefill(corpus, tmp_path):
     build_store(corpus, tmp_path / "s", "smollm2")
     assert_cached_equals_full(tmp_path / "s", QUESTIONS[:3], max_new_tokens=24)

@@ -62,6 +62,7 @@ def test_reindex_adds_changes_removes_and_reports(docs, store, tiny_llama):
     assert_cached_equals_full(store, QUESTIONS[:2], max_new_tokens=8)
 
 
+@pytest.mark.slow  # a subprocess loads the models
 def test_the_nightly_command_writes_its_report_and_exit_code(docs, store, tiny_llama, tmp_path):
     report_file = tmp_path / "report.json"
     cmd = [sys.executable, "-c", "import cli; cli.main()", "reindex", str(docs), "--store", str(store), "--model", str(tiny_llama),
@@ -238,6 +239,7 @@ def ingest_more_and_check(docs, store, tiny_llama, limit=""):
     assert_cached_equals_full(store, QUESTIONS[:1], max_new_tokens=4)
 
 
+@pytest.mark.slow  # a subprocess loads the models
 def test_a_read_only_store_gets_one_line_and_keeps_serving(docs, tiny_store, tiny_llama, tmp_path):
     with tmpfs(tmp_path / "ro", 64 << 20) as mount:
         shutil.copytree(tiny_store, mount / "store")
@@ -245,6 +247,7 @@ def test_a_read_only_store_gets_one_line_and_keeps_serving(docs, tiny_store, tin
         ingest_more_and_check(docs, mount / "store", tiny_llama)
 
 
+@pytest.mark.slow  # a subprocess loads the models
 def test_a_full_disk_gets_one_line_and_keeps_serving(docs, tiny_store, tiny_llama, tmp_path):
     size = sum(p.stat().st_size for p in tiny_store.rglob("*") if p.is_file())
     with tmpfs(tmp_path / "full", 2 * size + (64 << 10)) as mount:  # room for the catalog copy, not for much more
@@ -253,6 +256,7 @@ def test_a_full_disk_gets_one_line_and_keeps_serving(docs, tiny_store, tiny_llam
         assert not list((mount / "store").glob("*.partial"))  # the failed write cleaned up after itself
 
 
+@pytest.mark.slow  # a subprocess loads the models
 def test_a_file_size_limit_mid_write_gets_one_line_and_keeps_serving(docs, store, tiny_llama):
     catalog_bytes = max(p.stat().st_size for p in store.glob("catalog-*.duckdb"))
     limit = catalog_bytes + 4096  # the catalog copy fits; growing it, or a shard, does not
