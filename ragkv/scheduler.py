@@ -11,8 +11,8 @@ Each loop iteration of the model thread:
    loaded into the turn's own cache;
 2. prefills the oldest admitted turn by one chunk of at most `prefill_chunk` tokens (a long
    prefill, such as --no-cache, never stalls the others for more than one chunk);
-3. advances every decoding row by one token in one forward (`kv.RaggedBatch`: rows
-   left-padded to the longest, a padding mask, per-row positions).
+3. advances every decoding row by one token in one forward (`kv.RaggedBatch`: each row's
+   tokens in a slot of its own, a padding mask, per-row positions).
 A turn whose prefill is done picks its first token and joins the batch; a finished or
 cancelled one leaves it at once (its KV goes back to its conversation, for a follow-up).
 Every token is chosen by the turn's own `Decoder`, so in float32 an answer from inside a
@@ -267,14 +267,18 @@ class Batcher:
         if turn.pending:
             return
         self._prefilling.popleft()
-        if turn.plan.after_prefill is not None:
-            turn.plan.after_prefill(turn.plan.cache)
-        turn.decode_start = time.perf_counter()
-        if self._take(turn, logits):
-            self._finish(turn, turn.plan.cache)
-        else:
+        try:
+            if turn.plan.after_prefill is not None:
+                turn.plan.after_prefill(turn.plan.cache)
+            turn.decode_start = time.perf_counter()
+            if self._take(turn, logits):
+                self._finish(turn, turn.plan.cache)
+                return
             self._batch.add(turn.plan.cache)
-            self._rows.append(turn)
+        except BaseException as exc:  # neither prefilling nor in the batch: fail it here, or it waits forever
+            turn.ticket.resolve(error=exc)
+            raise
+        self._rows.append(turn)
 
     @torch.inference_mode()
     def _decode_step(self) -> None:
@@ -311,8 +315,7 @@ class Batcher:
         for i in rows:
             self._finish(self._rows[i], self._batch.extract(i))
         if rows:
-            self._batch.remove(rows)
-            self._rows = [t for i, t in enumerate(self._rows) if i not in set(rows)]
+            self._rows = [self._rows[i] for i in self._batch.remove(rows)]
 
     def _finish(self, turn: _Turn, cache) -> None:
         if turn.text.token_ids and not turn.text.stopped and (tail := turn.text.finish()) and turn.on_text:

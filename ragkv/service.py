@@ -400,6 +400,10 @@ async def _stream(batcher, conversations, history, question, settings, reply_id,
         except RagkvError as exc:
             yield f"data: {json.dumps({'error': {'message': str(exc), 'type': type(exc).__name__}})}\n\n"
             return
+        except Exception as exc:  # a bug: the client still gets a last event and the stream ends
+            log.error("request failed: %r", exc)
+            yield f"data: {json.dumps({'error': {'message': f'internal error: {exc!r}', 'type': 'internal_error'}})}\n\n"
+            return
         metrics.record(answer.stats)
         yield chunk({}, answer.stats.finish_reason or "stop", usage=_usage(answer),
                     ragkv=_ragkv_block(answer, warnings, opened["reused"]))

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import ragkv
+from ragkv import kv
 from ragkv.config import AskSettings, DecodeSettings
 from ragkv.errors import InputError
 from ragkv.scheduler import BatchSettings, Batcher, Busy
@@ -128,6 +129,25 @@ def test_a_full_queue_is_busy_and_bad_turns_fail_alone(engine):
         with pytest.raises(InputError, match="no-such-doc"):
             bad.result()
         assert good.result().token_ids == expected
+
+
+def test_a_turn_that_fails_as_it_joins_the_batch_gets_the_error_and_the_batcher_goes_on(engine, monkeypatch):
+    expected = engine.ask(QUESTIONS[1], max_new_tokens=6).token_ids
+    add = kv.RaggedBatch.add
+    failures = iter([RuntimeError("no memory for the row")])
+
+    def add_once_failing(self, single):
+        error = next(failures, None)
+        if error is not None:
+            raise error
+        return add(self, single)
+
+    monkeypatch.setattr(kv.RaggedBatch, "add", add_once_failing)
+    with Batcher(engine) as batcher:
+        first = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[0], 6, DecodeSettings())
+        with pytest.raises(RuntimeError, match="no memory"):
+            first.result()  # resolved, not left waiting
+        assert batcher.ask(QUESTIONS[1], max_new_tokens=6).token_ids == expected
 
 
 def test_a_corrupt_entry_falls_back_inside_the_batch_and_the_others_are_unaffected(tiny_store, tmp_path):
