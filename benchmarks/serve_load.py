@@ -9,7 +9,10 @@ corpus, on the bundled SmolLM2 in float32. Two workloads, each on a freshly star
   cache warm).
 vLLM gets ragkv's own prompt ids through /v1/completions, so both do the same work. Only one
 server runs at a time (vLLM's idle worker keeps a core busy). Reported per level: requests/s,
-generated tokens/s, time to first token p50/p99 (client side), errors.
+generated tokens/s, time to first token p50/p99 (client side), errors, and the share of the
+machine's CPU the benchmark's own client threads used (they share the cores with the server).
+A fourth system, the Python API (`engine.batched()` asked from threads in this process),
+shows the engine's batching without HTTP.
 
     python benchmarks/serve_load.py [--clients 1,4,8,16] [--tokens 32] [--vllm-python VENV/bin/python]
 
@@ -28,6 +31,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -88,53 +92,104 @@ def vllm_server(python: str, model: Path) -> Server:
                    "--served-model-name", "smollm2"], env={"VLLM_CPU_KVCACHE_SPACE": "4"})
 
 
-def stream_ragkv(base: str, question: str, ids: list[int], tokens: int) -> tuple[float, float, int, str | None]:
+def stream_ragkv(base: str, question: str, ids: list[int], tokens: int) -> Result:
     body = {"messages": [{"role": "user", "content": question}], "max_tokens": tokens, "stream": True}
     return _stream(f"{base}/v1/chat/completions", body, lambda e: e.get("usage", {}).get("completion_tokens"))
 
 
-def stream_vllm(base: str, question: str, ids: list[int], tokens: int) -> tuple[float, float, int, str | None]:
+def stream_vllm(base: str, question: str, ids: list[int], tokens: int) -> Result:
     body = {"model": "smollm2", "prompt": ids, "max_tokens": tokens, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}}
     return _stream(f"{base}/v1/completions", body, lambda e: (e.get("usage") or {}).get("completion_tokens"))
 
 
-def _stream(url: str, body: dict, usage_of) -> tuple[float, float, int, str | None]:
-    """(TTFT, total seconds, generated tokens, error) of one streamed request."""
-    start, first, generated = time.perf_counter(), None, 0
+class InProcess:
+    """`ragkv.open(...).batched()` in this process: the Python API's continuous batching, no
+    HTTP (its "clients" are threads calling `ask`). Stands in for a server in `measure`."""
+
+    def __init__(self, store: Path):
+        import ragkv
+
+        self.engine = ragkv.open(store, device="cpu")
+        self.base = self.engine.batched(max_batch=16)
+
+    def stop(self) -> None:
+        self.base.close()
+        self.engine.close()
+
+
+def ask_in_process(batcher, question: str, ids: list[int], tokens: int) -> Result:
+    start = time.perf_counter()
+    answer = batcher.ask(question, max_new_tokens=tokens)
+    return Result(start, start + answer.stats.ttft_s, time.perf_counter(), len(answer.token_ids))
+
+
+@dataclass
+class Result:
+    """One request, client side: times from perf_counter."""
+
+    start: float
+    first: float  # first answer text
+    end: float
+    tokens: int
+    error: str | None = None
+    stamps: list[float] = field(default_factory=list)  # arrival of each streamed text delta
+
+
+def _stream(url: str, body: dict, usage_of) -> Result:
+    start, first, generated, stamps = time.perf_counter(), None, 0, []
     try:
         with httpx.stream("POST", url, json=body, timeout=600) as response:
             if response.status_code != 200:
-                return 0.0, 0.0, 0, f"HTTP {response.status_code}"
+                return Result(start, start, start, 0, f"HTTP {response.status_code}")
             for line in response.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 event = json.loads(line[6:])
                 if "error" in event:
-                    return 0.0, 0.0, 0, str(event["error"])
+                    return Result(start, start, start, 0, str(event["error"]))
                 choices = event.get("choices") or []
                 if choices and (choices[0].get("delta", {}).get("content") or choices[0].get("text")):
-                    first = first or time.perf_counter()
+                    stamps.append(time.perf_counter())
+                    first = first or stamps[-1]
                 generated = usage_of(event) or generated
     except httpx.HTTPError as exc:
-        return 0.0, 0.0, 0, repr(exc)
+        return Result(start, start, start, 0, repr(exc))
     end = time.perf_counter()
-    return (first or end) - start, end - start, generated, None
+    return Result(start, first or end, end, generated, None, stamps)
 
 
-def level(call, clients: int, work: list[tuple[str, list[int]]], tokens: int) -> dict:
-    start = time.perf_counter()
+def steady_rate(ok: list[Result], clients: int) -> float | None:
+    """Streamed text deltas per second while every client had a request in flight: from the
+    moment the first `clients` requests were all streaming to the moment fewer than `clients`
+    remained (the level's ramp-up and drain left out). None when there is no such window of at
+    least 2 s (too few requests for the clients), or nothing was streamed."""
+    if len(ok) < clients or not any(r.stamps for r in ok):
+        return None
+    begin = sorted(r.first for r in ok)[clients - 1]
+    stop = sorted(r.end for r in ok)[len(ok) - clients]
+    if stop - begin < 2.0:
+        return None
+    return sum(begin <= t < stop for r in ok for t in r.stamps) / (stop - begin)
+
+
+def level(call, clients: int, work: list[tuple[str, list[int]]], tokens: int, in_process: bool = False) -> dict:
+    start, cpu_start = time.perf_counter(), time.process_time()
     with ThreadPoolExecutor(clients) as pool:
         results = list(pool.map(lambda item: call(item[0], item[1], tokens), work))
     wall = time.perf_counter() - start
-    ok = [r for r in results if r[3] is None]
-    ttfts = [r[0] for r in ok] or [0.0]
+    client_cpu = (time.process_time() - cpu_start) / wall / (os.cpu_count() or 1)  # of all cores, the clients' share
+    if in_process:  # the clients' threads share the process with the engine: no separate figure
+        client_cpu = None
+    ok = [r for r in results if r.error is None]
+    ttfts = [r.first - r.start for r in ok] or [0.0]
     return {"clients": clients, "requests": len(results), "errors": len(results) - len(ok), "rps": len(ok) / wall,
-            "tps": sum(r[2] for r in ok) / wall, "p50": float(np.percentile(ttfts, 50)),
-            "p99": float(np.percentile(ttfts, 99))}
+            "tps": sum(r.tokens for r in ok) / wall, "p50": float(np.percentile(ttfts, 50)),
+            "p99": float(np.percentile(ttfts, 99)), "client_cpu": client_cpu, "steady": steady_rate(ok, clients)}
 
 
-def measure(name: str, start_server, call, levels: list[int], work, tokens: int) -> list[dict]:
+def measure(name: str, start_server, call, levels: list[int], work, tokens: int, in_process: bool = False
+            ) -> list[dict]:
     """First seen: every level on a freshly started server. Repeated: one server, every
     document asked once to warm it, then every level."""
     rows = []
@@ -147,7 +202,7 @@ def measure(name: str, start_server, call, levels: list[int], work, tokens: int)
         server = start_server()
         try:
             call(server.base, "Hello?", [1, 2], 1)  # warm the process, not the documents
-            record("first seen", level(lambda q, i, t: call(server.base, q, i, t), clients, work, tokens))
+            record("first seen", level(lambda q, i, t: call(server.base, q, i, t), clients, work, tokens, in_process))
         finally:
             server.stop()
     server = start_server()
@@ -155,7 +210,7 @@ def measure(name: str, start_server, call, levels: list[int], work, tokens: int)
         for question, ids in work:
             call(server.base, question, ids, 1)
         for clients in levels:
-            record("repeated", level(lambda q, i, t: call(server.base, q, i, t), clients, work, tokens))
+            record("repeated", level(lambda q, i, t: call(server.base, q, i, t), clients, work, tokens, in_process))
     finally:
         server.stop()
     return rows
@@ -179,15 +234,22 @@ def render(rows: list[dict], args, vllm_note: str) -> str:
         f"{' --vllm-python ...' if args.vllm_python else ''}`.",
         "",
         "- `ragkv`: `ragkv serve` (continuous batching, --max-batch 16); `ragkv, one at a time`: --max-batch 1, "
-        "how the service ran streamed requests before;",
+        "how the service ran streamed requests before; `ragkv, Python API`: `ragkv.open(...).batched()` asked from N "
+        "threads in the benchmark's own process (the same engine and batching, no HTTP, no separate clients);",
         f"- `vLLM`: {vllm_note}",
+        "- requests/s and generated tokens/s cover the whole level, its ramp-up and drain included (with 20 "
+        "requests, 8 clients spend much of a level starting or finishing); steady tokens/s counts the streamed text "
+        "deltas (one per token, bar held-back partial characters) only while every client had a request in flight; "
+        "'-' where that window is under 2 s; clients' CPU: the share of the machine the benchmark's client threads "
+        "used.",
         "",
-        "| workload | clients | system | requests/s | generated tokens/s | TTFT p50 s | TTFT p99 s | errors |",
-        "|---|---|---|---|---|---|---|---|",
+        "| workload | clients | system | requests/s | generated tokens/s | steady tokens/s | TTFT p50 s | TTFT p99 s | errors | clients' CPU |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in sorted(rows, key=lambda r: (r["workload"] != "first seen", r["clients"], r["system"])):
         lines.append(f"| {row['workload']} | {row['clients']} | {row['system']} | {row['rps']:.2f} | {row['tps']:.1f} | "
-                     f"{row['p50']:.3f} | {row['p99']:.3f} | {row['errors']} |")
+                     f"{'-' if row.get('steady') is None else format(row['steady'], '.1f')} | "
+                     f"{row['p50']:.3f} | {row['p99']:.3f} | {row['errors']} | {'-' if row.get('client_cpu') is None else format(row['client_cpu'], '.0%')} |")
     lines += ["", "Ratios at the same workload and concurrency (ragkv over the other; throughput: higher is better "
               "for ragkv, TTFT: lower is better for ragkv):", "",
               "| workload | clients | vs | throughput ratio | TTFT p50 ratio |", "|---|---|---|---|---|"]
@@ -228,7 +290,7 @@ def main() -> None:
     parser.add_argument("--clients", default="1,4,8,16")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu installed")
-    parser.add_argument("--systems", default="ragkv,ragkv-one,vllm")
+    parser.add_argument("--systems", default="ragkv,ragkv-api,ragkv-one,vllm")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "serve_load.md")
     args = parser.parse_args()
     levels = [int(n) for n in args.clients.split(",")]
@@ -242,6 +304,9 @@ def main() -> None:
         rows = []
         if "ragkv" in systems:
             rows += measure("ragkv", lambda: ragkv_server(store, 16), stream_ragkv, levels, work, args.tokens)
+        if "ragkv-api" in systems:
+            rows += measure("ragkv, Python API", lambda: InProcess(store), ask_in_process, levels, work,
+                            args.tokens, in_process=True)
         if "ragkv-one" in systems:
             rows += measure("ragkv, one at a time", lambda: ragkv_server(store, 1), stream_ragkv, levels, work,
                             args.tokens)
