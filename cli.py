@@ -16,7 +16,7 @@ from typer.core import TyperGroup
 
 from ragkv.config import (
     DEFAULT_EMBEDDER, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODEL, DEFAULT_NO_REPEAT_NGRAM, DEFAULT_REPETITION_PENALTY,
-    DEFAULT_STORE, DEFAULT_SYSTEM_PROMPT, DTYPES, AskSettings, DecodeSettings,
+    DEFAULT_SPAN_TOKENS, DEFAULT_STORE, DEFAULT_SYSTEM_PROMPT, DTYPES, AskSettings, DecodeSettings,
 )
 from ragkv.errors import InputError, RagkvError
 
@@ -89,6 +89,10 @@ SystemPromptOption = typer.Option(DEFAULT_SYSTEM_PROMPT, "--system-prompt",
                                   help="System prompt, computed once and part of every cache key.")
 KvDtypeOption = typer.Option("auto", "--kv-dtype", help="How KV is stored: auto (as computed: lossless), or "
                              "bfloat16, float16, int8 (smaller, approximate, named in every answer's stats).")
+SpanTokensOption = typer.Option(DEFAULT_SPAN_TOKENS, "--span-tokens",
+                                help="Compute each document's chunks as one sequence, a new span starting where "
+                                     "the next chunk would pass this many tokens, so `ask --context span` loads a "
+                                     "hit with the chunks before it exactly. 0: each chunk on its own.")
 BatchTokensOption = typer.Option(0, "--batch-tokens", help="Padded tokens per forward (0: 2048 on CPU, 16384 on CUDA).")
 WaitOption = typer.Option(False, "--wait", help="If another process is writing the store, wait for it instead of failing.")
 QuietOption = typer.Option(False, "--quiet", "-q", help="No progress bars.")
@@ -97,6 +101,9 @@ ModeOption = typer.Option("exact", "--mode", help="With several chunks: exact (e
                                                    "first chunk's KV from the store, the rest prefilled), or the "
                                                    "approximate concat (every chunk's stored KV, re-rotated) and "
                                                    "blend (concat, then the most-deviating tokens recomputed).")
+ContextOption = typer.Option("span", "--context", help="What a retrieved chunk brings into the prompt: chunk (itself), "
+                             "span (with the chunks of its span before it: exact from the store when ingested with "
+                             "--span-tokens), document (its whole span).")
 BlendRatioOption = typer.Option(0.15, "--blend-ratio", help="blend: share of context tokens recomputed.")
 MaxNewTokensOption = typer.Option(DEFAULT_MAX_NEW_TOKENS, "--max-new-tokens", help="Most tokens to generate per answer.")
 RepetitionPenaltyOption = typer.Option(DEFAULT_REPETITION_PENALTY, "--repetition-penalty",
@@ -111,12 +118,12 @@ SeedOption = typer.Option(None, "--seed", help="With --temperature: the same see
 StopOption = typer.Option(None, "--stop", help="End the answer where this text appears (repeatable; not shown).")
 
 
-def _settings(model, embedder, device, dtype, chunk_tokens, system_prompt, batch_tokens, kv_dtype):
+def _settings(model, embedder, device, dtype, chunk_tokens, system_prompt, batch_tokens, kv_dtype, span_tokens):
     from ragkv.config import IngestSettings, ModelSettings
 
     return (ModelSettings(model=model, embedder=embedder, device=device, dtype=dtype),
             IngestSettings(chunk_tokens=chunk_tokens, system_prompt=system_prompt, batch_tokens=batch_tokens,
-                           kv_dtype=kv_dtype))
+                           kv_dtype=kv_dtype, span_tokens=span_tokens))
 
 
 @app.command()
@@ -131,6 +138,7 @@ def ingest(
     system_prompt: str = SystemPromptOption,
     batch_tokens: int = BatchTokensOption,
     kv_dtype: str = KvDtypeOption,
+    span_tokens: int = SpanTokensOption,
     prune: bool = typer.Option(False, "--prune", help="Also remove stored documents that are not under PATHS."),
     engine: str = EngineOption,
     workers: int = WorkersOption,
@@ -144,7 +152,7 @@ def ingest(
     from pipelines.progress import default_reporter
 
     model_settings, settings = _settings(model, embedder, device, dtype, chunk_tokens, system_prompt, batch_tokens,
-                                         kv_dtype)
+                                         kv_dtype, span_tokens)
     report = ragkv.ingest(paths, store, model=model_settings, settings=settings,
                           reporter=default_reporter(quiet or json_out), wait=wait, prune=prune, engine=engine,
                           workers=workers)
@@ -181,6 +189,7 @@ def reindex(
     system_prompt: str = SystemPromptOption,
     batch_tokens: int = BatchTokensOption,
     kv_dtype: str = KvDtypeOption,
+    span_tokens: int = SpanTokensOption,
     gc: bool = typer.Option(True, "--gc/--no-gc", help="Reclaim space of retired KV afterwards."),
     check: bool = typer.Option(True, "--verify/--no-verify", help="Verify every entry afterwards."),
     report_file: Optional[Path] = typer.Option(None, "--report", help="Also write the JSON report to this file."),
@@ -198,7 +207,7 @@ def reindex(
     from pipelines.progress import default_reporter
 
     model_settings, settings = _settings(model, embedder, device, dtype, chunk_tokens, system_prompt, batch_tokens,
-                                         kv_dtype)
+                                         kv_dtype, span_tokens)
     report = run_nightly(paths, store, model=model_settings, settings=settings, gc=gc, check=check, wait=wait,
                          reporter=default_reporter(quiet or json_out), engine=engine, workers=workers)
     if report_file:
@@ -286,6 +295,7 @@ def ask(
     max_new_tokens: int = MaxNewTokensOption,
     no_cache: bool = typer.Option(False, "--no-cache", help="Full prefill of the same prompt (to compare with the cached path)."),
     mode: str = ModeOption,
+    context: str = ContextOption,
     blend_ratio: float = BlendRatioOption,
     doc: Optional[str] = typer.Option(None, "--doc", help="Retrieve only from this document id."),
     json_out: bool = JsonOption,
@@ -311,7 +321,7 @@ def ask(
     if not question.strip():
         raise InputError("the question is empty; ask something")
     decoding = _decoding(repetition_penalty, no_repeat_ngram, temperature, top_p, seed, stop)
-    settings = AskSettings(top_k=top_k, max_new_tokens=max_new_tokens, use_cache=not no_cache, mode=mode,
+    settings = AskSettings(top_k=top_k, max_new_tokens=max_new_tokens, use_cache=not no_cache, mode=mode, context=context,
                            blend_ratio=blend_ratio, doc_ids=(doc,) if doc else None, decoding=decoding)
     with ragkv.open(store, model=model, embedder=embedder, device=device, dtype=dtype, kv_dtype=kv_dtype) as engine:
         stream = engine.stream(question, settings)
@@ -357,6 +367,7 @@ def batch(
     top_k: int = typer.Option(1, "--top-k", "-k", help="Chunks per question."),
     max_new_tokens: int = MaxNewTokensOption,
     mode: str = ModeOption,
+    context: str = ContextOption,
     blend_ratio: float = BlendRatioOption,
     max_batch: int = typer.Option(16, "--max-batch", help="Most questions decoded together."),
     device: str = DeviceOption,
@@ -381,7 +392,7 @@ def batch(
     if max_batch < 1:
         raise InputError(f"--max-batch must be at least 1, got {max_batch}")
     decoding = _decoding(repetition_penalty, no_repeat_ngram, temperature, top_p, seed, stop)
-    settings = AskSettings(top_k=top_k, max_new_tokens=max_new_tokens, mode=mode, blend_ratio=blend_ratio,
+    settings = AskSettings(top_k=top_k, max_new_tokens=max_new_tokens, mode=mode, context=context, blend_ratio=blend_ratio,
                            decoding=decoding)
     items, errors = read_questions(questions)
     started = time.perf_counter()
@@ -419,6 +430,7 @@ def chat(
     top_k: int = typer.Option(1, "--top-k", "-k", help="Chunks the first message retrieves (kept for the conversation)."),
     max_new_tokens: int = MaxNewTokensOption,
     mode: str = ModeOption,
+    context: str = ContextOption,
     blend_ratio: float = BlendRatioOption,
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Override the model the store was built with."),
     device: str = DeviceOption,
@@ -437,7 +449,7 @@ def chat(
     import ragkv
 
     decoding = _decoding(repetition_penalty, no_repeat_ngram, temperature, top_p, seed, stop)
-    settings = AskSettings(top_k=top_k, max_new_tokens=max_new_tokens, mode=mode, blend_ratio=blend_ratio,
+    settings = AskSettings(top_k=top_k, max_new_tokens=max_new_tokens, mode=mode, context=context, blend_ratio=blend_ratio,
                            decoding=decoding)
     try:
         import readline  # noqa: F401 - line editing and history for input()

@@ -21,7 +21,7 @@ from typing import Sequence
 import numpy as np
 
 from pipelines.chunk import chunk_text, chunking_id
-from ragkv.forward import compute_chunks, compute_prefix, shard_metadata
+from ragkv.forward import compute_chunks, compute_prefix, shard_metadata, split_segments
 from pipelines.plan import DocumentPlan, content_hash, plan_documents
 from pipelines import ray_engine
 from pipelines.progress import Reporter
@@ -77,6 +77,25 @@ class PendingChunk:
     text: str
     token_ids: tuple[int, ...]
     key: str
+    span_start: int | None = None  # chunk_index of the span this chunk's KV continues (None: alone)
+    segment: tuple[int, ...] = ()  # ids its entry holds: the chunk's, after a separator within a span
+
+    @property
+    def ids(self) -> tuple[int, ...]:
+        return self.segment or self.token_ids
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One sequence computed after the prefix: a chunk alone, or a span of a document's
+    chunks. Its KV is cut into the chunks' entries; only those not stored yet are written."""
+
+    chunks: list[PendingChunk]
+    store: list[bool]  # per chunk: whether its key still needs writing
+
+    @property
+    def ids(self) -> list[int]:
+        return [t for c in self.chunks for t in c.ids]
 
 
 def ingest(paths: Sequence[Path | str], store: Path | str, model: ModelSettings | None = None,
@@ -101,6 +120,8 @@ def ingest(paths: Sequence[Path | str], store: Path | str, model: ModelSettings 
         raise InputError(f"no documents to ingest under {', '.join(map(str, paths))} ({reasons})")
     if engine not in ENGINES:
         raise InputError(f"unknown --engine {engine!r}; use one of {', '.join(ENGINES)}")
+    if engine == "ray" and settings.span_tokens:
+        raise InputError("--span-tokens runs with --engine local only (the Ray job computes chunks one by one)")
     job = RayJob(*ray_engine.connect(workers), model=model) if engine == "ray" else None
     here = "cpu" if job else model.device  # with Ray, this process only plans: the workers compute
     lm = load_model(model.model, here, model.dtype)
@@ -154,7 +175,7 @@ def _write(writer: StoreWriter, documents: list[Document], lm: LoadedModel, embe
     if meta.get("embedder_fingerprint", embedder.fingerprint) != embedder.fingerprint:
         raise ModelError(f"store {writer.root} was built with embedder {meta.get('embedder')}; "
                          f"ingest with --embedder {meta.get('embedder')} or use a new store")
-    chunking = chunking_id(settings.chunk_tokens)
+    chunking = chunking_id(settings.chunk_tokens) + (f";span={settings.span_tokens}" if settings.span_tokens else "")
     plan = plan_documents(documents, catalog.documents(), chunking, prune)
     report.documents = plan.counts()
     new_chunks = _replace_documents(writer, plan, chunking, lm, settings, reporter)
@@ -164,18 +185,27 @@ def _write(writer: StoreWriter, documents: list[Document], lm: LoadedModel, embe
     # KV: every chunk without a link under this profile; compute only keys not stored yet.
     unchanged_ids = [d.doc_id for d in plan.unchanged]
     linked = catalog.linked_chunk_ids(profile.profile_id)
-    candidates = new_chunks + [c for c in catalog.chunks_of(unchanged_ids) if c.chunk_id not in linked]
-    report.kv_reused, report.tokens_skipped = catalog.linked_totals(profile.profile_id, unchanged_ids)
-    pending = [_pending(c, lm.tokenizer, profile) for c in candidates]
+    stored_chunks = catalog.chunks_of(unchanged_ids)
+    unlinked_docs = {c.doc_id for c in stored_chunks if c.chunk_id not in linked}
+    if settings.span_tokens:  # a span's keys chain through its chunks: take whole documents
+        candidates = new_chunks + [c for c in stored_chunks if c.doc_id in unlinked_docs]
+        report.kv_reused, report.tokens_skipped = catalog.linked_totals(
+            profile.profile_id, [d for d in unchanged_ids if d not in unlinked_docs])
+        pending = _pending_spans(candidates, lm.tokenizer, profile, layout.separator_ids, settings.span_tokens)
+    else:
+        candidates = new_chunks + [c for c in stored_chunks if c.chunk_id not in linked]
+        report.kv_reused, report.tokens_skipped = catalog.linked_totals(profile.profile_id, unchanged_ids)
+        pending = [_pending(c, lm.tokenizer, profile) for c in candidates]
     _check_chunks_fit(pending, lm, layout)
     catalog.add_profile(_profile_row(profile, lm, settings.system_prompt))
     work, prefix_key = _todo(catalog, pending, profile, report)
     if job:
-        _run_ray_job(job, writer, new_chunks, work, prefix_key, lm, profile, settings, vectors, reporter, report)
+        chunks = [u.chunks[0] for u in work]  # without spans every unit is one chunk
+        _run_ray_job(job, writer, new_chunks, chunks, prefix_key, lm, profile, settings, vectors, reporter, report)
     else:
         _embed(new_chunks, embedder, vectors, reporter)
         _compute_and_store(writer, work, prefix_key, lm, profile, settings, reporter, report)
-    catalog.link_chunks(profile.profile_id, [(p.chunk_id, p.key, p.token_ids) for p in pending])
+    catalog.link_chunks(profile.profile_id, [(p.chunk_id, p.key, p.token_ids, p.span_start) for p in pending])
     catalog.set_meta({
         "embedder": embedder.name,
         "embedder_fingerprint": embedder.fingerprint,
@@ -223,41 +253,85 @@ def _pending(chunk: ChunkRow, tokenizer, profile: Profile) -> PendingChunk:
     return PendingChunk(chunk.chunk_id, chunk.text, ids, KVKey.for_chunk(profile, ids).to_string())
 
 
+def _pending_spans(chunks: list[ChunkRow], tokenizer, profile: Profile, separator: Sequence[int],
+                   span_tokens: int) -> list[PendingChunk]:
+    """Chunks of each document, in order, cut into spans of at most `span_tokens` tokens (a
+    new span starts where the next chunk would pass it; a longer chunk is a span of its own).
+    A span's first chunk is keyed and computed as if alone; every later one continues it:
+    its entry holds separator + chunk, computed after everything before it in the span."""
+    by_doc: dict[str, list[ChunkRow]] = {}
+    for chunk in chunks:
+        by_doc.setdefault(chunk.doc_id, []).append(chunk)
+    pending: list[PendingChunk] = []
+    for doc_chunks in by_doc.values():
+        start, used, key = 0, 0, None
+        for chunk in sorted(doc_chunks, key=lambda c: c.chunk_index):
+            ids = tuple(encode_text(tokenizer, chunk.text))
+            segment = (*separator, *ids)
+            if key is None or used + len(segment) > span_tokens:
+                start, used, key = chunk.chunk_index, len(ids), KVKey.for_chunk(profile, ids)
+                pending.append(PendingChunk(chunk.chunk_id, chunk.text, ids, key.to_string(), start, ids))
+            else:
+                used, key = used + len(segment), key.then(segment)
+                pending.append(PendingChunk(chunk.chunk_id, chunk.text, ids, key.to_string(), start, segment))
+    return pending
+
+
 def _todo(catalog, pending: list[PendingChunk], profile: Profile, report: IngestReport
-          ) -> tuple[list[PendingChunk], str | None]:
-    """The chunks to compute (one per distinct key not stored yet), and the prefix key if the
-    store lacks the prefix entry."""
+          ) -> tuple[list[Unit], str | None]:
+    """What to compute: a unit per chunk alone, or per span, holding a key not stored yet
+    (each distinct key written once), and the prefix key if the store lacks the prefix entry."""
     prefix_key = KVKey.for_prefix(profile).to_string()
     stored = catalog.existing_keys([prefix_key] + [p.key for p in pending])
-    todo: dict[str, PendingChunk] = {}
+    units: list[Unit] = []
+    for group in _units_of(pending):
+        store = []
+        for p in group:
+            new = p.key not in stored
+            stored.add(p.key)
+            store.append(new)
+            if not new:  # stored already, or identical to another chunk of this run
+                report.kv_reused += 1
+                report.tokens_skipped += len(p.token_ids)
+        if any(store):
+            units.append(Unit(group, store))
+    return units, None if prefix_key in stored else prefix_key
+
+
+def _units_of(pending: list[PendingChunk]) -> list[list[PendingChunk]]:
+    """Chunks alone, and spans (consecutive chunks sharing a span start), in order."""
+    groups: list[list[PendingChunk]] = []
     for p in pending:
-        if p.key in stored or p.key in todo:
-            report.kv_reused += 1  # stored already, or identical to another chunk of this run
-            report.tokens_skipped += len(p.token_ids)
+        continues = groups and p.span_start is not None and p.segment != p.token_ids and \
+            groups[-1][0].span_start == p.span_start
+        if continues:
+            groups[-1].append(p)
         else:
-            todo[p.key] = p
-    return list(todo.values()), None if prefix_key in stored else prefix_key
+            groups.append([p])
+    return groups
 
 
-def _compute_and_store(writer: StoreWriter, work: list[PendingChunk], prefix_key: str | None, lm: LoadedModel,
+def _compute_and_store(writer: StoreWriter, work: list[Unit], prefix_key: str | None, lm: LoadedModel,
                        profile: Profile, settings: IngestSettings, reporter: Reporter, report: IngestReport) -> None:
     catalog = writer.catalog
     shards = writer.shard_writer(settings.shard_bytes, shard_metadata(profile.profile_id, lm.facts.name, profile.dtype))
-    reporter.stage("KV", len(work))
+    reporter.stage("KV", sum(len(u.chunks) for u in work))
     compute_started = time.perf_counter()
     prefix_kv = compute_prefix(lm.model, profile.prefix_ids)
     if prefix_key:
         sealed = shards.add(prefix_key, codec.encode(prefix_kv, profile.kv_quant)) + shards.flush()
         catalog.add_entries(profile.profile_id, sealed, {prefix_key})
     batch_tokens = settings.batch_tokens_for(lm.device)
-    for result in compute_chunks(lm.model, prefix_kv, [p.token_ids for p in work], batch_tokens, lm.pad_id):
-        chunk = work[result.index]
-        sealed = shards.add(chunk.key, codec.encode(result.kv, profile.kv_quant))
-        if sealed:
-            catalog.add_entries(profile.profile_id, sealed)
-        report.kv_computed += 1
-        report.tokens_computed += len(chunk.token_ids)
-        reporter.advance(1, tokens=len(chunk.token_ids))
+    for result in compute_chunks(lm.model, prefix_kv, [u.ids for u in work], batch_tokens, lm.pad_id):
+        unit = work[result.index]
+        for chunk, new, part in zip(unit.chunks, unit.store, split_segments(result.kv, [len(c.ids) for c in unit.chunks])):
+            if new:
+                sealed = shards.add(chunk.key, codec.encode(part, profile.kv_quant))
+                if sealed:
+                    catalog.add_entries(profile.profile_id, sealed)
+                report.kv_computed += 1
+        report.tokens_computed += len(unit.ids)
+        reporter.advance(len(unit.chunks), tokens=len(unit.ids))
     catalog.add_entries(profile.profile_id, shards.flush())
     report.compute_s = time.perf_counter() - compute_started
 

@@ -8,13 +8,14 @@ from pathlib import Path
 
 import faiss
 
-from ragkv.forward import compute_chunks, compute_prefix, shard_metadata
+from ragkv.forward import compute_chunks, compute_prefix, shard_metadata, split_segments
 from ragkv import codec
 from ragkv.config import IngestSettings
 from ragkv.embed import Embedder
 from ragkv.errors import ModelError
 from ragkv.keys import KVKey
 from ragkv.model import load_model
+from ragkv.prompt import PromptLayout
 from store import StoreWriter, open_snapshot, verify
 from store.store import open_writer
 
@@ -74,13 +75,34 @@ def _recompute(writer: StoreWriter, profile_id: str, keys: list[str], device: st
     unused = [k for k in keys if k != prefix_key and k not in chunk_keys]
     catalog.delete_entries(unused)
     report.entries_dropped += len(unused)
-    token_ids = [catalog.token_ids_of(k) for k in chunk_keys]
-    for result in compute_chunks(lm.model, prefix_kv, token_ids, IngestSettings().batch_tokens_for(device), lm.pad_id):
-        sealed += shards.add(chunk_keys[result.index], codec.encode(result.kv, quant))
+    separator = PromptLayout.build(lm.tokenizer, row["system_prompt"]).separator_ids
+    spans = _spans_of(catalog, chunk_keys, separator)
+    sequences = [[t for segment in segments for t in segment] for _, segments in spans]
+    for result in compute_chunks(lm.model, prefix_kv, sequences, IngestSettings().batch_tokens_for(device), lm.pad_id):
+        span_keys, segments = spans[result.index]
+        for key, part in zip(span_keys, split_segments(result.kv, [len(s) for s in segments])):
+            if key in chunk_keys:
+                sealed += shards.add(key, codec.encode(part, quant))
     sealed += shards.flush()
     catalog.delete_entries(e.name for e in sealed)
     catalog.add_entries(profile_id, sealed, {prefix_key})
     report.entries_recomputed += len(sealed)
+
+
+def _spans_of(catalog, keys: list[str], separator) -> list[tuple[list[str], list[tuple[int, ...]]]]:
+    """What to compute to rebuild `keys`: per span (or chunk stored alone) holding any of
+    them, its keys and the segments its KV was computed from, in order (a span's later
+    chunks continue it, separator first, so the whole span is computed again)."""
+    spans, covered = [], set()
+    for key in keys:
+        if key in covered:
+            continue
+        links = catalog.span_links(key)
+        span_keys = [k for k, _ in links]
+        segments = [ids if i == 0 else (*separator, *ids) for i, (_, ids) in enumerate(links)]
+        covered.update(span_keys)
+        spans.append((span_keys, segments))
+    return spans
 
 
 def _reindex_vectors(writer: StoreWriter, device: str, report: RepairReport) -> None:

@@ -75,7 +75,7 @@ def answer_all(engine, questions: list[Question], settings: AskSettings, max_bat
     for question in questions:
         try:
             retrieved = engine.retrieve(question.question, settings.top_k,
-                                        [question.doc] if question.doc else settings.doc_ids)
+                                        [question.doc] if question.doc else settings.doc_ids, settings.context)
         except InputError as exc:
             yield BatchOutcome(question, error=str(exc))
             continue
@@ -96,10 +96,10 @@ def _answer_group(engine, members, settings: AskSettings) -> Iterator[BatchOutco
     layout, tokenizer, model = engine.active.layout, engine.lm.tokenizer, engine.lm.model
     retrieved = members[0][1]
     rows = [row for row, _ in retrieved]
-    chunk_ids = [engine._chunk_token_ids(row) for row in rows]
+    chunk_ids = [engine.chunk_token_ids(row) for row in rows]
     context_ids = [*layout.prefix_ids, *layout.context_ids(chunk_ids)]
     stats = Stats(mode=settings.mode if settings.use_cache else "full", store_generation=engine.snapshot.generation)
-    assembly = engine._assemble(rows, chunk_ids, settings, stats)
+    assembly = engine.assemble(rows, chunk_ids, settings, stats)
     shared_live = context_ids[assembly.num_cached:]
     if shared_live:
         prefill(model, shared_live, assembly.cache)

@@ -23,8 +23,10 @@ DEFAULT_SYSTEM_PROMPT = (
     "Quote the exact steps, names and numbers from the context."
 )
 DEFAULT_STORE = "./kvstore"
+DEFAULT_SPAN_TOKENS = 0  # see IngestSettings.span_tokens
 DTYPES = ("float32", "bfloat16", "float16")
 MODES = ("exact", "concat", "blend")
+CONTEXTS = ("chunk", "span", "document")  # what a retrieved chunk brings into the prompt (see QueryEngine.prepare)
 KV_DTYPES = ("auto", "bfloat16", "float16", "int8")  # see ragkv.codec
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -135,8 +137,12 @@ class IngestSettings(_Settings):
     batch_tokens: int = 0  # padded tokens per forward; 0 picks by device
     shard_bytes: int = 256 << 20  # seal a shard once it holds this many bytes
     kv_dtype: str = "auto"  # how KV is stored: auto (as computed, lossless) or bfloat16/float16/int8 (approximate)
+    span_tokens: int = DEFAULT_SPAN_TOKENS  # a document's chunks computed as one sequence, restarting past this many tokens; 0: each chunk alone
 
     def __post_init__(self):
+        if self.span_tokens and self.span_tokens < self.chunk_tokens:
+            raise InputError(f"--span-tokens must be 0 (each chunk alone) or at least --chunk-tokens "
+                             f"({self.chunk_tokens}), got {self.span_tokens}")
         if self.chunk_tokens < 16:
             raise InputError(f"--chunk-tokens must be at least 16, got {self.chunk_tokens}")
         if self.batch_tokens < 0:
@@ -164,6 +170,7 @@ class AskSettings(_Settings):
     mode: str = "exact"  # how several chunks' KV is used: exact, concat, blend (see ragkv.assemble)
     blend_ratio: float = 0.15  # blend: share of context tokens recomputed
     doc_ids: tuple[str, ...] | None = None  # retrieve only from these documents
+    context: str = "span"  # chunk: the hits only; span: each hit with its span's chunks before it; document: its whole span
     decoding: DecodeSettings = field(default_factory=DecodeSettings)
 
     @classmethod
@@ -178,6 +185,9 @@ class AskSettings(_Settings):
         if self.mode not in MODES:
             raise InputError(f"unknown --mode {self.mode!r}; use exact (equals a full prefill), "
                              "concat or blend (approximate, faster with several chunks)")
+        if self.context not in CONTEXTS:
+            raise InputError(f"unknown --context {self.context!r}; use chunk (the retrieved chunks only), span (each "
+                             "with the chunks of its span before it) or document (each with its whole span)")
         if not 0.0 <= self.blend_ratio <= 1.0:
             raise InputError(f"--blend-ratio must be between 0 and 1, got {self.blend_ratio}")
         if self.top_k < 1:

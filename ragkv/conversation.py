@@ -118,7 +118,7 @@ class Conversation:
         if len(self.turns) > 1:  # the first turn's counts come from assembling its context
             stats.reused_tokens = cached
         stats.computed_tokens = len(live_ids)
-        budget = engine._fit_budget(len(conversation), max_new_tokens, stats)
+        budget = engine.fit_budget(len(conversation), max_new_tokens, stats)
         return TurnPlan(message, self.cache, live_ids, budget, after_prefill, stats, start, conversation)
 
     def end_turn(self, plan: "TurnPlan", done: Generated, cache=None) -> Answer:
@@ -134,7 +134,7 @@ class Conversation:
     def _open_context(self, message: str, stats: Stats):
         """Retrieve for the first message and assemble the context's cache; returns the
         message's ids (the question template around it) and the assembly's after-prefill hook."""
-        prepared = self.engine._prepare(message, self.settings, stats)
+        prepared = self.engine.prepare(message, self.settings, stats)
         self.context_ids = prepared.prompt_ids[: len(prepared.prompt_ids) - len(prepared.question_ids)]
         self.sources = [Source(r.doc_id, r.source, r.chunk_index, r.chunk_id, s) for r, s in prepared.retrieved]
         self.cache = prepared.assembly.cache

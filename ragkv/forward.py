@@ -65,3 +65,13 @@ def compute_chunks(model, prefix_kv: torch.Tensor, chunk_ids: Sequence[Sequence[
         for row, index in enumerate(batch):
             chunk = kv.from_cache(cache, row, num_prefix, num_prefix + len(chunk_ids[index]))
             yield ChunkKV(index, chunk.cpu())
+
+
+def split_segments(kv_tensor: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
+    """Cut a sequence's KV `(L, 2, H, sum(lengths), D)` into consecutive parts of `lengths`
+    tokens (contiguous copies: each is stored on its own)."""
+    parts, start = [], 0
+    for length in lengths:
+        parts.append(kv_tensor[:, :, :, start:start + length].contiguous())
+        start += length
+    return parts

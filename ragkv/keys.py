@@ -104,6 +104,13 @@ class KVKey:
         root = profile.profile_id
         return cls(root, digest(root, "chunk", token_bytes(chunk_ids)))
 
+    def then(self, segment_ids: Sequence[int]) -> "KVKey":
+        """Key of the KV of `segment_ids` computed right after the entry this key names (and
+        all that came before it): a document's next chunk in a span, separator included.
+        The chain covers every token before the segment, so an edit anywhere earlier in the
+        span changes every later key."""
+        return KVKey(self.profile_id, digest(self.profile_id, "then", self.entry_digest, token_bytes(segment_ids)))
+
     def to_string(self) -> str:
         return f"kv{KEY_FORMAT}:{self.profile_id}:{self.entry_digest}"
 

@@ -46,8 +46,10 @@ class ActiveProfile:
 
 
 @dataclass
-class _Prepared:
-    retrieved: list[tuple[ContextRow, float]]
+class Prepared:
+    """A question ready to prefill: what `QueryEngine.prepare` returns."""
+
+    retrieved: list[tuple[ContextRow, float]]  # the prompt's chunks, in prompt order, with their hit's score
     prompt_ids: list[int]  # the whole prompt
     question_ids: list[int]  # its tail: the question with its template
     live_ids: list[int]  # the part to prefill now (after what the assembled cache holds)
@@ -78,6 +80,7 @@ class QueryEngine:
         self.ram: ByteLRU[torch.Tensor] = ByteLRU(ram_bytes)  # hot chunk KV by key, verified when loaded
         self.savings = Savings()  # every answer's prefill accounting, since open
         self._row_cache: dict[int, ContextRow] = {}  # catalog rows of the open generation
+        self._span_cache: dict[tuple[str, int], list[int]] = {}  # (doc, span start) -> its chunk ids
         self._read_buffers: list[torch.Tensor] = []  # stored KV is read into these (reused memory)
 
     # -- setup ----------------------------------------------------------------------------
@@ -139,14 +142,50 @@ class QueryEngine:
         self.snapshot.close()
         self.snapshot = snapshot
         self._row_cache.clear()
+        self._span_cache.clear()
         return True
 
     # -- the query path -------------------------------------------------------------------
-    def retrieve(self, question: str, top_k: int = 1, doc_ids: Sequence[str] | None = None
-                 ) -> list[tuple[ContextRow, float]]:
+    def retrieve(self, question: str, top_k: int = 1, doc_ids: Sequence[str] | None = None,
+                 context: str = "chunk") -> list[tuple[ContextRow, float]]:
         """The `top_k` chunks nearest to `question`, best first, with their cosine scores;
-        only chunks of the documents `doc_ids` when given."""
-        return self._rows(self._search(question, top_k, doc_ids))
+        only chunks of the documents `doc_ids` when given. With `context` "span" or
+        "document", the prompt's chunks around them instead (see `widen`)."""
+        return self.widen(self._rows(self._search(question, top_k, doc_ids)), context)
+
+    def widen(self, hits: list[tuple[ContextRow, float]], context: str,
+              stats: Stats | None = None) -> list[tuple[ContextRow, float]]:
+        """The chunks a prompt holds for `hits`. "chunk": the hits themselves. "span": each hit
+        with the chunks of its span before it (a span: a document's chunks whose KV was
+        computed as one sequence, `ingest --span-tokens`); "document": each hit's whole span.
+        Hits in one span merge into one run of its chunks, in document order, placed at its
+        best hit's rank and carrying its score. A chunk stored on its own is its own span."""
+        if context == "chunk":
+            return hits
+        runs: dict[tuple[str, int], tuple[int, float, list[int]]] = {}  # (doc, start) -> (last index, score, ids)
+        for row, score in hits:
+            if row.span_start is None:
+                runs.setdefault((row.doc_id, row.chunk_index), (row.chunk_index, score, [row.chunk_id]))
+                continue
+            key = (row.doc_id, row.span_start)
+            last, best, _ = runs.get(key, (row.chunk_index, score, []))
+            runs[key] = (max(last, row.chunk_index), max(best, score), self._span_ids(row))
+        widened: list[tuple[ContextRow, float]] = []
+        for (doc_id, start), (last, score, chunk_ids) in runs.items():
+            rows = [r for r, _ in self._rows([Hit(i, score) for i in chunk_ids])]
+            if context == "span":
+                rows = [r for r in rows if r.chunk_index <= last]
+            widened += [(r, score) for r in rows]
+        if stats is not None and len(widened) > len(hits):
+            stats.warnings.append(f"context {context}: {len(hits)} retrieved chunks widened to {len(widened)}")
+        return widened
+
+    def _span_ids(self, row: ContextRow) -> list[int]:
+        key = (row.doc_id, row.span_start)
+        if key not in self._span_cache:
+            self._span_cache[key] = self.snapshot.catalog.span_chunk_ids(
+                self.active.profile.profile_id, row.doc_id, row.span_start)
+        return self._span_cache[key]
 
     def _search(self, question: str, top_k: int, doc_ids: Sequence[str] | None) -> list[Hit]:
         allowed = None
@@ -201,14 +240,14 @@ class QueryEngine:
         """The next-token logits `(V,)` after the prompt, as `ask` would see them (for comparing
         the cached path with a full prefill: exactness tests, fidelity evaluations)."""
         settings = settings or AskSettings.from_dict(options)
-        prepared = self._prepare(question, settings, _new_stats(settings))
+        prepared = self.prepare(question, settings, _new_stats(settings))
         return prefill(self.lm.model, prepared.live_ids, prepared.assembly.cache).float()
 
     def _answer(self, question: str, settings: AskSettings) -> Generator[str, None, Answer]:
         start = time.perf_counter()
         stats = _new_stats(settings, self.snapshot.generation)
-        prepared = self._prepare(question, settings, stats)
-        max_new_tokens = self._fit_budget(len(prepared.prompt_ids), settings.max_new_tokens, stats)
+        prepared = self.prepare(question, settings, stats)
+        max_new_tokens = self.fit_budget(len(prepared.prompt_ids), settings.max_new_tokens, stats)
         done = yield from generate(self.lm.model, self.lm.tokenizer, prepared.assembly.cache, prepared.live_ids,
                                    self.lm.facts.eos_ids, max_new_tokens, start, prepared.assembly.after_prefill,
                                    settings.decoding)
@@ -217,8 +256,10 @@ class QueryEngine:
         sources = [Source(r.doc_id, r.source, r.chunk_index, r.chunk_id, score) for r, score in prepared.retrieved]
         return Answer(question, done.text, done.token_ids, sources, stats, prepared.prompt_ids)
 
-    def _prepare(self, question: str, settings: AskSettings, stats: Stats) -> "_Prepared":
-        """Retrieve, build the prompt ids, and assemble what the store holds of it into a cache."""
+    def prepare(self, question: str, settings: AskSettings, stats: Stats) -> "Prepared":
+        """Retrieve (widened to `settings.context`), build the prompt ids, and assemble what the
+        store holds of the prompt into a cache: the one seam every online path (ask, stream,
+        conversations, the batcher, the service) builds its prompt through. Fills `stats`."""
         start = time.perf_counter()
         layout = self.active.layout
         hits = self._search(question, settings.top_k, settings.doc_ids)
@@ -230,78 +271,110 @@ class QueryEngine:
             raise StoreEmptyError(f"store {self.snapshot.location} returned no chunks for the question")
         if len(retrieved) < settings.top_k:
             stats.warnings.append(f"top_k {settings.top_k} but the store holds {len(retrieved)} chunks")
+        retrieved = self.widen(retrieved, settings.context, stats)
         question_ids = layout.question_ids(self.lm.tokenizer, question)
         retrieved = self._fit_chunks(retrieved, question_ids, stats)
-        chunk_ids = [self._chunk_token_ids(row) for row, _ in retrieved]
+        chunk_ids = [self.chunk_token_ids(row) for row, _ in retrieved]
         prompt_ids = layout.prompt_ids(chunk_ids, question_ids)
         load_start = time.perf_counter()
-        assembly = self._assemble([row for row, _ in retrieved], chunk_ids, settings, stats)
+        assembly = self.assemble([row for row, _ in retrieved], chunk_ids, settings, stats)
         stats.kv_load_ms = _ms(load_start)
         live_ids = prompt_ids[assembly.num_cached:]
         stats.reused_tokens, stats.recomputed_tokens = assembly.reused_tokens, assembly.recomputed_tokens
         stats.prefix_cache_tokens = assembly.prefix_cache_tokens
         stats.computed_tokens = len(live_ids)
-        return _Prepared(retrieved, prompt_ids, question_ids, live_ids, assembly)
+        return Prepared(retrieved, prompt_ids, question_ids, live_ids, assembly)
 
     def _fit_chunks(self, retrieved, question_ids: list[int], stats: Stats):
-        """Drop the lowest-ranked chunks until the prompt leaves room to answer."""
+        """Drop the last chunks (the lowest-ranked hits, or a span's last chunks: cut at chunk
+        boundaries) until the prompt leaves room to answer."""
         room = self.lm.facts.max_context - MIN_ANSWER_TOKENS
         layout = self.active.layout
+        before = len(retrieved)
         while len(retrieved) > 1 and len(layout.prompt_ids(
-                [self._chunk_token_ids(r) for r, _ in retrieved], question_ids)) > room:
+                [self.chunk_token_ids(r) for r, _ in retrieved], question_ids)) > room:
             retrieved = retrieved[:-1]
-            stats.warnings.append(f"top_k cut to {len(retrieved)}: more chunks do not fit the model's context")
+        if len(retrieved) < before:
+            stats.warnings.append(f"context cut from {before} to {len(retrieved)} chunks: more do not fit the model's "
+                                  "context")
         return retrieved
 
-    def _assemble(self, rows: list[ContextRow], chunk_ids: list[tuple[int, ...]], settings: AskSettings,
-                  stats: Stats) -> Assembly:
+    def assemble(self, rows: list[ContextRow], chunk_ids: list[tuple[int, ...]], settings: AskSettings,
+                 stats: Stats) -> Assembly:
+        """The cache a prompt over `rows` (their token ids: `chunk_ids`) starts from, per
+        `settings.mode`: what the store holds of it, loaded and verified (see ragkv.assemble)."""
         model = self.lm.model
         if not settings.use_cache:
             return Assembly(kv.to_cache_empty(model.config))
         stats.kv_quant = self.active.profile.kv_quant
+        runs = stored_runs(rows)
+        if not rows[runs[0][0]].starts_span:
+            stats.warnings.append(f"chunk {rows[0].chunk_index} of {rows[0].doc_id} continues a span: its KV holds the "
+                                  "chunks before it, so it is prefilled live (ask with --context span)")
+            return Assembly(kv.to_cache_empty(model.config))
+        if settings.mode != "exact" and not all(rows[run[0]].starts_span for run in runs):
+            stats.warnings.append(f"--mode {settings.mode} needs every chunk's span from its start; "
+                                  "answered with a full prefill instead (ask with --context span)")
+            stats.mode = "fallback"
+            return Assembly(kv.to_cache_empty(model.config))
+        loaded = runs[:1] if settings.mode == "exact" else runs
         read_start = time.perf_counter()
-        stored = self._load_stored(rows if settings.mode != "exact" else rows[:1], stats)
+        stored = self._load_stored([[rows[i] for i in run] for run in loaded], stats)
         stats.kv_read_ms = _ms(read_start)
         if stored is None:
             return Assembly(kv.to_cache_empty(model.config))
         assemble_start = time.perf_counter()
-        assembly = self._assemble_mode(stored, rows, chunk_ids, settings)
+        assembly = self._assemble_mode(stored, rows, runs, chunk_ids, settings)
         stats.assemble_ms = _ms(assemble_start)
         return assembly
 
-    def _assemble_mode(self, stored: list[torch.Tensor], rows: list[ContextRow], chunk_ids, settings) -> Assembly:
+    def _assemble_mode(self, stored: list[torch.Tensor], rows: list[ContextRow], runs: list[list[int]], chunk_ids,
+                       settings) -> Assembly:
+        """`stored`: the prefix KV, then one KV per loaded run (its chunks' entries joined)."""
         model = self.lm.model
-        prefix, chunks = stored[0], stored[1:]
+        prefix, pieces_kv = stored[0], stored[1:]
         separator = list(self.active.layout.separator_ids)
         if settings.mode == "exact":
-            segments = [separator + list(ids) for ids in chunk_ids[1:]]
-            return assemble.exact(model, stored, segments, self.prefix_cache, rows[0].entry.kv_key)
-        pieces = [chunks[0]]
-        for chunk in chunks[1:]:
-            pieces += [self._separator_kv(), chunk]
+            after = len(runs[0])
+            segments = [separator + list(ids) for ids in chunk_ids[after:]]
+            return assemble.exact(model, stored, segments, self.prefix_cache, rows[after - 1].entry.kv_key)
+        pieces = [pieces_kv[0]]
+        for piece in pieces_kv[1:]:
+            pieces += [self._separator_kv(), piece]
         if settings.mode == "concat":
             return assemble.concat(model, prefix, pieces)
         context_ids = [*self.active.layout.prefix_ids, *self.active.layout.context_ids(chunk_ids)]
         return assemble.blended(model, prefix, pieces, context_ids, settings.blend_ratio)
 
-    def _chunk_token_ids(self, row: ContextRow) -> tuple[int, ...]:
+    def chunk_token_ids(self, row: ContextRow) -> tuple[int, ...]:
+        """The token ids of a chunk in the prompt (stored with its KV, else its text's)."""
         if row.token_ids is not None:
             return row.token_ids
         # No KV for this profile (not computed yet): the text's ids, prefilled live.
         return tuple(encode_text(self.lm.tokenizer, row.text))
 
-    def _load_stored(self, rows: list[ContextRow], stats: Stats) -> list[torch.Tensor] | None:
-        """The prefix KV and each row's chunk KV, `[(L, 2, H, P, D), (L, 2, H, T_i, D)...]`,
-        verified; None (with a warning in `stats`) when any is missing or corrupt."""
+    def _load_stored(self, runs: list[list[ContextRow]], stats: Stats) -> list[torch.Tensor] | None:
+        """The prefix KV and each run's KV (its chunks' entries joined along the tokens),
+        `[(L, 2, H, P, D), (L, 2, H, T_run, D)...]`, every entry's key checked against the
+        tokens before it and its bytes verified; None (with a warning in `stats`) when any
+        is missing or corrupt."""
         profile = self.active.profile
+        separator = self.active.layout.separator_ids
         try:
             loaded = [self._load_prefix()]
-            for index, row in enumerate(rows):
-                if row.entry is None or row.token_ids is None:
-                    raise StoreCorruptError(f"chunk {row.chunk_id} has no stored KV for this model")
-                if KVKey.for_chunk(profile, row.token_ids).to_string() != row.entry.kv_key:
-                    raise StoreCorruptError(f"chunk {row.chunk_id}'s stored KV key does not match its tokens")
-                loaded.append(self._chunk_kv(row.entry, stats, index))
+            slot = 0
+            for run in runs:
+                parts, key = [], None
+                for row in run:
+                    if row.entry is None or row.token_ids is None:
+                        raise StoreCorruptError(f"chunk {row.chunk_id} has no stored KV for this model")
+                    key = KVKey.for_chunk(profile, row.token_ids) if key is None else \
+                        key.then((*separator, *row.token_ids))
+                    if key.to_string() != row.entry.kv_key:
+                        raise StoreCorruptError(f"chunk {row.chunk_id}'s stored KV key does not match its tokens")
+                    parts.append(self._chunk_kv(row.entry, stats, slot))
+                    slot += 1
+                loaded.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=kv.TOKEN_DIM))
             return loaded
         except StoreCorruptError as exc:
             message = f"{exc}; answered with a full prefill instead"
@@ -357,7 +430,8 @@ class QueryEngine:
             self._separator = result.kv.to(self.device)
         return self._separator
 
-    def _fit_budget(self, num_prompt_tokens: int, max_new_tokens: int, stats: Stats) -> int:
+    def fit_budget(self, num_prompt_tokens: int, max_new_tokens: int, stats: Stats) -> int:
+        """How many tokens an answer after `num_prompt_tokens` may have (at most `max_new_tokens`)."""
         room = self.lm.facts.max_context - num_prompt_tokens
         if room < 1:
             raise InputError(
@@ -384,3 +458,19 @@ def _new_stats(settings: AskSettings, generation: int = 0) -> Stats:
 
 def _ms(since: float) -> float:
     return (time.perf_counter() - since) * 1000.0
+
+
+def stored_runs(rows: Sequence[ContextRow]) -> list[list[int]]:
+    """Indices of `rows` grouped into runs whose KV loads as one sequence: a chunk stored on
+    its own or a span's first chunk, then the chunks that continue that span, in order."""
+    runs: list[list[int]] = []
+    for i, row in enumerate(rows):
+        previous = rows[i - 1] if i else None
+        continues = (previous is not None and not row.starts_span and row.span_start is not None
+                     and previous.doc_id == row.doc_id and previous.span_start == row.span_start
+                     and row.chunk_index == previous.chunk_index + 1)
+        if continues:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs

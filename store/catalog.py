@@ -44,6 +44,12 @@ _MIGRATIONS: list[tuple[str, str]] = [
             PRIMARY KEY (chunk_id, profile_id));
         """,
     ),
+    (
+        # A chunk whose KV continues a span of its document: the chunk_index the span starts at
+        # (NULL: the chunk's KV was computed on its own, right after the prefix).
+        "0002_chunk_spans",
+        "ALTER TABLE chunk_kv ADD COLUMN span_start INTEGER;",
+    ),
 ]
 
 
@@ -91,6 +97,12 @@ class ContextRow:
     text: str
     token_ids: tuple[int, ...] | None  # None: no KV computed for this profile
     entry: EntryRow | None
+    span_start: int | None = None  # chunk_index its span starts at; None: its KV stands alone
+
+    @property
+    def starts_span(self) -> bool:
+        """Whether this chunk's KV was computed right after the prefix (loadable on its own)."""
+        return self.span_start is None or self.span_start == self.chunk_index
 
 
 class Catalog:
@@ -278,18 +290,43 @@ class Catalog:
         row = self.con.execute(f"SELECT {_ENTRY_COLUMNS} FROM kv_entries e WHERE kv_key = ?", [kv_key]).fetchone()
         return EntryRow(*row) if row else None
 
-    def link_chunks(self, profile_id: str, links: Sequence[tuple[int, str, Sequence[int]]]) -> None:
-        """Record, for each `(chunk_id, kv_key, token_ids)`, which KV entry holds that chunk
-        under `profile_id`."""
+    def link_chunks(self, profile_id: str, links: Sequence[tuple]) -> None:
+        """Record, for each `(chunk_id, kv_key, token_ids[, span_start])`, which KV entry holds
+        that chunk under `profile_id` (span_start: the chunk_index of the span its KV continues,
+        None when computed on its own)."""
         new_links = pa.table({
-            "chunk_id": pa.array([c for c, _, _ in links], pa.int64()),
+            "chunk_id": pa.array([link[0] for link in links], pa.int64()),
             "profile_id": [profile_id] * len(links),
-            "kv_key": [k for _, k, _ in links],
-            "token_ids": pa.array([list(t) for _, _, t in links], pa.list_(pa.int32())),
+            "kv_key": [link[1] for link in links],
+            "token_ids": pa.array([list(link[2]) for link in links], pa.list_(pa.int32())),
+            "span_start": pa.array([link[3] if len(link) > 3 else None for link in links], pa.int32()),
         })
         self.con.execute("DELETE FROM chunk_kv WHERE profile_id = ? AND chunk_id IN (SELECT chunk_id FROM new_links)",
                          [profile_id])
-        self.con.execute("INSERT INTO chunk_kv SELECT * FROM new_links")
+        self.con.execute("INSERT INTO chunk_kv SELECT chunk_id, profile_id, kv_key, token_ids, span_start FROM new_links")
+
+    def span_chunk_ids(self, profile_id: str, doc_id: str, span_start: int) -> list[int]:
+        """Chunk ids of the span of `doc_id` that starts at chunk_index `span_start`, in order."""
+        rows = self.con.execute(
+            "SELECT c.chunk_id FROM chunks c JOIN chunk_kv k USING (chunk_id) WHERE k.profile_id = ? AND c.doc_id = ? "
+            "AND coalesce(k.span_start, c.chunk_index) = ? AND c.chunk_index >= ? ORDER BY c.chunk_index",
+            [profile_id, doc_id, span_start, span_start]).fetchall()
+        return [r[0] for r in rows]
+
+    def span_links(self, kv_key: str) -> list[tuple[str, tuple[int, ...]]]:
+        """`(kv_key, token_ids)` of every chunk in the span holding `kv_key`, in order (one
+        pair for a chunk whose KV stands alone; empty when no chunk links to the key)."""
+        rows = self.con.execute(
+            """
+            WITH target AS (
+                SELECT k.profile_id, c.doc_id, coalesce(k.span_start, c.chunk_index) AS start, k.span_start
+                FROM chunk_kv k JOIN chunks c USING (chunk_id) WHERE k.kv_key = ? LIMIT 1)
+            SELECT k.kv_key, k.token_ids FROM chunk_kv k JOIN chunks c USING (chunk_id), target t
+            WHERE k.profile_id = t.profile_id AND c.doc_id = t.doc_id
+              AND ((t.span_start IS NULL AND k.kv_key = ?) OR (t.span_start IS NOT NULL AND k.span_start = t.start))
+            ORDER BY c.chunk_index
+            """, [kv_key, kv_key]).fetchall()
+        return [(r[0], tuple(r[1])) for r in rows]
 
     def linked_totals(self, profile_id: str, doc_ids: Sequence[str]) -> tuple[int, int]:
         """(chunks, tokens) of `doc_ids` that already have KV under `profile_id`."""
@@ -383,7 +420,7 @@ class Catalog:
         rows = self.con.execute(
             """
             SELECT c.chunk_id, c.doc_id, d.source, c.chunk_index, c.text, k.token_ids,
-                   e.kv_key, e.shard, e.tensor, e.num_tokens, e.dtype, e.checksum, e.nbytes
+                   e.kv_key, e.shard, e.tensor, e.num_tokens, e.dtype, e.checksum, e.nbytes, k.span_start
             FROM chunks c JOIN documents d USING (doc_id)
             LEFT JOIN chunk_kv k ON k.chunk_id = c.chunk_id AND k.profile_id = ?
             LEFT JOIN kv_entries e ON e.kv_key = k.kv_key
@@ -393,9 +430,9 @@ class Catalog:
         ).fetchall()
         by_id = {}
         for r in rows:
-            entry = EntryRow(*r[6:]) if r[6] is not None else None
+            entry = EntryRow(*r[6:13]) if r[6] is not None else None
             token_ids = tuple(r[5]) if r[5] is not None else None
-            by_id[r[0]] = ContextRow(r[0], r[1], r[2], r[3], r[4], token_ids, entry)
+            by_id[r[0]] = ContextRow(r[0], r[1], r[2], r[3], r[4], token_ids, entry, r[13])
         return [by_id[i] for i in chunk_ids if i in by_id]
 
     def shards(self) -> set[str]:

@@ -112,7 +112,7 @@ def test_too_many_chunks_for_the_context_are_trimmed_and_said(tiny_llama, tmp_pa
     with ragkv.open(tmp_path / "s", device="cpu") as engine:
         answer = engine.ask("Which manual covers valve 7?", top_k=4, max_new_tokens=4)
         full = engine.ask("Which manual covers valve 7?", top_k=4, max_new_tokens=4, use_cache=False)
-    assert len(answer.sources) < 4 and any("top_k cut to" in w for w in answer.stats.warnings)
+    assert len(answer.sources) < 4 and any("context cut from 4 to" in w for w in answer.stats.warnings)
     assert len(answer.prompt_ids) + 16 <= engine.lm.facts.max_context
     assert answer.token_ids == full.token_ids
 

@@ -1,0 +1,173 @@
+"""Document-continuous KV (`ingest --span-tokens`): a document's chunks are computed as one
+sequence, restarting at span boundaries, so a retrieved chunk with the chunks before it
+(`--context span`) loads exactly from the store; an edit recomputes what changed and what
+follows it in its span, nothing else. Real (tiny) models, float32, against full prefills."""
+
+from __future__ import annotations
+
+import pytest
+
+import ragkv
+from ragkv.config import AskSettings, IngestSettings
+from ragkv.errors import InputError
+from ragkv.keys import KVKey, Profile
+from store import open_snapshot
+from tests.conftest import build_store, flip_bit_of_entry, run_cli
+
+PARAGRAPHS = [  # each about one 24-token chunk; spans of 64 tokens hold two or three of them
+    "The incident commander opens a bridge call and names a scribe within five minutes.",
+    "The scribe writes every decision into the incident document with the time it was made.",
+    "Customer support posts a status page update every thirty minutes until recovery.",
+    "After recovery the commander schedules a blameless review within three working days.",
+    "The review lists the timeline, the root cause, and one owner for every follow-up task.",
+    "Follow-up tasks get a due date and are tracked on the reliability board each Monday.",
+    "Severity one incidents also page the director of engineering and the on-call manager.",
+]
+QUESTION = "Who gets paged for a severity one incident?"
+SPAN_TOKENS = 64
+
+
+def write_doc(folder, paragraphs=PARAGRAPHS):
+    folder.mkdir(exist_ok=True)
+    (folder / "incidents.md").write_text("\n\n".join(paragraphs))
+    (folder / "other.md").write_text("Lunch is served in the canteen from noon until two.")
+    return folder
+
+
+@pytest.fixture()
+def span_store(tiny_llama, tmp_path):
+    store = tmp_path / "store"
+    report = build_store(write_doc(tmp_path / "docs"), store, str(tiny_llama), chunk_tokens=24,
+                         span_tokens=SPAN_TOKENS)
+    return store, report
+
+
+def _rows(store):
+    with open_snapshot(store) as snapshot:
+        profile_id = snapshot.catalog.profiles()[0]["profile_id"]
+        ids = sorted(snapshot.catalog.chunk_ids())
+        return sorted(snapshot.catalog.context_rows(profile_id, ids), key=lambda r: (r.doc_id, r.chunk_index))
+
+
+def test_ingest_chains_a_documents_chunks_into_bounded_spans(span_store):
+    store, report = span_store
+    rows = [r for r in _rows(store) if r.doc_id == "incidents.md"]
+    assert len(rows) >= 5
+    starts = sorted({r.span_start for r in rows})
+    assert len(starts) >= 2 and starts[0] == 0  # restarted at least once
+    for start in starts:
+        span = [r for r in rows if r.span_start == start]
+        assert [r.chunk_index for r in span] == list(range(start, start + len(span)))
+        assert sum(r.entry.num_tokens for r in span) <= SPAN_TOKENS
+    # A span's first chunk is keyed as if alone; every later key chains through all before it.
+    continuing = [r for r in rows if not r.starts_span]
+    assert continuing and all(r.entry.num_tokens > len(r.token_ids) for r in continuing)  # separator + chunk
+    assert report.kv_computed == len(rows) + 1  # and the other document's one chunk
+
+
+def _assert_exact(engine, question, settings: AskSettings, max_new_tokens=20):
+    """The answer from the store equals a full prefill of the same prompt; returns it."""
+    cached = engine.ask(question, AskSettings.from_dict({**_plain(settings), "max_new_tokens": max_new_tokens}))
+    full = engine.ask(question, AskSettings.from_dict({**_plain(settings), "max_new_tokens": max_new_tokens,
+                                                       "use_cache": False}))
+    assert cached.prompt_ids == full.prompt_ids
+    assert cached.token_ids == full.token_ids
+    logits = engine.first_token_logits(question, settings)
+    reference = engine.first_token_logits(question, AskSettings.from_dict({**_plain(settings), "use_cache": False}))
+    assert (logits - reference).abs().max().item() < 1e-4
+    return cached
+
+
+def _plain(settings: AskSettings) -> dict:
+    return {"top_k": settings.top_k, "context": settings.context, "mode": settings.mode, "doc_ids": settings.doc_ids}
+
+
+def test_span_context_loads_a_hit_with_the_chunks_before_it_exactly(span_store):
+    store, _ = span_store
+    with ragkv.open(store, device="cpu") as engine:
+        (hit, _), = engine.retrieve(QUESTION, top_k=1, doc_ids=["incidents.md"])
+        assert hit.span_start is not None
+        answer = _assert_exact(engine, QUESTION, AskSettings(context="span", doc_ids=("incidents.md",)))
+        indexes = [s.chunk_index for s in answer.sources]
+        assert indexes == list(range(hit.span_start, hit.chunk_index + 1))
+        question_tokens = len(engine.active.layout.question_ids(engine.lm.tokenizer, QUESTION))
+        assert answer.stats.computed_tokens == question_tokens  # every context token came from the store
+        assert answer.stats.reused_tokens == len(answer.prompt_ids) - question_tokens
+
+
+def test_document_context_takes_the_whole_span_and_neighbouring_hits_merge(span_store):
+    store, _ = span_store
+    with ragkv.open(store, device="cpu") as engine:
+        hits = engine.retrieve(QUESTION, top_k=3, doc_ids=["incidents.md"])
+        answer = _assert_exact(engine, QUESTION, AskSettings(context="document", top_k=3, doc_ids=("incidents.md",)))
+        spans = {h.span_start for h, _ in hits}
+        rows = [r for r in _rows(store) if r.doc_id == "incidents.md" and r.span_start in spans]
+        assert sorted(s.chunk_index for s in answer.sources) == sorted(r.chunk_index for r in rows)
+        assert len({s.chunk_id for s in answer.sources}) == len(answer.sources)  # merged, never twice
+
+
+def test_chunk_context_on_a_span_store_stays_exact_and_says_why_it_prefilled(span_store):
+    store, _ = span_store
+    with ragkv.open(store, device="cpu") as engine:
+        target = [r for r in _rows(store) if r.doc_id == "incidents.md" and not r.starts_span][-1]
+        answer = _assert_exact(engine, target.text, AskSettings(context="chunk", doc_ids=("incidents.md",)))
+        assert [s.chunk_id for s in answer.sources] == [target.chunk_id]  # its own text finds it
+        assert answer.stats.reused_tokens == 0
+        assert any("continues a span" in w for w in answer.stats.warnings)
+
+
+def test_approximate_modes_join_whole_spans(span_store):
+    store, _ = span_store
+    with ragkv.open(store, device="cpu") as engine:
+        exact = engine.ask(QUESTION, top_k=2, max_new_tokens=4)
+        blended = engine.ask(QUESTION, top_k=2, max_new_tokens=4, mode="blend", blend_ratio=1.0)
+        assert blended.stats.mode == "blend" and blended.prompt_ids == exact.prompt_ids
+        assert blended.token_ids == exact.token_ids  # ratio 1.0 recomputes every context token
+
+
+def test_an_edit_recomputes_what_changed_and_what_follows_it_in_its_span(span_store, tiny_llama, tmp_path):
+    store, _ = span_store
+    before = {r.chunk_index: r for r in _rows(store) if r.doc_id == "incidents.md"}
+    edited = list(PARAGRAPHS)
+    edited[1] = edited[1].replace("every decision", "each decision")
+    report = build_store(write_doc(tmp_path / "docs", edited), store, str(tiny_llama), chunk_tokens=24,
+                         span_tokens=SPAN_TOKENS)
+    after = {r.chunk_index: r for r in _rows(store) if r.doc_id == "incidents.md"}
+    assert sorted(after) == sorted(before) and after[1].text != before[1].text  # same chunking, one chunk edited
+    changed = [i for i in after if after[i].entry.kv_key != before[i].entry.kv_key]
+    span_of_edit = after[1].span_start
+    assert changed == [i for i in after if after[i].span_start == span_of_edit and i >= 1]  # the edit and after it
+    assert report.kv_computed == len(changed)
+    with ragkv.open(store, device="cpu") as engine:
+        _assert_exact(engine, QUESTION, AskSettings(context="span", doc_ids=("incidents.md",)))
+
+
+def test_repair_recomputes_a_damaged_entry_inside_a_span(span_store):
+    store, _ = span_store
+    damaged = next(r for r in _rows(store) if r.doc_id == "incidents.md" and not r.starts_span)
+    flip_bit_of_entry(store / "shards" / damaged.entry.shard, damaged.entry.tensor)
+    result = run_cli("verify", "--store", store, "--repair", "--json")
+    assert result.exit_code == 0, result.output
+    with ragkv.open(store, device="cpu") as engine:
+        answer = _assert_exact(engine, damaged.text, AskSettings(context="span", doc_ids=("incidents.md",)))
+        assert answer.stats.mode == "exact"
+
+
+def test_keys_chain_through_every_earlier_chunk():
+    profile = Profile("m", "t", "p", (1, 2), "float32")
+    first = KVKey.for_chunk(profile, [5, 6])
+    assert first.then([9, 7]) != KVKey.for_chunk(profile, [5, 7]).then([9, 7])
+    assert first.then([9, 7]) == KVKey.for_chunk(profile, [5, 6]).then([9, 7])
+    assert first.then([9, 7]).then([8]) != first.then([9, 8]).then([8])
+
+
+def test_bad_span_settings_are_one_line_errors(tmp_path):
+    with pytest.raises(InputError, match="--span-tokens"):
+        IngestSettings(chunk_tokens=512, span_tokens=100)
+    with pytest.raises(InputError, match="--context"):
+        AskSettings(context="paragraph")
+    result = run_cli("ask", "anything", "--store", tmp_path, "--context", "paragraph")
+    assert result.exit_code == 2 and "--context" in result.output
+    docs = write_doc(tmp_path / "docs")
+    result = run_cli("ingest", docs, "--store", tmp_path / "s", "--engine", "ray", "--span-tokens", "1024")
+    assert result.exit_code == 2 and "--engine local" in result.output
