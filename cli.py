@@ -100,11 +100,12 @@ PathsArgument = typer.Argument(..., help="Files or directories: .txt .md .rst .h
 ModeOption = typer.Option("exact", "--mode", help="With several chunks: exact (equals a full prefill; the "
                                                    "first chunk's KV from the store, the rest prefilled), or the "
                                                    "approximate concat (every chunk's stored KV, re-rotated) and "
-                                                   "blend (concat, then the most-deviating tokens recomputed).")
+                                                   "blend (concat, then the most-deviating tokens recomputed) and epic (concat, then "
+                                                   "the first tokens of every chunk after the first recomputed).")
 ContextOption = typer.Option("span", "--context", help="What a retrieved chunk brings into the prompt: chunk (itself), "
                              "span (with the chunks of its span before it: exact from the store when ingested with "
                              "--span-tokens), document (its whole span).")
-BlendRatioOption = typer.Option(0.15, "--blend-ratio", help="blend: share of context tokens recomputed.")
+BlendRatioOption = typer.Option(0.15, "--blend-ratio", help="blend, epic: share of context tokens recomputed (1.0: all, equals exact).")
 MaxNewTokensOption = typer.Option(DEFAULT_MAX_NEW_TOKENS, "--max-new-tokens", help="Most tokens to generate per answer.")
 RepetitionPenaltyOption = typer.Option(DEFAULT_REPETITION_PENALTY, "--repetition-penalty",
                                        help="Penalise tokens the answer already used (1.0: off). The context is "

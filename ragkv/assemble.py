@@ -6,6 +6,9 @@
 - `concat` (approximate, TurboRAG-style): every chunk's stored KV, re-rotated to its place.
 - `blend` (approximate, CacheBlend-style): `concat`, then the most-deviating share of the
   context tokens recomputed.
+- `epic` (approximate, EPIC/LegoLink-style): `concat`, then the first share of every passage
+  after the first recomputed (its separator and first tokens: where it learned its own
+  attention sink). No selection pass.
 
 Every function returns an `Assembly`: a cache holding the KV of the prompt's first
 `num_cached` tokens, and what it cost.
@@ -19,7 +22,7 @@ from typing import Callable, Sequence
 import torch
 
 from ragkv import kv
-from ragkv.blend import blend
+from ragkv.blend import blend, recompute_starts
 from ragkv.prefix_cache import PrefixCache
 from ragkv.rope import check_supported, shift_positions
 
@@ -77,6 +80,24 @@ def blended(model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor], context
     ones). The first chunk sits where it was computed, after the prefix only: its KV is exact."""
     assembly = concat(model, prefix, pieces)
     result = blend(model, assembly.cache, context_ids, kv.num_tokens(prefix) + kv.num_tokens(pieces[0]), ratio)
+    assembly.recomputed_tokens = result.num_recomputed
+    assembly.reused_tokens -= result.num_recomputed
+    return assembly
+
+
+def epic(model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor], context_ids: Sequence[int],
+         ratio: float) -> Assembly:
+    """`concat`, then recompute the first `ratio` of every passage after the first: pieces
+    come as [passage, separator, passage, separator, passage...]; a separator starts the
+    passage after it."""
+    assembly = concat(model, prefix, pieces)
+    starts, lengths, start = [], [], kv.num_tokens(prefix) + kv.num_tokens(pieces[0])
+    for i in range(1, len(pieces), 2):
+        length = kv.num_tokens(pieces[i]) + kv.num_tokens(pieces[i + 1])  # separator + passage
+        starts.append(start)
+        lengths.append(length)
+        start += length
+    result = recompute_starts(model, assembly.cache, context_ids, starts, lengths, ratio)
     assembly.recomputed_tokens = result.num_recomputed
     assembly.reused_tokens -= result.num_recomputed
     return assembly

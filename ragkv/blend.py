@@ -1,4 +1,5 @@
-"""CacheBlend-style selective recompute (approximate): after chunks' stored KV are placed one
+"""Selective recompute (approximate), CacheBlend-style (`blend`) and EPIC-style
+(`recompute_starts`). CacheBlend: after chunks' stored KV are placed one
 after another (`concat`), recompute the KV of the fraction of context tokens that deviate
 most from a full prefill, so that cross-chunk attention is partly restored.
 
@@ -55,6 +56,23 @@ def blend(model, cache, context_ids: Sequence[int], start: int, ratio: float) ->
     chosen = (deviation.topk(count).indices + start).sort().values  # (S,) context positions
     _recompute(model, cache, ids, chosen)
     return BlendResult(count)
+
+
+@torch.inference_mode()
+def recompute_starts(model, cache, context_ids: Sequence[int], starts: Sequence[int], lengths: Sequence[int],
+                     ratio: float) -> BlendResult:
+    """EPIC/LegoLink-style (approximate): recompute, in place, the first `ratio` share of each
+    passage that starts at `starts[i]` and runs `lengths[i]` tokens (at least one token each
+    when ratio > 0). A passage computed on its own learned to treat its own first tokens as the
+    attention sink; recomputed at their real place, attending to everything before them, they
+    stop drawing attention the full prefill would not give them."""
+    if ratio <= 0 or not starts:
+        return BlendResult(0)
+    chosen = [p for start, length in zip(starts, lengths)
+              for p in range(start, start + min(length, max(1, round(ratio * length))))]
+    ids = torch.tensor([list(context_ids)], dtype=torch.long, device=model.device)  # (1, T)
+    _recompute(model, cache, ids, torch.tensor(chosen, dtype=torch.long, device=model.device))
+    return BlendResult(len(chosen))
 
 
 def _recompute(model, cache, ids: torch.Tensor, positions: torch.Tensor) -> None:

@@ -25,7 +25,7 @@ DEFAULT_SYSTEM_PROMPT = (
 DEFAULT_STORE = "./kvstore"
 DEFAULT_SPAN_TOKENS = 0  # see IngestSettings.span_tokens
 DTYPES = ("float32", "bfloat16", "float16")
-MODES = ("exact", "concat", "blend")
+MODES = ("exact", "concat", "blend", "epic")
 CONTEXTS = ("chunk", "span", "document")  # what a retrieved chunk brings into the prompt (see QueryEngine.prepare)
 KV_DTYPES = ("auto", "bfloat16", "float16", "int8")  # see ragkv.codec
 DEVICES = ("auto", "cpu", "cuda")
@@ -168,7 +168,7 @@ class AskSettings(_Settings):
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     use_cache: bool = True  # False: full prefill of the same prompt, for comparison
     mode: str = "exact"  # how several chunks' KV is used: exact, concat, blend (see ragkv.assemble)
-    blend_ratio: float = 0.15  # blend: share of context tokens recomputed
+    blend_ratio: float = 0.15  # blend, epic: share of context tokens recomputed
     doc_ids: tuple[str, ...] | None = None  # retrieve only from these documents
     context: str = "span"  # chunk: the hits only; span: each hit with its span's chunks before it; document: its whole span
     decoding: DecodeSettings = field(default_factory=DecodeSettings)
@@ -184,7 +184,7 @@ class AskSettings(_Settings):
     def __post_init__(self):
         if self.mode not in MODES:
             raise InputError(f"unknown --mode {self.mode!r}; use exact (equals a full prefill), "
-                             "concat or blend (approximate, faster with several chunks)")
+                             "concat, blend or epic (approximate, faster with several chunks)")
         if self.context not in CONTEXTS:
             raise InputError(f"unknown --context {self.context!r}; use chunk (the retrieved chunks only), span (each "
                              "with the chunks of its span before it) or document (each with its whole span)")

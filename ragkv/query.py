@@ -344,6 +344,8 @@ class QueryEngine:
         if settings.mode == "concat":
             return assemble.concat(model, prefix, pieces)
         context_ids = [*self.active.layout.prefix_ids, *self.active.layout.context_ids(chunk_ids)]
+        if settings.mode == "epic":
+            return assemble.epic(model, prefix, pieces, context_ids, settings.blend_ratio)
         return assemble.blended(model, prefix, pieces, context_ids, settings.blend_ratio)
 
     def chunk_token_ids(self, row: ContextRow) -> tuple[int, ...]:

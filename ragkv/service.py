@@ -83,7 +83,8 @@ class RagkvOptions(_Body):
     top_k: int = Field(1, ge=1, le=50)
     repetition_penalty: float = Field(DEFAULT_REPETITION_PENALTY, ge=1.0, le=10.0)
     no_repeat_ngram: int = Field(DEFAULT_NO_REPEAT_NGRAM, ge=0, le=64)
-    mode: Literal["exact", "concat", "blend"] = "exact"
+    mode: Literal["exact", "concat", "blend", "epic"] = "exact"
+    context: Literal["chunk", "span", "document"] = "span"
     no_cache: bool = False
     doc_ids: list[str] | None = Field(None, max_length=100)
 
@@ -276,7 +277,8 @@ def build_app(engine, settings: ServeSettings) -> FastAPI:
         decoding = DecodeSettings(repetition_penalty=body.ragkv.repetition_penalty,
                                   no_repeat_ngram=body.ragkv.no_repeat_ngram, temperature=body.temperature,
                                   top_p=body.top_p, seed=body.seed, stop=stop)
-        ask = AskSettings(top_k=body.ragkv.top_k, mode=body.ragkv.mode, use_cache=not body.ragkv.no_cache,
+        ask = AskSettings(top_k=body.ragkv.top_k, mode=body.ragkv.mode, context=body.ragkv.context,
+                          use_cache=not body.ragkv.no_cache,
                           max_new_tokens=min(requested, settings.max_tokens_cap),
                           doc_ids=tuple(body.ragkv.doc_ids) if body.ragkv.doc_ids is not None else None,
                           decoding=decoding)

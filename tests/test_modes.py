@@ -50,14 +50,15 @@ def test_concat_of_one_chunk_is_exact_and_blend_of_everything_is_a_full_prefill(
         for question in QUESTIONS[:2]:
             assert logit_gap(engine, question, mode="concat") < 1e-4
             assert logit_gap(engine, question, mode="blend", top_k=3, blend_ratio=1.0) < 1e-4
+            assert logit_gap(engine, question, mode="epic", top_k=3, blend_ratio=1.0) < 1e-4
             assert logit_gap(engine, question, mode="concat", top_k=3) > 1e-3  # approximate, for real
 
 
-@pytest.mark.parametrize("mode", ["concat", "blend"])
+@pytest.mark.parametrize("mode", ["concat", "blend", "epic"])
 def test_approximate_modes_answer_and_say_what_they_did(tiny_store, mode):
     engine = ragkv.open(tiny_store, device="cpu")
     answer = engine.ask(QUESTIONS[0], top_k=3, mode=mode, max_new_tokens=6)
-    if mode == "blend":
+    if mode != "concat":
         assert engine.ask(QUESTIONS[0], top_k=1, mode=mode, max_new_tokens=2).stats.recomputed_tokens == 0
     stats = answer.stats
     assert stats.mode == mode and len(answer.sources) == 3
@@ -67,6 +68,11 @@ def test_approximate_modes_answer_and_say_what_they_did(tiny_store, mode):
                                                             [answer.sources[0].chunk_id])[0].token_ids)
     if mode == "blend":  # of the tokens after the first chunk (which is exact already)
         assert stats.recomputed_tokens == round(0.15 * (context - len(engine.active.layout.prefix_ids) - first_chunk))
+    elif mode == "epic":  # the first 15% (at least one token) of each later chunk, its separator included
+        rows = engine.snapshot.catalog.context_rows(engine.active.profile.profile_id,
+                                                    [s.chunk_id for s in answer.sources[1:]])
+        separator = len(engine.active.layout.separator_ids)
+        assert stats.recomputed_tokens == sum(max(1, round(0.15 * (separator + len(r.token_ids)))) for r in rows)
     else:
         assert stats.recomputed_tokens == 0
     engine.close()
