@@ -128,6 +128,10 @@ def ingest(paths: Sequence[Path | str], store: Path | str, model: ModelSettings 
     embedder = Embedder.load(model.embedder, here)
     layout = PromptLayout.build(lm.tokenizer, settings.system_prompt)
     _check_fits(lm, layout, settings.chunk_tokens)
+    if settings.span_tokens > _chunk_room(lm, layout):
+        raise InputError(f"--span-tokens {settings.span_tokens} does not fit the model's context of "
+                         f"{lm.facts.max_context} tokens with the {len(layout.prefix_ids)}-token system prompt; use at "
+                         f"most {_chunk_room(lm, layout)}")
     profile = Profile(lm.facts.fingerprint, lm.facts.tokenizer_fingerprint, layout.template_fingerprint,
                       layout.prefix_ids, model.dtype, codec.kv_quant(settings.kv_dtype, model.dtype))
     report = IngestReport(str(store), model=lm.facts.name, dtype=model.dtype, device=model.device,

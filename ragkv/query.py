@@ -153,8 +153,7 @@ class QueryEngine:
         "document", the prompt's chunks around them instead (see `widen`)."""
         return self.widen(self._rows(self._search(question, top_k, doc_ids)), context)
 
-    def widen(self, hits: list[tuple[ContextRow, float]], context: str,
-              stats: Stats | None = None) -> list[tuple[ContextRow, float]]:
+    def widen(self, hits: list[tuple[ContextRow, float]], context: str) -> list[tuple[ContextRow, float]]:
         """The chunks a prompt holds for `hits`. "chunk": the hits themselves. "span": each hit
         with the chunks of its span before it (a span: a document's chunks whose KV was
         computed as one sequence, `ingest --span-tokens`); "document": each hit's whole span.
@@ -176,8 +175,6 @@ class QueryEngine:
             if context == "span":
                 rows = [r for r in rows if r.chunk_index <= last]
             widened += [(r, score) for r in rows]
-        if stats is not None and len(widened) > len(hits):
-            stats.warnings.append(f"context {context}: {len(hits)} retrieved chunks widened to {len(widened)}")
         return widened
 
     def _span_ids(self, row: ContextRow) -> list[int]:
@@ -271,7 +268,7 @@ class QueryEngine:
             raise StoreEmptyError(f"store {self.snapshot.location} returned no chunks for the question")
         if len(retrieved) < settings.top_k:
             stats.warnings.append(f"top_k {settings.top_k} but the store holds {len(retrieved)} chunks")
-        retrieved = self.widen(retrieved, settings.context, stats)
+        retrieved = self.widen(retrieved, settings.context)
         question_ids = layout.question_ids(self.lm.tokenizer, question)
         retrieved = self._fit_chunks(retrieved, question_ids, stats)
         chunk_ids = [self.chunk_token_ids(row) for row, _ in retrieved]

@@ -161,7 +161,7 @@ def test_keys_chain_through_every_earlier_chunk():
     assert first.then([9, 7]).then([8]) != first.then([9, 8]).then([8])
 
 
-def test_bad_span_settings_are_one_line_errors(tmp_path):
+def test_bad_span_settings_are_one_line_errors(tmp_path, tiny_llama):
     with pytest.raises(InputError, match="--span-tokens"):
         IngestSettings(chunk_tokens=512, span_tokens=100)
     with pytest.raises(InputError, match="--context"):
@@ -171,3 +171,6 @@ def test_bad_span_settings_are_one_line_errors(tmp_path):
     docs = write_doc(tmp_path / "docs")
     result = run_cli("ingest", docs, "--store", tmp_path / "s", "--engine", "ray", "--span-tokens", "1024")
     assert result.exit_code == 2 and "--engine local" in result.output
+    with pytest.raises(InputError, match="--span-tokens 4096 does not fit the model's context of 1024"):
+        build_store(docs, tmp_path / "s", str(tiny_llama), chunk_tokens=24, span_tokens=4096)
+    assert not (tmp_path / "s").exists()  # nothing written
