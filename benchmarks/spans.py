@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.fidelity import python_faq  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
+from benchmarks.passages import cold  # noqa: E402
 
 import ragkv  # noqa: E402
 from ragkv.answer import Stats  # noqa: E402
@@ -44,8 +45,7 @@ KS = (2, 3, 5)
 def first_token_and_answer(engine, rows, question: str, settings: AskSettings, tokens: int):
     """(seconds to the first token's logits, the greedy answer's token ids) for a prompt over
     `rows`, built through the engine's public seam exactly as `ask` builds it."""
-    engine.ram = type(engine.ram)(engine.ram.max_bytes)  # cold: KV read from the store
-    engine.prefix_cache = type(engine.prefix_cache)(engine.prefix_cache.max_bytes)  # and no earlier prefill reused
+    cold(engine)  # KV read from the store, no earlier prefill reused
     layout, lm = engine.active.layout, engine.lm
     start = time.perf_counter()
     chunk_ids = [engine.chunk_token_ids(r) for r in rows]
