@@ -98,14 +98,19 @@ WaitOption = typer.Option(False, "--wait", help="If another process is writing t
 QuietOption = typer.Option(False, "--quiet", "-q", help="No progress bars.")
 PathsArgument = typer.Argument(..., help="Files or directories: .txt .md .rst .html .jsonl.")
 ModeOption = typer.Option("exact", "--mode", help="With several chunks: exact (equals a full prefill; the "
-                                                   "first chunk's KV from the store, the rest prefilled), or the "
-                                                   "approximate concat (every chunk's stored KV, re-rotated) and "
-                                                   "blend (concat, then the most-deviating tokens recomputed) and epic (concat, then "
-                                                   "the first tokens of every chunk after the first recomputed).")
+                          "first chunk's KV, or the hits' spans, from the store, the rest prefilled), or approximate "
+                          "(faster; the mode that measured best: epic). The approximate modes: concat (every chunk's "
+                          "stored KV, re-rotated), blend (concat, then the most-deviating tokens recomputed, chosen "
+                          "layer by layer), epic (concat, then the first tokens of every chunk after the first "
+                          "recomputed), ape (concat, the later chunks' attention scaled down; ask and chat only). "
+                          "benchmarks/results/passages.md measures each.")
 ContextOption = typer.Option("span", "--context", help="What a retrieved chunk brings into the prompt: chunk (itself), "
                              "span (with the chunks of its span before it: exact from the store when ingested with "
                              "--span-tokens), document (its whole span).")
-BlendRatioOption = typer.Option(0.15, "--blend-ratio", help="blend, epic: share of context tokens recomputed (1.0: all, equals exact).")
+BlendRatioOption = typer.Option(None, "--blend-ratio", help="blend, epic: share of context tokens recomputed "
+                                "(default: 15% for blend, 5% for epic; 1.0: all, equals exact).", show_default=False)
+ApeScaleOption = typer.Option(0.7, "--ape-scale", help="ape: multiply the passages' attention weights by this (1.0: "
+                              "none, equals concat).")
 MaxNewTokensOption = typer.Option(DEFAULT_MAX_NEW_TOKENS, "--max-new-tokens", help="Most tokens to generate per answer.")
 RepetitionPenaltyOption = typer.Option(DEFAULT_REPETITION_PENALTY, "--repetition-penalty",
                                        help="Penalise tokens the answer already used (1.0: off). The context is "
@@ -297,7 +302,8 @@ def ask(
     no_cache: bool = typer.Option(False, "--no-cache", help="Full prefill of the same prompt (to compare with the cached path)."),
     mode: str = ModeOption,
     context: str = ContextOption,
-    blend_ratio: float = BlendRatioOption,
+    blend_ratio: Optional[float] = BlendRatioOption,
+    ape_scale: float = ApeScaleOption,
     doc: Optional[str] = typer.Option(None, "--doc", help="Retrieve only from this document id."),
     json_out: bool = JsonOption,
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Override the model the store was built with."),
@@ -323,7 +329,8 @@ def ask(
         raise InputError("the question is empty; ask something")
     decoding = _decoding(repetition_penalty, no_repeat_ngram, temperature, top_p, seed, stop)
     settings = AskSettings(top_k=top_k, max_new_tokens=max_new_tokens, use_cache=not no_cache, mode=mode, context=context,
-                           blend_ratio=blend_ratio, doc_ids=(doc,) if doc else None, decoding=decoding)
+                           blend_ratio=blend_ratio, ape_scale=ape_scale, doc_ids=(doc,) if doc else None,
+                           decoding=decoding)
     with ragkv.open(store, model=model, embedder=embedder, device=device, dtype=dtype, kv_dtype=kv_dtype) as engine:
         stream = engine.stream(question, settings)
         for delta in stream:
@@ -351,7 +358,8 @@ def _print_answer_footer(answer, sources: bool = True) -> None:
     rate = st.generated_tokens / st.decode_s if st.decode_s else 0.0
     recomputed = f"{st.recomputed_tokens} recomputed, " if st.recomputed_tokens else ""
     stored_as = f" (KV stored as {st.kv_quant}: approximate)" if st.kv_quant != "none" else ""
-    err(f"{st.mode}{stored_as}: {st.reused_tokens} tokens reused, {recomputed}{st.computed_tokens} computed, "
+    mode = f"{st.mode} (approximate: may differ from a full prefill)" if st.is_approximate else st.mode
+    err(f"{mode}{stored_as}: {st.reused_tokens} tokens reused, {recomputed}{st.computed_tokens} computed, "
         f"{st.generated_tokens} generated | "
         f"retrieval {st.retrieval_ms:.0f} ms, catalog {st.catalog_ms:.0f} ms, KV load {st.kv_load_ms:.0f} ms, "
         f"prefill {st.prefill_ms:.0f} ms, "
@@ -369,7 +377,7 @@ def batch(
     max_new_tokens: int = MaxNewTokensOption,
     mode: str = ModeOption,
     context: str = ContextOption,
-    blend_ratio: float = BlendRatioOption,
+    blend_ratio: Optional[float] = BlendRatioOption,
     max_batch: int = typer.Option(16, "--max-batch", help="Most questions decoded together."),
     device: str = DeviceOption,
     json_out: bool = JsonOption,
@@ -395,6 +403,7 @@ def batch(
     decoding = _decoding(repetition_penalty, no_repeat_ngram, temperature, top_p, seed, stop)
     settings = AskSettings(top_k=top_k, max_new_tokens=max_new_tokens, mode=mode, context=context, blend_ratio=blend_ratio,
                            decoding=decoding)
+    settings.check_batchable("ragkv batch")
     items, errors = read_questions(questions)
     started = time.perf_counter()
     reporter = default_reporter(quiet or json_out)
@@ -432,7 +441,8 @@ def chat(
     max_new_tokens: int = MaxNewTokensOption,
     mode: str = ModeOption,
     context: str = ContextOption,
-    blend_ratio: float = BlendRatioOption,
+    blend_ratio: Optional[float] = BlendRatioOption,
+    ape_scale: float = ApeScaleOption,
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Override the model the store was built with."),
     device: str = DeviceOption,
     repetition_penalty: float = RepetitionPenaltyOption,
@@ -451,7 +461,7 @@ def chat(
 
     decoding = _decoding(repetition_penalty, no_repeat_ngram, temperature, top_p, seed, stop)
     settings = AskSettings(top_k=top_k, max_new_tokens=max_new_tokens, mode=mode, context=context, blend_ratio=blend_ratio,
-                           decoding=decoding)
+                           ape_scale=ape_scale, decoding=decoding)
     try:
         import readline  # noqa: F401 - line editing and history for input()
     except ImportError:

@@ -28,6 +28,7 @@ import string
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -44,11 +45,36 @@ from ragkv.config import AskSettings, IngestSettings, ModelSettings  # noqa: E40
 
 KS = (1, 3, 5, 10)
 RATIOS = (0.05, 0.15, 0.30, 1.0)
+RECOMPUTING = ("blend", "epic")  # the modes swept over the share recomputed
+APE_POINTS = ((1.0, 0.7),)  # (temperature, scale) measured for ape: the defaults; --ape-grid sweeps more
+APE_GRID = tuple((1.0, s) for s in (0.4, 0.5, 0.6, 0.7, 0.8, 0.9))
 PLAIN = {"repetition_penalty": 1.0, "no_repeat_ngram": 0}  # the full prefill's answer is its argmax path
 
 
-def configurations(ratios=RATIOS) -> list[tuple[str, float]]:
-    return [("exact", 0.0), ("concat", 0.0)] + [(m, r) for m in ("blend", "epic") for r in ratios]
+@dataclass(frozen=True)
+class Config:
+    mode: str
+    ratio: float = 0.0  # share recomputed (RECOMPUTING modes)
+    ape: tuple[float, float] | None = None  # (temperature, scale) for ape
+
+    @property
+    def options(self) -> dict:
+        options = {"mode": self.mode, "blend_ratio": self.ratio}
+        if self.ape:
+            options.update(ape_temperature=self.ape[0], ape_scale=self.ape[1])
+        return options
+
+    @property
+    def label(self) -> str:
+        if self.ape:
+            return f"ape T={self.ape[0]:g} S={self.ape[1]:g}"
+        return self.mode if self.mode not in RECOMPUTING else f"{self.mode} {self.ratio:.0%}"
+
+
+def configurations(ratios=RATIOS, modes=("exact", "concat", *RECOMPUTING, "ape"), ape_points=APE_POINTS) -> list[Config]:
+    configs = [Config(m) for m in ("exact", "concat") if m in modes]
+    configs += [Config(m, r) for m in RECOMPUTING if m in modes for r in ratios]
+    return configs + [Config("ape", ape=point) for point in ape_points if "ape" in modes]
 
 
 def gold_answers(work: Path) -> dict[str, str]:
@@ -95,8 +121,9 @@ def teacher_forced(engine, question: str, settings: AskSettings, answer_ids: lis
     cold(engine)
     prepared = engine.prepare(question, settings, Stats(mode=settings.mode))
     ids = torch.tensor([prepared.live_ids + answer_ids[:-1]], dtype=torch.long)
-    logits = engine.lm.model(input_ids=ids, cache=prepared.assembly.cache, use_cache=True,
-                             logits_to_keep=len(answer_ids)).logits[0].float()  # (A, V)
+    model = prepared.assembly.attending(engine.lm.model)
+    logits = model(input_ids=ids, cache=prepared.assembly.cache, use_cache=True,
+                   logits_to_keep=len(answer_ids)).logits[0].float()  # (A, V)
     agreement = (logits.argmax(-1) == torch.tensor(answer_ids)).float().mean().item()
     return logits[0], agreement
 
@@ -106,11 +133,11 @@ def kl(full: torch.Tensor, approx: torch.Tensor) -> float:
     return float((p.exp() * (p - approx.log_softmax(-1))).sum())
 
 
-def evaluate(engine, questions: list[str], gold: dict[str, str], tokens: int, ks=KS, ratios=RATIOS) -> list[dict]:
+def evaluate(engine, questions: list[str], gold: dict[str, str], tokens: int, ks, configs: list[Config]) -> list[dict]:
     rows = []
     engine.ask(questions[0], max_new_tokens=1)  # warm up
     for k in ks:
-        per = {c: {"agree": [], "kl": [], "f1": [], "ttft": []} for c in configurations(ratios)}
+        per = {c: {"agree": [], "kl": [], "f1": [], "ttft": []} for c in configs}
         full_f1, full_ttft = [], []
         for question in questions:
             cold(engine)
@@ -120,31 +147,27 @@ def evaluate(engine, questions: list[str], gold: dict[str, str], tokens: int, ks
             full_ttft.append(full.stats.ttft_s)
             full_f1.append(f1(full.text, gold[question]))
             full_first, _ = teacher_forced(engine, question, AskSettings(top_k=k, use_cache=False), full.token_ids)
-            for mode, ratio in configurations(ratios):
-                settings = AskSettings.from_dict({"top_k": k, "mode": mode, "blend_ratio": ratio,
-                                                  "max_new_tokens": tokens, **PLAIN})
+            for config in configs:
+                settings = AskSettings.from_dict({"top_k": k, **config.options, "max_new_tokens": tokens, **PLAIN})
                 cold(engine)
                 answer = engine.ask(question, settings)
                 first, agreement = teacher_forced(engine, question, settings, full.token_ids)
-                stats = per[(mode, ratio)]
+                stats = per[config]
                 stats["agree"].append(agreement)
                 stats["kl"].append(kl(full_first, first))
                 stats["f1"].append(f1(answer.text, gold[question]))
                 stats["ttft"].append(answer.stats.ttft_s)
-        for (mode, ratio), stats in per.items():
+        for config, stats in per.items():
             if not stats["agree"]:
                 continue
-            rows.append({"k": k, "mode": mode, "ratio": ratio, "n": len(stats["agree"]),
+            rows.append({"k": k, "mode": config.mode, "ratio": config.ratio, "label": config.label,
+                         "n": len(stats["agree"]),
                          "agree": statistics.mean(stats["agree"]), "kl": statistics.mean(stats["kl"]),
                          "f1": statistics.mean(stats["f1"]), "full_f1": statistics.mean(full_f1),
                          "ttft_ratio": statistics.median(stats["ttft"]) / statistics.median(full_ttft),
                          "full_ttft": statistics.median(full_ttft)})
         print(f"K={k} done", file=sys.stderr, flush=True)
     return rows
-
-
-def label(row: dict) -> str:
-    return row["mode"] if row["mode"] in ("exact", "concat") else f"{row['mode']} {row['ratio']:.0%}"
 
 
 def render(rows: list[dict], chunks: int, args, elapsed: float) -> str:
@@ -157,14 +180,16 @@ def render(rows: list[dict], chunks: int, args, elapsed: float) -> str:
         "teacher-forced top-1 agreement with the full prefill's answer; F1: against the gold answer (the full "
         "prefill's own F1 beside it); TTFT: median over the full prefill's, prefix cache and RAM tier emptied. "
         f"Command: `python benchmarks/passages.py --questions {args.questions} --tokens {args.tokens} --ks {args.ks} "
-        f"--ratios {args.ratios}` ({elapsed / 60:.0f} min).",
+        f"--ratios {args.ratios} --modes {args.modes}{' --ape-grid' if args.ape_grid else ''}` "
+        f"({elapsed / 60:.0f} min).",
         "",
         "| K | mode | recomputed | agreement | first-token KL | F1 | F1 full | F1 gap | TTFT vs full |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        recomputed = "-" if r["mode"] == "exact" else f"{r['ratio']:.0%}"
-        lines.append(f"| {r['k']} | {r['mode']} | {recomputed} | {r['agree']:.1%} | {r['kl']:.2e} | {r['f1']:.3f} | "
+        recomputed = f"{r['ratio']:.0%}" if r["mode"] in RECOMPUTING else ("0%" if r["mode"] != "exact" else "-")
+        name = r["label"] if r["mode"] == "ape" else r["mode"]
+        lines.append(f"| {r['k']} | {name} | {recomputed} | {r['agree']:.1%} | {r['kl']:.2e} | {r['f1']:.3f} | "
                      f"{r['full_f1']:.3f} | {r['f1'] - r['full_f1']:+.3f} | {r['ttft_ratio']:.2f} "
                      f"(full {r['full_ttft']:.2f} s) |")
     return "\n".join(lines) + "\n"
@@ -180,13 +205,15 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(ks), figsize=(4 * len(ks), 3.8), sharey=True, squeeze=False)
     axes = axes[0]
     for axis, k in zip(axes, ks):
-        for mode, marker in (("exact", "s"), ("concat", "x"), ("blend", "o"), ("epic", "^")):
+        markers = (("exact", "s"), ("concat", "x"), ("blend (layer 1)", "o"), ("blend", "v"), ("epic", "^"),
+                   ("ape", "D"))
+        for mode, marker in markers:
             mine = sorted((r for r in rows if r["k"] == k and r["mode"] == mode), key=lambda r: r["ratio"])
             if mine:
                 axis.plot([r["ttft_ratio"] for r in mine], [r["agree"] for r in mine], marker=marker,
                           linestyle="-" if len(mine) > 1 else "", label=mode)
                 for r in mine:
-                    if r["mode"] in ("blend", "epic"):
+                    if len(mine) > 1:
                         axis.annotate(f"{r['ratio']:.0%}", (r["ttft_ratio"], r["agree"]), fontsize=6)
         axis.set(title=f"K = {k}", xlabel="TTFT / full prefill (lower is faster)")
         axis.axhline(0.9, color="grey", linewidth=0.5, linestyle=":")
@@ -202,6 +229,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--ks", default=",".join(map(str, KS)), help="passages per question to measure")
     parser.add_argument("--ratios", default=",".join(map(str, RATIOS)), help="shares recomputed by blend and epic")
+    parser.add_argument("--modes", default="exact,concat,blend,epic,ape", help="modes to measure")
+    parser.add_argument("--ape-grid", action="store_true", help="measure ape over a grid of temperatures and scales")
     parser.add_argument("--work", type=Path, default=None, help="reuse downloads and the store across runs")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "passages.md")
     args = parser.parse_args()
@@ -219,8 +248,9 @@ def main() -> None:
                  settings=IngestSettings(chunk_tokens=256))
     with ragkv.open(store, device="cpu") as engine:
         chunks = engine.snapshot.catalog.counts()["chunks"]
-        rows = evaluate(engine, questions, gold, args.tokens, [int(k) for k in args.ks.split(",")],
-                        [float(r) for r in args.ratios.split(",")])
+        configs = configurations([float(r) for r in args.ratios.split(",")], args.modes.split(","),
+                                 APE_GRID if args.ape_grid else APE_POINTS)
+        rows = evaluate(engine, questions, gold, args.tokens, [int(k) for k in args.ks.split(",")], configs)
     args.out.write_text(render(rows, chunks, args, time.perf_counter() - started))
     plot(rows, args.out.with_suffix(".png"))
     print(args.out.read_text())

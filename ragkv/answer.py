@@ -18,8 +18,9 @@ class Source:
 
 @dataclass
 class Stats:
-    # "exact" | "concat" | "blend": how stored KV was used; "full": --no-cache; "fallback": a
-    # store miss answered with a full prefill
+    # how stored KV was used: "exact", or an approximate mode (concat, blend,
+    # epic, ape: see `is_approximate`); "full": --no-cache; "fallback": a store miss answered
+    # with a full prefill
     mode: str
     reused_tokens: int = 0  # prompt tokens whose KV came from the store (or the prefix cache)
     computed_tokens: int = 0  # prompt tokens prefilled now
@@ -42,6 +43,12 @@ class Stats:
     batch_size: int = 1  # questions prefilled and decoded together with this one (same context)
     store_generation: int = 0
     warnings: list[str] = field(default_factory=list)
+
+    @property
+    def is_approximate(self) -> bool:
+        """Whether the answer may differ from a full prefill's by the mode's design (not only
+        by float rounding): every mode but exact, full and fallback."""
+        return self.mode not in ("exact", "full", "fallback")
 
     @property
     def prompt_tokens(self) -> int:
@@ -69,6 +76,7 @@ class Answer:
     def to_dict(self) -> dict:
         stats = asdict(self.stats)
         stats["prompt_tokens"] = self.stats.prompt_tokens
+        stats["approximate"] = self.stats.is_approximate
         return {
             "question": self.question,
             "answer": self.text,

@@ -1,14 +1,16 @@
-"""Build the cache a prompt starts from, in one of three modes (how several chunks' KV is used):
+"""Build the cache a prompt starts from, in one of these modes (how several chunks' KV is used):
 
 - `exact`: the first chunk's KV comes from the store; the other chunks are prefilled live on
   top of it (or taken from the in-process prefix cache, which holds exactly that computation
   from an earlier request). Equals a full prefill.
 - `concat` (approximate, TurboRAG-style): every chunk's stored KV, re-rotated to its place.
 - `blend` (approximate, CacheBlend-style): `concat`, then the most-deviating share of the
-  context tokens recomputed.
+  context tokens recomputed, the selection narrowing layer by layer.
 - `epic` (approximate, EPIC/LegoLink-style): `concat`, then the first share of every passage
   after the first recomputed (its separator and first tokens: where it learned its own
   attention sink). No selection pass.
+- `ape` (approximate, APE-style): `concat`, recomputing nothing; the question and answer attend
+  to the passages with APE's temperature and scaling (`ragkv.ape`).
 
 Every function returns an `Assembly`: a cache holding the KV of the prompt's first
 `num_cached` tokens, and what it cost.
@@ -22,6 +24,7 @@ from typing import Callable, Sequence
 import torch
 
 from ragkv import kv
+from ragkv.ape import Scaled, Scaling
 from ragkv.blend import blend, recompute_starts
 from ragkv.prefix_cache import PrefixCache
 from ragkv.rope import check_supported, shift_positions
@@ -34,6 +37,11 @@ class Assembly:
     recomputed_tokens: int = 0  # context tokens whose approximate KV was recomputed (blend)
     prefix_cache_tokens: int = 0  # of the reused, those that came from the in-process prefix cache
     after_prefill: Callable[[object], None] | None = field(default=None, repr=False)
+    attention: Scaling | None = None  # ape: how the tokens after the cache attend to it
+
+    def attending(self, model):
+        """`model`, or the model wrapped to attend as this assembly needs (`ape`)."""
+        return model if self.attention is None else Scaled(model, self.attention)
 
     @property
     def num_cached(self) -> int:
@@ -77,7 +85,8 @@ def concat(model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor]) -> Assem
 def blended(model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor], context_ids: Sequence[int],
             ratio: float) -> Assembly:
     """`concat`, then recompute `ratio` of the tokens after the first chunk (the most deviating
-    ones). The first chunk sits where it was computed, after the prefix only: its KV is exact."""
+    ones, layer by layer). The first chunk sits where it was computed, after the prefix only:
+    its KV is exact."""
     assembly = concat(model, prefix, pieces)
     result = blend(model, assembly.cache, context_ids, kv.num_tokens(prefix) + kv.num_tokens(pieces[0]), ratio)
     assembly.recomputed_tokens = result.num_recomputed
@@ -100,4 +109,15 @@ def epic(model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor], context_id
     result = recompute_starts(model, assembly.cache, context_ids, starts, lengths, ratio)
     assembly.recomputed_tokens = result.num_recomputed
     assembly.reused_tokens -= result.num_recomputed
+    return assembly
+
+
+def ape(model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor], temperature: float, scale: float) -> Assembly:
+    """`concat`; what attends to the passages after the first does so with APE's scaling. The
+    first passage sits where it was computed, right after the prefix, as in a full prefill: it
+    is not scaled (with one passage, `ape` is exact)."""
+    assembly = concat(model, prefix, pieces)
+    first_stop = kv.num_tokens(prefix) + kv.num_tokens(pieces[0])
+    if first_stop < assembly.num_cached:
+        assembly.attention = Scaling(first_stop, assembly.num_cached, temperature, scale)
     return assembly

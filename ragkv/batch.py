@@ -71,6 +71,7 @@ def read_questions(path: Path) -> tuple[list[Question], list[BatchOutcome]]:
 def answer_all(engine, questions: list[Question], settings: AskSettings, max_batch: int = 16,
                on_done=None) -> Iterator[BatchOutcome]:
     """Yield an outcome for every question (in groups, not in input order)."""
+    settings.check_batchable("ragkv batch")
     groups: dict[tuple[int, ...], list[tuple[Question, list]]] = {}
     for question in questions:
         try:

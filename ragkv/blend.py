@@ -1,18 +1,22 @@
 """Selective recompute (approximate), CacheBlend-style (`blend`) and EPIC-style
-(`recompute_starts`). CacheBlend: after chunks' stored KV are placed one
-after another (`concat`), recompute the KV of the fraction of context tokens that deviate
-most from a full prefill, so that cross-chunk attention is partly restored.
+(`recompute_starts`). CacheBlend: after chunks' stored KV are placed one after another
+(`concat`), recompute the KV of the share of context tokens that deviate most from a full
+prefill, so that cross-chunk attention is partly restored.
 
-Selection follows CacheBlend: the first layers are cheap to compute exactly for every token
-(2 of L layers); the tokens whose layer-1 values differ most from the concatenated cache are
-the ones whose KV the missing cross-attention changed most. Those tokens then run through
-the whole model at their own positions, attending to the (mixed) cache, and their fresh KV
-replaces the stale one in every layer. With ratio 1.0 this is a full recompute of the context.
+Selection follows CacheBlend's gradual filtering. The first layers are cheap to compute exactly
+for every token (2 of L layers): the tokens whose layer-1 values differ most from the
+concatenated cache start the selection, twice the share. Then one layer at a time, the
+selected tokens run at their own positions, attending to the (mixed) cache, and their fresh KV
+replaces the stale one; after each layer the tokens whose values moved most stay selected,
+narrowing linearly to the share at the last layer. So the selection follows the deviation
+where it grows (deeper layers), not only where it starts. Measured against selecting once at
+layer 1 and recomputing those tokens through every layer, at equal time to first token it
+agreed more with a full prefill, with lower first-token KL (benchmarks/results/passages.md).
+With ratio 1.0 every layer recomputes every token: a full recompute of the context.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -28,34 +32,74 @@ class BlendResult:
     num_recomputed: int
 
 
-@contextmanager
-def _first_layers(model, num_layers: int):
-    """Run `model` with only its first `num_layers` decoder layers (then restore them)."""
-    layers = model.model.layers
-    model.model.layers = layers[:num_layers]
-    try:
-        yield
-    finally:
-        model.model.layers = layers
+def _first_layers_exact(model, ids: torch.Tensor):
+    """Run the first SELECTION_LAYERS decoder layers over all of `ids` (1, T), causally from
+    position 0: (a new cache holding those layers' exact KV, their output (1, T, hidden))."""
+    inner, cache = model.model, kv.to_cache_empty(model.config)
+    total = ids.shape[1]
+    position_ids = torch.arange(total, device=ids.device)[None]  # (1, T)
+    causal = torch.ones(total, total, dtype=torch.bool, device=ids.device).tril()[None, None]  # (1, 1, T, T)
+    hidden = inner.embed_tokens(ids)
+    rotation = inner.rotary_emb(hidden, position_ids=position_ids)
+    for layer in inner.layers[:SELECTION_LAYERS]:
+        hidden = layer(hidden, attention_mask=causal, position_ids=position_ids, position_embeddings=rotation,
+                       cache=cache, use_cache=True)
+    return cache, hidden
+
+
+def _share(ratio: float, available: int) -> int:
+    """How many of `available` tokens `ratio` recomputes: at least one when ratio > 0."""
+    return min(available, max(1, round(ratio * available))) if ratio > 0 and available > 0 else 0
 
 
 @torch.inference_mode()
 def blend(model, cache, context_ids: Sequence[int], start: int, ratio: float) -> BlendResult:
     """Recompute, in place, the KV of the `ratio` share of `context_ids[start:]` that deviates
-    most. `cache` holds approximate KV for all of `context_ids` (batch 1)."""
+    most, narrowing layer by layer (module docstring). `cache` holds approximate KV for all of
+    `context_ids` (batch 1). `num_recomputed`: the mean number of tokens recomputed per layer
+    past the selection layers (about 1.5x the share's)."""
     total = len(context_ids)
-    count = min(total - start, max(1, round(ratio * (total - start)))) if ratio > 0 and total > start else 0
+    count = _share(ratio, total - start)
     if count == 0:
         return BlendResult(0)
     ids = torch.tensor([list(context_ids)], dtype=torch.long, device=model.device)  # (1, T)
-    exact = kv.to_cache_empty(model.config)
-    with _first_layers(model, SELECTION_LAYERS):
-        model.model(input_ids=ids, cache=exact, use_cache=True)
+    exact, hidden = _first_layers_exact(model, ids)
     kv.overwrite_layers(cache, exact, SELECTION_LAYERS)
+    counts = _narrowing(count, total - start, model.config.num_hidden_layers - SELECTION_LAYERS)
+    if not counts:  # a model of only selection layers: every layer is exact already
+        return BlendResult(total - start)
     deviation = kv.layer_deviation(cache, exact, SELECTION_LAYERS - 1, start)  # (T - start,)
-    chosen = (deviation.topk(count).indices + start).sort().values  # (S,) context positions
-    _recompute(model, cache, ids, chosen)
-    return BlendResult(count)
+    chosen = (deviation.topk(counts[0]).indices + start).sort().values  # (S0,) context positions
+    _recompute_narrowing(model, cache, total, chosen, hidden[:, chosen], counts)
+    return BlendResult(round(sum(counts) / len(counts)))
+
+
+def _narrowing(count: int, available: int, num_layers: int) -> list[int]:
+    """Tokens recomputed at each of `num_layers` layers: from twice `count` (at most
+    `available`) down to `count` at the last, linearly. `count == available` keeps all."""
+    first = min(available, 2 * count)
+    if num_layers <= 1:
+        return [count] * num_layers
+    return [round(first + (count - first) * layer / (num_layers - 1)) for layer in range(num_layers)]
+
+
+def _recompute_narrowing(model, cache, total: int, positions: torch.Tensor, hidden: torch.Tensor,
+                         counts: Sequence[int]) -> None:
+    """Run layers SELECTION_LAYERS.. one at a time over the tokens at `positions`, starting
+    from their exact input `hidden` (1, S, hidden); after each layer keep those whose fresh
+    values moved most from the stale ones, `counts[i]` at layer i (past the selection layers)."""
+    inner = model.model
+    for offset, layer in enumerate(inner.layers[SELECTION_LAYERS:]):
+        position_ids = positions[None]  # (1, S)
+        hidden = layer(hidden, attention_mask=_recompute_mask(positions, total), position_ids=position_ids,
+                       position_embeddings=inner.rotary_emb(hidden, position_ids=position_ids), cache=cache,
+                       use_cache=True)
+        values = cache.layers[SELECTION_LAYERS + offset].values[0]  # (H, T + S, D)
+        moved = (values[:, total:].float() - values[:, positions].float()).norm(dim=(0, 2))  # (S,)
+        kv.move_appended_layer(cache.layers[SELECTION_LAYERS + offset], total, positions)
+        if offset + 1 < len(counts) and counts[offset + 1] < positions.numel():
+            keep = moved.topk(counts[offset + 1]).indices.sort().values
+            positions, hidden = positions[keep], hidden[:, keep]
 
 
 @torch.inference_mode()
@@ -79,12 +123,17 @@ def _recompute(model, cache, ids: torch.Tensor, positions: torch.Tensor) -> None
     """Run the tokens at `positions` through the model at those positions, attending to the
     cache (less their own stale slots) and to each other causally; keep their fresh KV."""
     total = ids.shape[1]
-    selected = torch.zeros(total, dtype=torch.bool, device=ids.device)
+    model(input_ids=ids[:, positions], position_ids=positions[None], attention_mask=_recompute_mask(positions, total),
+          cache=cache, use_cache=True, logits_to_keep=1)
+    kv.move_appended(cache, total, positions)
+
+
+def _recompute_mask(positions: torch.Tensor, total: int) -> torch.Tensor:
+    """(1, 1, S, T + S), True = attend: the tokens at `positions`, appended after a cache of
+    `total`, see the cache's older slots less their own stale ones, and each other causally."""
+    selected = torch.zeros(total, dtype=torch.bool, device=positions.device)
     selected[positions] = True
-    slots = torch.arange(total, device=ids.device)
+    slots = torch.arange(total, device=positions.device)
     stale_ok = (slots[None, :] <= positions[:, None]) & ~selected[None, :]  # (S, T): older, not being replaced
     fresh_ok = positions[None, :] <= positions[:, None]  # (S, S): causal among the recomputed
-    mask = torch.cat([stale_ok, fresh_ok], dim=1)[None, None]  # (1, 1, S, T + S), True = attend
-    model(input_ids=ids[:, positions], position_ids=positions[None], attention_mask=mask, cache=cache,
-          use_cache=True, logits_to_keep=1)
-    kv.move_appended(cache, total, positions)
+    return torch.cat([stale_ok, fresh_ok], dim=1)[None, None]

@@ -25,7 +25,13 @@ DEFAULT_SYSTEM_PROMPT = (
 DEFAULT_STORE = "./kvstore"
 DEFAULT_SPAN_TOKENS = 0  # see IngestSettings.span_tokens
 DTYPES = ("float32", "bfloat16", "float16")
-MODES = ("exact", "concat", "blend", "epic")
+MODES = ("exact", "concat", "blend", "epic", "ape")
+SINGLE_ONLY_MODES = ("ape",)  # attend differently per request: ask and stream only, not batched
+# `--mode approximate` names the approximate mode that measured best: on the Python FAQ set at
+# 5 passages, epic recomputing 5% kept 91% teacher-forced agreement and F1 within 0.01 of a full
+# prefill at 0.15 of its time to first token (benchmarks/results/passages.md).
+APPROXIMATE = "epic"
+DEFAULT_BLEND_RATIOS = {"blend": 0.15, "epic": 0.05}  # share recomputed when --blend-ratio is not given
 CONTEXTS = ("chunk", "span", "document")  # what a retrieved chunk brings into the prompt (see QueryEngine.prepare)
 KV_DTYPES = ("auto", "bfloat16", "float16", "int8")  # see ragkv.codec
 DEVICES = ("auto", "cpu", "cuda")
@@ -167,8 +173,11 @@ class AskSettings(_Settings):
     top_k: int = 1
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     use_cache: bool = True  # False: full prefill of the same prompt, for comparison
-    mode: str = "exact"  # how several chunks' KV is used: exact, concat, blend (see ragkv.assemble)
-    blend_ratio: float = 0.15  # blend, epic: share of context tokens recomputed
+    mode: str = "exact"  # how several chunks' KV is used: exact, or approximate: concat, blend, epic, ape (see
+    # ragkv.assemble); "approximate" is taken as APPROXIMATE
+    blend_ratio: float | None = None  # blend, epic: share of context tokens recomputed (None: DEFAULT_BLEND_RATIOS)
+    ape_temperature: float = 1.0  # ape: the passages' attention logits are divided by it (1: none)
+    ape_scale: float = 0.7  # ape: the passages' attention weights are multiplied by it (1: none)
     doc_ids: tuple[str, ...] | None = None  # retrieve only from these documents
     context: str = "span"  # chunk: the hits only; span: each hit with its span's chunks before it; document: its whole span
     decoding: DecodeSettings = field(default_factory=DecodeSettings)
@@ -181,10 +190,23 @@ class AskSettings(_Settings):
             values["decoding"] = DecodeSettings(**decoding)
         return super().from_dict(values)
 
+    def check_batchable(self, where: str) -> None:
+        """Raise InputError if `where` (rows decoded together) cannot run this mode."""
+        if self.use_cache and self.mode in SINGLE_ONLY_MODES:
+            raise InputError(f"--mode {self.mode} attends differently per request, which {where} does not do; "
+                             "use ragkv ask or chat (or another --mode)")
+
     def __post_init__(self):
+        if self.mode == "approximate":
+            object.__setattr__(self, "mode", APPROXIMATE)
         if self.mode not in MODES:
-            raise InputError(f"unknown --mode {self.mode!r}; use exact (equals a full prefill), "
-                             "concat, blend or epic (approximate, faster with several chunks)")
+            raise InputError(f"unknown --mode {self.mode!r}; use exact (equals a full prefill), or approximate "
+                             "(faster with several chunks; the best measured: epic), concat, blend, epic or ape")
+        if self.blend_ratio is None:
+            object.__setattr__(self, "blend_ratio", DEFAULT_BLEND_RATIOS.get(self.mode, 0.0))
+        if not (0.0 < self.ape_temperature <= 4.0 and 0.0 < self.ape_scale <= 4.0):
+            raise InputError("--ape-temperature and --ape-scale must be above 0 and at most 4, got "
+                             f"{self.ape_temperature} and {self.ape_scale}")
         if self.context not in CONTEXTS:
             raise InputError(f"unknown --context {self.context!r}; use chunk (the retrieved chunks only), span (each "
                              "with the chunks of its span before it) or document (each with its whole span)")

@@ -14,6 +14,7 @@ from typing import Callable, Generator
 
 from ragkv import kv
 from ragkv.answer import Answer, AnswerStream, Source, Stats
+from ragkv.ape import Scaled, Scaling
 from ragkv.config import AskSettings, DecodeSettings
 from ragkv.errors import InputError
 from ragkv.generate import Generated, generate
@@ -51,6 +52,7 @@ class Conversation:
         self.context_ids: list[int] = []  # prefix + retrieved chunks
         self.sources: list[Source] = []
         self.cache = None  # holds the KV of ids()[:cached length]
+        self.attention: Scaling | None = None  # ape: how the turns attend to the context
         self._stored_context: int = 0  # leading context tokens whose KV came from the store
 
     def ids(self) -> list[int]:
@@ -92,7 +94,8 @@ class Conversation:
     def _turn(self, message: str, max_new_tokens: int, decoding: DecodeSettings) -> Generator[str, None, Answer]:
         plan = self.begin_turn(message, max_new_tokens)
         engine = self.engine
-        done = yield from generate(engine.lm.model, engine.lm.tokenizer, plan.cache, plan.live_ids,
+        model = engine.lm.model if self.attention is None else Scaled(engine.lm.model, self.attention)
+        done = yield from generate(model, engine.lm.tokenizer, plan.cache, plan.live_ids,
                                    engine.lm.facts.eos_ids, plan.budget, plan.start, plan.after_prefill, decoding)
         return self.end_turn(plan, done)
 
@@ -138,6 +141,7 @@ class Conversation:
         self.context_ids = prepared.prompt_ids[: len(prepared.prompt_ids) - len(prepared.question_ids)]
         self.sources = [Source(r.doc_id, r.source, r.chunk_index, r.chunk_id, s) for r, s in prepared.retrieved]
         self.cache = prepared.assembly.cache
+        self.attention = prepared.assembly.attention
         self._stored_context = prepared.assembly.num_cached
         return prepared.question_ids, prepared.assembly.after_prefill
 

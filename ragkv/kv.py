@@ -116,9 +116,14 @@ def move_appended(cache, num_kept: int, positions: torch.Tensor) -> None:
     """The tokens appended after the first `num_kept` are fresh versions of the tokens at
     `positions` (sorted, all < num_kept): write them there, then drop the appended copies."""
     for layer in cache.layers:
-        layer.keys[:, :, positions] = layer.keys[:, :, num_kept:]
-        layer.values[:, :, positions] = layer.values[:, :, num_kept:]
-    crop(cache, num_kept)
+        move_appended_layer(layer, num_kept, positions)
+
+
+def move_appended_layer(layer, num_kept: int, positions: torch.Tensor) -> None:
+    """`move_appended` for one layer of a cache."""
+    layer.keys[:, :, positions] = layer.keys[:, :, num_kept:]
+    layer.values[:, :, positions] = layer.values[:, :, num_kept:]
+    layer.crop(num_kept - layer.keys.shape[2])  # transformers 5: negative = remove that many
 
 
 def layer_deviation(cache, exact: DynamicCache, layer: int, start: int) -> torch.Tensor:

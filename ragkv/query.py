@@ -238,14 +238,15 @@ class QueryEngine:
         the cached path with a full prefill: exactness tests, fidelity evaluations)."""
         settings = settings or AskSettings.from_dict(options)
         prepared = self.prepare(question, settings, _new_stats(settings))
-        return prefill(self.lm.model, prepared.live_ids, prepared.assembly.cache).float()
+        return prefill(prepared.assembly.attending(self.lm.model), prepared.live_ids, prepared.assembly.cache).float()
 
     def _answer(self, question: str, settings: AskSettings) -> Generator[str, None, Answer]:
         start = time.perf_counter()
         stats = _new_stats(settings, self.snapshot.generation)
         prepared = self.prepare(question, settings, stats)
         max_new_tokens = self.fit_budget(len(prepared.prompt_ids), settings.max_new_tokens, stats)
-        done = yield from generate(self.lm.model, self.lm.tokenizer, prepared.assembly.cache, prepared.live_ids,
+        done = yield from generate(prepared.assembly.attending(self.lm.model), self.lm.tokenizer,
+                                   prepared.assembly.cache, prepared.live_ids,
                                    self.lm.facts.eos_ids, max_new_tokens, start, prepared.assembly.after_prefill,
                                    settings.decoding)
         stats.record(done, start)
@@ -343,6 +344,8 @@ class QueryEngine:
         context_ids = [*self.active.layout.prefix_ids, *self.active.layout.context_ids(chunk_ids)]
         if settings.mode == "epic":
             return assemble.epic(model, prefix, pieces, context_ids, settings.blend_ratio)
+        if settings.mode == "ape":
+            return assemble.ape(model, prefix, pieces, settings.ape_temperature, settings.ape_scale)
         return assemble.blended(model, prefix, pieces, context_ids, settings.blend_ratio)
 
     def chunk_token_ids(self, row: ContextRow) -> tuple[int, ...]:

@@ -159,6 +159,8 @@ class Batcher:
         `max_queue` turns already wait."""
         if not message.strip():
             raise InputError("the message is empty; say something")
+        if isinstance(conversation, Conversation):
+            conversation.settings.check_batchable("batched decoding")
         turn = _Turn(Ticket(), conversation, message, max_new_tokens, decoding, on_text)
         with self._wake:
             if self._closed:
@@ -172,6 +174,7 @@ class Batcher:
     def ask(self, question: str, settings: AskSettings | None = None, **options) -> Answer:
         """Answer `question` (options as in `AskSettings`), batched with whatever else runs."""
         settings = settings or AskSettings.from_dict(options)
+        settings.check_batchable("batched decoding")
         return self.submit(lambda: self.engine.conversation(settings), question, settings.max_new_tokens,
                            settings.decoding).result()
 

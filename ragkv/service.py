@@ -83,7 +83,7 @@ class RagkvOptions(_Body):
     top_k: int = Field(1, ge=1, le=50)
     repetition_penalty: float = Field(DEFAULT_REPETITION_PENALTY, ge=1.0, le=10.0)
     no_repeat_ngram: int = Field(DEFAULT_NO_REPEAT_NGRAM, ge=0, le=64)
-    mode: Literal["exact", "concat", "blend", "epic"] = "exact"
+    mode: Literal["exact", "approximate", "concat", "blend", "epic"] = "exact"  # ape: not batched
     context: Literal["chunk", "span", "document"] = "span"
     no_cache: bool = False
     doc_ids: list[str] | None = Field(None, max_length=100)
@@ -352,7 +352,8 @@ def _submit(batcher: Batcher, conversations: Conversations, history, question: s
 
 def _ragkv_block(answer, warnings: list[str], reused_history: bool) -> dict:
     return {"sources": [asdict(s) for s in answer.sources], "stats": {**asdict(answer.stats),
-            "warnings": answer.stats.warnings + warnings}, "token_ids": answer.token_ids,
+            "approximate": answer.stats.is_approximate, "warnings": answer.stats.warnings + warnings},
+            "token_ids": answer.token_ids,
             "conversation_reused": reused_history}
 
 
