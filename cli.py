@@ -88,7 +88,8 @@ ChunkTokensOption = typer.Option(512, "--chunk-tokens", help="Most LLM tokens pe
 SystemPromptOption = typer.Option(DEFAULT_SYSTEM_PROMPT, "--system-prompt",
                                   help="System prompt, computed once and part of every cache key.")
 KvDtypeOption = typer.Option("auto", "--kv-dtype", help="How KV is stored: auto (as computed: lossless), or "
-                             "bfloat16, float16, int8 (smaller, approximate, named in every answer's stats).")
+                             "bfloat16, float16, int8, int4, int2 (smaller, approximate, named in every answer's stats; "
+                             "benchmarks/results/kv_dtype.md measures each).")
 SpanTokensOption = typer.Option(DEFAULT_SPAN_TOKENS, "--span-tokens",
                                 help="Compute each document's chunks as one sequence, a new span starting where "
                                      "the next chunk would pass this many tokens, so `ask --context span` loads a "

@@ -26,7 +26,7 @@ class Stats:
     computed_tokens: int = 0  # prompt tokens prefilled now
     recomputed_tokens: int = 0  # blend: context tokens whose stored KV was recomputed
     prefix_cache_tokens: int = 0  # of the reused, those found in the in-process prefix cache
-    kv_quant: str = "none"  # how the reused KV was stored: "none" (lossless) or bfloat16/float16/int8 (approximate)
+    kv_quant: str = "none"  # how the reused KV was stored: "none" (lossless) or bfloat16/float16/int8/int4/int2 (approximate)
     ram_hits: int = 0  # chunk KV found in the engine's RAM tier
     ram_misses: int = 0  # chunk KV read (and verified) from the store
     generated_tokens: int = 0

@@ -33,7 +33,7 @@ SINGLE_ONLY_MODES = ("ape",)  # attend differently per request: ask and stream o
 APPROXIMATE = "epic"
 DEFAULT_BLEND_RATIOS = {"blend": 0.15, "epic": 0.05}  # share recomputed when --blend-ratio is not given
 CONTEXTS = ("chunk", "span", "document")  # what a retrieved chunk brings into the prompt (see QueryEngine.prepare)
-KV_DTYPES = ("auto", "bfloat16", "float16", "int8")  # see ragkv.codec
+KV_DTYPES = ("auto", "bfloat16", "float16", "int8", "int4", "int2")  # see ragkv.codec
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -142,7 +142,7 @@ class IngestSettings(_Settings):
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     batch_tokens: int = 0  # padded tokens per forward; 0 picks by device
     shard_bytes: int = 256 << 20  # seal a shard once it holds this many bytes
-    kv_dtype: str = "auto"  # how KV is stored: auto (as computed, lossless) or bfloat16/float16/int8 (approximate)
+    kv_dtype: str = "auto"  # how KV is stored: auto (as computed, lossless) or bfloat16/float16/int8/int4/int2 (approximate)
     span_tokens: int = DEFAULT_SPAN_TOKENS  # a document's chunks computed as one sequence, restarting past this many tokens; 0: each chunk alone
 
     def __post_init__(self):
