@@ -110,7 +110,7 @@ ContextOption = typer.Option("span", "--context", help="What a retrieved chunk b
                              "--span-tokens), document (its whole span).")
 BlendRatioOption = typer.Option(None, "--blend-ratio", help="blend, epic: share of context tokens recomputed "
                                 "(default: 15% for blend, 5% for epic; 1.0: all, equals exact).", show_default=False)
-ApeScaleOption = typer.Option(0.7, "--ape-scale", help="ape: multiply the passages' attention weights by this (1.0: "
+ApeScaleOption = typer.Option(0.7, "--ape-scale", help="ape: multiply the attention to every chunk after the first by this (1.0: "
                               "none, equals concat).")
 MaxNewTokensOption = typer.Option(DEFAULT_MAX_NEW_TOKENS, "--max-new-tokens", help="Most tokens to generate per answer.")
 RepetitionPenaltyOption = typer.Option(DEFAULT_REPETITION_PENALTY, "--repetition-penalty",
