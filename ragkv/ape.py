@@ -99,3 +99,8 @@ class Scaled:
 
     def __getattr__(self, name):
         return getattr(self.model, name)
+
+
+def attending(model, scaling: Scaling | None):
+    """`model` itself, or wrapped to attend with `scaling` when there is one."""
+    return model if scaling is None else Scaled(model, scaling)

@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 import torch
 
 from ragkv import kv
-from ragkv.ape import Scaled, Scaling
+from ragkv.ape import Scaling, attending
 from ragkv.blend import blend, recompute_starts
 from ragkv.prefix_cache import PrefixCache
 from ragkv.rope import check_supported, shift_positions
@@ -41,7 +41,7 @@ class Assembly:
 
     def attending(self, model):
         """`model`, or the model wrapped to attend as this assembly needs (`ape`)."""
-        return model if self.attention is None else Scaled(model, self.attention)
+        return attending(model, self.attention)
 
     @property
     def num_cached(self) -> int:

@@ -14,7 +14,7 @@ from typing import Callable, Generator
 
 from ragkv import kv
 from ragkv.answer import Answer, AnswerStream, Source, Stats
-from ragkv.ape import Scaled, Scaling
+from ragkv.ape import Scaling, attending
 from ragkv.config import AskSettings, DecodeSettings
 from ragkv.errors import InputError
 from ragkv.generate import Generated, generate
@@ -94,9 +94,9 @@ class Conversation:
     def _turn(self, message: str, max_new_tokens: int, decoding: DecodeSettings) -> Generator[str, None, Answer]:
         plan = self.begin_turn(message, max_new_tokens)
         engine = self.engine
-        model = engine.lm.model if self.attention is None else Scaled(engine.lm.model, self.attention)
-        done = yield from generate(model, engine.lm.tokenizer, plan.cache, plan.live_ids,
-                                   engine.lm.facts.eos_ids, plan.budget, plan.start, plan.after_prefill, decoding)
+        done = yield from generate(attending(engine.lm.model, self.attention), engine.lm.tokenizer, plan.cache,
+                                   plan.live_ids, engine.lm.facts.eos_ids, plan.budget, plan.start, plan.after_prefill,
+                                   decoding)
         return self.end_turn(plan, done)
 
     def begin_turn(self, message: str, max_new_tokens: int) -> "TurnPlan":
