@@ -88,10 +88,7 @@ def blended(model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor], context
     ones, layer by layer). The first chunk sits where it was computed, after the prefix only:
     its KV is exact."""
     assembly = concat(model, prefix, pieces)
-    result = blend(model, assembly.cache, context_ids, kv.num_tokens(prefix) + kv.num_tokens(pieces[0]), ratio)
-    assembly.recomputed_tokens = result.num_recomputed
-    assembly.reused_tokens -= result.num_recomputed
-    return assembly
+    return _recomputed(assembly, blend(model, assembly.cache, context_ids, _after_first(prefix, pieces), ratio))
 
 
 def epic(model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor], context_ids: Sequence[int],
@@ -100,16 +97,13 @@ def epic(model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor], context_id
     come as [passage, separator, passage, separator, passage...]; a separator starts the
     passage after it."""
     assembly = concat(model, prefix, pieces)
-    starts, lengths, start = [], [], kv.num_tokens(prefix) + kv.num_tokens(pieces[0])
+    starts, lengths, start = [], [], _after_first(prefix, pieces)
     for i in range(1, len(pieces), 2):
         length = kv.num_tokens(pieces[i]) + kv.num_tokens(pieces[i + 1])  # separator + passage
         starts.append(start)
         lengths.append(length)
         start += length
-    result = recompute_starts(model, assembly.cache, context_ids, starts, lengths, ratio)
-    assembly.recomputed_tokens = result.num_recomputed
-    assembly.reused_tokens -= result.num_recomputed
-    return assembly
+    return _recomputed(assembly, recompute_starts(model, assembly.cache, context_ids, starts, lengths, ratio))
 
 
 def ape(model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor], temperature: float, scale: float) -> Assembly:
@@ -117,7 +111,19 @@ def ape(model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor], temperature
     first passage sits where it was computed, right after the prefix, as in a full prefill: it
     is not scaled (with one passage, `ape` is exact)."""
     assembly = concat(model, prefix, pieces)
-    first_stop = kv.num_tokens(prefix) + kv.num_tokens(pieces[0])
-    if first_stop < assembly.num_cached:
-        assembly.attention = Scaling(first_stop, assembly.num_cached, temperature, scale)
+    if _after_first(prefix, pieces) < assembly.num_cached:
+        assembly.attention = Scaling(_after_first(prefix, pieces), assembly.num_cached, temperature, scale)
+    return assembly
+
+
+def _after_first(prefix: torch.Tensor, pieces: Sequence[torch.Tensor]) -> int:
+    """Where the context after the first chunk starts: the first chunk sits where it was
+    computed, right after the prefix, so its KV is exact and no approximate mode touches it."""
+    return kv.num_tokens(prefix) + kv.num_tokens(pieces[0])
+
+
+def _recomputed(assembly: Assembly, result) -> Assembly:
+    """Count `result`'s recomputed tokens in `assembly` (they are no longer reused)."""
+    assembly.recomputed_tokens = result.num_recomputed
+    assembly.reused_tokens -= result.num_recomputed
     return assembly

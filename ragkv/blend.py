@@ -112,8 +112,7 @@ def recompute_starts(model, cache, context_ids: Sequence[int], starts: Sequence[
     stop drawing attention the full prefill would not give them."""
     if ratio <= 0 or not starts:
         return BlendResult(0)
-    chosen = [p for start, length in zip(starts, lengths)
-              for p in range(start, start + min(length, max(1, round(ratio * length))))]
+    chosen = [p for start, length in zip(starts, lengths) for p in range(start, start + _share(ratio, length))]
     ids = torch.tensor([list(context_ids)], dtype=torch.long, device=model.device)  # (1, T)
     _recompute(model, cache, ids, torch.tensor(chosen, dtype=torch.long, device=model.device))
     return BlendResult(len(chosen))

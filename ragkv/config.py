@@ -205,7 +205,7 @@ class AskSettings(_Settings):
         if self.blend_ratio is None:
             object.__setattr__(self, "blend_ratio", DEFAULT_BLEND_RATIOS.get(self.mode, 0.0))
         if not (0.0 < self.ape_temperature <= 4.0 and 0.0 < self.ape_scale <= 4.0):
-            raise InputError("--ape-temperature and --ape-scale must be above 0 and at most 4, got "
+            raise InputError("ape_temperature and --ape-scale must be above 0 and at most 4, got "
                              f"{self.ape_temperature} and {self.ape_scale}")
         if self.context not in CONTEXTS:
             raise InputError(f"unknown --context {self.context!r}; use chunk (the retrieved chunks only), span (each "
