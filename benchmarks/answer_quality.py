@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import ragkv  # noqa: E402
-from benchmarks.fidelity import python_faq  # noqa: E402
+from benchmarks.fidelity import python_faq, work_dir  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
 from ragkv.config import IngestSettings, ModelSettings  # noqa: E402
 
@@ -106,8 +105,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=None, help="reuse stores and downloads across runs")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "answer_quality.md")
     args = parser.parse_args()
-    work = args.work or Path(tempfile.mkdtemp(prefix="ragkv-quality-"))
-    work.mkdir(parents=True, exist_ok=True)
+    work = work_dir(args.work, "quality")
     questions = (ROOT / "benchmarks" / "questions.txt").read_text().splitlines()
     corpora = {"sample corpus (data/)": (ROOT / "data", questions)}
     if faq := python_faq(work, args.faq_questions, tuple(p for p in args.faq_pages.split(",") if p)):

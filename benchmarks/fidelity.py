@@ -36,6 +36,21 @@ MODES = ("exact", "concat", "blend")
 KS = (1, 3, 5)
 
 
+def work_dir(given: Path | None, name: str) -> Path:
+    """`given` (downloads and stores reused across runs), else a new temporary folder; created."""
+    work = given or Path(tempfile.mkdtemp(prefix=f"ragkv-{name}-"))
+    work.mkdir(parents=True, exist_ok=True)
+    return work
+
+
+def python_faq_or_exit(work: Path, count: int, pages: tuple[str, ...] = ()) -> tuple[Path, list[str]]:
+    """`python_faq`, for benchmarks that have nothing to measure without it."""
+    faq = python_faq(work, count, pages)
+    if faq is None:
+        sys.exit("the Python FAQ (python3.11-doc) could not be fetched here")
+    return faq
+
+
 def python_faq(work: Path, count: int, pages: tuple[str, ...] = ()) -> tuple[Path, list[str]] | None:
     """The Python FAQ HTML pages (only `pages`, e.g. ("general.html",), when given) and up to
     `count` of their questions, or None if the package cannot be fetched here."""
@@ -107,8 +122,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=None, help="reuse stores and downloads across runs")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "fidelity.md")
     args = parser.parse_args()
-    work = args.work or Path(tempfile.mkdtemp(prefix="ragkv-fidelity-"))
-    work.mkdir(parents=True, exist_ok=True)
+    work = work_dir(args.work, "fidelity")
     corpora = {"sample corpus (data/)": (ROOT / "data", (ROOT / "benchmarks" / "questions.txt").read_text().splitlines())}
     faq = python_faq(work, args.faq_questions)
     if faq:

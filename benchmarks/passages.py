@@ -26,7 +26,6 @@ import re
 import statistics
 import string
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.fidelity import python_faq  # noqa: E402
+from benchmarks.fidelity import python_faq_or_exit, work_dir  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
 
 import ragkv  # noqa: E402
@@ -235,12 +234,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "passages.md")
     args = parser.parse_args()
     started = time.perf_counter()
-    work = args.work or Path(tempfile.mkdtemp(prefix="ragkv-passages-"))
-    work.mkdir(parents=True, exist_ok=True)
-    faq = python_faq(work, args.questions * 4)
-    if faq is None:
-        sys.exit("the Python FAQ (python3.11-doc) could not be fetched here")
-    docs, candidates = faq
+    work = work_dir(args.work, "passages")
+    docs, candidates = python_faq_or_exit(work, args.questions * 4)
     gold = gold_answers(work)
     questions = [q for q in candidates if len(gold.get(q, "").split()) >= 10][::4][:args.questions]
     store = work / "store-256"

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -29,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.fidelity import python_faq  # noqa: E402
+from benchmarks.fidelity import python_faq_or_exit, work_dir  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
 from benchmarks.passages import cold  # noqa: E402
 
@@ -81,12 +80,8 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=None, help="reuse downloads and stores across runs")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "spans.md")
     args = parser.parse_args()
-    work = args.work or Path(tempfile.mkdtemp(prefix="ragkv-spans-"))
-    work.mkdir(parents=True, exist_ok=True)
-    faq = python_faq(work, args.questions, PAGES)
-    if faq is None:
-        sys.exit("the Python FAQ (python3.11-doc) could not be fetched here")
-    docs, questions = faq
+    work = work_dir(args.work, "spans")
+    docs, questions = python_faq_or_exit(work, args.questions, PAGES)
     model = ModelSettings(device="cpu", dtype="float32")
     stores, ingest_s = {}, {}
     for name, span in (("chunks", 0), ("spans", args.span_tokens)):
