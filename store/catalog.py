@@ -16,6 +16,7 @@ import duckdb
 import pyarrow as pa
 
 from ragkv.errors import StoreFormatError
+from store.popularity import ChunkHits, Pending, decay, tally
 from store.shards import SealedEntry
 
 FORMAT_VERSION = 1
@@ -49,6 +50,17 @@ _MIGRATIONS: list[tuple[str, str]] = [
         # (NULL: the chunk's KV was computed on its own, right after the prefix).
         "0002_chunk_spans",
         "ALTER TABLE chunk_kv ADD COLUMN span_start INTEGER;",
+    ),
+    (
+        # Popularity (see store.popularity): uses per (document, chunk index), and how far each
+        # reader's hit log has been folded in.
+        "0003_chunk_hits",
+        """
+        CREATE TABLE chunk_hits (
+            doc_id VARCHAR, chunk_index INTEGER, hits BIGINT, misses BIGINT, uses BIGINT, score DOUBLE,
+            last_use DOUBLE, PRIMARY KEY (doc_id, chunk_index));
+        CREATE TABLE hit_files (name VARCHAR PRIMARY KEY, folded BIGINT);
+        """,
     ),
 ]
 
@@ -349,11 +361,14 @@ class Catalog:
             self.con.execute(f"DELETE FROM {table} WHERE profile_id IN (SELECT unnest(?))", [ids])
 
     def dead_entries(self) -> list[EntryRow]:
-        """Entries nothing needs: chunk KV no chunk links to, prefix KV of profiles without chunks."""
+        """Entries nothing needs: chunk KV no chunk links to; prefix KV of dropped profiles, or
+        of every profile once the store holds no chunks. (A profile may link no chunk and still
+        need its prefix: under a KV budget, chunks get KV on their first question.)"""
         rows = self.con.execute(f"""
             SELECT {_ENTRY_COLUMNS} FROM kv_entries e
             WHERE (e.kind = 'chunk' AND e.kv_key NOT IN (SELECT kv_key FROM chunk_kv))
-               OR (e.kind = 'prefix' AND e.profile_id NOT IN (SELECT profile_id FROM chunk_kv))
+               OR (e.kind = 'prefix' AND (e.profile_id NOT IN (SELECT profile_id FROM profiles)
+                                          OR NOT EXISTS (SELECT 1 FROM chunks)))
             ORDER BY e.shard""").fetchall()
         return [EntryRow(*r) for r in rows]
 
@@ -412,6 +427,85 @@ class Catalog:
         names = [d[0] for d in cursor.description]
         return [dict(zip(names, row)) for row in cursor.fetchall()]
 
+    # -- popularity and the KV budget ---------------------------------------------------------
+    def kv_budget(self) -> int | None:
+        """Bytes of KV the store may hold (None: no budget)."""
+        value = self.meta().get("kv_budget")
+        return int(value) if value else None
+
+    def half_life_s(self, default: float) -> float:
+        return float(self.meta().get("half_life_s") or default)
+
+    def folded_offsets(self) -> dict[str, int]:
+        return dict(self.con.execute("SELECT name, folded FROM hit_files").fetchall())
+
+    def fold_uses(self, pending: Pending, half_life_s: float) -> int:
+        """Add `pending` uses to `chunk_hits`, record the offsets they end at, and forget the
+        files `pending` found finished. Returns the number of uses folded."""
+        keys = {(u.doc_id, u.chunk_index) for u in pending.uses}
+        rows = self.chunk_hits(keys)
+        changed = tally(rows, pending.uses, half_life_s)
+        new_hits = pa.table({
+            "doc_id": [k[0] for k in changed], "chunk_index": pa.array([k[1] for k in changed], pa.int32()),
+            "hits": pa.array([rows[k].hits for k in changed], pa.int64()),
+            "misses": pa.array([rows[k].misses for k in changed], pa.int64()),
+            "uses": pa.array([rows[k].uses for k in changed], pa.int64()),
+            "score": pa.array([rows[k].score for k in changed], pa.float64()),
+            "last_use": pa.array([rows[k].last_use for k in changed], pa.float64()),
+        })
+        offsets = pa.table({"name": list(pending.offsets), "folded": pa.array(list(pending.offsets.values()), pa.int64())})
+        with self.transaction():
+            self.con.execute("INSERT OR REPLACE INTO chunk_hits SELECT * FROM new_hits")
+            self.con.execute("INSERT OR REPLACE INTO hit_files SELECT * FROM offsets")
+            self.con.execute("DELETE FROM hit_files WHERE name IN (SELECT unnest(?))", [pending.finished])
+        return len(pending.uses)
+
+    def chunk_hits(self, keys: Iterable[tuple[str, int]] | None = None) -> dict[tuple[str, int], ChunkHits]:
+        """Popularity rows by (doc_id, chunk_index): all of them, or those of `keys`."""
+        sql = "SELECT doc_id, chunk_index, hits, misses, uses, score, last_use FROM chunk_hits"
+        if keys is None:
+            rows = self.con.execute(sql).fetchall()
+        else:
+            wanted = list(keys)
+            if not wanted:
+                return {}
+            wanted_keys = pa.table({"doc_id": [k[0] for k in wanted],
+                                    "chunk_index": pa.array([k[1] for k in wanted], pa.int32())})
+            rows = self.con.execute(sql + " JOIN wanted_keys USING (doc_id, chunk_index)").fetchall()
+        return {(r[0], r[1]): ChunkHits(*r[2:]) for r in rows}
+
+    def chunk_scores(self, chunk_ids: Sequence[int], now: float, half_life_s: float) -> dict[int, float]:
+        """Each chunk's popularity score as of `now` (0 for a chunk never used)."""
+        rows = self.con.execute(
+            "SELECT c.chunk_id, h.score, h.last_use FROM chunks c JOIN chunk_hits h USING (doc_id, chunk_index) "
+            "WHERE c.chunk_id IN (SELECT unnest(?))", [list(chunk_ids)]).fetchall()
+        scores = {r[0]: decay(r[1], r[2], now, half_life_s) for r in rows}
+        return {i: scores.get(i, 0.0) for i in chunk_ids}
+
+    def stored_chunks(self, profile_id: str) -> list[tuple[str, int, list[int]]]:
+        """Chunk KV the budget may evict under `profile_id` (chunks stored on their own, not
+        spans): `(kv_key, nbytes, chunk ids linked to it)`."""
+        rows = self.con.execute(
+            "SELECT k.kv_key, any_value(e.nbytes), list(k.chunk_id ORDER BY k.chunk_id) FROM chunk_kv k "
+            "JOIN kv_entries e ON e.kv_key = k.kv_key WHERE k.profile_id = ? AND k.span_start IS NULL "
+            "GROUP BY k.kv_key ORDER BY k.kv_key", [profile_id]).fetchall()
+        return [(r[0], int(r[1]), list(r[2])) for r in rows]
+
+    def unlink_keys(self, profile_id: str, kv_keys: Sequence[str]) -> None:
+        """Drop the chunk links to `kv_keys` (their entries become dead: gc or reclaim drops them)."""
+        self.con.execute("DELETE FROM chunk_kv WHERE profile_id = ? AND kv_key IN (SELECT unnest(?))",
+                         [profile_id, list(kv_keys)])
+
+    def document_uses(self) -> list[dict]:
+        """Per stored document: uses, hits, misses and summed score (as last folded)."""
+        cursor = self.con.execute("""
+            SELECT d.doc_id, coalesce(sum(h.uses), 0) AS uses, coalesce(sum(h.hits), 0) AS hits,
+                   coalesce(sum(h.misses), 0) AS misses, coalesce(sum(h.score), 0) AS score,
+                   coalesce(max(h.last_use), 0) AS last_use
+            FROM documents d LEFT JOIN chunk_hits h USING (doc_id) GROUP BY d.doc_id""")
+        names = [d[0] for d in cursor.description]
+        return [dict(zip(names, row)) for row in cursor.fetchall()]
+
     # -- the query path -------------------------------------------------------------------
     def context_rows(self, profile_id: str, chunk_ids: Sequence[int]) -> list[ContextRow]:
         """Rows for `chunk_ids`, in that order, joined with their source and their KV entry."""
@@ -442,6 +536,10 @@ class Catalog:
     def counts(self) -> dict[str, int]:
         tables = ("documents", "chunks", "kv_entries", "profiles")
         return {t: self.con.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in tables}
+
+    def prefix_bytes(self) -> int:
+        """Bytes of the system-prompt KV entries (of every profile): what no budget evicts."""
+        return self.con.execute("SELECT coalesce(sum(nbytes), 0) FROM kv_entries WHERE kind = 'prefix'").fetchone()[0]
 
     def kv_bytes(self) -> int:
         return self.con.execute("SELECT coalesce(sum(nbytes), 0) FROM kv_entries").fetchone()[0]

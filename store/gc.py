@@ -48,7 +48,7 @@ def collect_garbage(root: Path | str, other_models: bool = False, wait: bool = F
         dead = catalog.dead_entries()
         catalog.delete_entries(e.kv_key for e in dead)
         report.entries_removed = len(dead)
-        report.shards_rewritten = _rewrite_sparse_shards(writer, rewrite_below)
+        report.shards_rewritten = rewrite_sparse_shards(writer, rewrite_below)
         report.generation = writer.publish()
         report.generations_removed, report.generations_kept_for_readers = writer.retired, writer.held_by_readers
         report.shards_deleted, report.bytes_reclaimed = writer.delete_unreferenced_shards()
@@ -59,7 +59,7 @@ def collect_garbage(root: Path | str, other_models: bool = False, wait: bool = F
     return report
 
 
-def _rewrite_sparse_shards(writer: StoreWriter, rewrite_below: float) -> int:
+def rewrite_sparse_shards(writer: StoreWriter, rewrite_below: float) -> int:
     """Copy the live entries of mostly-dead shards into new shards and repoint their rows.
     The old files are deleted once no generation references them."""
     catalog = writer.catalog

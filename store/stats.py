@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
+from store.popularity import HALF_LIFE_S, decay, read_pending, tally
 from store.shards import shard_files
 from store.store import StoreSnapshot
+
+NUM_LISTED = 5  # hottest and coldest documents shown
 
 
 def store_stats(snapshot: StoreSnapshot) -> dict:
@@ -30,4 +35,35 @@ def store_stats(snapshot: StoreSnapshot) -> dict:
         "shard_bytes": disk_bytes,
         "live_bytes": live_bytes,
         "dead_bytes": max(disk_bytes - live_bytes, 0),
+        "kv_budget": catalog.kv_budget(),
+        **popularity(snapshot),
+    }
+
+
+def popularity(snapshot: StoreSnapshot) -> dict:
+    """Hit rate (uses whose chunk KV was ready, of those that needed it) and the hottest and
+    coldest documents by ageing score, counting uses logged since the last fold too."""
+    catalog = snapshot.catalog
+    half_life = catalog.half_life_s(HALF_LIFE_S)
+    rows = catalog.chunk_hits()
+    pending = [] if snapshot.remote else read_pending(snapshot.root, catalog.folded_offsets()).uses
+    tally(rows, pending, half_life)
+    now = time.time()
+    hits = sum(r.hits for r in rows.values())
+    misses = sum(r.misses for r in rows.values())
+    docs = {d: {"doc_id": d, "uses": 0, "score": 0.0} for d in catalog.documents()}
+    for (doc_id, _), row in rows.items():
+        if doc_id in docs:
+            docs[doc_id]["uses"] += row.uses
+            docs[doc_id]["score"] += decay(row.score, row.last_use, now, half_life)
+    ranked = sorted(docs.values(), key=lambda d: (-d["score"], d["doc_id"]))
+    for d in ranked:
+        d["score"] = round(d["score"], 3)
+    return {
+        "uses": sum(r.uses for r in rows.values()),
+        "kv_hits": hits,
+        "kv_misses": misses,
+        "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
+        "hottest": ranked[:NUM_LISTED],
+        "coldest": ranked[::-1][:NUM_LISTED],
     }

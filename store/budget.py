@@ -1,0 +1,158 @@
+"""The KV budget: which chunks' KV a store keeps when it may not keep all of it.
+
+A budget caps the bytes of every KV entry in the store. The prefix KV, other models' KV and
+document spans are not evicted one chunk at a time; what is left of the budget goes to chunk
+KV, most popular first (store.popularity), ties kept in favour of what is already stored and
+then by document order. Every writer applies it: ingest (which chunks to precompute), the
+write-back of KV computed on a miss (whether it earns a place), and `ragkv budget`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+from ragkv.errors import InputError, StoreNotFoundError
+from store.catalog import Catalog
+from store.gc import REWRITE_BELOW, rewrite_sparse_shards
+from store.popularity import HALF_LIFE_S, read_pending, remove_finished
+from store.store import StoreWriter, open_writer
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A chunk KV entry the budget ranks: stored already, or one that could be computed."""
+
+    kv_key: str
+    nbytes: int  # stored: exact; to compute: estimated
+    score: float  # popularity now
+    is_stored: bool
+    order: int = 0  # document order: the tie-break among equal scores
+
+
+@dataclass(frozen=True)
+class BudgetPlan:
+    keep: list[str] = field(default_factory=list)  # stored keys that stay
+    compute: list[str] = field(default_factory=list)  # keys to compute and store
+    evict: list[str] = field(default_factory=list)  # stored keys to drop
+
+
+def plan(candidates: Sequence[Candidate], room: int | None, compute_limit: int | None = None) -> BudgetPlan:
+    """Fill `room` bytes (None: unlimited) with the most popular candidates; of those not
+    stored, compute at most `compute_limit` bytes (None: no limit). A candidate that does not
+    fit is passed over, so a smaller, colder one may still take the space left."""
+    result = BudgetPlan()
+    used = new = 0
+    for c in sorted(candidates, key=lambda c: (-c.score, not c.is_stored, c.order)):
+        fits = room is None or used + c.nbytes <= room
+        if c.is_stored:
+            (result.keep if fits else result.evict).append(c.kv_key)
+            used += c.nbytes if fits else 0
+        elif fits and (compute_limit is None or new + c.nbytes <= compute_limit):
+            result.compute.append(c.kv_key)
+            used, new = used + c.nbytes, new + c.nbytes
+    return result
+
+
+def fold_hits(writer: StoreWriter) -> int:
+    """Fold the readers' hit logs into the writer's catalog; returns the uses folded."""
+    catalog = writer.catalog
+    pending = read_pending(writer.root, catalog.folded_offsets())
+    folded = catalog.fold_uses(pending, catalog.half_life_s(HALF_LIFE_S))
+    remove_finished(writer.root, pending.finished)
+    return folded
+
+
+def stored_candidates(catalog: Catalog, profile_id: str, now: float | None = None) -> list[Candidate]:
+    """The chunk KV of `profile_id` the budget may evict, scored (a key shared by several
+    chunks takes the best of their scores)."""
+    stored = catalog.stored_chunks(profile_id)
+    scores = catalog.chunk_scores([i for _, _, ids in stored for i in ids], now or time.time(),
+                                  catalog.half_life_s(HALF_LIFE_S))
+    return [Candidate(key, nbytes, max(scores[i] for i in ids), True, min(ids)) for key, nbytes, ids in stored]
+
+
+def room_for_chunks(catalog: Catalog, budget: int | None, stored: Sequence[Candidate]) -> int | None:
+    """Bytes of the budget left for evictable chunk KV: the budget less every other entry."""
+    if budget is None:
+        return None
+    fixed = catalog.kv_bytes() - sum(c.nbytes for c in stored)
+    return budget - fixed
+
+
+def drop_dead(writer: StoreWriter) -> int:
+    """Delete dead entry rows and rewrite mostly-dead shards (files go after publish, in
+    `delete_unreferenced_shards`). Returns the entries dropped."""
+    dead = writer.catalog.dead_entries()
+    writer.catalog.delete_entries(e.kv_key for e in dead)
+    rewrite_sparse_shards(writer, REWRITE_BELOW)
+    return len(dead)
+
+
+def enforce(writer: StoreWriter, profile_id: str, budget: int | None) -> list[str]:
+    """Evict the coldest chunk KV of `profile_id` until the store's entries fit `budget`;
+    returns the keys evicted (their rows dropped; see `drop_dead`)."""
+    if budget is None:
+        return []
+    catalog = writer.catalog
+    drop_dead(writer)
+    stored = stored_candidates(catalog, profile_id)
+    evicted = plan(stored, room_for_chunks(catalog, budget, stored)).evict
+    if evicted:
+        catalog.unlink_keys(profile_id, evicted)
+        drop_dead(writer)
+    return evicted
+
+
+@dataclass
+class BudgetReport:
+    store: str
+    kv_budget: int | None  # bytes (None: no budget)
+    kv_bytes: int  # bytes the store's KV takes now
+    evicted: int = 0  # chunk KV entries dropped to fit
+    generation: int = 0
+    shards_deleted: int = 0
+    bytes_reclaimed: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def set_budget(root, size: int | None, wait: bool = False) -> BudgetReport:
+    """Set (or with None, remove) the store's KV budget, evicting the coldest chunk KV of
+    every profile until it fits, and publish; shard files nothing references are deleted."""
+    writer = open_writer(root, wait=wait)
+    try:
+        if writer.base_generation is None:
+            raise StoreNotFoundError(f"no ragkv store at {root}; create one with: ragkv ingest DOCS --store {root}")
+        catalog = writer.catalog
+        fold_hits(writer)
+        report = BudgetReport(writer.location, size, 0)
+        if size is not None:
+            check_budget(size, catalog.prefix_bytes())
+            for profile in catalog.profiles():
+                report.evicted += len(enforce(writer, profile["profile_id"], size))
+        catalog.set_meta({"kv_budget": "" if size is None else str(size)})
+        report.kv_bytes = catalog.kv_bytes()
+        report.generation = writer.publish()
+        report.shards_deleted, report.bytes_reclaimed = writer.delete_unreferenced_shards()
+    except BaseException:
+        writer.abort()
+        raise
+    writer.release()
+    return report
+
+
+def check_budget(budget: int, prefix_bytes: int) -> None:
+    if budget < prefix_bytes:
+        raise InputError(f"KV budget {format_bytes(budget)} is smaller than the system prompt's KV "
+                         f"({format_bytes(prefix_bytes)}); give at least {format_bytes(prefix_bytes)}")
+
+
+def format_bytes(size: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(size) < 1000 or unit == "TB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{size} B"

@@ -1,0 +1,164 @@
+"""Which chunks questions use: a hit log every reader appends to, folded into the catalog by
+the writer, and the popularity score a KV budget keeps chunks by.
+
+    hits/<host>-<pid>-<rand>.jsonl   one file per reading process, appended one line per use:
+                                     {"t": epoch seconds, "doc": doc_id, "i": chunk_index, "src": source}
+
+Readers never take the store's write lock to count a use: each appends to its own file and
+holds a shared flock on it while open. The next writer (ingest, a write-back, `ragkv budget`)
+folds the lines past the offset it last folded into the catalog's `chunk_hits`, and deletes
+the files whose reader is gone once they are folded in full. Counts therefore survive
+restarts, and a writer never waits for a reader.
+
+Popularity is keyed by (document, chunk index), not chunk id, so a changed document's chunks
+inherit what its old chunks earned: the nightly job recomputes the hot ones first.
+
+The score is LFU with ageing: each use adds 1, and the score halves every `half_life_s`
+seconds without uses (default 7 days). Pure LFU keeps yesterday's hot chunks forever once
+traffic moves; pure LRU forgets a chunk asked every day behind a burst of one-off questions.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+HITS_DIR = "hits"
+HALF_LIFE_S = 7 * 86400.0
+SOURCES = ("store", "ram", "computed", "live")  # where a used chunk's KV came from ("live": prefilled, no KV)
+HIT_SOURCES = ("store", "ram")  # uses that found KV ready (a hit); "computed" is a miss
+
+
+@dataclass(frozen=True)
+class Use:
+    """One retrieved chunk used by one question."""
+
+    doc_id: str
+    chunk_index: int
+    source: str  # one of SOURCES
+    time: float = 0.0  # epoch seconds; 0: now
+
+
+def decay(score: float, since: float, now: float, half_life_s: float) -> float:
+    """`score` as it stands `now`, earned at `since`: halved every `half_life_s` seconds."""
+    return score * 0.5 ** (max(now - since, 0.0) / half_life_s)
+
+
+class HitLog:
+    """This process's append-only use log in `root/hits/` (created on the first use)."""
+
+    def __init__(self, root: Path):
+        self.dir = Path(root) / HITS_DIR
+        self._fd: int | None = None
+
+    def record(self, uses: Iterable[Use]) -> None:
+        """Append `uses` (one write: lines of one call are never interleaved with another's)."""
+        now = time.time()
+        lines = "".join(json.dumps({"t": u.time or now, "doc": u.doc_id, "i": u.chunk_index, "src": u.source}) + "\n"
+                        for u in uses)
+        if not lines:
+            return
+        if self._fd is None:
+            self._open()
+        os.write(self._fd, lines.encode())
+
+    def _open(self) -> None:
+        self.dir.mkdir(exist_ok=True)
+        path = self.dir / f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}.jsonl"
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        fcntl.flock(self._fd, fcntl.LOCK_SH)  # held while open: the writer deletes the file only after
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+@dataclass(frozen=True)
+class Pending:
+    """Uses logged since the catalog last folded them: per file, the lines and the new offset."""
+
+    uses: list[Use]
+    offsets: dict[str, int]  # file name -> bytes folded once these are
+    finished: list[str]  # files whose reader is gone and that the catalog had folded in full
+
+
+def read_pending(root: Path, folded: dict[str, int]) -> Pending:
+    """The uses in `root/hits/` past the offsets already `folded` (whole lines only)."""
+    hits_dir = Path(root) / HITS_DIR
+    uses: list[Use] = []
+    offsets: dict[str, int] = {}
+    finished: list[str] = []
+    if not hits_dir.is_dir():
+        return Pending(uses, offsets, finished)
+    for path in sorted(hits_dir.glob("*.jsonl")):
+        start = folded.get(path.name, 0)
+        try:
+            with open(path, "rb") as f:
+                is_gone = _reader_gone(f.fileno())
+                f.seek(start)
+                data = f.read()
+        except FileNotFoundError:
+            continue
+        end = data.rfind(b"\n") + 1  # a line still being written is folded next time
+        for line in data[:end].splitlines():
+            try:
+                row = json.loads(line)
+                uses.append(Use(str(row["doc"]), int(row["i"]), str(row["src"]), float(row["t"])))
+            except (ValueError, KeyError, TypeError):
+                continue  # a torn line from a killed process: skip it
+        offsets[path.name] = start + end
+        if is_gone and not data:  # folded in full by a published generation, and nobody appends
+            finished.append(path.name)
+    return Pending(uses, offsets, finished)
+
+
+def _reader_gone(fd: int) -> bool:
+    """Whether no process holds the file's shared lock (its reader closed or died)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return True
+
+
+def remove_finished(root: Path, names: Iterable[str]) -> None:
+    for name in names:
+        (Path(root) / HITS_DIR / name).unlink(missing_ok=True)
+
+
+@dataclass
+class ChunkHits:
+    """A chunk's popularity row: uses that found KV (hits), that computed it (misses), and
+    its ageing score as of `last_use`."""
+
+    hits: int = 0
+    misses: int = 0
+    uses: int = 0
+    score: float = 0.0
+    last_use: float = 0.0
+
+    def add(self, use: Use, half_life_s: float) -> None:
+        self.score = decay(self.score, self.last_use, use.time, half_life_s) + 1.0 if self.uses else 1.0
+        self.last_use = max(self.last_use, use.time)
+        self.uses += 1
+        self.hits += use.source in HIT_SOURCES
+        self.misses += use.source == "computed"
+
+
+def tally(rows: dict[tuple[str, int], ChunkHits], uses: Iterable[Use], half_life_s: float) -> set[tuple[str, int]]:
+    """Add `uses` (in time order) to `rows`, creating rows as needed; returns the keys changed."""
+    changed = set()
+    for use in sorted(uses, key=lambda u: u.time):
+        key = (use.doc_id, use.chunk_index)
+        rows.setdefault(key, ChunkHits()).add(use, half_life_s)
+        changed.add(key)
+    return changed
