@@ -42,7 +42,16 @@ class Stats:
     finish_reason: str = ""  # "stop" (end of turn) or "length" (max_new_tokens)
     batch_size: int = 1  # questions prefilled and decoded together with this one (same context)
     store_generation: int = 0
+    kv_compute_ms: float = 0.0  # of kv_load: computing the KV of chunks the store had none for (misses)
+    kv_sources: dict[int, str] = field(default_factory=dict)  # chunk id -> "store", "ram" or "computed"
     warnings: list[str] = field(default_factory=list)
+
+    @property
+    def kv_source(self) -> str:
+        """Where the chunk KV came from: "computed" if any chunk's was computed now (a miss),
+        else "store" if any was read from the store, else "ram"; "" when none was used."""
+        sources = set(self.kv_sources.values())
+        return next((s for s in ("computed", "store", "ram") if s in sources), "")
 
     @property
     def is_approximate(self) -> bool:
@@ -75,6 +84,8 @@ class Answer:
 
     def to_dict(self) -> dict:
         stats = asdict(self.stats)
+        stats["kv_source"] = self.stats.kv_source
+        stats["kv_sources"] = {str(k): v for k, v in self.stats.kv_sources.items()}
         stats["prompt_tokens"] = self.stats.prompt_tokens
         stats["approximate"] = self.stats.is_approximate
         return {

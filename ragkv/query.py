@@ -18,7 +18,7 @@ from ragkv.config import KV_DTYPES, AskSettings, resolve_device, resolve_dtype
 from ragkv.embed import Embedder
 from ragkv.errors import InputError, ModelError, StoreCorruptError, StoreEmptyError
 from ragkv.conversation import Conversation
-from ragkv.forward import compute_chunks
+from ragkv.forward import compute_chunks, shard_metadata
 from ragkv.generate import generate, prefill
 from ragkv.prefix_cache import PrefixCache
 from ragkv.keys import KVKey, Profile
@@ -26,6 +26,8 @@ from ragkv.lru import ByteLRU
 from ragkv.model import LoadedModel, load_model, model_name
 from ragkv.prompt import PromptLayout, encode_text
 from store import ContextRow, Hit, StoreSnapshot, open_snapshot
+from store.popularity import HitLog, Use
+from store.writeback import ComputedKV, WriteBack
 
 if TYPE_CHECKING:  # the scheduler imports this module's neighbours; at run time it is imported on use
     from ragkv.scheduler import Batcher
@@ -62,7 +64,7 @@ class QueryEngine:
 
     def __init__(self, store: Path | str, model: str | None = None, embedder: str | None = None,
                  device: str = "auto", dtype: str | None = None, kv_dtype: str | None = None,
-                 prefix_cache_bytes: int = 512 << 20, ram_bytes: int = 1 << 30):
+                 prefix_cache_bytes: int = 512 << 20, ram_bytes: int = 1 << 30, write_back: bool = True):
         if kv_dtype is not None and kv_dtype not in KV_DTYPES:
             raise InputError(f"unknown --kv-dtype {kv_dtype!r}; use one of {', '.join(KV_DTYPES)}")
         self.snapshot: StoreSnapshot = open_snapshot(store)
@@ -82,6 +84,9 @@ class QueryEngine:
         self._row_cache: dict[int, ContextRow] = {}  # catalog rows of the open generation
         self._span_cache: dict[tuple[str, int], list[int]] = {}  # (doc, span start) -> its chunk ids
         self._read_buffers: list[torch.Tensor] = []  # stored KV is read into these (reused memory)
+        self.write_back = write_back  # store KV computed on a miss (in the background, within the budget)
+        self._write_back: WriteBack | None = None
+        self._hit_log = None if self.snapshot.remote else HitLog(self.snapshot.root)
 
     # -- setup ----------------------------------------------------------------------------
     def _load_model(self, name: str | None, dtype: str | None, kv_dtype: str | None) -> tuple[LoadedModel, ActiveProfile]:
@@ -278,9 +283,13 @@ class QueryEngine:
         assembly = self.assemble([row for row, _ in retrieved], chunk_ids, settings, stats)
         stats.kv_load_ms = _ms(load_start)
         live_ids = prompt_ids[assembly.num_cached:]
-        stats.reused_tokens, stats.recomputed_tokens = assembly.reused_tokens, assembly.recomputed_tokens
+        self._record_uses(retrieved, stats)
+        computed = sum(len(ids) for (row, _), ids in zip(retrieved, chunk_ids)
+                       if stats.kv_sources.get(row.chunk_id) == "computed")  # prefilled now, as a miss
+        stats.reused_tokens = assembly.reused_tokens - computed
+        stats.recomputed_tokens = assembly.recomputed_tokens
         stats.prefix_cache_tokens = assembly.prefix_cache_tokens
-        stats.computed_tokens = len(live_ids)
+        stats.computed_tokens = len(live_ids) + computed
         return Prepared(retrieved, prompt_ids, question_ids, live_ids, assembly)
 
     def _fit_chunks(self, retrieved, question_ids: list[int], stats: Stats):
@@ -335,7 +344,9 @@ class QueryEngine:
         if settings.mode == "exact":
             after = len(runs[0])
             segments = [separator + list(ids) for ids in chunk_ids[after:]]
-            return assemble.exact(model, stored, segments, self.prefix_cache, rows[after - 1].entry.kv_key)
+            last = rows[after - 1]
+            key = last.entry.kv_key if last.entry else KVKey.for_chunk(self.active.profile, chunk_ids[after - 1]).to_string()
+            return assemble.exact(model, stored, segments, self.prefix_cache, key)
         pieces = [pieces_kv[0]]
         for piece in pieces_kv[1:]:
             pieces += [self._separator_kv(), piece]
@@ -364,10 +375,13 @@ class QueryEngine:
         separator = self.active.layout.separator_ids
         try:
             loaded = [self._load_prefix()]
-            slot = 0
+            slot, ram_hits = 0, stats.ram_hits
             for run in runs:
                 parts, key = [], None
                 for row in run:
+                    if row.entry is None and row.span_start is None and len(run) == 1:
+                        parts.append(self._computed_kv(row, stats))  # a miss: compute it now
+                        continue
                     if row.entry is None or row.token_ids is None:
                         raise StoreCorruptError(f"chunk {row.chunk_id} has no stored KV for this model")
                     key = KVKey.for_chunk(profile, row.token_ids) if key is None else \
@@ -375,6 +389,8 @@ class QueryEngine:
                     if key.to_string() != row.entry.kv_key:
                         raise StoreCorruptError(f"chunk {row.chunk_id}'s stored KV key does not match its tokens")
                     parts.append(self._chunk_kv(row.entry, stats, slot))
+                    stats.kv_sources[row.chunk_id] = "ram" if stats.ram_hits > ram_hits else "store"
+                    ram_hits = stats.ram_hits
                     slot += 1
                 loaded.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=kv.TOKEN_DIM))
             return loaded
@@ -403,6 +419,46 @@ class QueryEngine:
             kv_tensor = kv_tensor.clone() if kv_tensor.device.type == "cpu" else kv_tensor  # own memory
             self.ram.put(entry.kv_key, kv_tensor)
         return kv_tensor
+
+    def _computed_kv(self, row: ContextRow, stats: Stats) -> torch.Tensor:
+        """The KV of a chunk the store has none for, `(L, 2, H, T, D)`: from the RAM tier if
+        computed earlier, else computed now after the prefix, exactly as ingest would (and
+        passed through the store's codec, so it equals what a later store read returns).
+        Kept in the RAM tier and handed to the background write-back."""
+        profile = self.active.profile
+        token_ids = self.chunk_token_ids(row)
+        key = KVKey.for_chunk(profile, token_ids).to_string()
+        kv_tensor = self.ram.get(key)
+        if kv_tensor is not None:
+            stats.ram_hits += 1
+            stats.kv_sources[row.chunk_id] = "ram"
+            return kv_tensor
+        start = time.perf_counter()
+        (result,) = compute_chunks(self.lm.model, self._load_prefix(), [list(token_ids)], len(token_ids),
+                                   self.lm.pad_id)
+        parts = codec.encode(result.kv, profile.kv_quant)
+        kv_tensor = codec.decode({name: t.to(self.device) for name, t in parts.items()}, self.lm.model.dtype)
+        stats.kv_compute_ms += _ms(start)
+        stats.kv_sources[row.chunk_id] = "computed"
+        self.ram.put(key, kv_tensor)
+        writer = self._writer()
+        if writer is not None:
+            writer.submit(ComputedKV(profile.profile_id, key, row.chunk_id, token_ids, parts,
+                                     shard_metadata(profile.profile_id, self.lm.facts.name, profile.dtype)))
+        return kv_tensor
+
+    def _writer(self) -> WriteBack | None:
+        """The background write-back (started on the first miss), or None when off (the
+        engine was opened with write_back=False, or the store is on S3)."""
+        if self._write_back is None and self.write_back and not self.snapshot.remote:
+            self._write_back = WriteBack(self.snapshot.root)
+        return self._write_back
+
+    def _record_uses(self, retrieved: list[tuple[ContextRow, float]], stats: Stats) -> None:
+        """Log each chunk the prompt used, with where its KV came from (popularity, hit rate)."""
+        if self._hit_log is not None:
+            self._hit_log.record(Use(row.doc_id, row.chunk_index, stats.kv_sources.get(row.chunk_id, "live"))
+                                 for row, _ in retrieved)
 
     def _read_buffer(self, slot: int, size: int) -> torch.Tensor:
         """Reused host memory to read stored KV into: one buffer per chunk of a request,
@@ -444,7 +500,17 @@ class QueryEngine:
             stats.warnings.append(f"max_new_tokens cut from {max_new_tokens} to {room} to fit the context")
         return min(room, max_new_tokens)
 
+    def flush(self) -> None:
+        """Wait until KV computed on misses so far is written to the store (or given up)."""
+        if self._write_back is not None:
+            self._write_back.flush()
+
     def close(self) -> None:
+        """Finish the write-back, then release the store."""
+        if self._write_back is not None:
+            self._write_back.close()
+        if self._hit_log is not None:
+            self._hit_log.close()
         self.snapshot.close()
 
     def __enter__(self):

@@ -1,0 +1,168 @@
+"""Write-back: KV computed on a miss is stored in the background, within the budget.
+
+The query path hands a `ComputedKV` to `WriteBack.submit` and answers on; a thread takes what
+has queued up and writes it as one new generation, under the store's single write lock
+(waiting behind an ingest or another process's write-back rather than failing). Per batch:
+fold the hit logs, skip keys another process stored meanwhile (so concurrent misses of one
+chunk leave one entry), let the budget decide what earns a place and what it evicts, seal
+the shard, commit the rows, publish, delete shards nothing references.
+
+A kill at any point leaves the published store as it was (data before index: a sealed but
+uncommitted shard is an orphan gc removes); the next question computes the KV again. A
+failed write (disk full, read-only store) logs one warning per engine, and answering goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ragkv.errors import RagkvError
+from store import budget
+from store.budget import Candidate
+from store.store import open_writer
+
+log = logging.getLogger("ragkv")
+
+MAX_PENDING = 64  # computed entries waiting to be written; beyond this a miss is not written back
+SHARD_BYTES = 256 << 20
+KILL_ENV = "RAGKV_TEST_KILL_IN_WRITEBACK"  # tests: SIGKILL this process after sealing a shard, before commit
+
+
+@dataclass(frozen=True)
+class ComputedKV:
+    """KV computed for a chunk on a miss, encoded as it is stored."""
+
+    profile_id: str
+    kv_key: str
+    chunk_id: int
+    token_ids: tuple[int, ...]
+    parts: dict[str, torch.Tensor]  # codec.encode output: "" the data, others e.g. scales
+    shard_metadata: dict[str, str]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.parts.values())
+
+
+@dataclass
+class WriteBackReport:
+    stored: int = 0  # entries written
+    linked: int = 0  # chunks linked to an entry another process had stored
+    over_budget: int = 0  # not stored: colder than everything the budget holds
+    evicted: int = 0  # entries the budget dropped to make room
+    dropped: int = 0  # not stored: the queue was full, or the write failed
+    failures: int = 0  # batches whose write failed
+
+
+class WriteBack:
+    """A background writer of computed KV into the store at `root` (a local folder)."""
+
+    def __init__(self, root):
+        self.root = root
+        self.report = WriteBackReport()
+        self._queue: queue.Queue[ComputedKV | None] = queue.Queue(MAX_PENDING)
+        self._warned = False
+        self._thread = threading.Thread(target=self._run, name="ragkv-writeback", daemon=True)
+        self._thread.start()
+
+    def submit(self, item: ComputedKV) -> bool:
+        """Queue `item` to be written; False (and nothing queued) when the queue is full."""
+        try:
+            self._queue.put_nowait(item)
+            return True
+        except queue.Full:
+            self.report.dropped += 1
+            return False
+
+    def flush(self) -> None:
+        """Wait until everything submitted so far is written (or given up)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        """Write what is queued, then stop the thread."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            batch = [item]
+            while item is not None:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                batch.append(item)
+            work = [b for b in batch if b is not None]
+            try:
+                if work:
+                    self._write(work)
+            except (OSError, RagkvError) as exc:
+                self.report.failures += 1
+                self.report.dropped += len(work)
+                if not self._warned:
+                    self._warned = True
+                    log.warning("could not store computed KV in %s: %s; answering goes on, the KV is computed "
+                                "again on the next miss", self.root, str(exc).splitlines()[0])
+            except Exception:  # a bug must not end the thread: later submits would wait forever
+                log.exception("write-back to %s failed", self.root)
+            finally:
+                for _ in batch:
+                    self._queue.task_done()
+            if item is None or batch[-1] is None:
+                return
+
+    def _write(self, batch: list[ComputedKV]) -> None:
+        with open_writer(self.root, wait=True) as writer:
+            catalog = writer.catalog
+            budget.fold_hits(writer)
+            by_key = {b.kv_key: b for b in batch}
+            alive = set(catalog.chunk_texts([b.chunk_id for b in batch]))  # a re-ingest may have replaced some
+            stored = catalog.existing_keys(by_key)
+            new = [b for b in by_key.values() if b.kv_key not in stored and b.chunk_id in alive]
+            limit = catalog.kv_budget()
+            profile_id = batch[0].profile_id
+            if limit is not None and new:
+                new = self._within_budget(writer, profile_id, new, limit)
+            shards = writer.shard_writer(SHARD_BYTES, new[0].shard_metadata) if new else None
+            for item in new:
+                catalog.add_entries(item.profile_id, shards.add(item.kv_key, item.parts))
+            if shards:
+                sealed = shards.flush()
+                if os.environ.get(KILL_ENV):
+                    os.kill(os.getpid(), signal.SIGKILL)
+                catalog.add_entries(profile_id, sealed)
+            written = {b.kv_key for b in new} | stored
+            links = {b.chunk_id: (b.chunk_id, b.kv_key, b.token_ids) for b in batch
+                     if b.chunk_id in alive and b.kv_key in written}  # one per chunk: it may have missed twice
+            catalog.link_chunks(profile_id, list(links.values()))
+            self.report.stored += len(new)
+            self.report.linked += sum(1 for b in by_key.values() if b.kv_key in stored)
+            writer.publish()
+            writer.delete_unreferenced_shards()
+
+    def _within_budget(self, writer, profile_id: str, new: list[ComputedKV], limit: int) -> list[ComputedKV]:
+        """The computed entries that earn a place; evicts colder stored KV to make room."""
+        catalog = writer.catalog
+        budget.drop_dead(writer)
+        now = time.time()
+        stored = budget.stored_candidates(catalog, profile_id, now)
+        scores = catalog.chunk_scores([b.chunk_id for b in new], now, catalog.half_life_s(budget.HALF_LIFE_S))
+        fresh = [Candidate(b.kv_key, b.nbytes, scores[b.chunk_id], False) for b in new]
+        decision = budget.plan(stored + fresh, budget.room_for_chunks(catalog, limit, stored))
+        if decision.evict:
+            catalog.unlink_keys(profile_id, decision.evict)
+            budget.drop_dead(writer)
+        self.report.evicted += len(decision.evict)
+        chosen = set(decision.compute)
+        self.report.over_budget += len(new) - len(chosen)
+        return [b for b in new if b.kv_key in chosen]
