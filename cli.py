@@ -146,6 +146,13 @@ def ingest(
     batch_tokens: int = BatchTokensOption,
     kv_dtype: str = KvDtypeOption,
     span_tokens: int = SpanTokensOption,
+    kv_budget: Optional[str] = typer.Option(
+        None, "--kv-budget", help="Most bytes of KV the store keeps (e.g. 20GB, 512MiB), kept by popularity: a chunk "
+        "without KV has it computed on its first question and stored if it earns a place. Saved in the store; change "
+        "it later with `ragkv budget`. Default: the store's budget, else none (all KV kept).", show_default=False),
+    precompute: str = typer.Option(
+        "all", "--precompute", help="Chunk KV to compute now: all (every chunk, or as much as the budget holds, most "
+        "asked first), none (only on questions' misses), or a size (e.g. 2GB)."),
     prune: bool = typer.Option(False, "--prune", help="Also remove stored documents that are not under PATHS."),
     engine: str = EngineOption,
     workers: int = WorkersOption,
@@ -155,11 +162,18 @@ def ingest(
 ):
     """Read, chunk, embed documents and store each chunk's KV cache. Re-running skips what is stored."""
     _quiet_libraries()
+    import dataclasses
+
     import ragkv
     from pipelines.progress import default_reporter
+    from ragkv.config import parse_size
 
     model_settings, settings = _settings(model, embedder, device, dtype, chunk_tokens, system_prompt, batch_tokens,
                                          kv_dtype, span_tokens)
+    limits = {"all": None, "none": 0}
+    settings = dataclasses.replace(
+        settings, kv_budget=parse_size(kv_budget, "--kv-budget") if kv_budget is not None else None,
+        precompute=limits[precompute] if precompute in limits else parse_size(precompute, "--precompute (all, none or a size)"))
     report = ragkv.ingest(paths, store, model=model_settings, settings=settings,
                           reporter=default_reporter(quiet or json_out), wait=wait, prune=prune, engine=engine,
                           workers=workers)
@@ -174,6 +188,10 @@ def _print_ingest(report: dict) -> None:
     typer.echo(f"Store {report['store']} (generation {report['generation']}): {docs['added']} added, "
                f"{docs['changed']} changed, {docs['unchanged']} unchanged, {docs['removed']} removed documents")
     adopted = f", {report['kv_adopted']} recovered from an interrupted run" if report["kv_adopted"] else ""
+    if report["kv_deferred"] or report["kv_evicted"] or report["kv_budget"] is not None:
+        budget = f" of a {_size(report['kv_budget'])} budget" if report["kv_budget"] is not None else ""
+        adopted += (f"; {report['kv_deferred']} chunks left to compute on their first question, "
+                    f"{report['kv_evicted']} evicted; KV takes {_size(report['kv_bytes'])}{budget}")
     typer.echo(f"KV: {report['kv_computed']} chunks computed ({report['tokens_computed']:,} tokens, "
                f"{report['tokens_per_s']:,.0f} tokens/s), {report['kv_reused']} already stored "
                f"({report['tokens_skipped']:,} tokens skipped){adopted}; {report['model']} {report['dtype']} on "
@@ -360,6 +378,9 @@ def _print_answer_footer(answer, sources: bool = True) -> None:
     recomputed = f"{st.recomputed_tokens} recomputed, " if st.recomputed_tokens else ""
     stored_as = f" (KV stored as {st.kv_quant}: approximate)" if st.kv_quant != "none" else ""
     mode = f"{st.mode} (approximate: may differ from a full prefill)" if st.is_approximate else st.mode
+    if st.kv_source:
+        mode += {"computed": " (chunk KV computed now: not stored yet)", "ram": " (chunk KV from RAM)",
+                 "store": ""}[st.kv_source]
     err(f"{mode}{stored_as}: {st.reused_tokens} tokens reused, {recomputed}{st.computed_tokens} computed, "
         f"{st.generated_tokens} generated | "
         f"retrieval {st.retrieval_ms:.0f} ms, catalog {st.catalog_ms:.0f} ms, KV load {st.kv_load_ms:.0f} ms, "
@@ -530,6 +551,42 @@ def serve(
         uvicorn.run(app, host=host, port=port, log_level="warning", limit_concurrency=settings.max_queue * 4 + 16)
 
 
+def _size(size: int) -> str:
+    from store.budget import format_bytes
+
+    return format_bytes(size)
+
+
+@app.command()
+def budget(
+    size: Optional[str] = typer.Argument(None, help="Most bytes of KV to keep (e.g. 20GB, 512MiB), or 'off'. "
+                                                    "Omitted: show the budget and what the KV takes."),
+    store: str = StoreOption,
+    wait: bool = WaitOption,
+    json_out: bool = JsonOption,
+):
+    """Show or change the store's KV budget. A smaller budget evicts the least-asked chunks' KV now
+    (LFU with ageing: each question adds 1, halving every 7 days); they are computed again on a miss."""
+    from ragkv.config import parse_size
+    from store import open_snapshot
+    from store.budget import set_budget
+
+    if size is None:
+        with open_snapshot(store, require_documents=False) as snapshot:
+            summary = {"store": snapshot.location, "kv_budget": snapshot.catalog.kv_budget(),
+                       "kv_bytes": snapshot.catalog.kv_bytes()}
+    else:
+        limit = None if size.strip().lower() in ("off", "none") else parse_size(size, "budget")
+        summary = set_budget(store, limit, wait=wait).to_dict()
+    if json_out:
+        typer.echo(json.dumps(summary))
+        return
+    limit = summary["kv_budget"]
+    evicted = f"; {summary['evicted']} chunks' KV evicted" if summary.get("evicted") else ""
+    typer.echo(f"{summary['store']}: KV takes {_size(summary['kv_bytes'])} of "
+               f"{_size(limit) + ' budget' if limit is not None else 'no budget (all KV kept)'}{evicted}")
+
+
 @app.command()
 def stats(store: str = StoreOption, json_out: bool = JsonOption):
     """What a store holds: documents, chunks, tokens and bytes per model and dtype, shards, dead bytes."""
@@ -549,6 +606,16 @@ def stats(store: str = StoreOption, json_out: bool = JsonOption):
     typer.echo(f"shards: {summary['shards']} files, {mib(summary['shard_bytes'])} on disk, {mib(summary['live_bytes'])} live, "
                f"{mib(summary['dead_bytes'])} dead ({summary['shards_unreferenced']} unreferenced files)")
     typer.echo("  dead bytes: retired KV; `ragkv gc` deletes unreferenced files and rewrites shards under half live")
+    limit = summary["kv_budget"]
+    typer.echo(f"KV budget: {_size(limit) + ', ' + _size(summary['live_bytes']) + ' used' if limit is not None else 'none'}")
+    if summary["uses"]:
+        rate = summary["hit_rate"]
+        typer.echo(f"questions used chunks {summary['uses']} times; KV hit rate "
+                   f"{'n/a' if rate is None else f'{rate:.1%}'} ({summary['kv_hits']} ready, "
+                   f"{summary['kv_misses']} computed on a miss)")
+        show = lambda d: f"{d['doc_id']} ({d['uses']} uses, score {d['score']:.1f})"  # noqa: E731
+        typer.echo("  hottest: " + ", ".join(show(d) for d in summary["hottest"]))
+        typer.echo("  coldest: " + ", ".join(show(d) for d in summary["coldest"]))
 
 
 def main() -> None:

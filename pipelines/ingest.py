@@ -33,7 +33,8 @@ from ragkv.errors import InputError, ModelError
 from ragkv.keys import KVKey, Profile
 from ragkv.model import LoadedModel, load_model
 from ragkv.prompt import PromptLayout, encode_text
-from store import ChunkRow, DocumentRow, SealedEntry, StoreWriter
+from store import ChunkRow, DocumentRow, SealedEntry, StoreWriter, budget
+from store.budget import Candidate
 from store.store import open_writer
 
 ENGINES = ("local", "ray")
@@ -53,6 +54,11 @@ class IngestReport:
     kv_computed: int = 0  # KV entries computed now
     kv_reused: int = 0  # chunks whose KV was already stored (unchanged, or identical text)
     kv_adopted: int = 0  # entries sealed by an earlier, interrupted run, verified and kept
+    kv_deferred: int = 0  # chunks left without KV (budget or --precompute): computed on their first miss
+    kv_evicted: int = 0  # stored chunk KV the budget dropped for more popular chunks
+    kv_budget: int | None = None  # bytes the store's KV may take (None: no budget)
+    kv_bytes: int = 0  # bytes the store's KV takes now
+    uses_folded: int = 0  # question uses read from the hit logs into the catalog (popularity)
     shards_discarded: int = 0  # ray: shards of killed, retried attempts (duplicates), deleted
     tokens_computed: int = 0
     tokens_skipped: int = 0
@@ -139,9 +145,11 @@ def ingest(paths: Sequence[Path | str], store: Path | str, model: ModelSettings 
     try:
         with open_writer(store, wait=wait) as writer:
             report.kv_adopted = len(writer.adopt_orphans())
+            report.uses_folded = budget.fold_hits(writer)
             _write(writer, found.documents, lm, embedder, layout, profile, settings, reporter, report, prune, job)
+            report.kv_bytes = writer.catalog.kv_bytes()
             report.generation = writer.publish()
-            if job:  # shards sealed by killed attempts of retried batches: unreferenced duplicates
+            if job or report.kv_evicted:  # shards of killed, retried attempts (duplicates), or evicted KV
                 report.shards_discarded = writer.delete_unreferenced_shards()[0]
     finally:
         reporter.done()
@@ -202,6 +210,13 @@ def _write(writer: StoreWriter, documents: list[Document], lm: LoadedModel, embe
         pending = [_pending(c, lm.tokenizer, profile) for c in candidates]
     _check_chunks_fit(pending, lm, layout)
     catalog.add_profile(_profile_row(profile, lm, settings.system_prompt))
+    limit = settings.kv_budget if settings.kv_budget is not None else catalog.kv_budget()
+    report.kv_budget = limit
+    if limit is not None or settings.precompute is not None:
+        if settings.span_tokens:
+            raise InputError(f"store {writer.root} has a KV budget, which keeps chunks' KV one by one; ingest "
+                             "without --span-tokens")
+        pending = _within_budget(writer, pending, lm, profile, limit, settings.precompute, report)
     work, prefix_key = _todo(catalog, pending, profile, report)
     if job:
         chunks = [u.chunks[0] for u in work]  # without spans every unit is one chunk
@@ -210,11 +225,44 @@ def _write(writer: StoreWriter, documents: list[Document], lm: LoadedModel, embe
         _embed(new_chunks, embedder, vectors, reporter)
         _compute_and_store(writer, work, prefix_key, lm, profile, settings, reporter, report)
     catalog.link_chunks(profile.profile_id, [(p.chunk_id, p.key, p.token_ids, p.span_start) for p in pending])
+    if limit is not None:  # estimates planned the work; the bytes written decide
+        report.kv_evicted += len(budget.enforce(writer, profile.profile_id, limit))
+        catalog.set_meta({"kv_budget": str(limit)})
     catalog.set_meta({
         "embedder": embedder.name,
         "embedder_fingerprint": embedder.fingerprint,
         "last_profile": profile.profile_id,
     })
+
+
+def _within_budget(writer: StoreWriter, pending: list[PendingChunk], lm: LoadedModel, profile: Profile,
+                   limit: int | None, precompute: int | None, report: IngestReport) -> list[PendingChunk]:
+    """The chunks whose KV to compute now: the most popular that fit the budget `limit` (and,
+    of new KV, at most `precompute` bytes), chunks whose KV is stored already always. Stored
+    KV colder than what is chosen is evicted. The rest stay without KV (computed on a miss)."""
+    catalog = writer.catalog
+    prefix_parts = codec.encode(compute_prefix(lm.model, profile.prefix_ids), profile.kv_quant)
+    prefix_bytes = sum(t.numel() * t.element_size() for t in prefix_parts.values())
+    if limit is not None:
+        budget.check_budget(limit, prefix_bytes)
+    per_token = prefix_bytes / max(len(profile.prefix_ids), 1)
+    stored_keys = catalog.existing_keys(p.key for p in pending)
+    fresh = [p for p in pending if p.key not in stored_keys]
+    now = time.time()
+    scores = catalog.chunk_scores([p.chunk_id for p in fresh], now, catalog.half_life_s(budget.HALF_LIFE_S))
+    candidates = [Candidate(p.key, math.ceil(len(p.token_ids) * per_token), scores[p.chunk_id], False, p.chunk_id)
+                  for p in fresh]
+    stored = budget.stored_candidates(catalog, profile.profile_id, now)
+    room = budget.room_for_chunks(catalog, limit, stored)
+    if room is not None and catalog.existing_keys([KVKey.for_prefix(profile).to_string()]) == set():
+        room -= prefix_bytes  # the prefix entry this ingest writes
+    decision = budget.plan(stored + candidates, room, precompute)
+    if decision.evict:
+        catalog.unlink_keys(profile.profile_id, decision.evict)
+        report.kv_evicted += len(decision.evict)
+    chosen = set(decision.compute)
+    report.kv_deferred = len(fresh) - len(chosen)
+    return [p for p in pending if p.key in stored_keys or p.key in chosen]
 
 
 def _replace_documents(writer: StoreWriter, plan: DocumentPlan, chunking: str, lm: LoadedModel,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -35,6 +36,20 @@ DEFAULT_BLEND_RATIOS = {"blend": 0.15, "epic": 0.05}  # share recomputed when --
 CONTEXTS = ("chunk", "span", "document")  # what a retrieved chunk brings into the prompt (see QueryEngine.prepare)
 KV_DTYPES = ("auto", "bfloat16", "float16", "int8", "int4", "int2")  # see ragkv.codec
 DEVICES = ("auto", "cpu", "cuda")
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
+               "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
+
+
+def parse_size(text: str, what: str = "size") -> int:
+    """Bytes in a size such as "20GB", "512MiB", "1.5G" or "4096" (GB = 10^9, GiB = 2^30)."""
+    match = _SIZE.match(str(text))
+    if not match:
+        raise InputError(f"{what} {text!r} is not a size; write e.g. 20GB, 512MiB or 4096 (bytes)")
+    unit = (match.group(2) or "").lower().removesuffix("b")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
 
 
 def cache_dir() -> Path:
@@ -144,6 +159,8 @@ class IngestSettings(_Settings):
     shard_bytes: int = 256 << 20  # seal a shard once it holds this many bytes
     kv_dtype: str = "auto"  # how KV is stored: auto (as computed, lossless) or bfloat16/float16/int8/int4/int2 (approximate)
     span_tokens: int = DEFAULT_SPAN_TOKENS  # a document's chunks computed as one sequence, restarting past this many tokens; 0: each chunk alone
+    kv_budget: int | None = None  # bytes of KV the store may hold, kept by popularity (None: the store's, else none)
+    precompute: int | None = None  # bytes of chunk KV to compute now (None: all the budget allows; 0: none)
 
     def __post_init__(self):
         if self.span_tokens and self.span_tokens < self.chunk_tokens:
@@ -157,6 +174,16 @@ class IngestSettings(_Settings):
             raise InputError(f"unknown --kv-dtype {self.kv_dtype!r}; use one of {', '.join(KV_DTYPES)}")
         if self.shard_bytes < 1:
             raise InputError(f"shard_bytes must be positive, got {self.shard_bytes}")
+        if self.span_tokens and (self.kv_budget is not None or self.precompute is not None):
+            raise InputError("--kv-budget and --precompute keep chunks' KV one by one; they do not combine with "
+                             "--span-tokens (a span's KV is computed and kept whole)")
+        if (self.kv_budget or 0) < 0 or (self.precompute or 0) < 0:
+            raise InputError("--kv-budget and --precompute take a size in bytes, not a negative number")
+
+    @property
+    def is_selective(self) -> bool:
+        """Whether only some chunks' KV may be computed (a budget or a precompute limit)."""
+        return self.kv_budget is not None or self.precompute is not None
 
     def batch_tokens_for(self, device: str) -> int:
         return self.batch_tokens or (16384 if device == "cuda" else 2048)
