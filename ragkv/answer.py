@@ -63,6 +63,11 @@ class Stats:
     def prompt_tokens(self) -> int:
         return self.reused_tokens + self.recomputed_tokens + self.computed_tokens
 
+    def to_dict(self) -> dict:
+        """The fields, and what they imply: kv_source, prompt_tokens, approximate (JSON-ready)."""
+        return {**asdict(self), "kv_sources": {str(k): v for k, v in self.kv_sources.items()},
+                "kv_source": self.kv_source, "prompt_tokens": self.prompt_tokens, "approximate": self.is_approximate}
+
     def record(self, done, start: float) -> None:
         """Take the timings of a finished `ragkv.generate.Generated` started at `start`."""
         self.prefill_ms = done.prefill_s * 1000.0
@@ -83,17 +88,12 @@ class Answer:
     prompt_ids: list[int] = field(default_factory=list, repr=False)  # the exact prompt, for comparisons
 
     def to_dict(self) -> dict:
-        stats = asdict(self.stats)
-        stats["kv_source"] = self.stats.kv_source
-        stats["kv_sources"] = {str(k): v for k, v in self.stats.kv_sources.items()}
-        stats["prompt_tokens"] = self.stats.prompt_tokens
-        stats["approximate"] = self.stats.is_approximate
         return {
             "question": self.question,
             "answer": self.text,
             "token_ids": self.token_ids,
             "sources": [asdict(s) for s in self.sources],
-            "stats": stats,
+            "stats": self.stats.to_dict(),
         }
 
 

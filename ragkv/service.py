@@ -351,8 +351,8 @@ def _submit(batcher: Batcher, conversations: Conversations, history, question: s
 
 
 def _ragkv_block(answer, warnings: list[str], reused_history: bool) -> dict:
-    return {"sources": [asdict(s) for s in answer.sources], "stats": {**asdict(answer.stats),
-            "approximate": answer.stats.is_approximate, "warnings": answer.stats.warnings + warnings},
+    return {"sources": [asdict(s) for s in answer.sources],
+            "stats": {**answer.stats.to_dict(), "warnings": answer.stats.warnings + warnings},
             "token_ids": answer.token_ids,
             "conversation_reused": reused_history}
 
