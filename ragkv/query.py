@@ -456,9 +456,15 @@ class QueryEngine:
 
     def _record_uses(self, retrieved: list[tuple[ContextRow, float]], stats: Stats) -> None:
         """Log each chunk the prompt used, with where its KV came from (popularity, hit rate)."""
-        if self._hit_log is not None:
+        if self._hit_log is None:
+            return
+        try:
             self._hit_log.record(Use(row.doc_id, row.chunk_index, stats.kv_sources.get(row.chunk_id, "live"))
                                  for row, _ in retrieved)
+        except OSError as exc:  # a read-only store still answers; it only stops counting
+            log.warning("cannot log chunk uses in %s (%s); popularity is not counted for this engine",
+                        self.snapshot.location, exc.strerror or exc)
+            self._hit_log = None
 
     def _read_buffer(self, slot: int, size: int) -> torch.Tensor:
         """Reused host memory to read stored KV into: one buffer per chunk of a request,

@@ -2,7 +2,8 @@
 
 The query path hands a `ComputedKV` to `WriteBack.submit` and answers on; a thread takes what
 has queued up and writes it as one new generation, under the store's single write lock
-(waiting behind an ingest or another process's write-back rather than failing). Per batch:
+(waiting a while behind another process's write-back; behind a long ingest it gives up, and
+a later miss computes the KV again). Per batch:
 fold the hit logs, skip keys another process stored meanwhile (so concurrent misses of one
 chunk leave one entry), let the budget decide what earns a place and what it evicts, seal
 the shard, commit the rows, publish, delete shards nothing references.
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ragkv.errors import RagkvError
+from ragkv.errors import RagkvError, StoreLockedError
 from store import budget
 from store.budget import Candidate
 from store.store import open_writer
@@ -33,6 +34,7 @@ log = logging.getLogger("ragkv")
 
 MAX_PENDING = 64  # computed entries waiting to be written; beyond this a miss is not written back
 SHARD_BYTES = 256 << 20
+LOCK_WAIT_S = 30.0  # how long a write-back waits for another writer to finish
 KILL_ENV = "RAGKV_TEST_KILL_IN_WRITEBACK"  # tests: SIGKILL this process after sealing a shard, before commit
 
 
@@ -121,8 +123,27 @@ class WriteBack:
             if item is None or batch[-1] is None:
                 return
 
+    def _open_writer(self):
+        """The store's writer, waiting up to LOCK_WAIT_S behind another writer (an ingest may
+        hold it for hours: then the batch is dropped, and computed again on a later miss)."""
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                return open_writer(self.root)
+            except StoreLockedError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
     def _write(self, batch: list[ComputedKV]) -> None:
-        with open_writer(self.root, wait=True) as writer:
+        try:
+            writer = self._open_writer()
+        except StoreLockedError:
+            self.report.dropped += len(batch)
+            log.info("store %s stayed locked by another writer; %d computed KV entries not stored", self.root,
+                     len(batch))
+            return
+        with writer:
             catalog = writer.catalog
             budget.fold_hits(writer)
             by_key = {b.kv_key: b for b in batch}
