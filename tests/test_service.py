@@ -18,7 +18,8 @@ from openai import OpenAI
 
 import ragkv
 from ragkv.config import ModelSettings
-from tests.conftest import QUESTIONS, ROOT
+from store import open_snapshot
+from tests.conftest import QUESTIONS, ROOT, run_cli
 
 KEY = "test-key-123"
 
@@ -247,3 +248,17 @@ def test_a_reindex_published_while_a_client_loops_fails_no_request(served, tiny_
     generations = [body["ragkv"]["stats"]["store_generation"] for _, body in results]
     assert generations == sorted(generations) and generations[-1] > generations[0]
     assert all(body["ragkv"]["stats"]["mode"] == "exact" for _, body in results)
+
+
+def test_a_chunk_without_kv_is_computed_then_kept_in_ram(served):
+    """Runs last: it evicts the served store's chunk KV (a budget of the prefix alone)."""
+    base, store, _ = served
+    with open_snapshot(store) as snapshot:
+        prefix_bytes = snapshot.catalog.prefix_bytes()
+    assert run_cli("budget", prefix_bytes, "--store", store).exit_code == 0
+    body = {"messages": [{"role": "user", "content": "Which network do guests use, and where is its password?"}],
+            "max_tokens": 4}
+    first, second = post(base, body).json(), post(base, body).json()
+    assert first["ragkv"]["sources"][0]["doc_id"] == "wifi"
+    assert (first["ragkv"]["stats"]["kv_source"], second["ragkv"]["stats"]["kv_source"]) == ("computed", "ram")
+    assert first["ragkv"]["token_ids"] == second["ragkv"]["token_ids"]
