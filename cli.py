@@ -533,6 +533,14 @@ def serve(
     max_tokens_cap: int = typer.Option(1024, "--max-tokens-cap", help="Largest max_tokens a request gets."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Override the model the store was built with."),
     device: str = DeviceOption,
+    engine_name: str = typer.Option("ragkv", "--engine", help="ragkv (this process runs the model) or vllm (a vLLM "
+                                    "server runs it, loading the store's KV through the ragkv connector; ragkv "
+                                    "retrieves and lays out the prompt in front, with the same API)."),
+    vllm_python: Optional[str] = typer.Option(None, "--vllm-python", envvar="RAGKV_VLLM_PYTHON",
+                                              help="--engine vllm: the python that has vLLM (default: this one)."),
+    vllm_port: int = typer.Option(8100, "--vllm-port", help="--engine vllm: the port vLLM listens on (loopback)."),
+    vllm_args: Optional[str] = typer.Option(None, "--vllm-args", help="--engine vllm: more arguments for vLLM's "
+                                            "server, e.g. \"--max-model-len 4096 --gpu-memory-utilization 0.8\"."),
 ):
     """Serve the store over HTTP: OpenAI-compatible /v1/chat/completions (streaming too),
     /v1/retrieve, /v1/models, /healthz, /metrics. Picks up re-indexed generations live."""
@@ -545,10 +553,37 @@ def serve(
     settings = ServeSettings(host=host, port=port, api_key=api_key or None, max_queue=max_queue, max_batch=max_batch,
                              max_tokens_cap=max_tokens_cap, max_batch_tokens=max_batch_tokens,
                              prefill_chunk=prefill_chunk)
+    if engine_name == "vllm":
+        _serve_vllm(store, model, settings, vllm_python or sys.executable, vllm_port, vllm_args or "")
+        return
+    if engine_name != "ragkv":
+        raise InputError(f"unknown --engine {engine_name!r}; use ragkv or vllm")
     with ragkv.open(store, model=model, device=device) as engine:
         app = build_app(engine, settings)
         typer.echo(f"ragkv serving {store} ({engine.lm.facts.name}) on http://{host}:{port}", err=True)
         uvicorn.run(app, host=host, port=port, log_level="warning", limit_concurrency=settings.max_queue * 4 + 16)
+
+
+def _serve_vllm(store: str, model: Optional[str], settings, python: str, vllm_port: int, args: str) -> None:
+    import shlex
+
+    import uvicorn
+
+    import ragkv
+    from ragkv.vllm_front import VllmServer, build_front_app
+
+    with ragkv.open(store, model=model, device="cpu", weights=False) as engine:
+        facts = engine.lm.facts
+        server = VllmServer(python, facts.path, facts.dtype, store, vllm_port, tuple(shlex.split(args)))
+        typer.echo(f"starting vLLM ({python}) for {facts.name} on port {vllm_port}", err=True)
+        server.start(timeout_s=1800)
+        try:
+            app = build_front_app(engine, server.url, settings)
+            typer.echo(f"ragkv serving {store} ({facts.name}, engine vllm) on http://{settings.host}:{settings.port}",
+                       err=True)
+            uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
+        finally:
+            server.stop()
 
 
 def _size(size: int) -> str:

@@ -168,20 +168,26 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return digest(type(tokenizer).__name__, state, specials)
 
 
-def load_model(name: str, device: str, dtype: str) -> LoadedModel:
-    """Load tokenizer and model from `name` onto `device` in `dtype`, with their facts."""
+def load_model(name: str, device: str, dtype: str, weights: bool = True) -> LoadedModel:
+    """Load tokenizer and model from `name` onto `device` in `dtype`, with their facts. With
+    `weights=False`, only the tokenizer and config (`model` is None): for retrieval and prompt
+    layout in front of another engine that runs the model."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     folder = resolve_model_path(name)
+    model = None
     try:
         with quiet_loading():
             tokenizer = AutoTokenizer.from_pretrained(folder)
-            model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
+            if weights:
+                model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
+            config = model.config if weights else AutoConfig.from_pretrained(folder)
     except Exception as exc:  # transformers raises many types; name the folder and the cause
         raise ModelError(f"could not load model from {folder}: {exc}".splitlines()[0]) from exc
-    model.to(device).eval()
-    config = model.config.get_text_config()
+    if model is not None:
+        model.to(device).eval()
+    config = config.get_text_config()
     eos_ids = _eos_ids(folder, tokenizer, GenerationConfig)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     facts = ModelFacts(

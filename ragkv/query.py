@@ -48,6 +48,15 @@ class ActiveProfile:
 
 
 @dataclass
+class Prompt:
+    """A question's retrieved chunks and prompt ids: what `QueryEngine.prompt_for` returns."""
+
+    retrieved: list[tuple[ContextRow, float]]  # the prompt's chunks, in prompt order, with their hit's score
+    prompt_ids: list[int]  # the whole prompt
+    question_ids: list[int]  # its tail: the question with its template
+
+
+@dataclass
 class Prepared:
     """A question ready to prefill: what `QueryEngine.prepare` returns."""
 
@@ -64,14 +73,15 @@ class QueryEngine:
 
     def __init__(self, store: Path | str, model: str | None = None, embedder: str | None = None,
                  device: str = "auto", dtype: str | None = None, kv_dtype: str | None = None,
-                 prefix_cache_bytes: int = 512 << 20, ram_bytes: int = 1 << 30, write_back: bool = True):
+                 prefix_cache_bytes: int = 512 << 20, ram_bytes: int = 1 << 30, write_back: bool = True,
+                 weights: bool = True):
         if kv_dtype is not None and kv_dtype not in KV_DTYPES:
             raise InputError(f"unknown --kv-dtype {kv_dtype!r}; use one of {', '.join(KV_DTYPES)}")
         self.snapshot: StoreSnapshot = open_snapshot(store)
         try:
             meta = self.snapshot.catalog.meta()
             self.device = resolve_device(device)
-            self.lm, self.active = self._load_model(model, dtype, kv_dtype)
+            self.lm, self.active = self._load_model(model, dtype, kv_dtype, weights)
             self.embedder = self._load_embedder(embedder or meta["embedder"], meta)
         except BaseException:
             self.snapshot.close()
@@ -89,7 +99,8 @@ class QueryEngine:
         self._hit_log = None if self.snapshot.remote else HitLog(self.snapshot.root)
 
     # -- setup ----------------------------------------------------------------------------
-    def _load_model(self, name: str | None, dtype: str | None, kv_dtype: str | None) -> tuple[LoadedModel, ActiveProfile]:
+    def _load_model(self, name: str | None, dtype: str | None, kv_dtype: str | None,
+                    weights: bool = True) -> tuple[LoadedModel, ActiveProfile]:
         rows = self.snapshot.catalog.profiles()
         if not rows:
             raise StoreEmptyError(f"store {self.snapshot.location} holds no KV; add documents with: ragkv ingest DOCS")
@@ -98,7 +109,7 @@ class QueryEngine:
         name = model_name(name) if name else default["model_name"]
         same_name = [r for r in rows if r["model_name"] == name]
         dtype = resolve_dtype(dtype, self.device) if dtype else (same_name[0]["dtype"] if same_name else default["dtype"])
-        lm = load_model(name, self.device, dtype)
+        lm = load_model(name, self.device, dtype, weights)
         candidates = [r for r in rows if r["model_fingerprint"] == lm.facts.fingerprint and r["dtype"] == dtype
                       and (kv_dtype is None or r["kv_quant"] == codec.kv_quant(kv_dtype, dtype))]
         if not candidates:
@@ -263,6 +274,26 @@ class QueryEngine:
         """Retrieve (widened to `settings.context`), build the prompt ids, and assemble what the
         store holds of the prompt into a cache: the one seam every online path (ask, stream,
         conversations, the batcher, the service) builds its prompt through. Fills `stats`."""
+        prompt = self.prompt_for(question, settings, stats)
+        retrieved, prompt_ids, question_ids = prompt.retrieved, prompt.prompt_ids, prompt.question_ids
+        chunk_ids = [self.chunk_token_ids(row) for row, _ in retrieved]
+        load_start = time.perf_counter()
+        assembly = self.assemble([row for row, _ in retrieved], chunk_ids, settings, stats)
+        stats.kv_load_ms = _ms(load_start)
+        live_ids = prompt_ids[assembly.num_cached:]
+        self._record_uses(retrieved, stats)
+        computed = sum(len(ids) for (row, _), ids in zip(retrieved, chunk_ids)
+                       if stats.kv_sources.get(row.chunk_id) == "computed")  # prefilled now, as a miss
+        stats.reused_tokens = assembly.reused_tokens - computed
+        stats.recomputed_tokens = assembly.recomputed_tokens
+        stats.prefix_cache_tokens = assembly.prefix_cache_tokens
+        stats.computed_tokens = len(live_ids) + computed
+        return Prepared(retrieved, prompt_ids, question_ids, live_ids, assembly)
+
+    def prompt_for(self, question: str, settings: AskSettings, stats: Stats) -> "Prompt":
+        """Retrieve (widened to `settings.context`, cut to fit the context) and lay out the
+        prompt's ids. Needs no model weights: a front for
+        another engine (ragkv.vllm_front) sends these ids. Fills `stats`' retrieval timings."""
         start = time.perf_counter()
         layout = self.active.layout
         hits = self._search(question, settings.top_k, settings.doc_ids)
@@ -277,20 +308,8 @@ class QueryEngine:
         retrieved = self.widen(retrieved, settings.context)
         question_ids = layout.question_ids(self.lm.tokenizer, question)
         retrieved = self._fit_chunks(retrieved, question_ids, stats)
-        chunk_ids = [self.chunk_token_ids(row) for row, _ in retrieved]
-        prompt_ids = layout.prompt_ids(chunk_ids, question_ids)
-        load_start = time.perf_counter()
-        assembly = self.assemble([row for row, _ in retrieved], chunk_ids, settings, stats)
-        stats.kv_load_ms = _ms(load_start)
-        live_ids = prompt_ids[assembly.num_cached:]
-        self._record_uses(retrieved, stats)
-        computed = sum(len(ids) for (row, _), ids in zip(retrieved, chunk_ids)
-                       if stats.kv_sources.get(row.chunk_id) == "computed")  # prefilled now, as a miss
-        stats.reused_tokens = assembly.reused_tokens - computed
-        stats.recomputed_tokens = assembly.recomputed_tokens
-        stats.prefix_cache_tokens = assembly.prefix_cache_tokens
-        stats.computed_tokens = len(live_ids) + computed
-        return Prepared(retrieved, prompt_ids, question_ids, live_ids, assembly)
+        prompt_ids = layout.prompt_ids([self.chunk_token_ids(row) for row, _ in retrieved], question_ids)
+        return Prompt(retrieved, prompt_ids, question_ids)
 
     def _fit_chunks(self, retrieved, question_ids: list[int], stats: Stats):
         """Drop the last chunks (the lowest-ranked hits, or a span's last chunks: cut at chunk

@@ -109,7 +109,7 @@ class RetrieveRequest(_Body):
 
 
 # -- errors --------------------------------------------------------------------------------
-def _error(status: int, message: str, kind: str, headers: dict | None = None) -> JSONResponse:
+def json_error(status: int, message: str, kind: str, headers: dict | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status, headers=headers)
 
 
@@ -205,44 +205,17 @@ def build_app(engine, settings: ServeSettings) -> FastAPI:
     async def limit_and_count(request: Request, call_next):
         length = request.headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > settings.max_body_bytes):
-            response = _error(413, f"request body over {settings.max_body_bytes} bytes", "request_too_large")
+            response = json_error(413, f"request body over {settings.max_body_bytes} bytes", "request_too_large")
         else:
             response = await call_next(request)
         metrics.requests.labels(request.url.path, str(response.status_code)).inc()
         return response
 
-    async def authorised(request: Request) -> None:
-        if settings.api_key is None:
-            return
-        sent = request.headers.get("authorization", "")
-        if not hmac.compare_digest(sent.encode(), f"Bearer {settings.api_key}".encode()):
-            raise _Unauthorised()
-
-    @app.exception_handler(_Unauthorised)
-    async def unauthorised(request, exc):
-        return _error(401, "missing or wrong API key: send Authorization: Bearer KEY", "invalid_api_key")
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request, exc):
-        first = exc.errors()[0] if exc.errors() else {}
-        if first.get("type") == "json_invalid":
-            return _error(400, "the request body is not valid JSON", "invalid_request_error")
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
-        return _error(400, f"invalid request: {where}: {first.get('msg', 'malformed')}", "invalid_request_error")
-
-    @app.exception_handler(RagkvError)
-    async def ragkv_error(request, exc):
-        status = next((code for kind, code in _STATUS.items() if isinstance(exc, kind)), 500)
-        return _error(status, str(exc), type(exc).__name__)
-
-    @app.exception_handler(_UnknownModel)
-    async def unknown_model(request, exc):
-        return _error(404, f"the model {exc.args[0]!r} does not exist; this service serves {SERVED_MODEL_ID!r} "
-                           f"(the LLM {engine.lm.facts.name})", "model_not_found")
+    authorised = install_errors(app, settings, engine.lm.facts.name)
 
     @app.exception_handler(Busy)
     async def busy(request, exc):
-        return _error(503, "the model is busy; retry shortly", "server_busy", headers={"Retry-After": "1"})
+        return json_error(503, "the model is busy; retry shortly", "server_busy", headers={"Retry-After": "1"})
 
     @app.get("/healthz")
     async def healthz():
@@ -268,8 +241,8 @@ def build_app(engine, settings: ServeSettings) -> FastAPI:
     @app.post("/v1/chat/completions", dependencies=[Depends(authorised)])
     async def chat(body: ChatRequest):
         if body.model is not None and body.model not in accepted_ids:
-            raise _UnknownModel(body.model)
-        history, question, warnings = _split(body.messages)
+            raise UnknownModel(body.model)
+        history, question, warnings = split_messages(body.messages)
         requested = body.max_completion_tokens or body.max_tokens or settings.default_max_tokens
         if requested > settings.max_tokens_cap:
             warnings.append(f"max_tokens cut from {requested} to {settings.max_tokens_cap}")
@@ -297,15 +270,51 @@ def build_app(engine, settings: ServeSettings) -> FastAPI:
     return app
 
 
+def install_errors(app: FastAPI, settings: ServeSettings, llm_name: str):
+    """JSON errors for bad bodies, ragkv errors, unknown models and a wrong API key; returns
+    the dependency that checks the key."""
+
+    async def authorised(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        sent = request.headers.get("authorization", "")
+        if not hmac.compare_digest(sent.encode(), f"Bearer {settings.api_key}".encode()):
+            raise _Unauthorised()
+
+    @app.exception_handler(_Unauthorised)
+    async def unauthorised(request, exc):
+        return json_error(401, "missing or wrong API key: send Authorization: Bearer KEY", "invalid_api_key")
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, exc):
+        first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":
+            return json_error(400, "the request body is not valid JSON", "invalid_request_error")
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
+        return json_error(400, f"invalid request: {where}: {first.get('msg', 'malformed')}", "invalid_request_error")
+
+    @app.exception_handler(RagkvError)
+    async def ragkv_error(request, exc):
+        status = next((code for kind, code in _STATUS.items() if isinstance(exc, kind)), 500)
+        return json_error(status, str(exc), type(exc).__name__)
+
+    @app.exception_handler(UnknownModel)
+    async def unknown_model(request, exc):
+        return json_error(404, f"the model {exc.args[0]!r} does not exist; this service serves {SERVED_MODEL_ID!r} "
+                           f"(the LLM {llm_name})", "model_not_found")
+
+    return authorised
+
+
 class _Unauthorised(Exception):
     pass
 
 
-class _UnknownModel(Exception):
+class UnknownModel(Exception):
     pass
 
 
-def _split(messages: list[Message]) -> tuple[list[tuple[str, str]], str, list[str]]:
+def split_messages(messages: list[Message]) -> tuple[list[tuple[str, str]], str, list[str]]:
     """(earlier (user, assistant) pairs, the last user message, warnings) from chat messages."""
     warnings = []
     if any(m.role in ("system", "developer") for m in messages):

@@ -1,0 +1,169 @@
+"""`ragkv serve --engine vllm`: ragkv's retrieval and prompt layout in front of a vLLM server
+that loads the store's KV through the ragkv connector (ragkv.integrations.vllm).
+
+The front holds the store, the embedder and the tokenizer (no model weights); per request it
+retrieves, lays out the prompt ids exactly as `ragkv serve` would, and sends them to vLLM's
+`/v1/completions`. vLLM asks the connector which leading ids the store holds, loads their KV
+into its blocks and prefills the rest. The API is the embedded service's: OpenAI chat
+completions (streaming too) with a `ragkv` block naming the sources.
+
+One question per request: earlier turns are refused (the store's KV covers a prompt's
+system prefix and chunks; a conversation's history is vLLM's own prefix cache's job).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import asdict
+from pathlib import Path
+
+import httpx
+from fastapi import Depends, FastAPI
+from fastapi.responses import StreamingResponse
+
+from ragkv.answer import Source, Stats
+from ragkv.config import AskSettings
+from ragkv.errors import InputError, ModelError
+from ragkv.service import SERVED_MODEL_ID, ChatRequest, ServeSettings, UnknownModel, install_errors, split_messages
+
+log = logging.getLogger("ragkv")
+VLLM_MODEL_ID = "ragkv-llm"  # the name the front's vLLM serves the model under
+
+
+class VllmServer:
+    """A vLLM OpenAI server, started with the ragkv connector on `store`, in `python` (vLLM
+    pins its own torch: it may live in another environment). `start` waits until it answers."""
+
+    def __init__(self, python: str, model_folder: str, dtype: str, store: str, port: int, args: tuple[str, ...] = ()):
+        self.url = f"http://127.0.0.1:{port}"
+        connector = {"kv_connector": "RagkvConnector", "kv_connector_module_path": "ragkv.integrations.vllm",
+                     "kv_role": "kv_consumer", "kv_connector_extra_config": {"store": str(Path(store).resolve())}}
+        self.command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_folder,
+                        "--served-model-name", VLLM_MODEL_ID, "--dtype", dtype, "--host", "127.0.0.1",
+                        "--port", str(port), "--kv-transfer-config", json.dumps(connector), *args]
+        root = str(Path(__file__).resolve().parent.parent)  # so vLLM's python imports this ragkv
+        self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float) -> None:
+        self.process = subprocess.Popen(self.command, env=self.env, stdout=sys.stderr, stderr=subprocess.PIPE,
+                                        text=True)
+        deadline = time.monotonic() + timeout_s  # a first start compiles kernels: minutes on a CPU
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                tail = self.process.stderr.read()[-2000:].strip().splitlines()
+                raise ModelError(f"vLLM exited while starting ({self.process.returncode}): "
+                                 f"{tail[-1] if tail else 'no output'}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise ModelError(f"vLLM did not answer within {timeout_s:.0f} s; see its log above")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+def build_front_app(engine, vllm_url: str, settings: ServeSettings) -> FastAPI:
+    """The OpenAI-compatible front: `engine` (a QueryEngine opened with weights=False) retrieves
+    and lays out; vLLM at `vllm_url` generates."""
+    client = httpx.AsyncClient(base_url=vllm_url, timeout=None)
+    lock = asyncio.Lock()  # the engine's retrieval is not thread-safe: one request lays out at a time
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        await client.aclose()
+
+    app = FastAPI(title="ragkv (vLLM)", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    authorised = install_errors(app, settings, engine.lm.facts.name)
+    accepted_ids = {SERVED_MODEL_ID, engine.lm.facts.name}
+
+    @app.get("/healthz")
+    async def healthz():
+        vllm_ok = (await client.get("/health")).status_code == 200
+        return {"status": "ok" if vllm_ok else "vllm down", "generation": engine.snapshot.generation,
+                "model": SERVED_MODEL_ID, "engine": "vllm"}
+
+    @app.get("/v1/models", dependencies=[Depends(authorised)])
+    async def models():
+        return {"object": "list", "data": [{"id": SERVED_MODEL_ID, "object": "model", "created": 0, "owned_by": "ragkv",
+                                            "root": engine.lm.facts.name}]}
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorised)])
+    async def chat(body: ChatRequest):
+        if body.model is not None and body.model not in accepted_ids:
+            raise UnknownModel(body.model)
+        history, question, warnings = split_messages(body.messages)
+        if history:
+            raise InputError("--engine vllm answers one question per request; send only the last user message")
+        requested = body.max_completion_tokens or body.max_tokens or settings.default_max_tokens
+        if requested > settings.max_tokens_cap:
+            warnings.append(f"max_tokens cut from {requested} to {settings.max_tokens_cap}")
+        ask = AskSettings(top_k=body.ragkv.top_k, context=body.ragkv.context,
+                          doc_ids=tuple(body.ragkv.doc_ids) if body.ragkv.doc_ids is not None else None)
+        stats = Stats(mode="exact")  # vLLM loads the stored KV at its own positions: exact
+        async with lock:
+            engine.refresh()
+            prompt = await asyncio.to_thread(engine.prompt_for, question, ask, stats)
+        payload = {"model": VLLM_MODEL_ID, "prompt": prompt.prompt_ids, "max_tokens": min(requested, settings.max_tokens_cap),
+                   "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed,
+                   "stop": body.stop, "stream": body.stream,
+                   **({"stream_options": {"include_usage": True}} if body.stream else {})}
+        sources = [asdict(Source(r.doc_id, r.source, r.chunk_index, r.chunk_id, score)) for r, score in prompt.retrieved]
+        block = {"sources": sources, "stats": {**stats.to_dict(), "warnings": stats.warnings + warnings},
+                 "prompt_tokens": len(prompt.prompt_ids)}
+        created, reply_id = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
+        if not body.stream:
+            reply = await client.post("/v1/completions", json=payload)
+            reply.raise_for_status()
+            data = reply.json()
+            choice = data["choices"][0]
+            return {"id": reply_id, "object": "chat.completion", "created": created, "model": SERVED_MODEL_ID,
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": choice["text"]},
+                                 "finish_reason": choice.get("finish_reason") or "stop"}],
+                    "usage": data.get("usage"), "ragkv": block}
+        return StreamingResponse(_relay(client, payload, reply_id, created, block), media_type="text/event-stream")
+
+    return app
+
+
+async def _relay(client: httpx.AsyncClient, payload: dict, reply_id: str, created: int, block: dict):
+    """vLLM's completion events re-emitted as chat completion chunks; the last carries usage
+    and the ragkv block."""
+
+    def chunk(delta: dict, finish: str | None = None, **extra) -> str:
+        body = {"id": reply_id, "object": "chat.completion.chunk", "created": created, "model": SERVED_MODEL_ID,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
+        return f"data: {json.dumps(body)}\n\n"
+
+    yield chunk({"role": "assistant", "content": ""})
+    finish, usage = "stop", None
+    async with client.stream("POST", "/v1/completions", json=payload) as reply:
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line.removeprefix("data: "))
+            usage = event.get("usage") or usage
+            for choice in event.get("choices", []):
+                if choice.get("text"):
+                    yield chunk({"content": choice["text"]})
+                finish = choice.get("finish_reason") or finish
+    yield chunk({}, finish, usage=usage, ragkv=block)
+    yield "data: [DONE]\n\n"
