@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,12 @@ def corpus(tmp_path_factory) -> Path:
     for name, text in CORPUS.items():
         (folder / name).write_text(text)
     return folder
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_cli(*args):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -19,15 +18,9 @@ from openai import OpenAI
 import ragkv
 from ragkv.config import ModelSettings
 from store import open_snapshot
-from tests.conftest import QUESTIONS, ROOT, run_cli
+from tests.conftest import QUESTIONS, ROOT, free_port, run_cli
 
 KEY = "test-key-123"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 import ragkv
-from tests.conftest import ROOT
+from tests.conftest import ROOT, free_port
 
 VLLM_PYTHON = os.environ.get("RAGKV_VLLM_PYTHON", "")
 pytestmark = [
@@ -61,3 +64,41 @@ def test_vllm_loads_the_stored_kv_and_prefills_only_the_question(sample_store, t
         assert computed < matched["num_prompt_tokens"] - num_held + BLOCK_SIZE  # the question and a partial block
     assert runs["plain"]["num_cached_tokens"] == 0
     assert runs["plain"]["first_token"] == runs["plain-full"]["first_token"]
+
+
+def test_serve_engine_vllm_answers_with_the_store_kv(sample_store, tmp_path):
+    store, _ = sample_store
+    served = tmp_path / "store"
+    shutil.copytree(store, served)  # the front logs chunk uses into its store
+    port, vllm_port = free_port(), free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-c", "import cli; cli.main()", "serve", "--store", str(served), "--port", str(port),
+         "--engine", "vllm", "--vllm-python", VLLM_PYTHON, "--vllm-port", str(vllm_port),
+         "--vllm-args", "--enforce-eager --max-model-len 2048 --enable-prompt-tokens-details"],
+        cwd=ROOT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        said = []
+        while not (said and "ragkv serving" in said[-1]):  # the event, not a number of seconds
+            said.append(server.stderr.readline())
+            if not said[-1]:
+                pytest.fail(f"the server did not start: {''.join(said[-30:])}")
+        body = {"model": "ragkv", "messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 8}
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=600).json()
+        assert reply["choices"][0]["message"]["content"].strip()
+        assert reply["ragkv"]["sources"][0]["source"].endswith("rotate-api-key.md")
+        assert reply["usage"]["prompt_tokens"] == reply["ragkv"]["prompt_tokens"]
+        assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= BLOCK_SIZE
+        streamed = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={**body, "stream": True},
+                              timeout=600).text
+        deltas = [json.loads(line[6:]) for line in streamed.splitlines()
+                  if line.startswith("data: {") and '"delta"' in line]
+        text = "".join(d["choices"][0]["delta"].get("content") or "" for d in deltas)
+        assert text == reply["choices"][0]["message"]["content"] and deltas[-1]["ragkv"]["sources"]
+        two_turns = {**body, "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                                          {"role": "user", "content": QUESTIONS[0]}]}
+        refused = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=two_turns, timeout=60)
+        assert refused.status_code == 400 and "one question per request" in refused.json()["error"]["message"]
+    finally:
+        server.terminate()
+        server.wait()
