@@ -87,10 +87,25 @@ def ragkv_server(store: Path, max_batch: int) -> Server:
                    "--max-queue", "64", "--max-batch", str(max_batch), "--device", "cpu"])
 
 
-def vllm_server(python: str, model: Path) -> Server:
+def vllm_server(python: str, model: Path, store: Path | None = None) -> Server:
+    """vLLM's OpenAI server; with `store`, loading that ragkv store's KV through the connector."""
+    connector = []
+    if store is not None:
+        connector = ["--kv-transfer-config", json.dumps({
+            "kv_connector": "RagkvConnector", "kv_connector_module_path": "ragkv.integrations.vllm",
+            "kv_role": "kv_consumer", "kv_connector_extra_config": {"store": str(store)}})]
     return Server([python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", "float32",
                    "--port", "{port}", "--host", "127.0.0.1", "--enable-prefix-caching", "--max-model-len", "2048",
-                   "--served-model-name", "smollm2"], env={"VLLM_CPU_KVCACHE_SPACE": "4"})
+                   "--served-model-name", "smollm2", *connector],
+                  env={"VLLM_CPU_KVCACHE_SPACE": "4", "PYTHONPATH": str(ROOT)})
+
+
+def ragkv_vllm_server(python: str, store: Path) -> Server:
+    """`ragkv serve --engine vllm`: ragkv's retrieval in front of vLLM with the connector."""
+    return Server([sys.executable, "-c", "import cli; cli.main()", "serve", "--store", str(store), "--port", "{port}",
+                   "--engine", "vllm", "--vllm-python", python, "--vllm-port", str(free_port()),
+                   "--vllm-args", "--enable-prefix-caching --max-model-len 2048"],
+                  env={"VLLM_CPU_KVCACHE_SPACE": "4"})
 
 
 def stream_ragkv(base: str, question: str, ids: list[int], tokens: int) -> Result:
@@ -239,6 +254,9 @@ def render(rows: list[dict], args, vllm_note: str) -> str:
             " `ragkv, Python API`: `ragkv.open(...).batched()` asked from N threads in the benchmark's own process "
             "(the same engine and batching, no HTTP);" if any(r["system"] == "ragkv, Python API" for r in rows) else ""),
         f"- `vLLM`: {vllm_note}",
+        "- `vLLM + ragkv connector`: the same vLLM server started with `--kv-transfer-config` naming the "
+        "RagkvConnector on the same store (vLLM's prefix cache on too), the same prompt ids; `ragkv serve --engine "
+        "vllm`: ragkv retrieves and lays out the prompt in front of that vLLM (the full path a user runs).",
         "- requests/s and generated tokens/s cover the whole level, its ramp-up and drain included (with 20 "
         "requests, 8 clients spend much of a level starting or finishing); steady tokens/s counts the streamed text "
         "deltas (one per token, bar held-back partial characters) only while every client had a request in flight; "
@@ -292,9 +310,10 @@ def main() -> None:
     parser.add_argument("--clients", default="1,4,8,16")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu installed")
-    parser.add_argument("--systems", default="ragkv,ragkv-one,vllm",
+    parser.add_argument("--systems", default="ragkv,ragkv-one,vllm,vllm-ragkv,ragkv-vllm",
                         help="also ragkv-api: the Python API in this process (measured slower here than in a "
-                             "process of its own)")
+                             "process of its own). vllm-ragkv: vLLM with the ragkv KV connector on ragkv's prompt "
+                             "ids; ragkv-vllm: `ragkv serve --engine vllm`")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "serve_load.md")
     args = parser.parse_args()
     levels = [int(n) for n in args.clients.split(",")]
@@ -323,6 +342,12 @@ def main() -> None:
                              "prompt ids through /v1/completions, greedy")
             except RuntimeError as exc:
                 vllm_note = f"could not be started here: {str(exc).splitlines()[-1][:300]}"
+        if args.vllm_python and "vllm-ragkv" in systems:  # the same vLLM, loading the store's KV
+            rows += measure("vLLM + ragkv connector", lambda: vllm_server(args.vllm_python, Path(model_folder), store),
+                            stream_vllm, levels, work, args.tokens)
+        if args.vllm_python and "ragkv-vllm" in systems:
+            rows += measure("ragkv serve --engine vllm", lambda: ragkv_vllm_server(args.vllm_python, store),
+                            stream_ragkv, levels, work, args.tokens)
     args.out.write_text(render(rows, args, vllm_note))
     plot(rows, args.out.with_suffix(".png"))
     print(args.out.read_text())
