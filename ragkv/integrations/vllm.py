@@ -149,6 +149,8 @@ class RagkvConnector(KVConnectorBase_V1):
             slots = slot_mapping(load.block_ids, self._block_size, load.start, load.end)
             for index, layer in sorted(layers.items()):
                 cache = layer.kv_cache
+                if isinstance(cache, (list, tuple)):  # older vLLM: one cache per virtual engine
+                    cache = cache[getattr(forward_context, "virtual_engine", 0)]
                 slots_here = slots.to(cache.device)
                 key = kv_tensor[index, 0].transpose(0, 1).contiguous().to(cache.device)  # (T, H, D)
                 value = kv_tensor[index, 1].transpose(0, 1).contiguous().to(cache.device)  # (T, H, D)
