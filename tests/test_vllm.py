@@ -29,7 +29,6 @@ pytestmark = [
 ]
 QUESTIONS = ["How do I rotate the API key?", "How many days of annual leave do I get?",
              "What happens when the database fails over?"]
-BLOCK_SIZE = 16  # vLLM's default paged block on CPU and CUDA
 
 
 def probe(model: str, store: Path, prompts: list, tmp_path: Path) -> dict:
@@ -39,7 +38,7 @@ def probe(model: str, store: Path, prompts: list, tmp_path: Path) -> dict:
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    return {run["name"]: run for run in json.loads(lines[-1].removeprefix("RESULT "))["runs"]}
+    return json.loads(lines[-1].removeprefix("RESULT "))
 
 
 def test_vllm_loads_the_stored_kv_and_prefills_only_the_question(sample_store, tmp_path):
@@ -54,14 +53,16 @@ def test_vllm_loads_the_stored_kv_and_prefills_only_the_question(sample_store, t
             prompts += [(f"q{i}", answer.prompt_ids, False), (f"q{i}-full", answer.prompt_ids, True)]
         plain = engine.lm.tokenizer("Write one sentence about the sea.", add_special_tokens=False)["input_ids"]
     prompts += [("plain", plain, False), ("plain-full", plain, True)]
-    runs = probe(model, store, prompts, tmp_path)
+    result = probe(model, store, prompts, tmp_path)
+    runs, block = {run["name"]: run for run in result["runs"]}, result["block_size"]
     for name, num_held in held.items():
         matched, full = runs[name], runs[f"{name}-full"]
         assert matched["first_token"] == full["first_token"]
+        token = str(full["first_token"])  # its log-probability: within float tolerance (KV from transformers)
+        assert abs(matched["logprobs"][token] - full["logprobs"][token]) < 1e-3
         assert full["num_cached_tokens"] == 0
-        assert matched["num_cached_tokens"] == num_held // BLOCK_SIZE * BLOCK_SIZE > 0
-        computed = matched["num_prompt_tokens"] - matched["num_cached_tokens"]
-        assert computed < matched["num_prompt_tokens"] - num_held + BLOCK_SIZE  # the question and a partial block
+        # Whole blocks of what the store holds; vLLM computes the rest: the question and a partial block.
+        assert matched["num_cached_tokens"] == num_held // block * block > 0
     assert runs["plain"]["num_cached_tokens"] == 0
     assert runs["plain"]["first_token"] == runs["plain-full"]["first_token"]
 
@@ -88,7 +89,7 @@ def test_serve_engine_vllm_answers_with_the_store_kv(sample_store, tmp_path):
         assert reply["choices"][0]["message"]["content"].strip()
         assert reply["ragkv"]["sources"][0]["source"].endswith("rotate-api-key.md")
         assert reply["usage"]["prompt_tokens"] == reply["ragkv"]["prompt_tokens"]
-        assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= BLOCK_SIZE
+        assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         streamed = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={**body, "stream": True},
                               timeout=600).text
         deltas = [json.loads(line[6:]) for line in streamed.splitlines()

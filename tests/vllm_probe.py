@@ -29,7 +29,8 @@ def main() -> None:
     started = time.perf_counter()
     llm = LLM(model=model, dtype="float32", kv_transfer_config=config, enable_prefix_caching=False,
               max_model_len=2048, max_num_seqs=4, enforce_eager=True, seed=0)
-    out = {"start_s": time.perf_counter() - started, "runs": []}
+    out = {"start_s": time.perf_counter() - started, "runs": [],
+           "block_size": llm.llm_engine.vllm_config.cache_config.block_size}
     for name, ids, skip in prompts:
         extra = {"kv_transfer_params": {"ragkv": "skip"}} if skip else None
         params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5, extra_args=extra)
