@@ -249,7 +249,7 @@ def _within_budget(writer: StoreWriter, pending: list[PendingChunk], lm: LoadedM
     stored_keys = catalog.existing_keys(p.key for p in pending)
     fresh = [p for p in pending if p.key not in stored_keys]
     now = time.time()
-    scores = catalog.chunk_scores([p.chunk_id for p in fresh], now, catalog.half_life_s(budget.HALF_LIFE_S))
+    scores = catalog.chunk_scores([p.chunk_id for p in fresh], now, catalog.half_life_s())
     candidates = [Candidate(p.key, math.ceil(len(p.token_ids) * per_token), scores[p.chunk_id], False, p.chunk_id)
                   for p in fresh]
     stored = budget.stored_candidates(catalog, profile.profile_id, now)

@@ -228,8 +228,7 @@ def build_app(engine, settings: ServeSettings) -> FastAPI:
 
     @app.get("/v1/models", dependencies=[Depends(authorised)])
     async def models():
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": "ragkv",
-                                            "root": engine.lm.facts.name}]}
+        return models_listing(engine.lm.facts.name)
 
     @app.post("/v1/retrieve", dependencies=[Depends(authorised)])
     async def retrieve(body: RetrieveRequest):
@@ -268,6 +267,12 @@ def build_app(engine, settings: ServeSettings) -> FastAPI:
                                          warnings, metrics), media_type="text/event-stream")
 
     return app
+
+
+def models_listing(llm_name: str) -> dict:
+    """What /v1/models answers: the RAG service's one id, the LLM behind it as its root."""
+    return {"object": "list", "data": [{"id": SERVED_MODEL_ID, "object": "model", "created": 0, "owned_by": "ragkv",
+                                        "root": llm_name}]}
 
 
 def install_errors(app: FastAPI, settings: ServeSettings, llm_name: str):

@@ -32,7 +32,9 @@ from fastapi.responses import StreamingResponse
 from ragkv.answer import Source, Stats
 from ragkv.config import AskSettings
 from ragkv.errors import InputError, ModelError
-from ragkv.service import SERVED_MODEL_ID, ChatRequest, ServeSettings, UnknownModel, install_errors, split_messages
+from ragkv.service import (
+    SERVED_MODEL_ID, ChatRequest, ServeSettings, UnknownModel, install_errors, models_listing, split_messages,
+)
 
 log = logging.getLogger("ragkv")
 VLLM_MODEL_ID = "ragkv-llm"  # the name the front's vLLM serves the model under
@@ -55,7 +57,7 @@ class VllmServer:
 
     def start(self, timeout_s: float) -> None:
         self.process = subprocess.Popen(self.command, env=self.env, stdout=sys.stderr, stderr=subprocess.PIPE,
-                                        text=True)
+                                        text=True, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout_s  # a first start compiles kernels: minutes on a CPU
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -78,6 +80,16 @@ class VllmServer:
                 self.process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.process.kill()
+
+
+def _die_with_parent() -> None:
+    """In the vLLM child, before exec: SIGTERM it when this process dies, however it dies
+    (uvicorn re-raises SIGTERM after its shutdown, so a `finally` in the front never runs)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 
 
 def build_front_app(engine, vllm_url: str, settings: ServeSettings) -> FastAPI:
@@ -103,8 +115,7 @@ def build_front_app(engine, vllm_url: str, settings: ServeSettings) -> FastAPI:
 
     @app.get("/v1/models", dependencies=[Depends(authorised)])
     async def models():
-        return {"object": "list", "data": [{"id": SERVED_MODEL_ID, "object": "model", "created": 0, "owned_by": "ragkv",
-                                            "root": engine.lm.facts.name}]}
+        return models_listing(engine.lm.facts.name)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorised)])
     async def chat(body: ChatRequest):

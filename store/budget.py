@@ -13,11 +13,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
-from ragkv.errors import InputError, StoreNotFoundError
+from ragkv.errors import InputError
 from store.catalog import Catalog
-from store.gc import REWRITE_BELOW, rewrite_sparse_shards
-from store.popularity import HALF_LIFE_S, read_pending, remove_finished
-from store.store import StoreWriter, open_writer
+from store.gc import drop_dead, maintaining
+from store.popularity import read_pending, remove_finished
+from store.store import StoreWriter
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ def fold_hits(writer: StoreWriter) -> int:
     """Fold the readers' hit logs into the writer's catalog; returns the uses folded."""
     catalog = writer.catalog
     pending = read_pending(writer.root, catalog.folded_offsets())
-    folded = catalog.fold_uses(pending, catalog.half_life_s(HALF_LIFE_S))
+    folded = catalog.fold_uses(pending, catalog.half_life_s())
     remove_finished(writer.root, pending.finished)
     return folded
 
@@ -69,7 +69,7 @@ def stored_candidates(catalog: Catalog, profile_id: str, now: float | None = Non
     chunks takes the best of their scores)."""
     stored = catalog.stored_chunks(profile_id)
     scores = catalog.chunk_scores([i for _, _, ids in stored for i in ids], now or time.time(),
-                                  catalog.half_life_s(HALF_LIFE_S))
+                                  catalog.half_life_s())
     return [Candidate(key, nbytes, max(scores[i] for i in ids), True, min(ids)) for key, nbytes, ids in stored]
 
 
@@ -79,15 +79,6 @@ def room_for_chunks(catalog: Catalog, budget: int | None, stored: Sequence[Candi
         return None
     fixed = catalog.kv_bytes() - sum(c.nbytes for c in stored)
     return budget - fixed
-
-
-def drop_dead(writer: StoreWriter) -> int:
-    """Delete dead entry rows and rewrite mostly-dead shards (files go after publish, in
-    `delete_unreferenced_shards`). Returns the entries dropped."""
-    dead = writer.catalog.dead_entries()
-    writer.catalog.delete_entries(e.kv_key for e in dead)
-    rewrite_sparse_shards(writer, REWRITE_BELOW)
-    return len(dead)
 
 
 def enforce(writer: StoreWriter, profile_id: str, budget: int | None) -> list[str]:
@@ -122,10 +113,7 @@ class BudgetReport:
 def set_budget(root, size: int | None, wait: bool = False) -> BudgetReport:
     """Set (or with None, remove) the store's KV budget, evicting the coldest chunk KV of
     every profile until it fits, and publish; shard files nothing references are deleted."""
-    writer = open_writer(root, wait=wait)
-    try:
-        if writer.base_generation is None:
-            raise StoreNotFoundError(f"no ragkv store at {root}; create one with: ragkv ingest DOCS --store {root}")
+    with maintaining(root, wait) as writer:
         catalog = writer.catalog
         fold_hits(writer)
         report = BudgetReport(writer.location, size, 0)
@@ -137,10 +125,6 @@ def set_budget(root, size: int | None, wait: bool = False) -> BudgetReport:
         report.kv_bytes = catalog.kv_bytes()
         report.generation = writer.publish()
         report.shards_deleted, report.bytes_reclaimed = writer.delete_unreferenced_shards()
-    except BaseException:
-        writer.abort()
-        raise
-    writer.release()
     return report
 
 

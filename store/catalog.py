@@ -16,7 +16,7 @@ import duckdb
 import pyarrow as pa
 
 from ragkv.errors import StoreFormatError
-from store.popularity import ChunkHits, Pending, decay, tally
+from store.popularity import HALF_LIFE_S, ChunkHits, Pending, decay, tally
 from store.shards import SealedEntry
 
 FORMAT_VERSION = 1
@@ -433,8 +433,9 @@ class Catalog:
         value = self.meta().get("kv_budget")
         return int(value) if value else None
 
-    def half_life_s(self, default: float) -> float:
-        return float(self.meta().get("half_life_s") or default)
+    def half_life_s(self) -> float:
+        """Seconds for a chunk's popularity to halve without uses (the `half_life_s` setting)."""
+        return float(self.meta().get("half_life_s") or HALF_LIFE_S)
 
     def folded_offsets(self) -> dict[str, int]:
         return dict(self.con.execute("SELECT name, folded FROM hit_files").fetchall())

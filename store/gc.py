@@ -3,8 +3,10 @@ shard files no generation on disk references. Never touches a generation a reade
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 from ragkv.errors import StoreCorruptError, StoreNotFoundError
 from store.store import StoreWriter, open_writer
@@ -34,29 +36,42 @@ def collect_garbage(root: Path | str, other_models: bool = False, wait: bool = F
     other_models: also drop every model profile except the one last ingested with.
     """
     report = GcReport()
-    writer = open_writer(root, wait=wait)
-    if writer.base_generation is None:
-        writer.abort()
-        raise StoreNotFoundError(f"no ragkv store at {root}; create one with: ragkv ingest DOCS --store {root}")
-    try:
+    with maintaining(root, wait) as writer:
         catalog = writer.catalog
         if other_models:
             keep = catalog.meta().get("last_profile")
             others = [p["profile_id"] for p in catalog.profiles() if p["profile_id"] != keep]
             catalog.drop_profiles(others)
             report.profiles_dropped = len(others)
-        dead = catalog.dead_entries()
-        catalog.delete_entries(e.kv_key for e in dead)
-        report.entries_removed = len(dead)
-        report.shards_rewritten = rewrite_sparse_shards(writer, rewrite_below)
+        report.entries_removed, report.shards_rewritten = drop_dead(writer, rewrite_below)
         report.generation = writer.publish()
         report.generations_removed, report.generations_kept_for_readers = writer.retired, writer.held_by_readers
         report.shards_deleted, report.bytes_reclaimed = writer.delete_unreferenced_shards()
+    return report
+
+
+@contextmanager
+def maintaining(root: Path | str, wait: bool = False) -> Iterator[StoreWriter]:
+    """A writer for the existing store at `root` (StoreNotFoundError if there is none): aborted
+    on an error, released after the block (publish inside it)."""
+    writer = open_writer(root, wait=wait)
+    if writer.base_generation is None:
+        writer.abort()
+        raise StoreNotFoundError(f"no ragkv store at {root}; create one with: ragkv ingest DOCS --store {root}")
+    try:
+        yield writer
     except BaseException:
         writer.abort()
         raise
     writer.release()
-    return report
+
+
+def drop_dead(writer: StoreWriter, rewrite_below: float = REWRITE_BELOW) -> tuple[int, int]:
+    """Delete dead entry rows and rewrite mostly-dead shards (their files go after publish,
+    in `delete_unreferenced_shards`). Returns (entries dropped, shards rewritten)."""
+    dead = writer.catalog.dead_entries()
+    writer.catalog.delete_entries(e.kv_key for e in dead)
+    return len(dead), rewrite_sparse_shards(writer, rewrite_below)
 
 
 def rewrite_sparse_shards(writer: StoreWriter, rewrite_below: float) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from store.popularity import HALF_LIFE_S, decay, read_pending, tally
+from store.popularity import decay, read_pending, tally
 from store.shards import shard_files
 from store.store import StoreSnapshot
 
@@ -44,7 +44,7 @@ def popularity(snapshot: StoreSnapshot) -> dict:
     """Hit rate (uses whose chunk KV was ready, of those that needed it) and the hottest and
     coldest documents by ageing score, counting uses logged since the last fold too."""
     catalog = snapshot.catalog
-    half_life = catalog.half_life_s(HALF_LIFE_S)
+    half_life = catalog.half_life_s()
     rows = catalog.chunk_hits()
     pending = [] if snapshot.remote else read_pending(snapshot.root, catalog.folded_offsets()).uses
     tally(rows, pending, half_life)

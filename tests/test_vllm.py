@@ -98,7 +98,7 @@ def test_serve_engine_vllm_answers_with_the_store_kv(sample_store, tmp_path):
         assert text == reply["choices"][0]["message"]["content"] and deltas[-1]["ragkv"]["sources"]
         two_turns = {**body, "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
                                           {"role": "user", "content": QUESTIONS[0]}]}
-        refused = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=two_turns, timeout=60)
+        refused = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=two_turns, timeout=600)
         assert refused.status_code == 400 and "one question per request" in refused.json()["error"]["message"]
     finally:
         server.terminate()
