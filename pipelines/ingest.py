@@ -34,7 +34,6 @@ from ragkv.keys import KVKey, Profile
 from ragkv.model import LoadedModel, load_model
 from ragkv.prompt import PromptLayout, encode_text
 from store import ChunkRow, DocumentRow, SealedEntry, StoreWriter, budget
-from store.budget import Candidate
 from store.store import open_writer
 
 ENGINES = ("local", "ray")
@@ -248,18 +247,11 @@ def _within_budget(writer: StoreWriter, pending: list[PendingChunk], lm: LoadedM
     per_token = prefix_bytes / max(len(profile.prefix_ids), 1)
     stored_keys = catalog.existing_keys(p.key for p in pending)
     fresh = [p for p in pending if p.key not in stored_keys]
-    now = time.time()
-    scores = catalog.chunk_scores([p.chunk_id for p in fresh], now, catalog.half_life_s())
-    candidates = [Candidate(p.key, math.ceil(len(p.token_ids) * per_token), scores[p.chunk_id], False, p.chunk_id)
-                  for p in fresh]
-    stored = budget.stored_candidates(catalog, profile.profile_id, now)
-    room = budget.room_for_chunks(catalog, limit, stored)
-    if room is not None and catalog.existing_keys([KVKey.for_prefix(profile).to_string()]) == set():
-        room -= prefix_bytes  # the prefix entry this ingest writes
-    decision = budget.plan(stored + candidates, room, precompute)
-    if decision.evict:
-        catalog.unlink_keys(profile.profile_id, decision.evict)
-        report.kv_evicted += len(decision.evict)
+    writes_prefix = not catalog.existing_keys([KVKey.for_prefix(profile).to_string()])
+    decision = budget.admit(writer, profile.profile_id,
+                            [(p.key, math.ceil(len(p.token_ids) * per_token), p.chunk_id) for p in fresh],
+                            limit, precompute, reserved=prefix_bytes if writes_prefix else 0)
+    report.kv_evicted += len(decision.evict)
     chosen = set(decision.compute)
     report.kv_deferred = len(fresh) - len(chosen)
     return [p for p in pending if p.key in stored_keys or p.key in chosen]

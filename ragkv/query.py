@@ -54,6 +54,7 @@ class Prompt:
     retrieved: list[tuple[ContextRow, float]]  # the prompt's chunks, in prompt order, with their hit's score
     prompt_ids: list[int]  # the whole prompt
     question_ids: list[int]  # its tail: the question with its template
+    chunk_ids: list[tuple[int, ...]]  # each retrieved chunk's token ids
 
 
 @dataclass
@@ -276,7 +277,7 @@ class QueryEngine:
         conversations, the batcher, the service) builds its prompt through. Fills `stats`."""
         prompt = self.prompt_for(question, settings, stats)
         retrieved, prompt_ids, question_ids = prompt.retrieved, prompt.prompt_ids, prompt.question_ids
-        chunk_ids = [self.chunk_token_ids(row) for row, _ in retrieved]
+        chunk_ids = prompt.chunk_ids
         load_start = time.perf_counter()
         assembly = self.assemble([row for row, _ in retrieved], chunk_ids, settings, stats)
         stats.kv_load_ms = _ms(load_start)
@@ -308,8 +309,8 @@ class QueryEngine:
         retrieved = self.widen(retrieved, settings.context)
         question_ids = layout.question_ids(self.lm.tokenizer, question)
         retrieved = self._fit_chunks(retrieved, question_ids, stats)
-        prompt_ids = layout.prompt_ids([self.chunk_token_ids(row) for row, _ in retrieved], question_ids)
-        return Prompt(retrieved, prompt_ids, question_ids)
+        chunk_ids = [self.chunk_token_ids(row) for row, _ in retrieved]
+        return Prompt(retrieved, layout.prompt_ids(chunk_ids, question_ids), question_ids, chunk_ids)
 
     def _fit_chunks(self, retrieved, question_ids: list[int], stats: Stats):
         """Drop the last chunks (the lowest-ranked hits, or a span's last chunks: cut at chunk

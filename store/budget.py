@@ -81,6 +81,23 @@ def room_for_chunks(catalog: Catalog, budget: int | None, stored: Sequence[Candi
     return budget - fixed
 
 
+def admit(writer: StoreWriter, profile_id: str, fresh: Sequence[tuple[str, int, int]], limit: int | None,
+          compute_limit: int | None = None, reserved: int = 0) -> BudgetPlan:
+    """Which of `fresh` KV, `(kv_key, nbytes, chunk_id)` not stored yet, earns a place beside
+    the stored chunk KV of `profile_id` within `limit` bytes (less `reserved`: entries about to
+    be written outside the plan); the stored KV it outranks is unlinked now (see `drop_dead`)."""
+    catalog = writer.catalog
+    now = time.time()
+    scores = catalog.chunk_scores([chunk_id for _, _, chunk_id in fresh], now, catalog.half_life_s())
+    candidates = [Candidate(key, nbytes, scores[chunk_id], False, chunk_id) for key, nbytes, chunk_id in fresh]
+    stored = stored_candidates(catalog, profile_id, now)
+    room = room_for_chunks(catalog, limit, stored)
+    decision = plan(stored + candidates, None if room is None else room - reserved, compute_limit)
+    if decision.evict:
+        catalog.unlink_keys(profile_id, decision.evict)
+    return decision
+
+
 def enforce(writer: StoreWriter, profile_id: str, budget: int | None) -> list[str]:
     """Evict the coldest chunk KV of `profile_id` until the store's entries fit `budget`;
     returns the keys evicted (their rows dropped; see `drop_dead`)."""

@@ -27,7 +27,6 @@ import torch
 
 from ragkv.errors import RagkvError, StoreLockedError
 from store import budget
-from store.budget import Candidate
 from store.gc import drop_dead
 from store.store import open_writer
 
@@ -174,15 +173,9 @@ class WriteBack:
 
     def _within_budget(self, writer, profile_id: str, new: list[ComputedKV], limit: int) -> list[ComputedKV]:
         """The computed entries that earn a place; evicts colder stored KV to make room."""
-        catalog = writer.catalog
         drop_dead(writer)
-        now = time.time()
-        stored = budget.stored_candidates(catalog, profile_id, now)
-        scores = catalog.chunk_scores([b.chunk_id for b in new], now, catalog.half_life_s())
-        fresh = [Candidate(b.kv_key, b.nbytes, scores[b.chunk_id], False) for b in new]
-        decision = budget.plan(stored + fresh, budget.room_for_chunks(catalog, limit, stored))
+        decision = budget.admit(writer, profile_id, [(b.kv_key, b.nbytes, b.chunk_id) for b in new], limit)
         if decision.evict:
-            catalog.unlink_keys(profile_id, decision.evict)
             drop_dead(writer)
         self.report.evicted += len(decision.evict)
         chosen = set(decision.compute)
