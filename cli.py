@@ -14,6 +14,11 @@ from typing import List, Optional
 import typer
 from typer.core import TyperGroup
 
+try:  # typer 0.2x carries its own copy of click, whose exceptions its parser raises
+    from typer._click.exceptions import ClickException, UsageError
+except ImportError:  # older typer runs on click itself
+    from click.exceptions import ClickException, UsageError
+
 from ragkv.config import (
     DEFAULT_EMBEDDER, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODEL, DEFAULT_NO_REPEAT_NGRAM, DEFAULT_REPETITION_PENALTY,
     DEFAULT_SPAN_TOKENS, DEFAULT_STORE, DEFAULT_SYSTEM_PROMPT, DTYPES, AskSettings, DecodeSettings,
@@ -38,6 +43,10 @@ def _log_to_stderr() -> None:
 
 
 class _Group(TyperGroup):
+    """Every failure ends here as one `error: ...` line and an exit code (see ragkv.errors):
+    ragkv's own errors, option parsing errors (2), and, as a last resort, anything else, named
+    as the bug it is (1; RAGKV_TRACEBACK=1 shows where)."""
+
     def invoke(self, ctx):
         _log_to_stderr()
         try:
@@ -45,6 +54,34 @@ class _Group(TyperGroup):
         except RagkvError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(exc.exit_code) from None
+        except (typer.Exit, typer.Abort, ClickException, KeyboardInterrupt):
+            raise
+        except BrokenPipeError:  # the reader of our output went away (`ragkv ask ... | head`)
+            raise typer.Exit(1) from None
+        except Exception as exc:
+            if os.environ.get("RAGKV_TRACEBACK"):
+                raise
+            typer.echo(f"error: internal error {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} "
+                       "(a bug in ragkv: please report it; RAGKV_TRACEBACK=1 shows where)", err=True)
+            raise typer.Exit(1) from None
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        """As click's, but a usage error is one line naming the problem and the --help to read."""
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except UsageError as exc:
+            where = exc.ctx.command_path if exc.ctx else "ragkv"
+            typer.echo(f"error: {exc.format_message()} (see: {where} --help)", err=True)
+            sys.exit(exc.exit_code)
+        except ClickException as exc:
+            typer.echo(f"error: {exc.format_message()}", err=True)
+            sys.exit(exc.exit_code)
+        except typer.Abort:
+            typer.echo("error: aborted", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
 
 
 app = typer.Typer(
@@ -295,7 +332,7 @@ def verify(
                        f"{fixed.entries_dropped} unused entries dropped, {fixed.chunks_reembedded} chunks re-embedded")
             for reason in fixed.unrepairable:
                 typer.echo(f"  cannot repair: {reason}")
-    with open_snapshot(store, require_documents=False) as snapshot:
+    with open_snapshot(store, require_documents=False, lenient=True) as snapshot:
         report = verify_store(snapshot).to_dict()
     if json_out:
         typer.echo(json.dumps(report))
@@ -310,6 +347,8 @@ def _print_verify(report: dict) -> None:
                f"checked in {report['seconds']:.2f} s: " + ("ok" if report["ok"] else f"{len(report['problems'])} problems"))
     for problem in report["problems"]:
         typer.echo(f"  {problem['kind']}: {problem['detail']}")
+    for warning in report.get("warnings", []):
+        typer.echo(f"  warning: {warning}")
 
 
 @app.command()
@@ -561,7 +600,8 @@ def serve(
     with ragkv.open(store, model=model, device=device) as engine:
         app = build_app(engine, settings)
         typer.echo(f"ragkv serving {store} ({engine.lm.facts.name}) on http://{host}:{port}", err=True)
-        uvicorn.run(app, host=host, port=port, log_level="warning", limit_concurrency=settings.max_queue * 4 + 16)
+        uvicorn.run(app, host=host, port=port, log_level="warning", limit_concurrency=settings.max_queue * 4 + 16,
+                    timeout_graceful_shutdown=settings.shutdown_grace_s)
 
 
 def _serve_vllm(store: str, model: Optional[str], settings, python: str, vllm_port: int, args: str) -> None:
@@ -581,7 +621,8 @@ def _serve_vllm(store: str, model: Optional[str], settings, python: str, vllm_po
             app = build_front_app(engine, server.url, settings)
             typer.echo(f"ragkv serving {store} ({facts.name}, engine vllm) on http://{settings.host}:{settings.port}",
                        err=True)
-            uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
+            uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning",
+                        timeout_graceful_shutdown=settings.shutdown_grace_s)
         finally:
             server.stop()
 

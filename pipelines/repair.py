@@ -34,19 +34,20 @@ class RepairReport:
 
 
 def repair(store: Path | str, device: str = "cpu", wait: bool = False) -> RepairReport:
-    with open_snapshot(store, require_documents=False) as snapshot:
+    with open_snapshot(store, require_documents=False, lenient=True) as snapshot:
         problems = verify(snapshot).problems
     report = RepairReport(problems_found=len(problems))
     if not problems:
         return report
     bad_keys = {p.kv_key for p in problems if p.kind in ("entry", "link", "prefix")}
-    with open_writer(store, wait=wait) as writer:
+    unreadable_index = any(p.kind == "vectors-unreadable" for p in problems)
+    with open_writer(store, wait=wait, rebuild_vectors=unreadable_index) as writer:
         by_profile: dict[str, list[str]] = {}
         for key in bad_keys:
             by_profile.setdefault(KVKey.from_string(key).profile_id, []).append(key)
         for profile_id, keys in by_profile.items():
             _recompute(writer, profile_id, keys, device, report)
-        if any(p.kind == "vectors" for p in problems):
+        if any(p.kind.startswith("vectors") for p in problems):
             _reindex_vectors(writer, device, report)
         report.generation = writer.generation
     return report
@@ -106,14 +107,21 @@ def _spans_of(catalog, keys: list[str], separator) -> list[tuple[list[str], list
 
 
 def _reindex_vectors(writer: StoreWriter, device: str, report: RepairReport) -> None:
-    """Make the vector index hold exactly the catalog's chunks."""
-    catalog, vectors = writer.catalog, writer.vectors
+    """Make the vector index hold exactly the catalog's chunks: an index the writer starts
+    empty (the published one was unreadable) is rebuilt from the chunk texts."""
+    catalog = writer.catalog
+    embedder = None
+    if writer.vectors is None:
+        embedder = Embedder.load(catalog.meta()["embedder"], device)
+    vectors = writer.ensure_vectors(embedder.dim) if embedder else writer.vectors
+    if embedder:
+        vectors.num_changes += 1  # a new index replaces the unreadable one, even if it holds nothing
     indexed = set(faiss.vector_to_array(vectors.index.id_map).tolist())
     chunks = catalog.chunk_ids()
     vectors.remove(sorted(indexed - chunks))
     missing = sorted(chunks - indexed)
     if missing:
-        embedder = Embedder.load(catalog.meta()["embedder"], device)
+        embedder = embedder or Embedder.load(catalog.meta()["embedder"], device)
         texts = catalog.chunk_texts(missing)
         vectors.add(missing, embedder.embed([texts[i] for i in missing]))
     report.chunks_reembedded = len(missing)

@@ -16,6 +16,7 @@ from ragkv.answer import Answer, Source, Stats
 from ragkv.config import AskSettings
 from ragkv.errors import InputError
 from ragkv.generate import generate_batch, prefill
+from ragkv.prompt import check_text
 
 
 @dataclass(frozen=True)
@@ -42,14 +43,18 @@ def read_questions(path: Path) -> tuple[list[Question], list[BatchOutcome]]:
     """Questions from a JSONL file (`{"id", "question", "doc"?}` per line), and one error
     outcome per line that cannot be used (named by its line number)."""
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"cannot read questions from {path}: {exc}") from None
+        lines = Path(path).read_bytes().removeprefix(b"\xef\xbb\xbf").splitlines()
+    except OSError as exc:
+        raise InputError(f"cannot read questions from {path}: {exc.strerror or exc}") from None
     questions, errors = [], []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
             continue
         try:
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"not UTF-8 (byte {exc.start})") from None
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
@@ -59,11 +64,12 @@ def read_questions(path: Path) -> tuple[list[Question], list[BatchOutcome]]:
             question = record.get("question")
             if not isinstance(question, str) or not question.strip():
                 raise ValueError('no "question" text')
+            check_text(question)
             doc = record.get("doc")
             if doc is not None and not isinstance(doc, str):
                 raise ValueError('"doc" must be a document id string')
             questions.append(Question(str(record.get("id", number)), question, doc, number))
-        except ValueError as exc:
+        except (ValueError, InputError) as exc:
             errors.append(BatchOutcome(Question(str(number), "", None, number), error=f"line {number}: {exc}"))
     return questions, errors
 

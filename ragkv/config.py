@@ -89,6 +89,7 @@ def resolve_dtype(dtype: str, device: str) -> str:
 DEFAULT_REPETITION_PENALTY = 1.1
 DEFAULT_NO_REPEAT_NGRAM = 6
 DEFAULT_MAX_NEW_TOKENS = 128
+MAX_SEED = 2**64 - 1  # torch's generator takes a 64-bit seed; a larger one raises OverflowError
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,9 @@ class DecodeSettings:
             raise InputError(f"--temperature must be between 0 (greedy) and 5, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise InputError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed <= MAX_SEED):
+            raise InputError(f"--seed must be a whole number from 0 to 2**64-1, got {self.seed!r}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         if not all(isinstance(s, str) and s for s in self.stop) or len(self.stop) > 16:

@@ -18,7 +18,7 @@ from ragkv.ape import Scaling, attending
 from ragkv.config import AskSettings, DecodeSettings
 from ragkv.errors import InputError
 from ragkv.generate import Generated, generate
-from ragkv.prompt import encode_text
+from ragkv.prompt import check_text, encode_text
 
 
 @dataclass
@@ -80,6 +80,8 @@ class Conversation:
     def replay(self, message: str, answer: str) -> None:
         """Add an earlier turn as a client remembers it (its answer as text; nothing is
         generated). Its tokens are prefilled with the next message."""
+        check_text(message, "a message")
+        check_text(answer, "an answer")
         engine = self.engine
         if not self.turns:
             new_ids, _ = self._open_context(message, Stats(mode=self.settings.mode if self.settings.use_cache else "full"))
@@ -104,6 +106,7 @@ class Conversation:
         `live_ids` on top of `cache` (this conversation's cache, which the caller grows), then
         decode up to `budget` tokens. The first turn retrieves and assembles the context.
         Finish with `end_turn`."""
+        check_text(message, "the message")
         start = time.perf_counter()
         engine, layout = self.engine, self.engine.active.layout
         stats = Stats(mode=self.settings.mode if self.settings.use_cache else "full",

@@ -24,7 +24,7 @@ from ragkv.prefix_cache import PrefixCache
 from ragkv.keys import KVKey, Profile
 from ragkv.lru import ByteLRU
 from ragkv.model import LoadedModel, load_model, model_name
-from ragkv.prompt import PromptLayout, encode_text
+from ragkv.prompt import PromptLayout, check_text, encode_text
 from store import ContextRow, Hit, StoreSnapshot, open_snapshot
 from store.popularity import HitLog, Use
 from store.writeback import ComputedKV, WriteBack
@@ -202,6 +202,7 @@ class QueryEngine:
         return self._span_cache[key]
 
     def _search(self, question: str, top_k: int, doc_ids: Sequence[str] | None) -> list[Hit]:
+        check_text(question)
         allowed = None
         if doc_ids is not None:
             allowed = []

@@ -38,6 +38,7 @@ from ragkv.conversation import Conversation, TurnPlan
 from ragkv.decoding import Decoder
 from ragkv.errors import InputError, RagkvError
 from ragkv.generate import Generated, TextStream, prefill
+from ragkv.prompt import check_text
 
 log = logging.getLogger("ragkv")
 
@@ -157,7 +158,7 @@ class Batcher:
         model thread when the turn is admitted: opening one may retrieve and load KV).
         `on_text(delta)` is called on the model thread as text is generated. Raises Busy when
         `max_queue` turns already wait."""
-        if not message.strip():
+        if not check_text(message, "the message").strip():
             raise InputError("the message is empty; say something")
         if isinstance(conversation, Conversation):
             conversation.settings.check_batchable("batched decoding")
@@ -240,16 +241,18 @@ class Batcher:
             if turn.ticket.is_cancelled:
                 turn.ticket.resolve(error=InputError("cancelled before it started"))
                 continue
-            try:
+            try:  # whatever fails as a turn joins fails that turn alone: the batch goes on
                 if not isinstance(turn.conversation, Conversation):
                     turn.conversation = turn.conversation()
                 turn.plan = turn.conversation.begin_turn(turn.message, turn.max_new_tokens)
-            except BaseException as exc:
+                turn.pending = list(turn.plan.live_ids)
+                turn.decoder = Decoder(turn.decoding)
+                turn.text = TextStream(self.engine.lm.tokenizer, turn.decoding.stop)
+            except Exception as exc:
+                if not isinstance(exc, RagkvError):
+                    log.exception("a request failed as it joined the batch")
                 turn.ticket.resolve(error=exc)
                 continue
-            turn.pending = list(turn.plan.live_ids)
-            turn.decoder = Decoder(turn.decoding)
-            turn.text = TextStream(self.engine.lm.tokenizer, turn.decoding.stop)
             self._prefilling.append(turn)
 
     def _has_room(self) -> bool:
@@ -263,22 +266,32 @@ class Batcher:
         return (len(active) + 1) * longest <= self.settings.max_batch_tokens
 
     def _prefill_step(self, turn: _Turn) -> None:
-        started = time.perf_counter()
-        chunk, turn.pending = turn.pending[:self.settings.prefill_chunk], turn.pending[self.settings.prefill_chunk:]
-        logits = prefill(self.engine.lm.model, chunk, turn.plan.cache)
-        turn.prefill_s += time.perf_counter() - started
-        if turn.pending:
-            return
-        self._prefilling.popleft()
+        """Prefill `turn` by one chunk; once its prompt is in, pick its first token and add its row.
+        A failure before the row joins the batch touches only this turn's own cache: it fails alone."""
         try:
+            started = time.perf_counter()
+            chunk, turn.pending = turn.pending[:self.settings.prefill_chunk], turn.pending[self.settings.prefill_chunk:]
+            logits = prefill(self.engine.lm.model, chunk, turn.plan.cache)
+            turn.prefill_s += time.perf_counter() - started
+            if turn.pending:
+                return
+            self._prefilling.popleft()
             if turn.plan.after_prefill is not None:
                 turn.plan.after_prefill(turn.plan.cache)
             turn.decode_start = time.perf_counter()
             if self._take(turn, logits):
                 self._finish(turn, turn.plan.cache)
                 return
+        except Exception as exc:
+            if turn in self._prefilling:
+                self._prefilling.remove(turn)
+            if not isinstance(exc, RagkvError):
+                log.exception("a request failed in its prefill")
+            turn.ticket.resolve(error=exc)
+            return
+        try:
             self._batch.add(turn.plan.cache)
-        except BaseException as exc:  # neither prefilling nor in the batch: fail it here, or it waits forever
+        except BaseException as exc:  # the shared batch may be half-changed: fail it here and reset all
             turn.ticket.resolve(error=exc)
             raise
         self._rows.append(turn)

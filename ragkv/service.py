@@ -28,10 +28,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
-from ragkv.config import DEFAULT_NO_REPEAT_NGRAM, DEFAULT_REPETITION_PENALTY, AskSettings, DecodeSettings
+from ragkv.config import DEFAULT_NO_REPEAT_NGRAM, DEFAULT_REPETITION_PENALTY, MAX_SEED, AskSettings, DecodeSettings
 from ragkv.errors import InputError, ModelError, RagkvError, StoreEmptyError
+from ragkv.guard import BodyTooLarge, RequestGuard
 from ragkv.keys import digest
 from ragkv.lru import ByteLRU
+from ragkv.prompt import check_text
 from ragkv.scheduler import BatchSettings, Batcher, Busy
 
 log = logging.getLogger("ragkv")
@@ -51,10 +53,14 @@ class ServeSettings:
     prefill_chunk: int = 256  # prompt tokens one request prefills per step (the others keep decoding)
     conversation_bytes: int = 512 << 20  # KV of recent conversations kept for their next turn
 
+    shutdown_grace_s: int = 10  # on SIGTERM, requests still running after this long are cut off
+
     def __post_init__(self):
         for name in ("max_queue", "max_batch", "max_tokens_cap", "max_batch_tokens", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise InputError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if not 0 <= self.port <= 65535:  # checked before the model loads
+            raise InputError(f"--port must be a TCP port from 0 to 65535, got {self.port}")
 
 
 # -- request bodies ------------------------------------------------------------------------
@@ -97,7 +103,7 @@ class ChatRequest(_Body):
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(0.0, ge=0.0, le=5.0)  # 0 (the default here): greedy
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = Field(None, max_length=16)
     ragkv: RagkvOptions = Field(default_factory=RagkvOptions)
 
@@ -201,15 +207,8 @@ def build_app(engine, settings: ServeSettings) -> FastAPI:
     accepted_ids = {SERVED_MODEL_ID, engine.lm.facts.name}
     app.state.batcher = batcher
 
-    @app.middleware("http")
-    async def limit_and_count(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > settings.max_body_bytes):
-            response = json_error(413, f"request body over {settings.max_body_bytes} bytes", "request_too_large")
-        else:
-            response = await call_next(request)
-        metrics.requests.labels(request.url.path, str(response.status_code)).inc()
-        return response
+    app.add_middleware(RequestGuard, max_body_bytes=settings.max_body_bytes,
+                       count=lambda route, status: metrics.requests.labels(route, str(status)).inc())
 
     authorised = install_errors(app, settings, engine.lm.facts.name)
 
@@ -238,7 +237,7 @@ def build_app(engine, settings: ServeSettings) -> FastAPI:
              "score": score, "text": row.text} for row, score in hits]}
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorised)])
-    async def chat(body: ChatRequest):
+    async def chat(body: ChatRequest, request: Request):
         if body.model is not None and body.model not in accepted_ids:
             raise UnknownModel(body.model)
         history, question, warnings = split_messages(body.messages)
@@ -258,15 +257,39 @@ def build_app(engine, settings: ServeSettings) -> FastAPI:
         if not body.stream:
             ticket, opened = _submit(batcher, conversations, history, question, ask)
             try:
-                answer = await asyncio.wrap_future(ticket.future)
+                answer = await _unless_disconnected(request, ticket)
             finally:
                 ticket.cancel()  # a client that went away frees its row (no-op once answered)
             metrics.record(answer.stats)
             return _completion(reply_id, created, model_id, answer, warnings, opened["reused"])
-        return StreamingResponse(_stream(batcher, conversations, history, question, ask, reply_id, created, model_id,
-                                         warnings, metrics), media_type="text/event-stream")
+        # Queued before the response starts, so a full queue is a 503 with Retry-After, not an event in a 200.
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        ticket, opened = _submit(batcher, conversations, history, question, ask,
+                                 on_text=lambda text: loop.call_soon_threadsafe(queue.put_nowait, text))
+        return StreamingResponse(_stream(ticket, opened, queue, reply_id, created, model_id, warnings, metrics),
+                                 media_type="text/event-stream")
 
     return app
+
+
+async def _unless_disconnected(request: Request, ticket):
+    """The ticket's answer; if the client disconnects first, the turn is cancelled (its row leaves
+    at the next step) and its end is awaited. Waits on the disconnect message itself, no polling."""
+    job = asyncio.wrap_future(ticket.future)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({job, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if job not in done:
+            ticket.cancel()
+        return await job
+    finally:
+        watch.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone (the body is already read: the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def models_listing(llm_name: str) -> dict:
@@ -303,6 +326,15 @@ def install_errors(app: FastAPI, settings: ServeSettings, llm_name: str):
         status = next((code for kind, code in _STATUS.items() if isinstance(exc, kind)), 500)
         return json_error(status, str(exc), type(exc).__name__)
 
+    @app.exception_handler(BodyTooLarge)
+    async def too_large(request, exc):
+        return json_error(413, exc.detail, "request_too_large", headers={"Connection": "close"})
+
+    @app.exception_handler(Exception)
+    async def internal(request, exc):  # a bug: the client still gets the JSON error shape, and the log the traceback
+        log.error("request to %s failed", request.url.path, exc_info=exc)
+        return json_error(500, f"internal error: {type(exc).__name__}", "internal_error")
+
     @app.exception_handler(UnknownModel)
     async def unknown_model(request, exc):
         return json_error(404, f"the model {exc.args[0]!r} does not exist; this service serves {SERVED_MODEL_ID!r} "
@@ -324,6 +356,8 @@ def split_messages(messages: list[Message]) -> tuple[list[tuple[str, str]], str,
     warnings = []
     if any(m.role in ("system", "developer") for m in messages):
         warnings.append("system messages are ignored: the store's system prompt is part of its cache keys")
+    for number, message in enumerate(messages):
+        check_text(message.text, f"message {number}")
     turns = [m for m in messages if m.role in ("user", "assistant")]
     if not turns or turns[-1].role != "user" or not turns[-1].text.strip():
         raise InputError("the last message must be a user message with text")
@@ -384,24 +418,16 @@ def _completion(reply_id, created, model_id, answer, warnings, reused_history) -
             "usage": _usage(answer), "ragkv": _ragkv_block(answer, warnings, reused_history)}
 
 
-async def _stream(batcher, conversations, history, question, settings, reply_id, created, model_id, warnings,
-                  metrics):
-    """Server-sent events in OpenAI's chunk format; the turn decodes in the running batch on the
-    model thread and hands text over through a queue. A client that disconnects cancels it."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
+async def _stream(ticket, opened, queue: asyncio.Queue, reply_id, created, model_id, warnings, metrics):
+    """Server-sent events in OpenAI's chunk format for a submitted turn, which decodes in the
+    running batch on the model thread and hands its text over through `queue`. A client that
+    disconnects cancels it."""
 
     def chunk(delta: dict, finish: str | None = None, **extra) -> str:
         body = {"id": reply_id, "object": "chat.completion.chunk", "created": created, "model": model_id,
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
         return f"data: {json.dumps(body)}\n\n"
 
-    try:
-        ticket, opened = _submit(batcher, conversations, history, question, settings,
-                                 on_text=lambda text: loop.call_soon_threadsafe(queue.put_nowait, text))
-    except Busy:
-        yield f"data: {json.dumps({'error': {'message': 'the model is busy; retry shortly', 'type': 'server_busy'}})}\n\n"
-        return
     job = asyncio.wrap_future(ticket.future)
     try:
         yield chunk({"role": "assistant", "content": ""})

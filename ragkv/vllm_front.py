@@ -32,6 +32,7 @@ from fastapi.responses import StreamingResponse
 from ragkv.answer import Source, Stats
 from ragkv.config import AskSettings
 from ragkv.errors import InputError, ModelError
+from ragkv.guard import RequestGuard
 from ragkv.service import (
     SERVED_MODEL_ID, ChatRequest, ServeSettings, UnknownModel, install_errors, models_listing, split_messages,
 )
@@ -104,6 +105,7 @@ def build_front_app(engine, vllm_url: str, settings: ServeSettings) -> FastAPI:
         await client.aclose()
 
     app = FastAPI(title="ragkv (vLLM)", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.add_middleware(RequestGuard, max_body_bytes=settings.max_body_bytes)
     authorised = install_errors(app, settings, engine.lm.facts.name)
     accepted_ids = {SERVED_MODEL_ID, engine.lm.facts.name}
 

@@ -9,6 +9,7 @@ write-back of KV computed on a miss (whether it earns a place), and `ragkv budge
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
@@ -16,8 +17,10 @@ from typing import Sequence
 from ragkv.errors import InputError
 from store.catalog import Catalog
 from store.gc import drop_dead, maintaining
-from store.popularity import read_pending, remove_finished
+from store.popularity import HITS_DIR, read_pending, remove_finished
 from store.store import StoreWriter
+
+log = logging.getLogger("ragkv")
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,9 @@ def fold_hits(writer: StoreWriter) -> int:
     """Fold the readers' hit logs into the writer's catalog; returns the uses folded."""
     catalog = writer.catalog
     pending = read_pending(writer.root, catalog.folded_offsets())
+    if pending.unusable:  # said once: the offsets move past these lines
+        log.warning("hit logs: skipped %d lines that record no use (%s); popularity counts the rest",
+                    sum(pending.unusable.values()), ", ".join(f"{HITS_DIR}/{name}" for name in sorted(pending.unusable)))
     folded = catalog.fold_uses(pending, catalog.half_life_s())
     remove_finished(writer.root, pending.finished)
     return folded

@@ -46,16 +46,16 @@ def vectors_path(root: Path, generation: int) -> Path:
 def read_current(root: Path) -> int | None:
     """The published generation, or None if nothing was ever published (or `root` is no folder)."""
     try:
-        text = (root / CURRENT).read_text()
+        data = (root / CURRENT).read_bytes()
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as exc:
         raise StoreNotFoundError(f"cannot read store {root}: {exc.strerror or exc}") from None
-    try:
-        return int(text.strip())
-    except ValueError:
-        raise StoreFormatError(f"store {root}: CURRENT holds {text[:40]!r}, not a generation number; "
-                               "restore it, or re-ingest into a new store") from None
+    text = data.decode("ascii", errors="replace").strip()
+    if not (text.isdigit() and len(text) <= 12):  # no sign, no other digits than 0-9, six are written
+        raise StoreFormatError(f"store {root}: CURRENT holds {data[:40]!r}, not a generation number; "
+                               "restore it, or re-ingest into a new store")
+    return int(text)
 
 
 def publish(root: Path, generation: int) -> None:

@@ -26,7 +26,7 @@ import os
 import socket
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
@@ -88,36 +88,63 @@ class Pending:
     uses: list[Use]
     offsets: dict[str, int]  # file name -> bytes folded once these are
     finished: list[str]  # files whose reader is gone and that the catalog had folded in full
+    unusable: dict[str, int] = field(default_factory=dict)  # file name -> lines (or unreadable files) skipped
+
+
+MAX_READ_BYTES = 64 << 20  # read per file per fold; the rest waits for the next writer (bounded work)
+MAX_CHUNK_INDEX = 2**31 - 1  # the catalog keeps chunk indexes as int32
+MAX_CLOCK_SKEW_S = 86400.0  # a use stamped further in the future than this is not believed
 
 
 def read_pending(root: Path, folded: dict[str, int]) -> Pending:
-    """The uses in `root/hits/` past the offsets already `folded` (whole lines only)."""
+    """The uses in `root/hits/` past the offsets already `folded` (whole lines only). A line
+    that is not a use (torn by a killed reader, or written by anything else) is skipped and
+    counted in `unusable`: a log can never stop a writer."""
     hits_dir = Path(root) / HITS_DIR
-    uses: list[Use] = []
-    offsets: dict[str, int] = {}
-    finished: list[str] = []
+    pending = Pending([], {}, [])
     if not hits_dir.is_dir():
-        return Pending(uses, offsets, finished)
+        return pending
+    now = time.time()
     for path in sorted(hits_dir.glob("*.jsonl")):
         start = folded.get(path.name, 0)
         try:
             with open(path, "rb") as f:
                 is_gone = _reader_gone(f.fileno())
                 f.seek(start)
-                data = f.read()
+                data = f.read(MAX_READ_BYTES)
         except FileNotFoundError:
             continue
+        except OSError:  # not a readable file (a folder of that name, no permission): nothing to fold
+            pending.unusable[path.name] = pending.unusable.get(path.name, 0) + 1
+            continue
         end = data.rfind(b"\n") + 1  # a line still being written is folded next time
+        if not end and len(data) == MAX_READ_BYTES:  # one endless line: nothing a reader writes
+            end = len(data)
+            pending.unusable[path.name] = 1
         for line in data[:end].splitlines():
-            try:
-                row = json.loads(line)
-                uses.append(Use(str(row["doc"]), int(row["i"]), str(row["src"]), float(row["t"])))
-            except (ValueError, KeyError, TypeError):
-                continue  # a torn line from a killed process: skip it
-        offsets[path.name] = start + end
+            use = parse_use(line, now)
+            if use is None:
+                pending.unusable[path.name] = pending.unusable.get(path.name, 0) + 1
+            else:
+                pending.uses.append(use)
+        pending.offsets[path.name] = start + end
         if is_gone and not data:  # folded in full by a published generation, and nobody appends
-            finished.append(path.name)
-    return Pending(uses, offsets, finished)
+            pending.finished.append(path.name)
+    return pending
+
+
+def parse_use(line: bytes, now: float) -> Use | None:
+    """The use one log line records, or None if it is not one (any JSON, or none at all)."""
+    try:
+        row = json.loads(line)
+        doc, index, source, when = row["doc"], row["i"], row["src"], row["t"]
+    except Exception:  # not JSON, not an object, a field missing
+        return None
+    if not (isinstance(doc, str) and 0 < len(doc) <= 4096 and isinstance(index, int) and not isinstance(index, bool)
+            and 0 <= index <= MAX_CHUNK_INDEX and source in SOURCES and isinstance(when, (int, float))
+            and not isinstance(when, bool) and 0 < when <= now + MAX_CLOCK_SKEW_S):  # NaN fails the comparison
+        return None
+    return Use(doc, index, source, float(when))
 
 
 def _reader_gone(fd: int) -> bool:

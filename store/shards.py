@@ -275,6 +275,8 @@ class ShardReader:
         except FileNotFoundError:
             where = self.shard_dir if path else "the bucket"
             raise StoreCorruptError(f"shard {shard} is missing from {where}") from None
+        except OSError as exc:  # no permission, a folder where the shard (or shards/) should be, an I/O error
+            raise StoreCorruptError(f"shard {shard} cannot be opened: {exc.strerror or exc}") from None
         try:
             return _Shard(file, *_parse_header(file, shard))
         except BaseException:

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import duckdb
 
-from ragkv.errors import InputError, RagkvError, StoreEmptyError, StoreFormatError, StoreNotFoundError, StoreWriteError
+from ragkv.errors import (
+    InputError, RagkvError, StoreCorruptError, StoreEmptyError, StoreFormatError, StoreNotFoundError, StoreWriteError,
+)
 from ragkv.keys import KVKey
 from store.catalog import Catalog
 from store.generations import (
@@ -50,7 +52,7 @@ class StoreSnapshot:
     Holds the generation's reader lease until `close`. For an S3 store, `root` is the local
     mirror and `remote` the bucket shards are fetched from."""
 
-    def __init__(self, root: Path, generation: int, remote: RemoteStore | None = None):
+    def __init__(self, root: Path, generation: int, remote: RemoteStore | None = None, lenient: bool = False):
         self.root = root
         self.remote = remote
         self._polled = time.monotonic()  # when the bucket's CURRENT was last read
@@ -58,7 +60,13 @@ class StoreSnapshot:
         self._lease = ReaderLease(root, generation)
         try:
             self.catalog = Catalog(catalog_path(root, generation), read_only=True)
-            self.vectors = VectorIndex.load(vectors_path(root, generation))
+            self.vectors_damage = ""  # lenient: why the vector index could not be read (it is then empty)
+            try:
+                self.vectors = VectorIndex.load(vectors_path(root, generation))
+            except StoreCorruptError as exc:
+                if not lenient:
+                    raise
+                self.vectors, self.vectors_damage = VectorIndex.empty(1), str(exc)
         except BaseException:
             self._lease.release()
             raise
@@ -93,8 +101,10 @@ class StoreSnapshot:
         self.close()
 
 
-def open_snapshot(location: Path | str, require_documents: bool = True) -> StoreSnapshot:
-    """Open the published generation of the store at `location` (a folder or s3://bucket/prefix)."""
+def open_snapshot(location: Path | str, require_documents: bool = True, lenient: bool = False) -> StoreSnapshot:
+    """Open the published generation of the store at `location` (a folder or s3://bucket/prefix).
+    `lenient` (verify, repair): open it even if its vector index is unreadable (see
+    `StoreSnapshot.vectors_damage`)."""
     remote = RemoteStore(str(location)) if is_remote(location) else None
     root = remote.mirror if remote else Path(location)
     if not remote and root.exists() and not root.is_dir():
@@ -105,7 +115,7 @@ def open_snapshot(location: Path | str, require_documents: bool = True) -> Store
             raise StoreNotFoundError(f"no ragkv store at {location}; create one with: "
                                      f"ragkv ingest DOCS --store {location}")
         try:
-            snapshot = StoreSnapshot(root, generation, remote)
+            snapshot = StoreSnapshot(root, generation, remote, lenient)
             break
         except RetiredError:
             continue
@@ -128,8 +138,9 @@ class StoreWriter:
     surface as StoreWriteError.
     """
 
-    def __init__(self, root: Path | str, wait: bool = False):
+    def __init__(self, root: Path | str, wait: bool = False, rebuild_vectors: bool = False):
         self.root = Path(root)
+        self._partial: Path | None = None
         self._created_root = not self.root.exists()
         if not self._created_root and _is_foreign(self.root):
             raise InputError(f"{self.root} exists and is not a ragkv store; pass an empty or new directory as --store")
@@ -142,16 +153,22 @@ class StoreWriter:
             remove_unpublished(self.root, self.base_generation)
             remove_temporary(self.shard_dir)
             self._partial = catalog_path(self.root, self.generation).with_suffix(".duckdb.partial")
+            self.vectors: VectorIndex | None = None  # rebuild_vectors: repair makes it hold the catalog's chunks
             if self.base_generation is not None:
-                shutil.copyfile(catalog_path(self.root, self.base_generation), self._partial)
-                self.vectors: VectorIndex | None = VectorIndex.load(vectors_path(self.root, self.base_generation))
-            else:
-                self.vectors = None
+                base = catalog_path(self.root, self.base_generation)
+                if not base.is_file():
+                    raise StoreFormatError(f"store {self.root}: CURRENT names generation {self.base_generation} but "
+                                           f"{base.name} is missing; restore it, or re-ingest into a new store")
+                shutil.copyfile(base, self._partial)
+                if not rebuild_vectors:
+                    self.vectors = VectorIndex.load(vectors_path(self.root, self.base_generation))
             self.catalog = Catalog(self._partial, read_only=False)
             # What the published generation holds; publishing the same again would be a no-op.
             self._base_rows = (self.catalog.fingerprint()
                                if self.base_generation is not None and not self.catalog.migrated else None)
         except BaseException as exc:
+            if self._partial is not None and self._lock:  # our own copy: nobody else reads it
+                self._partial.unlink(missing_ok=True)
             if self._lock:
                 self._lock.release()
             if isinstance(exc, _WRITE_ERRORS):
@@ -305,7 +322,7 @@ class RemoteStoreWriter(StoreWriter):
     store.remote), uploads each shard as it is sealed and publishes catalog, index and then
     CURRENT to the bucket. Holds the bucket's LOCK object as well as the mirror's lock."""
 
-    def __init__(self, uri: str, wait: bool = False):
+    def __init__(self, uri: str, wait: bool = False, rebuild_vectors: bool = False):
         self.remote = RemoteStore(uri)
         try:
             self._token = self.remote.lock(wait)
@@ -313,7 +330,7 @@ class RemoteStoreWriter(StoreWriter):
             raise write_error(uri, exc) from exc
         try:
             self.remote_base = self.remote.sync()
-            super().__init__(self.remote.mirror, wait)
+            super().__init__(self.remote.mirror, wait, rebuild_vectors)
             if self.base_generation != self.remote_base:
                 raise StoreWriteError(f"store {uri}: the local mirror {self.root} changed while opening; try again")
         except BaseException:
@@ -388,6 +405,9 @@ class RemoteStoreWriter(StoreWriter):
             log.warning("store %s: could not delete its LOCK object (%s); delete it by hand", self.location, exc)
 
 
-def open_writer(location: Path | str, wait: bool = False) -> StoreWriter:
-    """A writer for the store at `location`: a folder, or s3://bucket/prefix."""
-    return RemoteStoreWriter(str(location), wait) if is_remote(location) else StoreWriter(location, wait)
+def open_writer(location: Path | str, wait: bool = False, rebuild_vectors: bool = False) -> StoreWriter:
+    """A writer for the store at `location`: a folder, or s3://bucket/prefix. `rebuild_vectors`:
+    start from an empty vector index instead of the published one (for repair)."""
+    if is_remote(location):
+        return RemoteStoreWriter(str(location), wait, rebuild_vectors)
+    return StoreWriter(location, wait, rebuild_vectors)

@@ -11,6 +11,8 @@ from pathlib import Path
 import faiss
 import numpy as np
 
+from ragkv.errors import StoreCorruptError
+
 
 @dataclass(frozen=True)
 class Hit:
@@ -29,7 +31,15 @@ class VectorIndex:
 
     @classmethod
     def load(cls, path: Path) -> "VectorIndex":
-        return cls(faiss.read_index(str(path)))
+        """The index in `path`; StoreCorruptError if it cannot be read (truncated, damaged)."""
+        try:
+            return cls(faiss.read_index(str(path)))
+        except RuntimeError as exc:  # FAISS reports every read failure so
+            # FAISS says "Error in <function> at <file:line>: <what>"; a short read is a truncated file.
+            message = str(exc).splitlines()[0] if str(exc) else ""
+            reason = "truncated" if "read error" in message else message.rpartition(": ")[2][:120] or "unreadable"
+            raise StoreCorruptError(f"the vector index {path.name} is damaged ({reason}); rebuild it with: "
+                                    f"ragkv verify --repair --store {path.parent}") from None
 
     @property
     def dim(self) -> int:
@@ -54,6 +64,9 @@ class VectorIndex:
     def search(self, vector: np.ndarray, k: int, allowed: list[int] | None = None) -> list[Hit]:
         """The `k` nearest chunks to one `(dim,)` query vector, best first; only chunk ids in
         `allowed` when given."""
+        k = min(k, len(allowed) if allowed is not None else self.index.ntotal)  # FAISS refuses k past its limits
+        if k < 1:
+            return []
         query = np.ascontiguousarray(vector.reshape(1, -1), dtype=np.float32)
         if allowed is None:
             scores, ids = self.index.search(query, k)

@@ -1,6 +1,8 @@
 """Integrity checks over a published generation: every KV entry readable and matching its
-checksum, every chunk link pointing at an entry, every profile's prefix present, and the
-vector index holding exactly the catalog's chunks."""
+checksum, every chunk link pointing at an entry, every profile's prefix present, the vector
+index readable and holding exactly the catalog's chunks. (`CURRENT` and the catalog are checked
+by opening the generation at all.) Hit-log lines that record no use are reported as warnings:
+popularity skips them, and they harm nothing stored."""
 
 from __future__ import annotations
 
@@ -11,12 +13,14 @@ import faiss
 
 from ragkv.errors import StoreCorruptError
 from ragkv.keys import KVKey
+from store.popularity import HITS_DIR, read_pending
 from store.store import StoreSnapshot
 
 
 @dataclass(frozen=True)
 class Problem:
     kind: str  # "entry" (unreadable / checksum), "link" (chunk points at no entry), "prefix", "vectors"
+    # (missing or stray vectors), "vectors-unreadable" (the index file itself)
     detail: str
     kv_key: str = ""
 
@@ -28,6 +32,7 @@ class VerifyReport:
     bytes_checked: int = 0
     seconds: float = 0.0
     problems: list[Problem] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # not problems: nothing stored is wrong
 
     @property
     def ok(self) -> bool:
@@ -54,10 +59,17 @@ def verify(snapshot: StoreSnapshot) -> VerifyReport:
         key = KVKey.prefix_of(profile_id).to_string()
         if catalog.entry(key) is None:
             report.problems.append(Problem("prefix", f"profile {profile_id[:16]} has no system-prompt KV", key))
-    indexed = set(faiss.vector_to_array(snapshot.vectors.index.id_map).tolist())
-    chunks = catalog.chunk_ids()
-    if indexed != chunks:
-        report.problems.append(Problem(
-            "vectors", f"{len(chunks - indexed)} chunks missing from the vector index, {len(indexed - chunks)} stray vectors"))
+    if snapshot.vectors_damage:
+        report.problems.append(Problem("vectors-unreadable", snapshot.vectors_damage))
+    else:
+        indexed = set(faiss.vector_to_array(snapshot.vectors.index.id_map).tolist())
+        chunks = catalog.chunk_ids()
+        if indexed != chunks:
+            report.problems.append(Problem("vectors", f"{len(chunks - indexed)} chunks missing from the vector index, "
+                                                      f"{len(indexed - chunks)} stray vectors"))
+    if not snapshot.remote:
+        unusable = read_pending(snapshot.root, catalog.folded_offsets()).unusable
+        report.warnings += [f"{HITS_DIR}/{name}: {count} lines record no use (popularity skips them)"
+                            for name, count in sorted(unusable.items())]
     report.seconds = time.perf_counter() - start
     return report
