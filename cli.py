@@ -23,7 +23,7 @@ from ragkv.config import (
     DEFAULT_EMBEDDER, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODEL, DEFAULT_NO_REPEAT_NGRAM, DEFAULT_REPETITION_PENALTY,
     DEFAULT_SPAN_TOKENS, DEFAULT_STORE, DEFAULT_SYSTEM_PROMPT, DTYPES, AskSettings, DecodeSettings,
 )
-from ragkv.errors import InputError, RagkvError
+from ragkv.errors import InputError, OutputError, RagkvError
 
 
 class _StderrHandler(logging.Handler):
@@ -162,12 +162,18 @@ SeedOption = typer.Option(None, "--seed", help="With --temperature: the same see
 StopOption = typer.Option(None, "--stop", help="End the answer where this text appears (repeatable; not shown).")
 
 
-def _settings(model, embedder, device, dtype, chunk_tokens, system_prompt, batch_tokens, kv_dtype, span_tokens):
-    from ragkv.config import IngestSettings, ModelSettings
+MaxDocBytesOption = typer.Option("8MiB", "--max-doc-bytes", help="Skip (and list) documents with more text than this; "
+                                 "a jsonl file's records count one by one.")
+
+
+def _settings(model, embedder, device, dtype, chunk_tokens, system_prompt, batch_tokens, kv_dtype, span_tokens,
+              max_doc_bytes):
+    from ragkv.config import IngestSettings, ModelSettings, parse_size
 
     return (ModelSettings(model=model, embedder=embedder, device=device, dtype=dtype),
             IngestSettings(chunk_tokens=chunk_tokens, system_prompt=system_prompt, batch_tokens=batch_tokens,
-                           kv_dtype=kv_dtype, span_tokens=span_tokens))
+                           kv_dtype=kv_dtype, span_tokens=span_tokens,
+                           max_document_bytes=parse_size(max_doc_bytes, "--max-doc-bytes")))
 
 
 @app.command()
@@ -183,6 +189,7 @@ def ingest(
     batch_tokens: int = BatchTokensOption,
     kv_dtype: str = KvDtypeOption,
     span_tokens: int = SpanTokensOption,
+    max_doc_bytes: str = MaxDocBytesOption,
     kv_budget: Optional[str] = typer.Option(
         None, "--kv-budget", help="Most bytes of KV the store keeps (e.g. 20GB, 512MiB), kept by popularity: a chunk "
         "without KV has it computed on its first question and stored if it earns a place. Saved in the store; change "
@@ -206,7 +213,7 @@ def ingest(
     from ragkv.config import parse_size
 
     model_settings, settings = _settings(model, embedder, device, dtype, chunk_tokens, system_prompt, batch_tokens,
-                                         kv_dtype, span_tokens)
+                                         kv_dtype, span_tokens, max_doc_bytes)
     limits = {"all": None, "none": 0}
     settings = dataclasses.replace(
         settings, kv_budget=parse_size(kv_budget, "--kv-budget") if kv_budget is not None else None,
@@ -218,6 +225,34 @@ def ingest(
         typer.echo(json.dumps(report.to_dict()))
         return
     _print_ingest(report.to_dict())
+
+
+class _Output:
+    """A file the user asked for (`--out`, `--report`), checked before any model loads; a
+    failed write (disk full, permissions) is an OutputError naming it."""
+
+    def __init__(self, path: Path, what: str):
+        if path.is_dir():
+            raise InputError(f"{what} {path} is a folder; name a file to write")
+        if not path.parent.is_dir():
+            raise InputError(f"{what} {path}: the folder {path.parent} does not exist")
+        self.path, self.what, self._file = path, what, None
+
+    def __enter__(self):
+        self._file = self._call(open, self.path, "w", encoding="utf-8")
+        return self
+
+    def write(self, text: str) -> None:
+        self._call(self._file.write, text)
+
+    def __exit__(self, *exc):
+        self._call(self._file.close)
+
+    def _call(self, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except OSError as exc:
+            raise OutputError(f"cannot write {self.what} {self.path}: {exc.strerror or exc}") from None
 
 
 def _print_ingest(report: dict) -> None:
@@ -252,6 +287,7 @@ def reindex(
     batch_tokens: int = BatchTokensOption,
     kv_dtype: str = KvDtypeOption,
     span_tokens: int = SpanTokensOption,
+    max_doc_bytes: str = MaxDocBytesOption,
     gc: bool = typer.Option(True, "--gc/--no-gc", help="Reclaim space of retired KV afterwards."),
     check: bool = typer.Option(True, "--verify/--no-verify", help="Verify every entry afterwards."),
     report_file: Optional[Path] = typer.Option(None, "--report", help="Also write the JSON report to this file."),
@@ -269,11 +305,13 @@ def reindex(
     from pipelines.progress import default_reporter
 
     model_settings, settings = _settings(model, embedder, device, dtype, chunk_tokens, system_prompt, batch_tokens,
-                                         kv_dtype, span_tokens)
+                                         kv_dtype, span_tokens, max_doc_bytes)
+    output = _Output(report_file, "--report") if report_file else None
     report = run_nightly(paths, store, model=model_settings, settings=settings, gc=gc, check=check, wait=wait,
                          reporter=default_reporter(quiet or json_out), engine=engine, workers=workers)
-    if report_file:
-        report_file.write_text(json.dumps(report.to_dict(), indent=2))
+    if output:
+        with output:
+            output.write(json.dumps(report.to_dict(), indent=2))
     if json_out:
         typer.echo(json.dumps(report.to_dict()))
     else:
@@ -466,9 +504,10 @@ def batch(
                            decoding=decoding)
     settings.check_batchable("ragkv batch")
     items, errors = read_questions(questions)
+    sink = _Output(out, "--out")
     started = time.perf_counter()
     reporter = default_reporter(quiet or json_out)
-    with ragkv.open(store, device=device) as engine, open(out, "w") as sink:
+    with ragkv.open(store, device=device) as engine, sink:
         for outcome in errors:
             sink.write(json.dumps(outcome.to_dict()) + "\n")
         reporter.stage("questions", len(items), "questions")

@@ -119,7 +119,7 @@ def ingest(paths: Sequence[Path | str], store: Path | str, model: ModelSettings 
     model = model or ModelSettings()
     settings = settings or IngestSettings()
     reporter = reporter or Reporter()
-    found = read_documents(paths)
+    found = read_documents(paths, settings.max_document_bytes)
     if not found.documents:
         reasons = "; ".join(f"{s.source}: {s.reason}" for s in found.skipped[:3]) or "no files"
         raise InputError(f"no documents to ingest under {', '.join(map(str, paths))} ({reasons})")
@@ -188,6 +188,7 @@ def _write(writer: StoreWriter, documents: list[Document], lm: LoadedModel, embe
                          f"ingest with --embedder {meta.get('embedder')} or use a new store")
     chunking = chunking_id(settings.chunk_tokens) + (f";span={settings.span_tokens}" if settings.span_tokens else "")
     plan = plan_documents(documents, catalog.documents(), chunking, prune)
+    report.skipped += plan.conflicts
     report.documents = plan.counts()
     new_chunks = _replace_documents(writer, plan, chunking, lm, settings, reporter)
     vectors = writer.ensure_vectors(embedder.dim)

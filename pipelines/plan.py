@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 from dataclasses import dataclass, field
 
-from pipelines.read import Document
+from pipelines.read import Document, Skipped
 from ragkv.keys import digest
 from store import DocumentRow
 
@@ -20,6 +22,7 @@ class DocumentPlan:
     changed: list[Document] = field(default_factory=list)  # content or chunking differs
     unchanged: list[Document] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)  # doc ids (only when pruning)
+    conflicts: list[Skipped] = field(default_factory=list)  # ids another file still holds (not replaced)
 
     @property
     def to_chunk(self) -> list[Document]:
@@ -38,17 +41,35 @@ class DocumentPlan:
 def plan_documents(documents: list[Document], stored: dict[str, DocumentRow], chunking: str,
                    prune: bool) -> DocumentPlan:
     """Compare documents read now with those stored. With `prune`, stored documents not read
-    now are removed (the paths given are the whole corpus)."""
+    now are removed (the paths given are the whole corpus). Without it, a changed document
+    whose id is stored from another file that still exists (two trees both holding
+    `faq.jsonl` with the same record ids, or both a `README.md`) is a conflict: listed, never
+    silently replaced. The same text from another file (a copy of the tree) is unchanged."""
     plan = DocumentPlan()
     for doc in documents:
         old = stored.get(doc.doc_id)
         if old is None:
             plan.added.append(doc)
         elif old.content_hash != content_hash(doc) or old.chunking != chunking:
-            plan.changed.append(doc)
+            if not prune and is_other_file(old.source, doc.source):
+                plan.conflicts.append(Skipped(doc.source, f"document id {doc.doc_id!r} is stored from {old.source}, "
+                                              "which still exists and differs: give this one another id, or reindex "
+                                              "to make the store hold exactly these paths"))
+            else:
+                plan.changed.append(doc)
         else:
             plan.unchanged.append(doc)
     if prune:
         present = {d.doc_id for d in documents}
         plan.removed = sorted(doc_id for doc_id in stored if doc_id not in present)
     return plan
+
+
+_LINE = re.compile(r":\d+$")  # a jsonl record's source: FILE:LINE
+
+
+def is_other_file(stored_source: str, source: str) -> bool:
+    """Whether `stored_source` names an existing file other than the one `source` was read from
+    (a moved or deleted file, or a line that moved within its file, is the same document)."""
+    old, new = _LINE.sub("", stored_source), _LINE.sub("", source)
+    return os.path.isfile(old) and os.path.realpath(old) != os.path.realpath(new)

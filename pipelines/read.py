@@ -3,6 +3,11 @@
 A document's id is its path relative to the directory it was found under (or its file name
 when a file was passed directly), or the `id` field of a jsonl record: stable across runs, so
 re-ingesting the same tree finds the same documents.
+
+Whatever cannot be read is listed as skipped with its reason, never an error that stops the
+run: an unreadable file, a FIFO or socket, a broken link, a binary or non-UTF-8 file, and a
+document over `max_document_bytes` (default 8 MiB of text, about 2M tokens: its KV alone would
+take tens of GB; raise it with `--max-doc-bytes`).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from ragkv.config import DEFAULT_MAX_DOCUMENT_BYTES as MAX_DOCUMENT_BYTES  # a jsonl file is not capped; each record is
 from ragkv.errors import InputError
 
 TEXT_SUFFIXES = {".txt", ".md", ".markdown", ".rst", ".text"}
@@ -42,7 +48,7 @@ class ReadResult:
     skipped: list[Skipped] = field(default_factory=list)
 
 
-def read_documents(paths: Iterable[Path | str]) -> ReadResult:
+def read_documents(paths: Iterable[Path | str], max_document_bytes: int = MAX_DOCUMENT_BYTES) -> ReadResult:
     """Read every supported file under `paths`. Unusable files are listed in `skipped` with
     the reason; a path that does not exist is an InputError (checked before anything is read)."""
     roots = [Path(p) for p in paths]
@@ -53,7 +59,7 @@ def read_documents(paths: Iterable[Path | str]) -> ReadResult:
     seen: set[str] = set()
     for root in roots:
         for path, doc_id in _walk(root):
-            for item in _read_file(path, doc_id):
+            for item in _read_file(path, doc_id, max_document_bytes):
                 if isinstance(item, Skipped):
                     result.skipped.append(item)
                 elif item.doc_id in seen:
@@ -65,22 +71,34 @@ def read_documents(paths: Iterable[Path | str]) -> ReadResult:
 
 
 def _walk(root: Path) -> Iterator[tuple[Path, str]]:
-    """(file, doc id) pairs under root, sorted; hidden files and folders are left out."""
-    if root.is_file():
+    """(entry, doc id) pairs under root, sorted: every entry but folders (so that what is not a
+    regular file is listed as skipped); hidden files and folders are left out."""
+    if not root.is_dir():
         yield root, root.name
         return
     for path in sorted(root.rglob("*")):
         relative = path.relative_to(root)
-        if path.is_file() and not any(part.startswith(".") for part in relative.parts):
+        if not path.is_dir() and not any(part.startswith(".") for part in relative.parts):
             yield path, relative.as_posix()
 
 
-def _read_file(path: Path, doc_id: str) -> Iterator[Document | Skipped]:
+def _read_file(path: Path, doc_id: str, max_document_bytes: int) -> Iterator[Document | Skipped]:
     suffix = path.suffix.lower()
+    if not path.is_file():
+        yield Skipped(str(path), "a broken symbolic link" if path.is_symlink() else "not a regular file")
+        return
     if suffix not in SUPPORTED:
         yield Skipped(str(path), f"unsupported file type {suffix or '(none)'}; ragkv reads {', '.join(sorted(SUPPORTED))}")
         return
-    raw = path.read_bytes()
+    try:
+        size = path.stat().st_size
+        if suffix not in JSONL_SUFFIXES and size > max_document_bytes:
+            yield Skipped(str(path), _too_large(size, max_document_bytes))
+            return
+        raw = path.read_bytes()
+    except OSError as exc:
+        yield Skipped(str(path), f"cannot be read: {exc.strerror or exc}")
+        return
     if b"\x00" in raw[:8192]:
         yield Skipped(str(path), "binary file")
         return
@@ -90,7 +108,7 @@ def _read_file(path: Path, doc_id: str) -> Iterator[Document | Skipped]:
         yield Skipped(str(path), f"not valid UTF-8 (byte {exc.start})")
         return
     if suffix in JSONL_SUFFIXES:
-        yield from _read_jsonl(path, text)
+        yield from _read_jsonl(path, text, max_document_bytes)
         return
     if suffix in HTML_SUFFIXES:
         text = html_to_text(text)
@@ -101,7 +119,11 @@ def _read_file(path: Path, doc_id: str) -> Iterator[Document | Skipped]:
     yield Document(doc_id, str(path), text, {"format": suffix.lstrip(".")})
 
 
-def _read_jsonl(path: Path, text: str) -> Iterator[Document | Skipped]:
+def _too_large(size: int, limit: int) -> str:
+    return f"{size:,} bytes of text, over the {limit:,}-byte limit for one document (--max-doc-bytes)"
+
+
+def _read_jsonl(path: Path, text: str, max_document_bytes: int) -> Iterator[Document | Skipped]:
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -114,15 +136,24 @@ def _read_jsonl(path: Path, text: str) -> Iterator[Document | Skipped]:
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
             yield Skipped(where, 'no "text" string field')
             continue
-        if "id" not in record or not isinstance(record["id"], (str, int)):
-            yield Skipped(where, 'no "id" field (string or integer)')
+        doc_id = record.get("id")
+        if isinstance(doc_id, bool) or not isinstance(doc_id, (str, int)) or not 0 < len(str(doc_id)) <= 1024:
+            yield Skipped(where, 'no "id" field (a string of 1 to 1024 characters, or an integer)')
             continue
         body = normalise(record["text"])
         if not body:
             yield Skipped(where, "empty text")
             continue
+        try:
+            size = len(body.encode("utf-8"))
+        except UnicodeEncodeError:  # a "\\ud800" escape: no tokenizer takes it
+            yield Skipped(where, "text is not valid Unicode (a lone surrogate escape)")
+            continue
+        if size > max_document_bytes:
+            yield Skipped(where, _too_large(size, max_document_bytes))
+            continue
         metadata = {k: v for k, v in record.items() if k not in ("id", "text")}
-        yield Document(str(record["id"]), where, body, {"format": "jsonl", **metadata})
+        yield Document(str(doc_id), where, body, {"format": "jsonl", **metadata})
 
 
 def html_to_text(html: str) -> str:

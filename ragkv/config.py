@@ -25,6 +25,8 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 DEFAULT_STORE = "./kvstore"
 DEFAULT_SPAN_TOKENS = 0  # see IngestSettings.span_tokens
+# One document's text (about 2M tokens: its KV alone would take tens of GB); larger ones are skipped, named.
+DEFAULT_MAX_DOCUMENT_BYTES = 8 << 20
 DTYPES = ("float32", "bfloat16", "float16")
 MODES = ("exact", "concat", "blend", "epic", "ape")
 SINGLE_ONLY_MODES = ("ape",)  # attend differently per request: ask and stream only, not batched
@@ -63,10 +65,12 @@ def cache_dir() -> Path:
 def resolve_device(device: str) -> str:
     if device not in DEVICES:
         raise InputError(f"unknown --device {device!r}; use one of {', '.join(DEVICES)}")
-    if device != "auto":
-        return device
     import torch
 
+    if device == "cuda" and not torch.cuda.is_available():  # said now, not after a model has loaded
+        raise InputError(f"--device cuda, but torch {torch.__version__} sees no CUDA device; use --device cpu or auto")
+    if device != "auto":
+        return device
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -165,6 +169,7 @@ class IngestSettings(_Settings):
     span_tokens: int = DEFAULT_SPAN_TOKENS  # a document's chunks computed as one sequence, restarting past this many tokens; 0: each chunk alone
     kv_budget: int | None = None  # bytes of KV the store may hold, kept by popularity (None: the store's, else none)
     precompute: int | None = None  # bytes of chunk KV to compute now (None: all the budget allows; 0: none)
+    max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES  # larger documents are skipped (listed with the reason)
 
     def __post_init__(self):
         if self.span_tokens and self.span_tokens < self.chunk_tokens:
@@ -181,6 +186,8 @@ class IngestSettings(_Settings):
         if self.span_tokens and (self.kv_budget is not None or self.precompute is not None):
             raise InputError("--kv-budget and --precompute keep chunks' KV one by one; they do not combine with "
                              "--span-tokens (a span's KV is computed and kept whole)")
+        if self.max_document_bytes < 1:
+            raise InputError(f"--max-doc-bytes must be a positive size, got {self.max_document_bytes}")
         if (self.kv_budget or 0) < 0 or (self.precompute or 0) < 0:
             raise InputError("--kv-budget and --precompute take a size in bytes, not a negative number")
 

@@ -59,3 +59,10 @@ class StoreWriteError(RagkvError):
     published store is unchanged."""
 
     exit_code = 7
+
+
+class OutputError(RagkvError):
+    """A file ragkv was asked to write (`batch --out`, `reindex --report`) could not be written
+    (disk full, permissions). The store is not touched."""
+
+    exit_code = 7

@@ -110,6 +110,10 @@ class QueryEngine:
         name = model_name(name) if name else default["model_name"]
         same_name = [r for r in rows if r["model_name"] == name]
         dtype = resolve_dtype(dtype, self.device) if dtype else (same_name[0]["dtype"] if same_name else default["dtype"])
+        if kv_dtype is not None and not any(r["kv_quant"] == codec.kv_quant(kv_dtype, dtype) for r in same_name or rows):
+            held = ", ".join(sorted({r["kv_quant"] for r in same_name or rows}))
+            raise ModelError(f"store {self.snapshot.location} holds no KV stored as {kv_dtype} for {name} (it holds: "
+                             f"{held}; 'none' is lossless); omit --kv-dtype, or ingest with --kv-dtype {kv_dtype}")
         lm = load_model(name, self.device, dtype, weights)
         candidates = [r for r in rows if r["model_fingerprint"] == lm.facts.fingerprint and r["dtype"] == dtype
                       and (kv_dtype is None or r["kv_quant"] == codec.kv_quant(kv_dtype, dtype))]

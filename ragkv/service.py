@@ -163,6 +163,8 @@ class Metrics:
         self.reused = Counter("ragkv_tokens_reused", "Prompt tokens whose KV came from the store", registry=r)
         self.computed = Counter("ragkv_tokens_computed", "Prompt tokens prefilled", registry=r)
         self.generated = Counter("ragkv_tokens_generated", "Answer tokens", registry=r)
+        self.cancelled = Counter("ragkv_requests_cancelled", "Requests whose client went away before the answer ended "
+                                 "(their rows leave the batch at the next step)", registry=r)
         tier = engine.ram
         Gauge("ragkv_ram_tier_bytes", "Bytes of chunk KV in the RAM tier", registry=r).set_function(lambda: tier.bytes)
         Gauge("ragkv_ram_tier_hits", "RAM tier hits", registry=r).set_function(lambda: tier.hits)
@@ -260,6 +262,8 @@ def build_app(engine, settings: ServeSettings) -> FastAPI:
                 answer = await _unless_disconnected(request, ticket)
             finally:
                 ticket.cancel()  # a client that went away frees its row (no-op once answered)
+            if answer.stats.finish_reason == "cancelled":
+                metrics.cancelled.inc()
             metrics.record(answer.stats)
             return _completion(reply_id, created, model_id, answer, warnings, opened["reused"])
         # Queued before the response starts, so a full queue is a 503 with Retry-After, not an event in a 200.
@@ -452,4 +456,6 @@ async def _stream(ticket, opened, queue: asyncio.Queue, reply_id, created, model
                     ragkv=_ragkv_block(answer, warnings, opened["reused"]))
         yield "data: [DONE]\n\n"
     finally:
+        if not job.done():
+            metrics.cancelled.inc()
         ticket.cancel()  # the client went away mid-stream: its row leaves at the next step

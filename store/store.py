@@ -144,6 +144,9 @@ class StoreWriter:
         self._created_root = not self.root.exists()
         if not self._created_root and _is_foreign(self.root):
             raise InputError(f"{self.root} exists and is not a ragkv store; pass an empty or new directory as --store")
+        if (self.root / SHARD_DIR).exists() and not (self.root / SHARD_DIR).is_dir():
+            raise StoreFormatError(f"store {self.root}: {SHARD_DIR} is not a folder (the store keeps its KV shards "
+                                   f"there); move it aside, then run: ragkv verify --repair --store {self.root}")
         self._lock = None
         try:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -162,7 +165,11 @@ class StoreWriter:
                 shutil.copyfile(base, self._partial)
                 if not rebuild_vectors:
                     self.vectors = VectorIndex.load(vectors_path(self.root, self.base_generation))
-            self.catalog = Catalog(self._partial, read_only=False)
+            try:
+                self.catalog = Catalog(self._partial, read_only=False)
+            except StoreFormatError as exc:  # name the published file, not our copy of it
+                raise StoreFormatError(str(exc).replace(str(self._partial), str(catalog_path(
+                    self.root, self.base_generation or 0)))) from None
             # What the published generation holds; publishing the same again would be a no-op.
             self._base_rows = (self.catalog.fingerprint()
                                if self.base_generation is not None and not self.catalog.migrated else None)

@@ -3,10 +3,15 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
+import subprocess
+import sys
+from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -83,6 +88,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextmanager
+def running_server(store: Path, *args: str, env: dict | None = None):
+    """`ragkv serve` over `store` on a free loopback port, with `args`; yields (base URL, process).
+    Waits for the events themselves (the server says it binds, then answers), not for a time."""
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-c", "import cli; cli.main()", "serve", "--store", str(store), "--port", str(port),
+         "--device", "cpu", *args],
+        cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    said = []
+    while not (said and "ragkv serving" in said[-1]):
+        said.append(server.stderr.readline())
+        if not said[-1]:  # EOF: the server ended
+            pytest.fail(f"the server did not start: {''.join(said)}")
+    while True:
+        try:
+            if httpx.get(f"{base}/healthz").status_code == 200:
+                break
+        except httpx.TransportError:
+            if server.poll() is not None:
+                pytest.fail(f"the server did not start: {server.stderr.read()}")
+    try:
+        yield base, server
+    finally:
+        server.terminate()
+        server.wait()
+
+
 def run_cli(*args):
     from typer.testing import CliRunner
 
@@ -127,7 +161,7 @@ def flip_bit_of_entry(shard: Path, name: str) -> None:
     shard.write_bytes(bytes(data))
 
 
-SLOW_MODULES = {"test_scaleout", "test_service", "test_crash", "test_concurrency"}  # Ray, S3, servers, kill trials
+SLOW_MODULES = {"test_scaleout", "test_service", "test_service_hostile", "test_crash", "test_concurrency"}  # Ray, S3, servers, kill trials
 
 
 def pytest_collection_modifyitems(config, items):

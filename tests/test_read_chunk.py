@@ -44,7 +44,7 @@ def test_unusable_files_are_listed_with_a_reason(tmp_path):
     assert reasons["latin1.txt"].startswith("not valid UTF-8")
     assert reasons["image.png"].startswith("unsupported file type .png")
     assert reasons["bad.jsonl:2"].startswith("not JSON")
-    assert reasons["bad.jsonl:3"] == 'no "id" field (string or integer)'
+    assert reasons["bad.jsonl:3"] == 'no "id" field (a string of 1 to 1024 characters, or an integer)'
     assert reasons["bad.jsonl:4"] == "duplicate document id '1'"
 
 

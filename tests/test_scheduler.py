@@ -150,6 +150,53 @@ def test_a_turn_that_fails_as_it_joins_the_batch_gets_the_error_and_the_batcher_
         assert batcher.ask(QUESTIONS[1], max_new_tokens=6).token_ids == expected
 
 
+def _unstartable_decoding() -> DecodeSettings:
+    """Sampling settings whose generator cannot be seeded (torch takes 64 bits): the edge refuses
+    such a seed, so this stands in for anything that fails as a turn joins the batch."""
+    decoding = DecodeSettings(temperature=0.5, seed=1)
+    object.__setattr__(decoding, "seed", 10**40)
+    return decoding
+
+
+def test_a_turn_that_cannot_start_decoding_fails_alone_and_the_batch_goes_on(engine):
+    expected = engine.ask(QUESTIONS[0], max_new_tokens=24).token_ids
+    gate = threading.Event()
+    batcher = Batcher(engine)
+    blocker = batcher.call(gate.wait)  # both turns wait, then join in the same step
+    good = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[0], 24, DecodeSettings())
+    bad = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[1], 24, _unstartable_decoding())
+    gate.set()
+    blocker.result()
+    with pytest.raises((OverflowError, ValueError)):  # torch's words for a seed past 64 bits
+        bad.result()  # resolved, not left waiting
+    assert good.result().token_ids == expected
+    assert batcher.ask(QUESTIONS[2], max_new_tokens=4).text
+    batcher.close()  # returns: the model thread stopped (a turn left unresolved used to block shutdown)
+    assert batcher.num_running == 0 and batcher.num_waiting == 0
+
+
+def test_a_prefill_that_fails_fails_its_turn_alone(engine, monkeypatch):
+    from ragkv import scheduler
+
+    long_alone = engine.ask(QUESTIONS[0], max_new_tokens=30).token_ids
+    real_prefill = scheduler.prefill
+    calls = {"n": 0}
+
+    def second_prefill_fails(model, ids, cache):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("out of memory in this request's prefill")
+        return real_prefill(model, ids, cache)
+
+    monkeypatch.setattr(scheduler, "prefill", second_prefill_fails)
+    with Batcher(engine) as batcher:
+        running = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[0], 30, DecodeSettings())
+        failing = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[1], 30, DecodeSettings())
+        with pytest.raises(RuntimeError, match="out of memory"):
+            failing.result()
+        assert running.result().token_ids == long_alone
+
+
 def test_a_corrupt_entry_falls_back_inside_the_batch_and_the_others_are_unaffected(tiny_store, tmp_path):
     store = tmp_path / "s"
     shutil.copytree(tiny_store, store)

@@ -4,10 +4,7 @@ re-index published while a client loops fails no request."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,7 +15,7 @@ from openai import OpenAI
 import ragkv
 from ragkv.config import ModelSettings
 from store import open_snapshot
-from tests.conftest import QUESTIONS, ROOT, free_port, run_cli
+from tests.conftest import QUESTIONS, run_cli, running_server
 
 KEY = "test-key-123"
 
@@ -30,29 +27,8 @@ def served(tmp_path_factory, tiny_store, corpus):
     store, docs = root / "store", root / "docs"
     shutil.copytree(tiny_store, store)
     shutil.copytree(corpus, docs)
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-c", "import cli; cli.main()", "serve", "--store", str(store), "--port", str(port),
-         "--device", "cpu", "--max-queue", "3", "--max-tokens-cap", "64"],
-        cwd=ROOT, env={**os.environ, "RAGKV_API_KEY": KEY}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
-    # Wait for the event, not for a number of seconds (model loading takes as long as the
-    # machine's load makes it): the server says it is about to bind, then answers.
-    said = []
-    while not (said and "ragkv serving" in said[-1]):
-        said.append(server.stderr.readline())
-        if not said[-1]:  # EOF: the server ended
-            pytest.fail(f"the server did not start: {''.join(said)}")
-    while True:
-        try:
-            if httpx.get(f"{base}/healthz").status_code == 200:
-                break
-        except httpx.TransportError:
-            if server.poll() is not None:
-                pytest.fail(f"the server did not start: {server.stderr.read()}")
-    yield base, store, docs
-    server.terminate()
-    server.wait()
+    with running_server(store, "--max-queue", "3", "--max-tokens-cap", "64", env={"RAGKV_API_KEY": KEY}) as (base, _):
+        yield base, store, docs
 
 
 def client(base: str) -> OpenAI:
