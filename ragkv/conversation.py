@@ -18,7 +18,8 @@ from ragkv.ape import Scaling, attending
 from ragkv.config import AskSettings, DecodeSettings
 from ragkv.errors import InputError
 from ragkv.generate import Generated, generate
-from ragkv.prompt import check_text, encode_text
+from ragkv.prompt import encode_text
+from ragkv.text import check_text
 
 
 @dataclass

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from ragkv.errors import InputError, ModelError
+from ragkv.errors import ModelError
 from ragkv.keys import digest
 
 CONTEXT_TEMPLATE = "Context:\n{context}\n\nQuestion: {question}"
@@ -40,20 +40,6 @@ def _turn_head(tokenizer, system_prompt: str, user: str, question_tail: str) -> 
     if not before_answer.endswith(question_tail) or tail != question_tail:
         return None
     return tuple(_encode_template(tokenizer, between))
-
-
-def check_text(text: str, what: str = "the question") -> str:
-    """`text`, if it can be encoded as UTF-8; else an InputError naming the first bad character.
-    Such text comes from bytes that were not UTF-8 (Python keeps them as lone surrogates: a
-    command-line argument, a JSON "\\ud800" escape) and no tokenizer takes it."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        code = ord(text[exc.start])
-        what_char = f"the byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"a lone surrogate U+{code:04X}"
-        raise InputError(f"{what} is not valid UTF-8 text: character {exc.start} is {what_char}; "
-                         "send UTF-8 text") from None
-    return text
 
 
 def encode_text(tokenizer, text: str) -> list[int]:

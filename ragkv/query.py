@@ -24,7 +24,8 @@ from ragkv.prefix_cache import PrefixCache
 from ragkv.keys import KVKey, Profile
 from ragkv.lru import ByteLRU
 from ragkv.model import LoadedModel, load_model, model_name
-from ragkv.prompt import PromptLayout, check_text, encode_text
+from ragkv.prompt import PromptLayout, encode_text
+from ragkv.text import check_text
 from store import ContextRow, Hit, StoreSnapshot, open_snapshot
 from store.popularity import HitLog, Use
 from store.writeback import ComputedKV, WriteBack

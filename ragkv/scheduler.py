@@ -38,7 +38,7 @@ from ragkv.conversation import Conversation, TurnPlan
 from ragkv.decoding import Decoder
 from ragkv.errors import InputError, RagkvError
 from ragkv.generate import Generated, TextStream, prefill
-from ragkv.prompt import check_text
+from ragkv.text import check_text
 
 log = logging.getLogger("ragkv")
 

@@ -33,7 +33,7 @@ from ragkv.errors import InputError, ModelError, RagkvError, StoreEmptyError
 from ragkv.guard import BodyTooLarge, RequestGuard
 from ragkv.keys import digest
 from ragkv.lru import ByteLRU
-from ragkv.prompt import check_text
+from ragkv.text import check_text
 from ragkv.scheduler import BatchSettings, Batcher, Busy
 
 log = logging.getLogger("ragkv")

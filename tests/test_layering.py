@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CORE = {"ragkv.errors", "ragkv.keys", "ragkv.config", "ragkv.cpu"}
+CORE = {"ragkv.errors", "ragkv.keys", "ragkv.config", "ragkv.cpu", "ragkv.text"}
 FACADE = ROOT / "ragkv" / "__init__.py"
 
 
