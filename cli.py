@@ -368,6 +368,8 @@ def verify(
         if not json_out:
             typer.echo(f"repair: {fixed.problems_found} problems, {fixed.entries_recomputed} entries recomputed, "
                        f"{fixed.entries_dropped} unused entries dropped, {fixed.chunks_reembedded} chunks re-embedded")
+            if fixed.current_restored is not None:
+                typer.echo(f"  CURRENT pointed at no complete generation: it now names {fixed.current_restored}")
             for reason in fixed.unrepairable:
                 typer.echo(f"  cannot repair: {reason}")
     with open_snapshot(store, require_documents=False, lenient=True) as snapshot:

@@ -17,6 +17,8 @@ from ragkv.keys import KVKey
 from ragkv.model import load_model
 from ragkv.prompt import PromptLayout
 from store import StoreWriter, open_snapshot, verify
+from store.generations import restore_current
+from store.remote import is_remote
 from store.store import open_writer
 
 
@@ -27,6 +29,7 @@ class RepairReport:
     entries_dropped: int = 0  # bad entries no chunk uses (nothing to recompute them from)
     chunks_reembedded: int = 0
     unrepairable: list[str] = field(default_factory=list)  # why, per profile that could not be loaded
+    current_restored: int | None = None  # the generation a damaged CURRENT was pointed back at
     generation: int = 0
 
     def to_dict(self) -> dict:
@@ -34,9 +37,10 @@ class RepairReport:
 
 
 def repair(store: Path | str, device: str = "cpu", wait: bool = False) -> RepairReport:
+    restored = None if is_remote(store) or not Path(store).is_dir() else restore_current(Path(store), wait)
     with open_snapshot(store, require_documents=False, lenient=True) as snapshot:
         problems = verify(snapshot).problems
-    report = RepairReport(problems_found=len(problems))
+    report = RepairReport(problems_found=len(problems) + (restored is not None), current_restored=restored)
     if not problems:
         return report
     bad_keys = {p.kv_key for p in problems if p.kind in ("entry", "link", "prefix")}

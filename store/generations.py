@@ -53,8 +53,8 @@ def read_current(root: Path) -> int | None:
         raise StoreNotFoundError(f"cannot read store {root}: {exc.strerror or exc}") from None
     text = data.decode("ascii", errors="replace").strip()
     if not (text.isdigit() and len(text) <= 12):  # no sign, no other digits than 0-9, six are written
-        raise StoreFormatError(f"store {root}: CURRENT holds {data[:40]!r}, not a generation number; "
-                               "restore it, or re-ingest into a new store")
+        raise StoreFormatError(f"store {root}: CURRENT holds {data[:40]!r}, not a generation number; run "
+                               "`ragkv verify --repair` to point it at the newest complete generation")
     return int(text)
 
 
@@ -94,9 +94,30 @@ def _files_of(root: Path, generation: int) -> list[Path]:
             if (m := _GENERATION_FILE.match(p.name)) and int(m.group(2)) == generation]
 
 
+def complete_generations(root: Path) -> set[int]:
+    """Generations with both a published catalog and a vectors file (readable or not)."""
+    return {g for g in generations_on_disk(root) if vectors_path(root, g).is_file()}
+
+
+def check_base(root: Path, current: int | None) -> None:
+    """Refuse to write on top of `current` unless its files are there and nothing newer than a
+    killed writer's leftover (current + 1) is: a CURRENT that names an older generation (damaged,
+    or put back by hand) must never make a writer delete or overwrite newer ones."""
+    if current is None:
+        return
+    if current not in complete_generations(root):
+        raise StoreFormatError(f"store {root}: CURRENT names generation {current} but its catalog or vectors file is "
+                               "missing; run `ragkv verify --repair` to point it at the newest complete generation")
+    newer = sorted(g for g in complete_generations(root) if g > current + 1)
+    if newer:
+        raise StoreFormatError(f"store {root}: CURRENT names generation {current}, but generation {newer[-1]} is newer; "
+                               "CURRENT may be damaged: run `ragkv verify --repair`, or write the right number to it")
+
+
 def remove_unpublished(root: Path, current: int | None) -> None:
     """Delete generation files above `current` (a killed writer's work that was never
-    published, so no reader can have it). Call only while holding the write lock."""
+    published, so no reader can have it). Call only while holding the write lock, after
+    `check_base`."""
     for path in root.iterdir():
         match = _GENERATION_FILE.match(path.name)
         if match and int(match.group(2)) > (current or 0):
@@ -129,6 +150,26 @@ def remove_retired(root: Path, current: int) -> tuple[list[int], list[int]]:
             if fd is not None:
                 os.close(fd)
     return removed, held
+
+
+def restore_current(root: Path, wait: bool = False) -> int | None:
+    """Point a damaged CURRENT (unreadable, or naming a generation whose files are gone) at the
+    newest complete generation on disk, under the write lock. Returns the generation it now
+    names, or None if CURRENT was sound or no complete generation is left to name."""
+    lock = WriteLock(root, wait)
+    try:
+        try:
+            current = read_current(root)
+        except StoreFormatError:
+            current = -1
+        complete = complete_generations(root)
+        if current is None or current in complete or not complete:
+            return None
+        newest = max(complete)
+        publish(root, newest)
+        return newest
+    finally:
+        lock.release()
 
 
 class RetiredError(Exception):

@@ -16,9 +16,8 @@ from ragkv.errors import (
 from ragkv.keys import KVKey
 from store.catalog import Catalog
 from store.generations import (
-    ReaderLease, RetiredError, WriteLock, catalog_path, generations_on_disk, is_store_file, publish, read_current,
-    remove_retired,
-    remove_unpublished, vectors_path,
+    ReaderLease, RetiredError, WriteLock, catalog_path, check_base, generations_on_disk, is_store_file, publish,
+    read_current, remove_retired, remove_unpublished, vectors_path,
 )
 from store.remote import RemoteStore, UploadingShardWriter, is_remote, referenced_shards, write_error
 from store.shards import SealedEntry, ShardReader, ShardWriter, fsync_dir, remove_temporary, sealed_entries, shard_files
@@ -152,17 +151,14 @@ class StoreWriter:
             self.root.mkdir(parents=True, exist_ok=True)
             self._lock = WriteLock(self.root, wait)
             self.base_generation = read_current(self.root)
+            check_base(self.root, self.base_generation)  # before anything is removed
             self.generation = (self.base_generation or 0) + 1
             remove_unpublished(self.root, self.base_generation)
             remove_temporary(self.shard_dir)
             self._partial = catalog_path(self.root, self.generation).with_suffix(".duckdb.partial")
             self.vectors: VectorIndex | None = None  # rebuild_vectors: repair makes it hold the catalog's chunks
             if self.base_generation is not None:
-                base = catalog_path(self.root, self.base_generation)
-                if not base.is_file():
-                    raise StoreFormatError(f"store {self.root}: CURRENT names generation {self.base_generation} but "
-                                           f"{base.name} is missing; restore it, or re-ingest into a new store")
-                shutil.copyfile(base, self._partial)
+                shutil.copyfile(catalog_path(self.root, self.base_generation), self._partial)
                 if not rebuild_vectors:
                     self.vectors = VectorIndex.load(vectors_path(self.root, self.base_generation))
             try:

@@ -69,12 +69,34 @@ def test_a_seed_past_64_bits_is_one_line(store):
     assert code == 2 and "--seed" in one_error_line(output)
 
 
-@pytest.mark.parametrize("content", [b"\xff\xfe", b"-1\n", b"", b"1 2\n", "\u0661\n".encode()])
-def test_a_bad_current_is_exit_4_for_readers_and_writers(store, content):
+@pytest.mark.parametrize("content", [b"\xff\xfe", b"-1\n", b"", b"1 2\n", "\u0661\n".encode(), b"0\n", b"7\n"])
+def test_a_bad_current_is_exit_4_harms_nothing_and_repair_points_it_back(store, content):
+    expected = first_answer(store)
+    files = sorted(p.name for p in store.iterdir())
     (store / "CURRENT").write_bytes(content)
-    for args in (("stats",), ("gc",), ("verify",), ("ask", "x")):
+    for args in (("stats",), ("gc",), ("budget", "off"), ("verify",), ("ask", "x")):
         code, output = cli(*args, "--store", store)
         assert code == 4 and "CURRENT" in one_error_line(output), args
+    assert sorted(p.name for p in store.iterdir()) == files  # no writer removed a generation
+    code, output = cli("verify", "--repair", "--store", store)
+    assert code == 0 and "it now names" in output
+    assert verifies(store) and first_answer(store) == expected
+
+
+def test_a_current_put_back_past_a_newer_generation_stops_writers(store, corpus, tiny_llama, tmp_path):
+    from store import open_snapshot
+
+    docs = tmp_path / "docs"
+    shutil.copytree(corpus, docs)
+    with open_snapshot(store) as held:  # a reader keeps this generation on disk
+        for version in range(2):
+            (docs / "new.md").write_text(f"Generation notice {version}.")
+            assert cli("ingest", docs, "--store", store, "--model", tiny_llama, "--device", "cpu")[0] == 0
+        (store / "CURRENT").write_text(f"{held.generation}\n")  # put back by hand: two generations behind
+        files = sorted(p.name for p in store.iterdir())
+        code, output = cli("gc", "--store", store)
+        assert code == 4 and "is newer" in one_error_line(output)
+        assert sorted(p.name for p in store.iterdir()) == files  # the newer generations are intact
 
 
 def test_a_damaged_vector_index_is_reported_and_rebuilt(store):
