@@ -1,5 +1,6 @@
-"""Progress reporting for long pipeline stages: a rich progress bar on a terminal, nothing
-otherwise. Pipelines call `stage(...)` and `advance(...)`; they never print."""
+"""Progress reporting for long pipeline stages: a rich progress bar on a terminal, and a plain
+line per tenth of each stage when stderr is a file or a pipe (a nightly job's log shows where
+a long ingest is). Pipelines call `stage(...)` and `advance(...)`; they never print."""
 
 from __future__ import annotations
 
@@ -59,6 +60,48 @@ class RichReporter(Reporter):
         self._progress.stop()
 
 
+class LineReporter(Reporter):
+    """One line on stderr as each stage starts, at each tenth of it, and as it ends."""
+
+    def __init__(self, stream=None):
+        self._stream = stream
+        self._name, self._unit, self._total, self._done, self._tenths = "", "", 0, 0, 0
+        self._tokens, self._started = 0, 0.0
+
+    def stage(self, name: str, total: int, unit: str = "chunks") -> None:
+        self._end_stage()
+        self._name, self._unit, self._total, self._done, self._tenths = name, unit, total, 0, 0
+        self._tokens, self._started = 0, time.perf_counter()
+        self._say(f"{name}: {total:,} {unit}")
+
+    def advance(self, count: int = 1, tokens: int = 0) -> None:
+        self._done, self._tokens = self._done + count, self._tokens + tokens
+        tenths = 10 * self._done // self._total if self._total else 0
+        if self._tenths < tenths < 10:
+            self._tenths = tenths
+            self._say(f"{self._name}: {self._done:,}/{self._total:,} {self._unit}{self._rate()}")
+
+    def done(self) -> None:
+        self._end_stage()
+
+    def _end_stage(self) -> None:
+        if self._name:
+            seconds = time.perf_counter() - self._started
+            self._say(f"{self._name}: {self._done:,}/{self._total:,} {self._unit} in {seconds:.1f} s{self._rate()}")
+            self._name = ""
+
+    def _rate(self) -> str:
+        elapsed = time.perf_counter() - self._started
+        return f" ({self._tokens / elapsed:,.0f} tokens/s)" if self._tokens and elapsed > 0 else ""
+
+    def _say(self, text: str) -> None:
+        stream = self._stream or sys.stderr  # whatever stderr is now (test runners swap it)
+        stream.write(f"ragkv: {text}\n")
+        stream.flush()
+
+
 def default_reporter(quiet: bool = False) -> Reporter:
-    """A progress bar when stderr is a terminal and not `quiet`; silence otherwise."""
-    return RichReporter() if not quiet and sys.stderr.isatty() else Reporter()
+    """A progress bar when stderr is a terminal, plain lines when it is not; silence when `quiet`."""
+    if quiet:
+        return Reporter()
+    return RichReporter() if sys.stderr.isatty() else LineReporter()

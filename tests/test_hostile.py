@@ -223,6 +223,13 @@ def test_the_same_ids_from_another_tree_replace_nothing(store, corpus, tiny_llam
     assert "LumenGuest" in row.text  # the first tree's record is intact
 
 
+def test_an_ingest_reports_every_stage_when_stderr_is_not_a_terminal(tmp_path, corpus, tiny_llama):
+    code, output = cli("ingest", corpus, "--store", tmp_path / "s", "--model", tiny_llama, "--device", "cpu")
+    stages = [line.split(":")[1].strip() for line in output.splitlines() if line.startswith("ragkv: ")]
+    assert code == 0 and {"chunking", "embedding", "KV"} <= set(stages)
+    assert any(line.startswith("ragkv: KV: ") and " in " in line for line in output.splitlines())  # its end
+
+
 def test_usage_errors_are_one_line(store):
     for args in (("ask",), ("ask", "q", "--top-k", "x"), ("nosuch",), ("ask", "q", "--bogus")):
         code, output = cli(*args)
