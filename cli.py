@@ -1,6 +1,6 @@
 """The `ragkv` command: a thin layer over the library. Each command parses its options,
 calls one library function and prints the result; errors become one line and an exit code
-in one place (`_Group.invoke`)."""
+in one place (`_Group`)."""
 
 from __future__ import annotations
 
@@ -162,18 +162,18 @@ SeedOption = typer.Option(None, "--seed", help="With --temperature: the same see
 StopOption = typer.Option(None, "--stop", help="End the answer where this text appears (repeatable; not shown).")
 
 
-MaxDocBytesOption = typer.Option("8MiB", "--max-doc-bytes", help="Skip (and list) documents with more text than this; "
-                                 "a jsonl file's records count one by one.")
+MaxDocBytesOption = typer.Option(None, "--max-doc-bytes", help="Skip (and list) documents with more text than this "
+                                 "(default 8MiB); a jsonl file's records count one by one.", show_default=False)
 
 
 def _settings(model, embedder, device, dtype, chunk_tokens, system_prompt, batch_tokens, kv_dtype, span_tokens,
               max_doc_bytes):
     from ragkv.config import IngestSettings, ModelSettings, parse_size
 
+    limit = {} if max_doc_bytes is None else {"max_document_bytes": parse_size(max_doc_bytes, "--max-doc-bytes")}
     return (ModelSettings(model=model, embedder=embedder, device=device, dtype=dtype),
             IngestSettings(chunk_tokens=chunk_tokens, system_prompt=system_prompt, batch_tokens=batch_tokens,
-                           kv_dtype=kv_dtype, span_tokens=span_tokens,
-                           max_document_bytes=parse_size(max_doc_bytes, "--max-doc-bytes")))
+                           kv_dtype=kv_dtype, span_tokens=span_tokens, **limit))
 
 
 @app.command()
@@ -189,7 +189,7 @@ def ingest(
     batch_tokens: int = BatchTokensOption,
     kv_dtype: str = KvDtypeOption,
     span_tokens: int = SpanTokensOption,
-    max_doc_bytes: str = MaxDocBytesOption,
+    max_doc_bytes: Optional[str] = MaxDocBytesOption,
     kv_budget: Optional[str] = typer.Option(
         None, "--kv-budget", help="Most bytes of KV the store keeps (e.g. 20GB, 512MiB), kept by popularity: a chunk "
         "without KV has it computed on its first question and stored if it earns a place. Saved in the store; change "
@@ -287,7 +287,7 @@ def reindex(
     batch_tokens: int = BatchTokensOption,
     kv_dtype: str = KvDtypeOption,
     span_tokens: int = SpanTokensOption,
-    max_doc_bytes: str = MaxDocBytesOption,
+    max_doc_bytes: Optional[str] = MaxDocBytesOption,
     gc: bool = typer.Option(True, "--gc/--no-gc", help="Reclaim space of retired KV afterwards."),
     check: bool = typer.Option(True, "--verify/--no-verify", help="Verify every entry afterwards."),
     report_file: Optional[Path] = typer.Option(None, "--report", help="Also write the JSON report to this file."),

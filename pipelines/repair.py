@@ -114,12 +114,11 @@ def _reindex_vectors(writer: StoreWriter, device: str, report: RepairReport) -> 
     """Make the vector index hold exactly the catalog's chunks: an index the writer starts
     empty (the published one was unreadable) is rebuilt from the chunk texts."""
     catalog = writer.catalog
-    embedder = None
-    if writer.vectors is None:
+    embedder: Embedder | None = None
+    if writer.vectors is None:  # started empty: the new index replaces the old one even if it holds nothing
         embedder = Embedder.load(catalog.meta()["embedder"], device)
-    vectors = writer.ensure_vectors(embedder.dim) if embedder else writer.vectors
-    if embedder:
-        vectors.num_changes += 1  # a new index replaces the unreadable one, even if it holds nothing
+        writer.ensure_vectors(embedder.dim).num_changes += 1
+    vectors = writer.vectors
     indexed = set(faiss.vector_to_array(vectors.index.id_map).tolist())
     chunks = catalog.chunk_ids()
     vectors.remove(sorted(indexed - chunks))

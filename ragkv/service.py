@@ -33,8 +33,8 @@ from ragkv.errors import InputError, ModelError, RagkvError, StoreEmptyError
 from ragkv.guard import BodyTooLarge, RequestGuard
 from ragkv.keys import digest
 from ragkv.lru import ByteLRU
-from ragkv.text import check_text
 from ragkv.scheduler import BatchSettings, Batcher, Busy
+from ragkv.text import check_text
 
 log = logging.getLogger("ragkv")
 
@@ -52,7 +52,6 @@ class ServeSettings:
     max_batch_tokens: int = 32768  # KV tokens the running batch may hold (rows x longest prompt + answer)
     prefill_chunk: int = 256  # prompt tokens one request prefills per step (the others keep decoding)
     conversation_bytes: int = 512 << 20  # KV of recent conversations kept for their next turn
-
     shutdown_grace_s: int = 10  # on SIGTERM, requests still running after this long are cut off
 
     def __post_init__(self):
@@ -335,8 +334,8 @@ def install_errors(app: FastAPI, settings: ServeSettings, llm_name: str):
         return json_error(413, exc.detail, "request_too_large", headers={"Connection": "close"})
 
     @app.exception_handler(Exception)
-    async def internal(request, exc):  # a bug: the client still gets the JSON error shape, and the log the traceback
-        log.error("request to %s failed", request.url.path, exc_info=exc)
+    async def internal(request, exc):  # a bug: the client still gets the JSON error shape (uvicorn logs the traceback)
+        log.error("request to %s failed: %r", request.url.path, exc)
         return json_error(500, f"internal error: {type(exc).__name__}", "internal_error")
 
     @app.exception_handler(UnknownModel)

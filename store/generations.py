@@ -52,7 +52,7 @@ def read_current(root: Path) -> int | None:
     except OSError as exc:
         raise StoreNotFoundError(f"cannot read store {root}: {exc.strerror or exc}") from None
     text = data.decode("ascii", errors="replace").strip()
-    if not (text.isdigit() and len(text) <= 12):  # no sign, no other digits than 0-9, six are written
+    if not (text.isdigit() and len(text) <= 12):  # digits 0-9 only, no sign; writers write six
         raise StoreFormatError(f"store {root}: CURRENT holds {data[:40]!r}, not a generation number; run "
                                "`ragkv verify --repair` to point it at the newest complete generation")
     return int(text)
@@ -105,13 +105,13 @@ def check_base(root: Path, current: int | None) -> None:
     or put back by hand) must never make a writer delete or overwrite newer ones."""
     if current is None:
         return
-    if current not in complete_generations(root):
+    complete = complete_generations(root)
+    if current not in complete:
         raise StoreFormatError(f"store {root}: CURRENT names generation {current} but its catalog or vectors file is "
                                "missing; run `ragkv verify --repair` to point it at the newest complete generation")
-    newer = sorted(g for g in complete_generations(root) if g > current + 1)
-    if newer:
-        raise StoreFormatError(f"store {root}: CURRENT names generation {current}, but generation {newer[-1]} is newer; "
-                               "CURRENT may be damaged: run `ragkv verify --repair`, or write the right number to it")
+    if newer := sorted(g for g in complete if g > current + 1):
+        raise StoreFormatError(f"store {root}: CURRENT names generation {current}, but generation {newer[-1]} is newer "
+                               "(CURRENT may be damaged); run `ragkv verify --repair` to point it at the newest")
 
 
 def remove_unpublished(root: Path, current: int | None) -> None:
@@ -153,21 +153,21 @@ def remove_retired(root: Path, current: int) -> tuple[list[int], list[int]]:
 
 
 def restore_current(root: Path, wait: bool = False) -> int | None:
-    """Point a damaged CURRENT (unreadable, or naming a generation whose files are gone) at the
-    newest complete generation on disk, under the write lock. Returns the generation it now
-    names, or None if CURRENT was sound or no complete generation is left to name."""
+    """Point a damaged CURRENT (unreadable, naming a generation whose files are gone, or one
+    older than a newer complete generation: what `check_base` refuses) at the newest complete
+    generation on disk, under the write lock. Returns the generation it now names, or None if
+    CURRENT was sound or no complete generation is left to name."""
     lock = WriteLock(root, wait)
     try:
-        try:
-            current = read_current(root)
-        except StoreFormatError:
-            current = -1
         complete = complete_generations(root)
-        if current is None or current in complete or not complete:
+        try:
+            check_base(root, read_current(root))
             return None
-        newest = max(complete)
-        publish(root, newest)
-        return newest
+        except StoreFormatError:
+            if not complete:
+                return None
+        publish(root, max(complete))
+        return max(complete)
     finally:
         lock.release()
 

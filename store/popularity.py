@@ -118,9 +118,8 @@ def read_pending(root: Path, folded: dict[str, int]) -> Pending:
             pending.unusable[path.name] = pending.unusable.get(path.name, 0) + 1
             continue
         end = data.rfind(b"\n") + 1  # a line still being written is folded next time
-        if not end and len(data) == MAX_READ_BYTES:  # one endless line: nothing a reader writes
+        if not end and len(data) == MAX_READ_BYTES:  # one endless line, nothing a reader writes: skip it
             end = len(data)
-            pending.unusable[path.name] = 1
         for line in data[:end].splitlines():
             use = parse_use(line, now)
             if use is None:

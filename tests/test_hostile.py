@@ -97,6 +97,8 @@ def test_a_current_put_back_past_a_newer_generation_stops_writers(store, corpus,
         code, output = cli("gc", "--store", store)
         assert code == 4 and "is newer" in one_error_line(output)
         assert sorted(p.name for p in store.iterdir()) == files  # the newer generations are intact
+        code, output = cli("verify", "--repair", "--store", store)
+        assert code == 0 and f"it now names {held.generation + 2}" in output
 
 
 def test_a_damaged_vector_index_is_reported_and_rebuilt(store):
