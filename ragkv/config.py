@@ -225,6 +225,8 @@ class AskSettings(_Settings):
     doc_ids: tuple[str, ...] | None = None  # retrieve only from these documents
     context: str = "span"  # chunk: the hits only; span: each hit with its span's chunks before it; document: its whole span
     decoding: DecodeSettings = field(default_factory=DecodeSettings)
+    chunks: tuple[tuple[int, float], ...] | None = None  # (chunk id, score): answer from these, not a retrieval
+    passages: tuple[str, ...] = ()  # texts with no stored KV (another retriever's), after the chunks, prefilled live
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]):
@@ -264,4 +266,9 @@ class AskSettings(_Settings):
             object.__setattr__(self, "doc_ids", tuple(self.doc_ids))
         if self.max_new_tokens < 1:
             raise InputError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
+        if self.chunks is not None:
+            object.__setattr__(self, "chunks", tuple((int(c), float(s)) for c, s in self.chunks))
+        object.__setattr__(self, "passages", tuple(check_text(p, "a passage") for p in self.passages))
+        if self.chunks is not None and not (self.chunks or self.passages):
+            raise InputError("chunks is empty: give chunks or passages to answer from, or None to retrieve")
 

@@ -303,16 +303,23 @@ class QueryEngine:
         another engine (ragkv.vllm_front) sends these ids. Fills `stats`' retrieval timings."""
         start = time.perf_counter()
         layout = self.active.layout
-        hits = self._search(question, settings.top_k, settings.doc_ids)
+        given = settings.chunks is not None  # the caller retrieved (a framework's retriever): no search
+        if given:
+            check_text(question)
+        hits = [Hit(*chunk) for chunk in settings.chunks] if given else self._search(question, settings.top_k,
+                                                                                   settings.doc_ids)
         stats.retrieval_ms = _ms(start)
         catalog_start = time.perf_counter()
         retrieved = self._rows(hits)
         stats.catalog_ms = _ms(catalog_start)
-        if not retrieved:
+        if given and len(retrieved) < len(hits):
+            raise InputError(f"{len(hits) - len(retrieved)} of the given chunks are not in store "
+                             f"{self.snapshot.location} (generation {self.snapshot.generation}): retrieve again")
+        if not retrieved and not settings.passages:
             raise StoreEmptyError(f"store {self.snapshot.location} returned no chunks for the question")
-        if len(retrieved) < settings.top_k:
+        if not given and len(retrieved) < settings.top_k:
             stats.warnings.append(f"top_k {settings.top_k} but the store holds {len(retrieved)} chunks")
-        retrieved = self.widen(retrieved, settings.context)
+        retrieved = self.widen(retrieved, settings.context) + _live_rows(settings.passages, stats)
         question_ids = layout.question_ids(self.lm.tokenizer, question)
         retrieved = self._fit_chunks(retrieved, question_ids, stats)
         chunk_ids = [self.chunk_token_ids(row) for row, _ in retrieved]
@@ -341,6 +348,13 @@ class QueryEngine:
             return Assembly(kv.to_cache_empty(model.config))
         stats.kv_quant = self.active.profile.kv_quant
         runs = stored_runs(rows)
+        if rows[0].live:  # nothing stored comes first: the whole prompt is prefilled (exact)
+            return Assembly(kv.to_cache_empty(model.config))
+        if settings.mode != "exact" and any(row.live for row in rows):
+            stats.warnings.append(f"--mode {settings.mode} composes stored KV; passages given as text have none, so "
+                                  "the prompt was answered with a full prefill instead")
+            stats.mode = "fallback"
+            return Assembly(kv.to_cache_empty(model.config))
         if not rows[runs[0][0]].starts_span:
             stats.warnings.append(f"chunk {rows[0].chunk_index} of {rows[0].doc_id} continues a span: its KV holds the "
                                   "chunks before it, so it is prefilled live (ask with --context span)")
@@ -486,7 +500,7 @@ class QueryEngine:
             return
         try:
             self._hit_log.record(Use(row.doc_id, row.chunk_index, stats.kv_sources.get(row.chunk_id, "live"))
-                                 for row, _ in retrieved)
+                                 for row, _ in retrieved if not row.live)
         except OSError as exc:  # a read-only store still answers; it only stops counting
             log.warning("cannot log chunk uses in %s (%s); popularity is not counted for this engine",
                         self.snapshot.location, exc.strerror or exc)
@@ -550,6 +564,15 @@ class QueryEngine:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _live_rows(passages: Sequence[str], stats: Stats) -> list[tuple[ContextRow, float]]:
+    """Passages given as text (no ragkv identity: another retriever's) as prompt chunks that are
+    always prefilled, never looked up or stored."""
+    if passages:
+        stats.warnings.append(f"{len(passages)} passages without ragkv identity were prefilled live")
+    return [(ContextRow(-1 - i, f"passage-{i}", f"(passage {i}, given as text)", 0, text, None, None, live=True), 0.0)
+            for i, text in enumerate(passages)]
 
 
 def _new_stats(settings: AskSettings, generation: int = 0) -> Stats:

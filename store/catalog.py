@@ -110,6 +110,7 @@ class ContextRow:
     token_ids: tuple[int, ...] | None  # None: no KV computed for this profile
     entry: EntryRow | None
     span_start: int | None = None  # chunk_index its span starts at; None: its KV stands alone
+    live: bool = False  # a passage given as text, not from the store: always prefilled, never stored
 
     @property
     def starts_span(self) -> bool:

@@ -1,0 +1,207 @@
+"""ragkv inside LangChain apps (`pip install 'ragkv[langchain]'`): a retriever whose Documents
+carry ragkv's chunk identity, and a chat model that answers from the stored KV of the chunks
+it is given by identity, not by text, so `retriever -> prompt -> llm` chains reuse the KV.
+
+    rag = ragkv.open("./kvstore")
+    retriever = RagkvRetriever(engine=rag, top_k=3)
+    llm = ChatRagkv(engine=rag, max_tokens=128)
+    chain = {"documents": retriever, "question": RunnablePassthrough()} | rag_prompt | llm
+    chain.invoke("How do I rotate the API key?").content          # or .stream(), .ainvoke(), ...
+    llm.invoke("How do I rotate the API key?")                     # retrieves by itself
+
+A framework's usual prompt renders documents into text, and text alone cannot find stored
+KV; `rag_prompt` instead puts the question in the human message and the documents in its
+`additional_kwargs["documents"]`, so the model sees their identity (other chat models read
+the rendered text in `additional_kwargs["context"]`, see `rag_prompt`). A Document without
+ragkv identity (another retriever's) is prefilled live from its text: exact, said in the
+stats. One engine is shared by every call and thread: calls decode together in its Batcher.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import weakref
+from typing import Any, Iterator, Sequence
+
+from langchain_core.callbacks import CallbackManagerForLLMRun, CallbackManagerForRetrieverRun
+from langchain_core.documents import Document
+from langchain_core.language_models import BaseChatModel
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.prompt_values import ChatPromptValue
+from langchain_core.retrievers import BaseRetriever
+from langchain_core.runnables import RunnableLambda
+from pydantic import ConfigDict, Field
+
+from ragkv.config import DEFAULT_NO_REPEAT_NGRAM, DEFAULT_REPETITION_PENALTY, AskSettings, DecodeSettings
+from ragkv.errors import InputError
+
+IDENTITY = "ragkv"  # the Document.metadata key that holds a chunk's identity
+
+_batchers: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+_batchers_lock = threading.Lock()
+
+
+def batcher_of(engine):
+    """The one Batcher that runs `engine`'s model for every adapter call, from any thread
+    (created on first use, closed with the engine's process)."""
+    with _batchers_lock:
+        if engine not in _batchers:
+            _batchers[engine] = engine.batched()
+        return _batchers[engine]
+
+
+class RagkvRetriever(BaseRetriever):
+    """Chunks nearest to the query, as Documents: `page_content` the chunk's text, `metadata`
+    its `source`, `score` and, under "ragkv", its identity (store, generation, doc_id,
+    chunk_index, chunk_id, kv_key)."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+    engine: Any = Field(description="a ragkv engine: ragkv.open(STORE)")
+    top_k: int = 1
+    context: str = "span"  # as `ragkv ask --context`: a hit brings its span's chunks before it
+    doc_ids: tuple[str, ...] | None = None
+
+    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
+        engine = self.engine
+        hits = batcher_of(engine).call(engine.retrieve, query, self.top_k, self.doc_ids, self.context).result()
+        identity = {"store": engine.snapshot.location, "generation": engine.snapshot.generation}
+        return [Document(page_content=row.text, metadata={
+            "source": row.source, "score": score,
+            IDENTITY: {**identity, "doc_id": row.doc_id, "chunk_index": row.chunk_index, "chunk_id": row.chunk_id,
+                       "kv_key": row.entry.kv_key if row.entry else None}}) for row, score in hits]
+
+
+def _render(question: str, documents: Sequence[Document]) -> str:
+    context = "\n\n".join(d.page_content for d in documents)
+    return f"Context:\n{context}\n\nQuestion: {question}"
+
+
+def _rag_prompt(inputs: dict) -> ChatPromptValue:
+    documents = list(inputs.get("documents") or [])
+    question = inputs["question"]
+    return ChatPromptValue(messages=[HumanMessage(content=question, additional_kwargs={
+        "documents": documents, "context": _render(question, documents)})])
+
+
+rag_prompt = RunnableLambda(_rag_prompt, name="ragkv_prompt")
+rag_prompt.__doc__ = """{"question", "documents"} -> one human message: the question as its content, the
+documents (identity kept) in additional_kwargs["documents"], and the usual rendered prompt in
+additional_kwargs["context"] for models that read text."""
+
+
+def chunks_and_passages(documents: Sequence[Document], engine) -> tuple[tuple[tuple[int, float], ...], tuple[str, ...]]:
+    """(chunk id, score) of the documents from `engine`'s store and generation, and the text of
+    the others (another retriever's, another store's, an older generation's): passages."""
+    chunks, passages = [], []
+    for doc in documents:
+        identity = doc.metadata.get(IDENTITY) if isinstance(doc.metadata, dict) else None
+        if (isinstance(identity, dict) and identity.get("store") == engine.snapshot.location
+                and identity.get("generation") == engine.snapshot.generation and "chunk_id" in identity):
+            chunks.append((int(identity["chunk_id"]), float(doc.metadata.get("score", 0.0))))
+        else:
+            passages.append(doc.page_content)
+    return tuple(chunks), tuple(passages)
+
+
+class ChatRagkv(BaseChatModel):
+    """A chat model that answers from ragkv's stored KV. The last human message is the question;
+    its `additional_kwargs["documents"]` (or `documents=` given to invoke) are the context, else
+    it retrieves `top_k` chunks itself. Earlier human/AI turns are replayed as a conversation.
+    The reply's `response_metadata["ragkv"]` holds the sources and stats (reused tokens, TTFT)."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+    engine: Any = Field(description="a ragkv engine: ragkv.open(STORE)")
+    top_k: int = 1
+    context: str = "span"
+    mode: str = "exact"
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] | None = None
+    repetition_penalty: float = DEFAULT_REPETITION_PENALTY
+    no_repeat_ngram: int = DEFAULT_NO_REPEAT_NGRAM
+
+    @property
+    def _llm_type(self) -> str:
+        return "ragkv"
+
+    @property
+    def _identifying_params(self) -> dict:
+        return {"store": self.engine.snapshot.location, "model": self.engine.lm.facts.name, "mode": self.mode}
+
+    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                  run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        chunks = list(self._stream(messages, stop, run_manager, **kwargs))
+        message = AIMessage(content="".join(c.message.content for c in chunks),
+                            response_metadata=chunks[-1].message.response_metadata,
+                            usage_metadata=chunks[-1].message.usage_metadata)
+        return ChatResult(generations=[ChatGeneration(message=message)])
+
+    def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+        history, question, documents = _split(messages)
+        settings = self._settings(stop, kwargs, kwargs.get("documents", documents))
+        deltas: queue.Queue = queue.Queue()
+        engine = self.engine
+
+        def open_conversation():  # on the model thread
+            conversation = engine.conversation(settings)
+            for user, assistant in history:
+                conversation.replay(user, assistant)
+            return conversation
+
+        ticket = batcher_of(engine).submit(open_conversation, question, settings.max_new_tokens, settings.decoding,
+                                           on_text=deltas.put)
+        ticket.future.add_done_callback(lambda _: deltas.put(None))
+        try:
+            while (delta := deltas.get()) is not None:
+                if run_manager:
+                    run_manager.on_llm_new_token(delta)
+                yield ChatGenerationChunk(message=AIMessageChunk(content=delta))
+        finally:
+            ticket.cancel()  # a consumer that stops early frees the row (no-op once answered)
+        answer = ticket.result()  # raises the answer's error, with ragkv's one-line message
+        usage = {"input_tokens": answer.stats.prompt_tokens, "output_tokens": len(answer.token_ids),
+                 "total_tokens": answer.stats.prompt_tokens + len(answer.token_ids)}
+        yield ChatGenerationChunk(message=AIMessageChunk(content="", usage_metadata=usage, response_metadata={
+            "finish_reason": answer.stats.finish_reason or "stop", "model_name": engine.lm.facts.name,
+            IDENTITY: {"sources": [vars(s) for s in answer.sources], "stats": answer.stats.to_dict(),
+                       "token_ids": answer.token_ids}}))
+
+    def _settings(self, stop, kwargs: dict, documents) -> AskSettings:
+        unknown = set(kwargs) - {"documents", "max_tokens"}
+        if unknown:
+            raise InputError(f"ChatRagkv takes no {', '.join(sorted(unknown))}")
+        decoding = DecodeSettings(repetition_penalty=self.repetition_penalty, no_repeat_ngram=self.no_repeat_ngram,
+                                  temperature=self.temperature, top_p=self.top_p, seed=self.seed,
+                                  stop=tuple(stop or self.stop or ()))
+        chunks, passages = (None, ()) if documents is None else chunks_and_passages(documents, self.engine)
+        return AskSettings(top_k=self.top_k, context=self.context, mode=self.mode,
+                           max_new_tokens=kwargs.get("max_tokens", self.max_tokens), decoding=decoding,
+                           chunks=chunks, passages=passages)
+
+
+def _split(messages: list[BaseMessage]) -> tuple[list[tuple[str, str]], str, list[Document] | None]:
+    """(earlier (human, AI) pairs, the last human message's text, its documents or None)."""
+    turns = [m for m in messages if m.type in ("human", "ai")]
+    if not turns or turns[-1].type != "human":
+        raise InputError("the last message must be a human message: the question")
+    history, pending = [], None
+    for message in turns[:-1]:
+        if message.type == "human":
+            pending = _text(message)
+        elif pending is not None:
+            history.append((pending, _text(message)))
+            pending = None
+    last = turns[-1]
+    return history, _text(last), last.additional_kwargs.get("documents")
+
+
+def _text(message: BaseMessage) -> str:
+    content = message.content
+    if isinstance(content, str):
+        return content
+    return "".join(part if isinstance(part, str) else part.get("text", "") for part in content)
