@@ -1,5 +1,5 @@
 """TTFT through the framework adapters against `ragkv.open(...)` itself, in one process, warm,
-side by side on the same questions: does the LangChain layer cost anything?
+side by side on the same questions: do the LangChain and LlamaIndex layers cost anything?
 
     python benchmarks/adapters.py [--store DIR] [--rounds 5]   -> benchmarks/results/adapters.md
 
@@ -47,6 +47,7 @@ def main() -> None:
     from langchain_core.runnables import RunnablePassthrough
 
     from ragkv.integrations.langchain import ChatRagkv, RagkvRetriever, rag_prompt
+    from ragkv.integrations.llama_index import RagkvQueryEngine
 
     from benchmarks.fidelity import work_dir
 
@@ -57,12 +58,18 @@ def main() -> None:
     with ragkv.open(store, device="cpu") as rag:
         llm = ChatRagkv(engine=rag, max_tokens=args.max_tokens)
         chain = {"documents": RagkvRetriever(engine=rag), "question": RunnablePassthrough()} | rag_prompt | llm
+        query_engine = RagkvQueryEngine(engine=rag, max_tokens=args.max_tokens, streaming=True)
         expected = {q: rag.ask(q, max_new_tokens=args.max_tokens).token_ids for q in questions}
         same = all(chain.invoke(q).response_metadata["ragkv"]["token_ids"] == expected[q] for q in questions)
+        for q in questions:
+            streamed = query_engine.query(q)
+            "".join(streamed.response_gen)
+            same = same and streamed.metadata["ragkv"]["token_ids"] == expected[q]
         systems = {
             "ragkv.open().stream": lambda q: rag.stream(q, max_new_tokens=args.max_tokens),
             "ChatRagkv.stream (retrieves itself)": lambda q: llm.stream(q),
             "retriever \\| rag_prompt \\| ChatRagkv": lambda q: chain.stream(q),
+            "LlamaIndex RagkvQueryEngine (streaming)": lambda q: query_engine.query(q).response_gen,
         }
         times: dict[str, list[float]] = {name: [] for name in systems}
         for name, run in systems.items():  # warm-up: one question each
@@ -76,7 +83,8 @@ def main() -> None:
              f"Command: `python benchmarks/adapters.py --rounds {args.rounds}`. Machine: {describe()}.",
              f"Store: the sample corpus (`data/`), bundled SmolLM2 in float32, top_k 1, {len(questions)} questions "
              f"x {args.rounds} rounds, warm (one warm-up question per system), systems in turn within each question. "
-             f"Answers through the chain equal `ask`'s token for token: {'yes' if same else 'NO'}.", "",
+             f"Answers through the chain and the query engine equal `ask`'s token for token: "
+             f"{'yes' if same else 'NO'}.", "",
              "| system | TTFT p50 | p90 | vs ragkv.open() |", "|---|---|---|---|"]
     for name, values in times.items():
         p50 = statistics.median(values)

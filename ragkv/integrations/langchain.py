@@ -19,9 +19,6 @@ stats. One engine is shared by every call and thread: calls decode together in i
 
 from __future__ import annotations
 
-import queue
-import threading
-import weakref
 from typing import Any, Iterator, Sequence
 
 from langchain_core.callbacks import CallbackManagerForLLMRun, CallbackManagerForRetrieverRun
@@ -36,20 +33,8 @@ from pydantic import ConfigDict, Field
 
 from ragkv.config import DEFAULT_NO_REPEAT_NGRAM, DEFAULT_REPETITION_PENALTY, AskSettings, DecodeSettings
 from ragkv.errors import InputError
-
-IDENTITY = "ragkv"  # the Document.metadata key that holds a chunk's identity
-
-_batchers: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
-_batchers_lock = threading.Lock()
-
-
-def batcher_of(engine):
-    """The one Batcher that runs `engine`'s model for every adapter call, from any thread
-    (created on first use, closed with the engine's process)."""
-    with _batchers_lock:
-        if engine not in _batchers:
-            _batchers[engine] = engine.batched()
-        return _batchers[engine]
+from ragkv.integrations import adapter
+from ragkv.integrations.adapter import IDENTITY
 
 
 class RagkvRetriever(BaseRetriever):
@@ -64,13 +49,9 @@ class RagkvRetriever(BaseRetriever):
     doc_ids: tuple[str, ...] | None = None
 
     def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
-        engine = self.engine
-        hits = batcher_of(engine).call(engine.retrieve, query, self.top_k, self.doc_ids, self.context).result()
-        identity = {"store": engine.snapshot.location, "generation": engine.snapshot.generation}
-        return [Document(page_content=row.text, metadata={
-            "source": row.source, "score": score,
-            IDENTITY: {**identity, "doc_id": row.doc_id, "chunk_index": row.chunk_index, "chunk_id": row.chunk_id,
-                       "kv_key": row.entry.kv_key if row.entry else None}}) for row, score in hits]
+        return [Document(page_content=row.text, metadata={"source": row.source, "score": score, IDENTITY: identity})
+                for row, score, identity in adapter.retrieve(self.engine, query, self.top_k, self.context,
+                                                              self.doc_ids)]
 
 
 def _render(question: str, documents: Sequence[Document]) -> str:
@@ -91,18 +72,9 @@ documents (identity kept) in additional_kwargs["documents"], and the usual rende
 additional_kwargs["context"] for models that read text."""
 
 
-def chunks_and_passages(documents: Sequence[Document], engine) -> tuple[tuple[tuple[int, float], ...], tuple[str, ...]]:
-    """(chunk id, score) of the documents from `engine`'s store and generation, and the text of
-    the others (another retriever's, another store's, an older generation's): passages."""
-    chunks, passages = [], []
-    for doc in documents:
-        identity = doc.metadata.get(IDENTITY) if isinstance(doc.metadata, dict) else None
-        if (isinstance(identity, dict) and identity.get("store") == engine.snapshot.location
-                and identity.get("generation") == engine.snapshot.generation and "chunk_id" in identity):
-            chunks.append((int(identity["chunk_id"]), float(doc.metadata.get("score", 0.0))))
-        else:
-            passages.append(doc.page_content)
-    return tuple(chunks), tuple(passages)
+def _documents(documents: Sequence[Document]) -> list[tuple[Any, str, float]]:
+    return [(d.metadata.get(IDENTITY), d.page_content, d.metadata.get("score", 0.0)) if isinstance(d.metadata, dict)
+            else (None, d.page_content, 0.0) for d in documents]
 
 
 class ChatRagkv(BaseChatModel):
@@ -144,32 +116,18 @@ class ChatRagkv(BaseChatModel):
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
         history, question, documents = _split(messages)
         settings = self._settings(stop, kwargs, kwargs.get("documents", documents))
-        deltas: queue.Queue = queue.Queue()
-        engine = self.engine
-
-        def open_conversation():  # on the model thread
-            conversation = engine.conversation(settings)
-            for user, assistant in history:
-                conversation.replay(user, assistant)
-            return conversation
-
-        ticket = batcher_of(engine).submit(open_conversation, question, settings.max_new_tokens, settings.decoding,
-                                           on_text=deltas.put)
-        ticket.future.add_done_callback(lambda _: deltas.put(None))
-        try:
-            while (delta := deltas.get()) is not None:
-                if run_manager:
-                    run_manager.on_llm_new_token(delta)
-                yield ChatGenerationChunk(message=AIMessageChunk(content=delta))
-        finally:
-            ticket.cancel()  # a consumer that stops early frees the row (no-op once answered)
-        answer = ticket.result()  # raises the answer's error, with ragkv's one-line message
-        usage = {"input_tokens": answer.stats.prompt_tokens, "output_tokens": len(answer.token_ids),
-                 "total_tokens": answer.stats.prompt_tokens + len(answer.token_ids)}
+        answer = adapter.stream(self.engine, question, settings, history)
+        for delta in answer:
+            if run_manager:
+                run_manager.on_llm_new_token(delta)
+            yield ChatGenerationChunk(message=AIMessageChunk(content=delta))
+        done = answer.answer
+        stats = done.stats
+        usage = {"input_tokens": stats.prompt_tokens, "output_tokens": len(done.token_ids),
+                 "total_tokens": stats.prompt_tokens + len(done.token_ids)}
         yield ChatGenerationChunk(message=AIMessageChunk(content="", usage_metadata=usage, response_metadata={
-            "finish_reason": answer.stats.finish_reason or "stop", "model_name": engine.lm.facts.name,
-            IDENTITY: {"sources": [vars(s) for s in answer.sources], "stats": answer.stats.to_dict(),
-                       "token_ids": answer.token_ids}}))
+            "finish_reason": stats.finish_reason or "stop", "model_name": self.engine.lm.facts.name,
+            IDENTITY: adapter.answer_metadata(self.engine, done)}))
 
     def _settings(self, stop, kwargs: dict, documents) -> AskSettings:
         unknown = set(kwargs) - {"documents", "max_tokens"}
@@ -178,7 +136,8 @@ class ChatRagkv(BaseChatModel):
         decoding = DecodeSettings(repetition_penalty=self.repetition_penalty, no_repeat_ngram=self.no_repeat_ngram,
                                   temperature=self.temperature, top_p=self.top_p, seed=self.seed,
                                   stop=tuple(stop or self.stop or ()))
-        chunks, passages = (None, ()) if documents is None else chunks_and_passages(documents, self.engine)
+        chunks, passages = (None, ()) if documents is None else adapter.chunks_and_passages(_documents(documents),
+                                                                                             self.engine)
         return AskSettings(top_k=self.top_k, context=self.context, mode=self.mode,
                            max_new_tokens=kwargs.get("max_tokens", self.max_tokens), decoding=decoding,
                            chunks=chunks, passages=passages)

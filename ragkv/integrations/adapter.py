@@ -1,0 +1,84 @@
+"""What every framework adapter (LangChain, LlamaIndex) shares: one Batcher per engine, a
+chunk's identity out (in a retriever's results) and back in (to answer from its stored KV),
+and an answer streamed out of the running batch."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import weakref
+from typing import Any, Iterable, Sequence
+
+from ragkv.answer import Answer, AnswerStream
+from ragkv.config import AskSettings
+
+IDENTITY = "ragkv"  # the metadata key under which results carry a chunk's identity
+
+_batchers: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+_batchers_lock = threading.Lock()
+
+
+def batcher_of(engine):
+    """The one Batcher that runs `engine`'s model for every adapter call, from any thread
+    (created on first use; its model thread ends with the process)."""
+    with _batchers_lock:
+        if engine not in _batchers:
+            _batchers[engine] = engine.batched()
+        return _batchers[engine]
+
+
+def retrieve(engine, question: str, top_k: int, context: str, doc_ids: Sequence[str] | None = None
+             ) -> list[tuple[Any, float, dict]]:
+    """(row, score, identity) of the chunks nearest to `question`, retrieved on the model thread."""
+    hits = batcher_of(engine).call(engine.retrieve, question, top_k, doc_ids, context).result()
+    where = {"store": engine.snapshot.location, "generation": engine.snapshot.generation}
+    return [(row, score, {**where, "doc_id": row.doc_id, "chunk_index": row.chunk_index, "chunk_id": row.chunk_id,
+                          "kv_key": row.entry.kv_key if row.entry else None}) for row, score in hits]
+
+
+def chunks_and_passages(documents: Iterable[tuple[Any, str, float]], engine
+                        ) -> tuple[tuple[tuple[int, float], ...], tuple[str, ...]]:
+    """From (identity or None, text, score) per document: (chunk id, score) of those from
+    `engine`'s store and generation, and the text of the others (another retriever's, another
+    store's, an older generation's), which are prefilled live."""
+    chunks, passages = [], []
+    for identity, text, score in documents:
+        if (isinstance(identity, dict) and identity.get("store") == engine.snapshot.location
+                and identity.get("generation") == engine.snapshot.generation and "chunk_id" in identity):
+            chunks.append((int(identity["chunk_id"]), float(score or 0.0)))
+        else:
+            passages.append(text)
+    return tuple(chunks), tuple(passages)
+
+
+def stream(engine, question: str, settings: AskSettings, history: Sequence[tuple[str, str]] = ()) -> AnswerStream:
+    """The answer to `question` (after the earlier (user, assistant) turns `history`), decoded in
+    the engine's batch: iterate it for text as it comes; `.answer` once done. Closing it early
+    frees the row. Errors are ragkv's, with their one-line message."""
+
+    def open_conversation():  # on the model thread
+        conversation = engine.conversation(settings)
+        for user, assistant in history:
+            conversation.replay(user, assistant)
+        return conversation
+
+    def deltas():
+        pieces: queue.Queue = queue.Queue()
+        ticket = batcher_of(engine).submit(open_conversation, question, settings.max_new_tokens, settings.decoding,
+                                           on_text=pieces.put)
+        ticket.future.add_done_callback(lambda _: pieces.put(None))
+        try:
+            while (piece := pieces.get()) is not None:
+                yield piece
+        finally:
+            ticket.cancel()  # a consumer that stops early frees the row (no-op once answered)
+        answer: Answer = ticket.result()
+        return answer
+
+    return AnswerStream(deltas())
+
+
+def answer_metadata(engine, answer: Answer) -> dict:
+    """What a reply carries under IDENTITY: sources, stats and token ids."""
+    return {"sources": [vars(s) for s in answer.sources], "stats": answer.stats.to_dict(),
+            "token_ids": answer.token_ids, "model": engine.lm.facts.name}

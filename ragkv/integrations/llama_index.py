@@ -1,0 +1,93 @@
+"""ragkv inside LlamaIndex apps (`pip install 'ragkv[llama-index]'`): a retriever whose nodes
+carry ragkv's chunk identity, and a query engine that answers from the stored KV of the nodes
+its retriever returns, by identity, not by text.
+
+    rag = ragkv.open("./kvstore")
+    engine = RagkvQueryEngine(engine=rag, top_k=3)                 # its retriever: RagkvNodeRetriever
+    response = engine.query("How do I rotate the API key?")
+    response.response, response.source_nodes, response.metadata["ragkv"]["stats"]
+    RagkvQueryEngine(engine=rag, streaming=True).query(q).response_gen   # text as it is generated
+
+A node without ragkv identity (another retriever's: pass `retriever=`) is prefilled live from
+its text, exactly, and the stats say so. One engine serves every call and thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Iterator, Sequence
+
+from llama_index.core.base.response.schema import Response, StreamingResponse
+from llama_index.core.query_engine import CustomQueryEngine
+from llama_index.core.retrievers import BaseRetriever
+from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+from pydantic import Field
+
+from ragkv.config import DEFAULT_NO_REPEAT_NGRAM, DEFAULT_REPETITION_PENALTY, AskSettings, DecodeSettings
+from ragkv.integrations import adapter
+from ragkv.integrations.adapter import IDENTITY
+
+
+class RagkvNodeRetriever(BaseRetriever):
+    """Chunks nearest to the query as NodeWithScore: a TextNode with the chunk's text, its
+    `source`, and under "ragkv" its identity (store, generation, doc_id, chunk_index,
+    chunk_id, kv_key; kept out of the text LLMs and embedders see)."""
+
+    def __init__(self, engine, top_k: int = 1, context: str = "span", doc_ids: Sequence[str] | None = None,
+                 **kwargs: Any):
+        self.engine, self.top_k, self.context, self.doc_ids = engine, top_k, context, doc_ids
+        super().__init__(**kwargs)
+
+    def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        found = adapter.retrieve(self.engine, query_bundle.query_str, self.top_k, self.context, self.doc_ids)
+        return [NodeWithScore(score=score, node=TextNode(
+            id_=f"ragkv-{identity['generation']}-{row.chunk_id}", text=row.text,
+            metadata={"source": row.source, IDENTITY: identity},
+            excluded_llm_metadata_keys=[IDENTITY], excluded_embed_metadata_keys=[IDENTITY])) for row, score, identity in found]
+
+
+class RagkvQueryEngine(CustomQueryEngine):
+    """Retrieve (with `retriever`, else a RagkvNodeRetriever of `top_k`), then answer from the
+    nodes' stored KV. The response's `source_nodes` are the nodes; `metadata["ragkv"]` holds
+    the sources, stats (reused tokens, TTFT) and token ids (with `streaming`, once the
+    generator is done)."""
+
+    engine: Any = Field(description="a ragkv engine: ragkv.open(STORE)")
+    retriever: Any = None
+    top_k: int = 1
+    context: str = "span"
+    mode: str = "exact"
+    max_tokens: int = 128
+    streaming: bool = False
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] | None = None
+    repetition_penalty: float = DEFAULT_REPETITION_PENALTY
+    no_repeat_ngram: int = DEFAULT_NO_REPEAT_NGRAM
+
+    def custom_query(self, query_str: str) -> Response | StreamingResponse:
+        retriever = self.retriever or RagkvNodeRetriever(self.engine, self.top_k, self.context)
+        nodes = retriever.retrieve(query_str)
+        chunks, passages = adapter.chunks_and_passages(
+            [(n.node.metadata.get(IDENTITY), n.node.get_content(), n.score) for n in nodes], self.engine)
+        decoding = DecodeSettings(repetition_penalty=self.repetition_penalty, no_repeat_ngram=self.no_repeat_ngram,
+                                  temperature=self.temperature, top_p=self.top_p, seed=self.seed,
+                                  stop=tuple(self.stop or ()))
+        settings = AskSettings(top_k=self.top_k, context=self.context, mode=self.mode, max_new_tokens=self.max_tokens,
+                               decoding=decoding, chunks=chunks, passages=passages)
+        answer = adapter.stream(self.engine, query_str, settings)
+        metadata: dict = {}
+        if self.streaming:
+            return StreamingResponse(response_gen=self._filling(answer, metadata), source_nodes=nodes, metadata=metadata)
+        text = "".join(answer)
+        metadata[IDENTITY] = adapter.answer_metadata(self.engine, answer.answer)
+        return Response(response=text, source_nodes=nodes, metadata=metadata)
+
+    def _filling(self, answer, metadata: dict) -> Iterator[str]:
+        yield from answer
+        metadata[IDENTITY] = adapter.answer_metadata(self.engine, answer.answer)
+
+    async def acustom_query(self, query_str: str) -> Response | StreamingResponse:
+        # The model runs on the batch's thread; waiting for it must not block the event loop.
+        return await asyncio.to_thread(self.custom_query, query_str)
