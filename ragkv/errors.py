@@ -11,8 +11,9 @@ class RagkvError(Exception):
     exit_code = 1
 
 
-class InputError(RagkvError):
-    """A path, file, option or question that cannot be used as given."""
+class InputError(RagkvError, ValueError):
+    """A path, file, option or question that cannot be used as given. Also a ValueError: what
+    Python code, and frameworks such as LangChain and LlamaIndex, raise for bad input."""
 
     exit_code = 2
 
@@ -41,8 +42,8 @@ class StoreLockedError(RagkvError):
     exit_code = 5
 
 
-class ModelError(RagkvError):
-    """A model or embedder that cannot be found, loaded, or used with this store."""
+class ModelError(RagkvError, ValueError):
+    """A model or embedder that cannot be found, loaded, or used with this store (a ValueError too)."""
 
     exit_code = 6
 

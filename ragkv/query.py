@@ -568,7 +568,8 @@ class QueryEngine:
 
 def _live_rows(passages: Sequence[str], stats: Stats) -> list[tuple[ContextRow, float]]:
     """Passages given as text (no ragkv identity: another retriever's) as prompt chunks that are
-    always prefilled, never looked up or stored."""
+    always prefilled, never looked up or stored. Their chunk ids are -1, -2, ... for passage 0,
+    1, ... (stored chunks' ids are never negative), so a Source names the passage it was."""
     if passages:
         stats.warnings.append(f"{len(passages)} passages without ragkv identity were prefilled live")
     return [(ContextRow(-1 - i, f"passage-{i}", f"(passage {i}, given as text)", 0, text, None, None, live=True), 0.0)

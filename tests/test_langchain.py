@@ -52,6 +52,8 @@ def test_a_chain_answers_as_ask_does_from_the_stored_kv(rag):
         assert _ragkv(reply)["stats"]["reused_tokens"] >= alone.stats.reused_tokens > 0
         assert set(_ragkv(reply)["stats"]["kv_sources"].values()) <= {"store", "ram"}
         assert [s["chunk_id"] for s in _ragkv(reply)["sources"]] == [s.chunk_id for s in alone.sources]
+        texts = [row.text for row, _ in rag.retrieve(question, top_k=2, context="span")]
+        assert [d.page_content for d in reply.response_metadata["documents"]] == texts  # LangChain's own objects
 
 
 def test_the_model_alone_retrieves_and_streams_the_same_text(rag):
@@ -92,6 +94,7 @@ def test_a_document_without_identity_is_prefilled_live_exactly(rag):
     stats = _ragkv(reply)["stats"]
     assert _ragkv(reply)["token_ids"] == full.token_ids and stats["reused_tokens"] == 0
     assert any("without ragkv identity" in w for w in stats["warnings"])
+    assert [d.page_content for d in reply.response_metadata["documents"]] == [row.text]
 
 
 def test_stop_max_tokens_and_history_map_to_ragkv(rag):
@@ -112,8 +115,9 @@ def test_stop_max_tokens_and_history_map_to_ragkv(rag):
 def test_bad_input_gets_one_line(rag):
     from ragkv.errors import InputError
 
-    with pytest.raises(InputError, match="human message"):
+    with pytest.raises(ValueError, match="human message") as raised:  # what LangChain code catches for bad input
         ChatRagkv(engine=rag).invoke([AIMessage("hello")])
+    assert isinstance(raised.value, InputError) and len(str(raised.value).splitlines()) == 1
     with pytest.raises(InputError, match="not in store"):  # an identity the store does not hold (any more)
         ChatRagkv(engine=rag).invoke(QUESTIONS[0], documents=[Document(page_content="x", metadata={"ragkv": {
             "store": rag.snapshot.location, "generation": rag.snapshot.generation, "chunk_id": 10**9}})])
@@ -131,3 +135,10 @@ def test_chat_openai_against_ragkv_serve_streams_and_passes_options(tmp_path, ti
                                           temperature=0, extra_body={"ragkv": {"top_k": 2}}, max_retries=0)
         assert llm.invoke(QUESTIONS[0]).content == alone.text
         assert "".join(c.content for c in llm.stream(QUESTIONS[0])) == alone.text
+
+
+def test_a_store_for_another_model_is_a_one_line_value_error(tiny_store, tiny_qwen2):
+    with pytest.raises(ValueError, match="has no KV for model") as raised:
+        with ragkv.open(tiny_store, model=str(tiny_qwen2), device="cpu") as other:
+            ChatRagkv(engine=other).invoke(QUESTIONS[0])
+    assert len(str(raised.value).splitlines()) == 1

@@ -78,6 +78,15 @@ def stream(engine, question: str, settings: AskSettings, history: Sequence[tuple
     return AnswerStream(deltas())
 
 
+def source_texts(engine, answer: Answer, passages: Sequence[str]) -> list[tuple[Any, str]]:
+    """(Source, its text) for each of the answer's sources: stored chunks' text from the catalog
+    (read on the model thread, which owns the catalog), passages' from `passages`."""
+    stored = [s.chunk_id for s in answer.sources if s.chunk_id >= 0]
+    texts = batcher_of(engine).call(engine.snapshot.catalog.chunk_texts, stored).result() if stored else {}
+    # A passage's Source has chunk id -1 - its index (see ragkv.query's live rows).
+    return [(s, texts.get(s.chunk_id, "") if s.chunk_id >= 0 else passages[-1 - s.chunk_id]) for s in answer.sources]
+
+
 def answer_metadata(engine, answer: Answer) -> dict:
     """What a reply carries under IDENTITY: sources, stats and token ids."""
     return {"sources": [vars(s) for s in answer.sources], "stats": answer.stats.to_dict(),

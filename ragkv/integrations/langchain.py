@@ -125,9 +125,11 @@ class ChatRagkv(BaseChatModel):
         stats = done.stats
         usage = {"input_tokens": stats.prompt_tokens, "output_tokens": len(done.token_ids),
                  "total_tokens": stats.prompt_tokens + len(done.token_ids)}
+        sources = [Document(page_content=text, metadata={"source": s.source, "score": s.score})
+                   for s, text in adapter.source_texts(self.engine, done, settings.passages)]
         yield ChatGenerationChunk(message=AIMessageChunk(content="", usage_metadata=usage, response_metadata={
             "finish_reason": stats.finish_reason or "stop", "model_name": self.engine.lm.facts.name,
-            IDENTITY: adapter.answer_metadata(self.engine, done)}))
+            "documents": sources, IDENTITY: adapter.answer_metadata(self.engine, done)}))
 
     def _settings(self, stop, kwargs: dict, documents) -> AskSettings:
         unknown = set(kwargs) - {"documents", "max_tokens"}
