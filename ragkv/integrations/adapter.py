@@ -9,13 +9,41 @@ import threading
 import weakref
 from typing import Any, Iterable, Sequence
 
+from pydantic import BaseModel
+
 from ragkv.answer import Answer, AnswerStream
-from ragkv.config import AskSettings
+from ragkv.config import DEFAULT_NO_REPEAT_NGRAM, DEFAULT_REPETITION_PENALTY, AskSettings, DecodeSettings
 
 IDENTITY = "ragkv"  # the metadata key under which results carry a chunk's identity
 
 _batchers: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 _batchers_lock = threading.Lock()
+
+
+class AnswerOptions(BaseModel):
+    """The answer options every adapter exposes (as `ragkv ask`'s), and the settings they make."""
+
+    top_k: int = 1
+    context: str = "span"
+    mode: str = "exact"
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] | None = None
+    repetition_penalty: float = DEFAULT_REPETITION_PENALTY
+    no_repeat_ngram: int = DEFAULT_NO_REPEAT_NGRAM
+
+    def ask_settings(self, chunks=None, passages: Sequence[str] = (), stop: Sequence[str] | None = None,
+                     max_tokens: int | None = None) -> AskSettings:
+        """These options as AskSettings, answering from `chunks` and `passages` when given (see
+        `chunks_and_passages`), else retrieving; `stop` and `max_tokens` override per call."""
+        decoding = DecodeSettings(repetition_penalty=self.repetition_penalty, no_repeat_ngram=self.no_repeat_ngram,
+                                  temperature=self.temperature, top_p=self.top_p, seed=self.seed,
+                                  stop=tuple(stop or self.stop or ()))
+        return AskSettings(top_k=self.top_k, context=self.context, mode=self.mode, decoding=decoding,
+                           max_new_tokens=self.max_tokens if max_tokens is None else max_tokens, chunks=chunks,
+                           passages=tuple(passages))
 
 
 def batcher_of(engine):

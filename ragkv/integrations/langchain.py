@@ -31,10 +31,10 @@ from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import RunnableLambda
 from pydantic import ConfigDict, Field
 
-from ragkv.config import DEFAULT_NO_REPEAT_NGRAM, DEFAULT_REPETITION_PENALTY, AskSettings, DecodeSettings
+from ragkv.config import AskSettings
 from ragkv.errors import InputError
 from ragkv.integrations import adapter
-from ragkv.integrations.adapter import IDENTITY
+from ragkv.integrations.adapter import IDENTITY, AnswerOptions
 
 
 class RagkvRetriever(BaseRetriever):
@@ -77,7 +77,7 @@ def _documents(documents: Sequence[Document]) -> list[tuple[Any, str, float]]:
             else (None, d.page_content, 0.0) for d in documents]
 
 
-class ChatRagkv(BaseChatModel):
+class ChatRagkv(AnswerOptions, BaseChatModel):
     """A chat model that answers from ragkv's stored KV. The last human message is the question;
     its `additional_kwargs["documents"]` (or `documents=` given to invoke) are the context, else
     it retrieves `top_k` chunks itself. Earlier human/AI turns are replayed as a conversation.
@@ -85,16 +85,6 @@ class ChatRagkv(BaseChatModel):
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
     engine: Any = Field(description="a ragkv engine: ragkv.open(STORE)")
-    top_k: int = 1
-    context: str = "span"
-    mode: str = "exact"
-    max_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str] | None = None
-    repetition_penalty: float = DEFAULT_REPETITION_PENALTY
-    no_repeat_ngram: int = DEFAULT_NO_REPEAT_NGRAM
 
     @property
     def _llm_type(self) -> str:
@@ -135,14 +125,9 @@ class ChatRagkv(BaseChatModel):
         unknown = set(kwargs) - {"documents", "max_tokens"}
         if unknown:
             raise InputError(f"ChatRagkv takes no {', '.join(sorted(unknown))}")
-        decoding = DecodeSettings(repetition_penalty=self.repetition_penalty, no_repeat_ngram=self.no_repeat_ngram,
-                                  temperature=self.temperature, top_p=self.top_p, seed=self.seed,
-                                  stop=tuple(stop or self.stop or ()))
         chunks, passages = (None, ()) if documents is None else adapter.chunks_and_passages(_documents(documents),
                                                                                              self.engine)
-        return AskSettings(top_k=self.top_k, context=self.context, mode=self.mode,
-                           max_new_tokens=kwargs.get("max_tokens", self.max_tokens), decoding=decoding,
-                           chunks=chunks, passages=passages)
+        return self.ask_settings(chunks, passages, stop, kwargs.get("max_tokens"))
 
 
 def _split(messages: list[BaseMessage]) -> tuple[list[tuple[str, str]], str, list[Document] | None]:

@@ -23,9 +23,8 @@ from llama_index.core.retrievers import BaseRetriever
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 from pydantic import Field
 
-from ragkv.config import DEFAULT_NO_REPEAT_NGRAM, DEFAULT_REPETITION_PENALTY, AskSettings, DecodeSettings
 from ragkv.integrations import adapter
-from ragkv.integrations.adapter import IDENTITY
+from ragkv.integrations.adapter import IDENTITY, AnswerOptions
 
 
 class RagkvNodeRetriever(BaseRetriever):
@@ -46,7 +45,7 @@ class RagkvNodeRetriever(BaseRetriever):
             excluded_llm_metadata_keys=[IDENTITY], excluded_embed_metadata_keys=[IDENTITY])) for row, score, identity in found]
 
 
-class RagkvQueryEngine(CustomQueryEngine):
+class RagkvQueryEngine(AnswerOptions, CustomQueryEngine):
     """Retrieve (with `retriever`, else a RagkvNodeRetriever of `top_k`), then answer from the
     nodes' stored KV. The response's `source_nodes` are the nodes; `metadata["ragkv"]` holds
     the sources, stats (reused tokens, TTFT) and token ids (with `streaming`, once the
@@ -54,29 +53,14 @@ class RagkvQueryEngine(CustomQueryEngine):
 
     engine: Any = Field(description="a ragkv engine: ragkv.open(STORE)")
     retriever: Any = None
-    top_k: int = 1
-    context: str = "span"
-    mode: str = "exact"
-    max_tokens: int = 128
     streaming: bool = False
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str] | None = None
-    repetition_penalty: float = DEFAULT_REPETITION_PENALTY
-    no_repeat_ngram: int = DEFAULT_NO_REPEAT_NGRAM
 
     def custom_query(self, query_str: str) -> Response | StreamingResponse:
         retriever = self.retriever or RagkvNodeRetriever(self.engine, self.top_k, self.context)
         nodes = retriever.retrieve(query_str)
         chunks, passages = adapter.chunks_and_passages(
             [(n.node.metadata.get(IDENTITY), n.node.get_content(), n.score) for n in nodes], self.engine)
-        decoding = DecodeSettings(repetition_penalty=self.repetition_penalty, no_repeat_ngram=self.no_repeat_ngram,
-                                  temperature=self.temperature, top_p=self.top_p, seed=self.seed,
-                                  stop=tuple(self.stop or ()))
-        settings = AskSettings(top_k=self.top_k, context=self.context, mode=self.mode, max_new_tokens=self.max_tokens,
-                               decoding=decoding, chunks=chunks, passages=passages)
-        answer = adapter.stream(self.engine, query_str, settings)
+        answer = adapter.stream(self.engine, query_str, self.ask_settings(chunks, passages))
         metadata: dict = {}
         if self.streaming:
             return StreamingResponse(response_gen=self._filling(answer, metadata), source_nodes=nodes, metadata=metadata)
