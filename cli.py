@@ -621,6 +621,10 @@ def serve(
     vllm_port: int = typer.Option(8100, "--vllm-port", help="--engine vllm: the port vLLM listens on (loopback)."),
     vllm_args: Optional[str] = typer.Option(None, "--vllm-args", help="--engine vllm: more arguments for vLLM's "
                                             "server, e.g. \"--max-model-len 4096 --gpu-memory-utilization 0.8\"."),
+    write_back: bool = typer.Option(True, "--write-back/--no-write-back",
+                                    help="Store the KV computed for a retrieved chunk the store lacks (in the "
+                                         "background, within the KV budget), so the next question that uses it "
+                                         "loads it. --no-write-back leaves the store as it is."),
 ):
     """Serve the store over HTTP: OpenAI-compatible /v1/chat/completions (streaming too),
     /v1/retrieve, /v1/models, /healthz, /metrics. Picks up re-indexed generations live."""
@@ -632,13 +636,13 @@ def serve(
 
     settings = ServeSettings(host=host, port=port, api_key=api_key or None, max_queue=max_queue, max_batch=max_batch,
                              max_tokens_cap=max_tokens_cap, max_batch_tokens=max_batch_tokens,
-                             prefill_chunk=prefill_chunk)
+                             prefill_chunk=prefill_chunk, write_back=write_back)
     if engine_name == "vllm":
         _serve_vllm(store, model, settings, vllm_python or sys.executable, vllm_port, vllm_args or "")
         return
     if engine_name != "ragkv":
         raise InputError(f"unknown --engine {engine_name!r}; use ragkv or vllm")
-    with ragkv.open(store, model=model, device=device) as engine:
+    with ragkv.open(store, model=model, device=device, write_back=write_back) as engine:
         app = build_app(engine, settings)
         typer.echo(f"ragkv serving {store} ({engine.lm.facts.name}) on http://{host}:{port}", err=True)
         uvicorn.run(app, host=host, port=port, log_level="warning", limit_concurrency=settings.max_queue * 4 + 16,
@@ -655,7 +659,8 @@ def _serve_vllm(store: str, model: Optional[str], settings, python: str, vllm_po
 
     with ragkv.open(store, model=model, device="cpu", weights=False) as engine:
         facts = engine.lm.facts
-        server = VllmServer(python, facts.path, facts.dtype, store, vllm_port, tuple(shlex.split(args)))
+        server = VllmServer(python, facts.path, facts.dtype, store, vllm_port, tuple(shlex.split(args)),
+                            write_back=settings.write_back)
         typer.echo(f"starting vLLM ({python}) for {facts.name} on port {vllm_port}", err=True)
         server.start(timeout_s=1800)
         try:

@@ -53,6 +53,7 @@ class ServeSettings:
     prefill_chunk: int = 256  # prompt tokens one request prefills per step (the others keep decoding)
     conversation_bytes: int = 512 << 20  # KV of recent conversations kept for their next turn
     shutdown_grace_s: int = 10  # on SIGTERM, requests still running after this long are cut off
+    write_back: bool = True  # store KV computed for a chunk the store lacks (within the budget)
 
     def __post_init__(self):
         for name in ("max_queue", "max_batch", "max_tokens_cap", "max_batch_tokens", "prefill_chunk"):

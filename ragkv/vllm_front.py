@@ -45,10 +45,12 @@ class VllmServer:
     """A vLLM OpenAI server, started with the ragkv connector on `store`, in `python` (vLLM
     pins its own torch: it may live in another environment). `start` waits until it answers."""
 
-    def __init__(self, python: str, model_folder: str, dtype: str, store: str, port: int, args: tuple[str, ...] = ()):
+    def __init__(self, python: str, model_folder: str, dtype: str, store: str, port: int, args: tuple[str, ...] = (),
+                 write_back: bool = True):
         self.url = f"http://127.0.0.1:{port}"
         connector = {"kv_connector": "RagkvConnector", "kv_connector_module_path": "ragkv.integrations.vllm",
-                     "kv_role": "kv_consumer", "kv_connector_extra_config": {"store": str(Path(store).resolve())}}
+                     "kv_role": "kv_both" if write_back else "kv_consumer",
+                     "kv_connector_extra_config": {"store": str(Path(store).resolve())}}
         self.command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_folder,
                         "--served-model-name", VLLM_MODEL_ID, "--dtype", dtype, "--host", "127.0.0.1",
                         "--port", str(port), "--kv-transfer-config", json.dumps(connector), *args]
@@ -137,7 +139,7 @@ def build_front_app(engine, vllm_url: str, settings: ServeSettings) -> FastAPI:
             prompt = await asyncio.to_thread(engine.prompt_for, question, ask, stats)
         payload = {"model": VLLM_MODEL_ID, "prompt": prompt.prompt_ids, "max_tokens": min(requested, settings.max_tokens_cap),
                    "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed,
-                   "stop": body.stop, "stream": body.stream,
+                   "stop": body.stop, "stream": body.stream, "kv_transfer_params": _layout_params(prompt, settings),
                    **({"stream_options": {"include_usage": True}} if body.stream else {})}
         sources = [asdict(Source(r.doc_id, r.source, r.chunk_index, r.chunk_id, score)) for r, score in prompt.retrieved]
         block = {"sources": sources, "stats": {**stats.to_dict(), "warnings": stats.warnings + warnings},
@@ -155,6 +157,16 @@ def build_front_app(engine, vllm_url: str, settings: ServeSettings) -> FastAPI:
         return StreamingResponse(_relay(client, payload, reply_id, created, block), media_type="text/event-stream")
 
     return app
+
+
+def _layout_params(prompt, settings: ServeSettings) -> dict:
+    """What the connector needs to know of the prompt's layout (ragkv.integrations.store_match):
+    its chunks in order, and whether to store the first one's KV, computed by vLLM, when the
+    store lacks it (as ragkv's own engine does on a miss: a chunk stored on its own)."""
+    first = prompt.retrieved[0][0] if prompt.retrieved else None
+    miss = first is not None and not first.live and first.entry is None and first.span_start is None
+    return {"ragkv": {"chunks": [[row.chunk_id, len(ids)] for (row, _), ids in zip(prompt.retrieved, prompt.chunk_ids)],
+                      "write_back": bool(settings.write_back and miss)}}
 
 
 async def _relay(client: httpx.AsyncClient, payload: dict, reply_id: str, created: int, block: dict):

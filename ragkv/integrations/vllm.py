@@ -1,28 +1,50 @@
-"""ragkv's store as a vLLM KV connector: vLLM prefills only what the store does not hold.
+"""ragkv's store as vLLM's memory: a KV connector through which vLLM prefills only what the
+store does not hold, stores what it computes that the store lacks, and logs what is asked.
 
     --kv-transfer-config '{"kv_connector": "RagkvConnector",
                            "kv_connector_module_path": "ragkv.integrations.vllm",
-                           "kv_role": "kv_consumer",
+                           "kv_role": "kv_both",
                            "kv_connector_extra_config": {"store": "./kvstore"}}'
+
+`kv_role` "kv_both" loads and saves; "kv_consumer" only loads (a read-only store).
 
 Scheduler side: a new request's prompt ids are matched against the store's system prefix and
 chunk entries (ragkv.integrations.store_match); the matched tokens, cut to whole blocks and
 leaving the last prompt token to compute, are reported as external hits beyond what vLLM's
-own prefix cache holds. Worker side: before the forward, the matched KV is read from the
-shards (checksums verified), and written into the request's blocks, layer by layer, through
-the attention backend's own cache-update op (the same write vLLM's forward makes, so any
-paged layout the backend uses is respected).
+own prefix cache holds. A request laid out by ragkv's front names its chunks in
+`kv_transfer_params` (see store_match): each chunk's use is logged in the store's hit log,
+and a first chunk the store lacks is marked to save once the step that computes its last
+token is scheduled.
+
+Worker side, loading: before the forward, the matched KV is read from the shards (checksums
+verified) and written into the request's blocks through the attention backend's own
+cache-update op (the write vLLM's forward makes, so any paged layout is respected). On CUDA
+the copies go layer by layer on a side stream from page-locked memory, and each attention
+layer waits only for its own layer (`wait_for_layer_load`), so loading overlaps the forward;
+on a CPU they are made before the forward.
+
+Worker side, saving: after the forward (`wait_for_save`), the chunk's token range is gathered
+out of every layer's blocks (the backend's layout is probed once, ragkv.integrations.paged)
+into one copy, so vLLM may reuse the blocks at once and decoding never waits on the store;
+on CUDA the copy to host is asynchronous. A thread encodes it and hands it to the store's
+write-back (store.writeback): one writer, batched generations, the budget's admission by
+popularity, a bounded wait behind another writer, and a failed write logged once while
+answering goes on. A kill at any point leaves the published store as it was.
 
 A request opts out with `extra_args={"kv_transfer_params": {"ragkv": "skip"}}` (a full prefill:
 for comparisons). At start, a store without KV for the served model, tokenizer and dtype is
-refused with one line. Import this module only inside vLLM (it imports vllm).
+refused with one line, as is a quantised vLLM KV cache. Import this module only inside vLLM.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import re
+import threading
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,9 +55,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from ragkv.integrations.store_match import ModelIdentity, StoreMatcher, load_kv, profile_for, slot_mapping
+from ragkv import codec
+from ragkv.errors import InputError, ModelError
+from ragkv.integrations.paged import LayoutError, PagedLayout, block_dim_of
+from ragkv.integrations.store_match import (
+    ModelIdentity, RequestPlan, SaveTarget, StoreMatcher, chunk_layout, load_kv, profile_for, slot_mapping,
+)
 from store import EntryRow
+from store.popularity import HitLog
 from store.shards import ShardReader
+from store.store import SHARD_DIR
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -46,6 +75,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ragkv")
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
+ENGINE = "vllm"  # recorded in the header of the shards this connector writes
 
 
 @dataclass(frozen=True)
@@ -60,9 +90,26 @@ class LoadSpec:
     block_ids: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class SaveSpec:
+    """One request's save: `target`'s tokens, computed by the end of this step, in `block_ids`."""
+
+    request_id: str
+    target: SaveTarget
+    block_ids: tuple[int, ...]
+
+
 @dataclass
 class RagkvConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class _PendingSave:
+    target: SaveTarget
+    block_ids: list[int] = field(default_factory=list)
+    computed: int = 0  # the request's tokens computed before the step being scheduled
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -77,26 +124,44 @@ class RagkvConnector(KVConnectorBase_V1):
         store = self._kv_transfer_config.get_from_extra_config("store", None)
         if not store:
             raise ValueError('RagkvConnector needs kv_connector_extra_config {"store": "PATH"}')
+        cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
+        if cache_dtype not in ("auto", None):
+            raise ModelError(f"ragkv stores KV in the model's dtype; vLLM's --kv-cache-dtype {cache_dtype} would "
+                             "load and save another KV: serve with the default")
         model_config = vllm_config.model_config
         self._dtype = model_config.dtype
         identity = ModelIdentity.of_folder(model_config.model, _dtype_name(self._dtype))
-        profile = profile_for(store, identity)  # refuses another model, tokenizer or dtype, in one line
+        self._profile = profile_for(store, identity)  # refuses another model, tokenizer or dtype, in one line
         self._block_size = vllm_config.cache_config.block_size
         self._store = str(store)
+        self._saves_on = self._kv_transfer_config.kv_role in ("kv_both", "kv_producer")
         if role == KVConnectorRole.SCHEDULER:
             from ragkv.prompt import PromptLayout
 
-            separator = PromptLayout.build(identity.tokenizer, "").separator_ids
-            self._matcher = StoreMatcher(store, profile, separator)
+            layout = PromptLayout.build(identity.tokenizer, "")
+            self._separator_len = len(layout.separator_ids)
+            self._matcher = StoreMatcher(store, self._profile, layout.separator_ids, identity.tokenizer)
             self._matched: dict[str, tuple[tuple[EntryRow, ...], int, int]] = {}  # request -> entries, start, end
             self._to_load: dict[str, tuple[tuple[EntryRow, ...], int, int]] = {}
+            self._plans: dict[str, RequestPlan] = {}  # matched, not yet allocated
+            self._pending_saves: dict[str, _PendingSave] = {}
+            self._logged: set[str] = set()  # requests whose uses are logged
+            self._hit_log: HitLog | None = HitLog(Path(store))
+            self._warned_params = False
         else:
-            from store.store import SHARD_DIR
-            from pathlib import Path
-
             self._shards = ShardReader(Path(store) / SHARD_DIR)
-        log.info("ragkv connector: store %s, profile %s, block size %d", store, profile.profile_id[:12],
-                 self._block_size)
+            self._layers: dict[int, tuple[str, Any]] = {}  # layer index -> (name, attention layer)
+            layerwise = self._kv_transfer_config.get_from_extra_config("layerwise", "auto")
+            self._layerwise = layerwise if isinstance(layerwise, bool) else None  # None: on CUDA only
+            self._layer_events: dict[str, Any] = {}
+            self._inflight: list[torch.Tensor] = []  # host buffers the side stream still reads
+            self._load_stream = None
+            self.layer_waits = 0  # wait_for_layer_load calls that waited on a layer's copy (tests)
+            self._paged: PagedLayout | None = None
+            self._saver: _Saver | None = None
+            self._saving_broken = False
+        log.info("ragkv connector: store %s, profile %s, block size %d, %s", store, self._profile.profile_id[:12],
+                 self._block_size, "loads and saves" if self._saves_on else "loads only")
 
     # -- scheduler side -------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
@@ -107,6 +172,7 @@ class RagkvConnector(KVConnectorBase_V1):
         match = self._matcher.match(prompt)
         if match is None:
             return 0, False
+        self._plans[request.request_id] = self._plan(request, prompt, match)
         # Whole blocks only, and never the last prompt token: vLLM computes it for the logits.
         end = min(match.num_tokens, len(prompt) - 1) // self._block_size * self._block_size
         if end <= num_computed_tokens:
@@ -114,10 +180,40 @@ class RagkvConnector(KVConnectorBase_V1):
         self._matched[request.request_id] = (match.entries, num_computed_tokens, end)
         return end - num_computed_tokens, False
 
+    def _plan(self, request: "Request", prompt: list[int], match) -> RequestPlan:
+        """The request's uses and save, from the layout its params name (none without)."""
+        try:
+            chunks, write_back = chunk_layout(request.kv_transfer_params, len(prompt),
+                                              len(self._profile.prefix_ids), self._separator_len)
+        except InputError as exc:  # a client's own params: never the engine's failure
+            if not self._warned_params:
+                self._warned_params = True
+                log.warning("ragkv connector: %s; the request is served without them (logged once)", exc)
+            chunks, write_back = (), False
+        return self._matcher.plan(prompt, chunks, write_back and self._saves_on, match)
+
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
-        matched = self._matched.pop(request.request_id, None)
+        request_id = request.request_id
+        matched = self._matched.pop(request_id, None)
         if num_external_tokens > 0 and matched is not None:
-            self._to_load[request.request_id] = matched
+            self._to_load[request_id] = matched
+        plan = self._plans.pop(request_id, None)
+        if plan is None or request_id in self._logged:
+            return
+        self._logged.add(request_id)
+        self._record(plan)
+        if plan.save is not None:
+            self._pending_saves[request_id] = _PendingSave(plan.save)
+
+    def _record(self, plan: RequestPlan) -> None:
+        if self._hit_log is None or not plan.uses:
+            return
+        try:
+            self._hit_log.record(plan.uses)
+        except OSError as exc:  # a read-only store still serves; it only stops counting
+            log.warning("ragkv connector: cannot log chunk uses in %s (%s); popularity is not counted",
+                        self._store, exc.strerror or exc)
+            self._hit_log = None
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = RagkvConnectorMetadata()
@@ -125,42 +221,221 @@ class RagkvConnector(KVConnectorBase_V1):
             if new.req_id in self._to_load:
                 entries, start, end = self._to_load.pop(new.req_id)
                 meta.loads.append(LoadSpec(new.req_id, entries, start, end, tuple(new.block_ids[0])))
+            pending = self._pending_saves.get(new.req_id)
+            if pending is not None:
+                pending.block_ids, pending.computed = list(new.block_ids[0]), new.num_computed_tokens
         self._to_load.clear()  # not scheduled after all (preempted): vLLM computes them
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, request_id in enumerate(cached.req_ids):
+            pending = self._pending_saves.get(request_id)
+            if pending is None:
+                continue
+            if request_id in cached.resumed_req_ids:  # preempted meanwhile: its blocks were given away
+                del self._pending_saves[request_id]
+                continue
+            if cached.new_block_ids[i] is not None:
+                pending.block_ids += cached.new_block_ids[i][0]
+            pending.computed = cached.num_computed_tokens[i]
+        for request_id, pending in list(self._pending_saves.items()):
+            scheduled = scheduler_output.num_scheduled_tokens.get(request_id, 0)
+            if scheduled and pending.computed + scheduled >= pending.target.end:  # computed by this step's end
+                meta.saves.append(SaveSpec(request_id, pending.target, tuple(pending.block_ids)))
+                del self._pending_saves[request_id]
         return meta
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._matched.pop(request.request_id, None)
-        return False, None
+        request_id = request.request_id
+        self._matched.pop(request_id, None)
+        self._plans.pop(request_id, None)
+        self._pending_saves.pop(request_id, None)
+        self._logged.discard(request_id)
+        return False, None  # a save copies its tokens out in the step that computes them: free the blocks
 
     # -- worker side ----------------------------------------------------------------------
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        if not self._layers:
+            for name, layer in forward_context.no_compile_layers.items():
+                found = _LAYER_INDEX.search(name)
+                if found and getattr(layer, "kv_cache", None) is not None and hasattr(layer, "impl"):
+                    self._layers[int(found.group(1))] = (name, layer)
         meta = self._get_connector_metadata()
         if not isinstance(meta, RagkvConnectorMetadata) or not meta.loads:
             return
-        layers = {}
-        for name, layer in forward_context.no_compile_layers.items():
-            found = _LAYER_INDEX.search(name)
-            if found and getattr(layer, "kv_cache", None) is not None and hasattr(layer, "impl"):
-                layers[int(found.group(1))] = layer
         for load in meta.loads:
             kv_tensor = load_kv(self._shards, load.entries, self._dtype)[:, :, :, load.start:load.end]  # (L, 2, H, T, D)
-            if kv_tensor.shape[0] != len(layers):
-                raise RuntimeError(f"ragkv store KV has {kv_tensor.shape[0]} layers, the model {len(layers)}")
+            if kv_tensor.shape[0] != len(self._layers):
+                raise RuntimeError(f"ragkv store KV has {kv_tensor.shape[0]} layers, the model {len(self._layers)}")
             slots = slot_mapping(load.block_ids, self._block_size, load.start, load.end)
-            for index, layer in sorted(layers.items()):
-                cache = layer.kv_cache
-                if isinstance(cache, (list, tuple)):  # older vLLM: one cache per virtual engine
-                    cache = cache[getattr(forward_context, "virtual_engine", 0)]
-                slots_here = slots.to(cache.device)
-                key = kv_tensor[index, 0].transpose(0, 1).contiguous().to(cache.device)  # (T, H, D)
-                value = kv_tensor[index, 1].transpose(0, 1).contiguous().to(cache.device)  # (T, H, D)
-                layer.impl.do_kv_cache_update(layer, key, value, cache, slots_here)
+            device = self._cache(next(iter(self._layers.values()))[1], forward_context).device
+            layerwise = self._layerwise if self._layerwise is not None else device.type == "cuda"
+            if layerwise:
+                self._load_layerwise(kv_tensor, slots, forward_context, device.type == "cuda")
+            else:
+                self._load_now(kv_tensor, slots, forward_context)
+
+    @staticmethod
+    def _cache(layer, forward_context) -> torch.Tensor:
+        cache = layer.kv_cache
+        if isinstance(cache, (list, tuple)):  # older vLLM: one cache per virtual engine
+            cache = cache[getattr(forward_context, "virtual_engine", 0)]
+        return cache
+
+    def _load_now(self, kv_tensor: torch.Tensor, slots: torch.Tensor, forward_context) -> None:
+        """Every layer's KV written into its blocks, before the forward."""
+        for index, (_, layer) in sorted(self._layers.items()):
+            cache = self._cache(layer, forward_context)
+            key = kv_tensor[index, 0].transpose(0, 1).contiguous().to(cache.device)  # (T, H, D)
+            value = kv_tensor[index, 1].transpose(0, 1).contiguous().to(cache.device)
+            layer.impl.do_kv_cache_update(layer, key, value, cache, slots.to(cache.device))
+
+    def _load_layerwise(self, kv_tensor: torch.Tensor, slots: torch.Tensor, forward_context, cuda: bool) -> None:
+        """Each layer's copy started on a side stream (CUDA: from page-locked memory, so it is
+        asynchronous), with an event per layer that `wait_for_layer_load` makes the forward
+        wait on; on a CPU the same steps run in order (a test of the bookkeeping)."""
+        host = kv_tensor.permute(0, 1, 3, 2, 4).contiguous()  # (L, 2, T, H, D): one contiguous copy per layer
+        if cuda:
+            host = host.pin_memory()
+            if self._load_stream is None:
+                self._load_stream = torch.cuda.Stream()
+            self._load_stream.wait_stream(torch.cuda.current_stream())  # after vLLM zeroes new blocks
+            self._inflight.append(host)
+        for index, (name, layer) in sorted(self._layers.items()):
+            cache = self._cache(layer, forward_context)
+            if cuda:
+                with torch.cuda.stream(self._load_stream):
+                    key = host[index, 0].to(cache.device, non_blocking=True)
+                    value = host[index, 1].to(cache.device, non_blocking=True)
+                    layer.impl.do_kv_cache_update(layer, key, value, cache, slots.to(cache.device, non_blocking=True))
+                    event = torch.cuda.Event()
+                    event.record(self._load_stream)
+            else:
+                layer.impl.do_kv_cache_update(layer, host[index, 0], host[index, 1], cache, slots)
+                event = True
+            self._layer_events[name] = event
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv writes every layer before the forward starts
+        event = self._layer_events.pop(layer_name, None)
+        if event is None:
+            return
+        self.layer_waits += 1
+        if event is not True:
+            torch.cuda.current_stream().wait_event(event)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
-        return  # a consumer: ragkv ingest writes the store
+        return  # saves are gathered once per step, over all layers, in wait_for_save
 
     def wait_for_save(self) -> None:
-        return
+        if self._layer_events:  # a layer the forward never waited for: the step's loads are done by now
+            if self._load_stream is not None:
+                self._load_stream.synchronize()
+            self._layer_events.clear()
+        if self._inflight and self._load_stream is not None:
+            self._load_stream.synchronize()  # the forward waited on every layer: already done
+        self._inflight.clear()
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, RagkvConnectorMetadata) or not meta.saves or self._saving_broken:
+            return
+        if self._saver is None:
+            self._saver = _Saver(self._store, self._profile, self._vllm_config.model_config.model)
+        for spec in meta.saves:
+            started = time.perf_counter()
+            try:
+                gathered = self._gather(spec)
+            except LayoutError as exc:
+                self._saving_broken = True
+                log.warning("ragkv connector: cannot read KV out of this attention backend (%s); loading goes on, "
+                            "saving is off", exc)
+                return
+            self._saver.submit(spec.target, gathered, (time.perf_counter() - started) * 1000.0)
+
+    def _gather(self, spec: SaveSpec) -> tuple[torch.Tensor, Any]:
+        """The target's KV `(L, 2, H, T, D)` copied out of every layer's blocks (on CUDA, into
+        page-locked host memory, asynchronously: with the event that says it is there)."""
+        layers = [layer for _, (_, layer) in sorted(self._layers.items())]
+        caches = [self._cache(layer, None) for layer in layers]
+        if self._paged is None:
+            first, cache = layers[0], caches[0]
+            block_dim = block_dim_of(cache, self._kv_cache_config.num_blocks)
+            self._paged = PagedLayout.probe(
+                lambda k, v, c, s: first.impl.do_kv_cache_update(first, k, v, c, s), cache, block_dim,
+                self._block_size, first.num_kv_heads, first.head_size)
+        target = spec.target
+        kv_tensor = torch.stack([self._paged.gather(c, spec.block_ids, target.start, target.end) for c in caches])
+        if kv_tensor.device.type != "cuda":
+            return kv_tensor, None
+        host = torch.empty(kv_tensor.shape, dtype=kv_tensor.dtype, pin_memory=True)
+        host.copy_(kv_tensor, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    def flush(self) -> None:
+        """Worker side: wait until every save handed over so far is written (or given up)."""
+        if getattr(self, "_saver", None) is not None:
+            self._saver.flush()
+
+    def shutdown(self) -> None:
+        saver = getattr(self, "_saver", None)
+        if saver is not None:
+            saver.close()
+        super().shutdown()
+
+
+class _Saver:
+    """The worker's save thread: waits for a gathered copy, encodes it as the store does, and
+    hands it to the store's write-back (which batches, admits by budget and publishes)."""
+
+    def __init__(self, store: str, profile, model_folder: str):
+        from ragkv.forward import shard_metadata
+        from store.writeback import WriteBack
+
+        self.profile = profile
+        self.metadata = {**shard_metadata(profile.profile_id, Path(model_folder).name, profile.dtype),
+                         "engine": ENGINE}
+        self.write_back = WriteBack(store)
+        self.copy_ms: list[float] = []  # per save: time the engine's step spent copying its KV out
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="ragkv-connector-save", daemon=True)
+        self._thread.start()
+
+    def submit(self, target: SaveTarget, gathered: tuple[torch.Tensor, Any], copy_ms: float) -> None:
+        self.copy_ms.append(copy_ms)
+        if len(self.copy_ms) % 50 == 0:
+            self.log_copies()
+        self._queue.put((target, *gathered))
+
+    def log_copies(self) -> None:
+        if self.copy_ms:
+            ordered = sorted(self.copy_ms)
+            log.info("ragkv connector: %d chunks copied out to save; step time spent copying p50 %.2f ms, max %.2f ms",
+                     len(ordered), ordered[len(ordered) // 2], ordered[-1])
+
+    def _run(self) -> None:
+        from store.writeback import ComputedKV
+
+        while True:
+            item = self._queue.get()
+            if item is None:
+                self._queue.task_done()
+                return
+            target, kv_tensor, event = item
+            try:
+                if event is not None:
+                    event.synchronize()
+                parts = codec.encode(kv_tensor.cpu(), self.profile.kv_quant)
+                self.write_back.submit(ComputedKV(self.profile.profile_id, target.kv_key, target.chunk_id,
+                                                  target.token_ids, parts, self.metadata))
+            except Exception:  # a bug here must not stop later saves, nor the engine
+                log.exception("ragkv connector: could not hand KV of chunk %d to the store", target.chunk_id)
+            finally:
+                self._queue.task_done()
+
+    def flush(self) -> None:
+        self._queue.join()
+        self.write_back.flush()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        self.write_back.close()
+        self.log_copies()
