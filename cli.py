@@ -99,8 +99,11 @@ app = typer.Typer(
 StoreOption = typer.Option(DEFAULT_STORE, "--store", "-s", envvar="RAGKV_STORE",
                            help="Store: a directory, or s3://BUCKET/PREFIX (AWS credentials and AWS_ENDPOINT_URL "
                                 "from the environment) (env RAGKV_STORE).")
-EngineOption = typer.Option("local", "--engine", help="local (this process) or ray (a Ray Data job: joins RAY_ADDRESS, "
-                                                      "else starts Ray here; pip install 'ragkv[ray]').")
+EngineOption = typer.Option("local", "--engine", help="local (this process), ray (a Ray Data job: joins RAY_ADDRESS, "
+                                                      "else starts Ray here; pip install 'ragkv[ray]') or vllm (vLLM's "
+                                                      "offline engine computes the chunks' KV; see --vllm-python).")
+IngestVllmPythonOption = typer.Option(None, "--vllm-python", envvar="RAGKV_VLLM_PYTHON",
+                                      help="--engine vllm: the python that has vLLM (default: this one).")
 WorkersOption = typer.Option(0, "--workers", help="With --engine ray: model actors (0: one per GPU, else one per 2 CPUs).")
 JsonOption = typer.Option(False, "--json", help="Print one JSON object instead of text (for scripts).")
 DeviceOption = typer.Option("auto", "--device", help="auto (CUDA when available), cpu or cuda.")
@@ -200,12 +203,14 @@ def ingest(
     prune: bool = typer.Option(False, "--prune", help="Also remove stored documents that are not under PATHS."),
     engine: str = EngineOption,
     workers: int = WorkersOption,
+    vllm_python: Optional[str] = IngestVllmPythonOption,
     wait: bool = WaitOption,
     json_out: bool = JsonOption,
     quiet: bool = QuietOption,
 ):
     """Read, chunk, embed documents and store each chunk's KV cache. Re-running skips what is stored."""
     _quiet_libraries()
+    _use_vllm_python(vllm_python)
     import dataclasses
 
     import ragkv
@@ -225,6 +230,12 @@ def ingest(
         typer.echo(json.dumps(report.to_dict()))
         return
     _print_ingest(report.to_dict())
+
+
+def _use_vllm_python(python: Optional[str]) -> None:
+    """--vllm-python: where --engine vllm finds vLLM (pipelines.vllm_engine reads the variable)."""
+    if python:
+        os.environ["RAGKV_VLLM_PYTHON"] = python
 
 
 class _Output:
@@ -267,7 +278,7 @@ def _print_ingest(report: dict) -> None:
     typer.echo(f"KV: {report['kv_computed']} chunks computed ({report['tokens_computed']:,} tokens, "
                f"{report['tokens_per_s']:,.0f} tokens/s), {report['kv_reused']} already stored "
                f"({report['tokens_skipped']:,} tokens skipped){adopted}; {report['model']} {report['dtype']} on "
-               f"{report['device']}{' (Ray)' if report.get('engine') == 'ray' else ''}; {report['total_s']:.1f} s")
+               f"{report['device']}{' (Ray)' if report.get('engine') == 'ray' else ' (vLLM)' if report.get('engine') == 'vllm' else ''}; {report['total_s']:.1f} s")
     if report["skipped"]:
         typer.echo(f"Skipped {len(report['skipped'])} file(s):")
         for item in report["skipped"]:
@@ -293,6 +304,7 @@ def reindex(
     report_file: Optional[Path] = typer.Option(None, "--report", help="Also write the JSON report to this file."),
     engine: str = EngineOption,
     workers: int = WorkersOption,
+    vllm_python: Optional[str] = IngestVllmPythonOption,
     wait: bool = WaitOption,
     json_out: bool = JsonOption,
     quiet: bool = QuietOption,
@@ -301,6 +313,7 @@ def reindex(
 
     Exit code 0 when the store verifies; 4 when it found problems; other codes as for ingest."""
     _quiet_libraries()
+    _use_vllm_python(vllm_python)
     from pipelines.nightly import run_nightly
     from pipelines.progress import default_reporter
 

@@ -10,6 +10,8 @@ again, and a chunk whose KV key is already in the store is not computed again.
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import os
 import time
@@ -23,7 +25,7 @@ import numpy as np
 from pipelines.chunk import chunk_text, chunking_id
 from ragkv.forward import compute_chunks, compute_prefix, shard_metadata, split_segments
 from pipelines.plan import DocumentPlan, content_hash, plan_documents
-from pipelines import ray_engine
+from pipelines import ray_engine, vllm_engine
 from pipelines.progress import Reporter
 from pipelines.read import Document, Skipped, read_documents
 from ragkv import codec
@@ -36,7 +38,7 @@ from ragkv.prompt import PromptLayout, encode_text
 from store import ChunkRow, DocumentRow, SealedEntry, StoreWriter, budget
 from store.store import open_writer
 
-ENGINES = ("local", "ray")
+ENGINES = ("local", "ray", "vllm")
 ROOM_FOR_QUESTION = 64  # tokens a chunk must leave free in the context for question and answer
 
 
@@ -127,6 +129,9 @@ def ingest(paths: Sequence[Path | str], store: Path | str, model: ModelSettings 
         raise InputError(f"unknown --engine {engine!r}; use one of {', '.join(ENGINES)}")
     if engine == "ray" and settings.span_tokens:
         raise InputError("--span-tokens runs with --engine local only (the Ray job computes chunks one by one)")
+    if engine == "vllm":
+        vllm_engine.check(store, settings)
+        settings = dataclasses.replace(settings, precompute=0)  # the chunks' KV: vLLM's, after the publish
     job = RayJob(*ray_engine.connect(workers), model=model) if engine == "ray" else None
     here = "cpu" if job else model.device  # with Ray, this process only plans: the workers compute
     lm = load_model(model.model, here, model.dtype)
@@ -152,6 +157,8 @@ def ingest(paths: Sequence[Path | str], store: Path | str, model: ModelSettings 
                 report.shards_discarded = writer.delete_unreferenced_shards()[0]
     finally:
         reporter.done()
+    if engine == "vllm":
+        vllm_engine.fill(store, lm.facts.path, model.dtype, report)
     report.total_s = time.perf_counter() - started
     return report
 

@@ -390,6 +390,20 @@ class Catalog:
     def live_bytes_by_shard(self) -> dict[str, int]:
         return dict(self.con.execute("SELECT shard, sum(nbytes) FROM kv_entries GROUP BY shard").fetchall())
 
+    def linked_token_ids(self, chunk_id: int, profile_id: str) -> tuple[int, ...] | None:
+        """The token ids a chunk is linked with under `profile_id` (None: not linked)."""
+        row = self.con.execute("SELECT token_ids FROM chunk_kv WHERE chunk_id = ? AND profile_id = ?",
+                               [chunk_id, profile_id]).fetchone()
+        return tuple(row[0]) if row else None
+
+    def deferred_chunks(self, profile_id: str) -> list[tuple[int, str]]:
+        """(chunk_id, text) of the chunks without KV under `profile_id` (deferred by a budget or
+        --precompute: not linked to an entry), in chunk order."""
+        return self.con.execute(
+            "SELECT chunk_id, text FROM chunks WHERE chunk_id NOT IN "
+            "(SELECT chunk_id FROM chunk_kv WHERE profile_id = ? AND kv_key IN (SELECT kv_key FROM kv_entries)) "
+            "ORDER BY chunk_id", [profile_id]).fetchall()
+
     def links_without_entries(self) -> list[tuple[int, str, str]]:
         """(chunk_id, profile_id, kv_key) of chunk links whose KV entry row is missing."""
         return self.con.execute(

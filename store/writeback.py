@@ -75,10 +75,11 @@ class WriteBack:
         self._thread = threading.Thread(target=self._run, name="ragkv-writeback", daemon=True)
         self._thread.start()
 
-    def submit(self, item: ComputedKV) -> bool:
-        """Queue `item` to be written; False (and nothing queued) when the queue is full."""
+    def submit(self, item: ComputedKV, wait: bool = False) -> bool:
+        """Queue `item` to be written; False (and nothing queued) when the queue is full,
+        unless `wait` (an ingest, which must store everything): then wait for room."""
         try:
-            self._queue.put_nowait(item)
+            self._queue.put(item, block=wait)
             return True
         except queue.Full:
             self.report.dropped += 1

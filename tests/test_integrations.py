@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors import safe_open
 
 import ragkv
 from ragkv.errors import InputError, ModelError
 from ragkv.integrations.paged import LayoutError, PagedLayout, block_dim_of
+from ragkv import codec
 from ragkv.integrations.store_match import (
-    ModelIdentity, StoreMatcher, chunk_layout, load_kv, profile_for, slot_mapping,
+    KVSaver, ModelIdentity, StoreMatcher, chunk_layout, load_kv, profile_for, slot_mapping,
 )
 from ragkv.keys import KVKey
-from store import open_snapshot
+from store import open_snapshot, verify
 from tests.conftest import QUESTIONS, build_store
 
 
@@ -204,3 +206,121 @@ def test_a_layout_that_loses_tokens_is_refused():
         PagedLayout.probe(drops_values, torch.zeros(2, BLOCKS, BLOCK, HEADS, DIM), 1, BLOCK, HEADS, DIM)
     with pytest.raises(LayoutError, match="which dimension"):
         block_dim_of(torch.zeros(7, 3, 7), 7)
+
+
+# -- saving what an engine computed: the store's write-back, and its faults ----------------------
+SAVER_KILLED = """
+import sys; sys.path.insert(0, {root!r})
+import torch
+from tests.test_integrations import saves_for
+from ragkv.integrations.store_match import KVSaver
+targets, kv, profile = saves_for({full!r}, {lazy!r}, {model!r})
+saver = KVSaver({lazy!r}, profile, "tiny", "test")
+saver.submit(targets[0], kv[0])
+saver.flush()
+print("not killed")
+"""
+
+
+def saves_for(full: str, lazy: str, model: str):
+    """What an engine would save for each question on the lazy store: the plan's targets, the
+    KV (ingest's, read from the full store), and the profile."""
+    from ragkv.answer import Stats
+    from ragkv.config import AskSettings
+    from ragkv.prompt import PromptLayout
+
+    identity = ModelIdentity.of_folder(model, "float32")
+    profile = profile_for(lazy, identity)
+    separator = PromptLayout.build(identity.tokenizer, "").separator_ids
+    matcher = StoreMatcher(lazy, profile, separator, identity.tokenizer)
+    targets, kvs = [], []
+    with ragkv.open(lazy, device="cpu", weights=False) as engine, open_snapshot(full) as reference:
+        for question in QUESTIONS:
+            prompt = engine.prompt_for(question, AskSettings(top_k=1, context="chunk"), Stats(mode="exact"))
+            (row, _), ids = prompt.retrieved[0], prompt.chunk_ids[0]
+            chunks, _ = chunk_layout({"ragkv": {"chunks": [[row.chunk_id, len(ids)]]}}, len(prompt.prompt_ids),
+                                     len(profile.prefix_ids), len(separator))
+            target = matcher.plan(prompt.prompt_ids, chunks, True, matcher.match(prompt.prompt_ids)).save
+            entry = reference.catalog.entry(target.kv_key)
+            kvs.append(codec.decode(reference.shards.read_parts(entry.shard, entry.tensor, entry.checksum),
+                                    torch.float32))
+            targets.append(target)
+    matcher.close()
+    return targets, kvs, profile
+
+
+@pytest.fixture()
+def full_and_lazy(tiny_llama, corpus, tmp_path):
+    build_store(corpus, tmp_path / "full", str(tiny_llama))
+    build_store(corpus, tmp_path / "lazy", str(tiny_llama), precompute=0)
+    return tmp_path / "full", tmp_path / "lazy"
+
+
+def test_saved_kv_is_served_token_identically_and_counted_once(full_and_lazy, tiny_llama):
+    full, lazy = full_and_lazy
+    targets, kvs, profile = saves_for(str(full), str(lazy), str(tiny_llama))
+    saver = KVSaver(lazy, profile, "tiny", "test")
+    for target, kv_tensor in zip(targets + targets, kvs + kvs):  # each twice: one entry each
+        saver.submit(target, kv_tensor)
+    saver.flush()
+    saver.close()
+    assert saver.write_back.report.failures == 0
+    with open_snapshot(lazy) as snapshot:
+        assert verify(snapshot).ok
+        assert snapshot.catalog.counts()["kv_entries"] == 1 + len({t.kv_key for t in targets})
+        shard = next((lazy / "shards").rglob(snapshot.catalog.entry(targets[0].kv_key).shard))
+        assert safe_open(str(shard), "pt").metadata()["engine"] == "test"  # which engine computed it
+    with ragkv.open(lazy, device="cpu") as served, ragkv.open(full, device="cpu") as reference:
+        for question in QUESTIONS:
+            got = served.ask(question, max_new_tokens=8, context="chunk")
+            assert got.stats.kv_source == "store"
+            assert got.token_ids == reference.ask(question, max_new_tokens=8, context="chunk").token_ids
+
+
+def test_a_save_behind_another_writer_waits_then_gives_up_and_a_full_disk_warns_once(full_and_lazy, tiny_llama,
+                                                                                  monkeypatch, caplog):
+    import errno
+    import logging
+
+    from store.store import open_writer
+    from store import writeback
+    from store.shards import ShardWriter
+
+    full, lazy = full_and_lazy
+    targets, kvs, profile = saves_for(str(full), str(lazy), str(tiny_llama))
+    with open_snapshot(lazy) as snapshot:
+        generation = snapshot.generation
+    monkeypatch.setattr(writeback, "LOCK_WAIT_S", 0.0)
+    saver = KVSaver(lazy, profile, "tiny", "test")
+    with open_writer(lazy):  # an ingest holds the store
+        saver.submit(targets[0], kvs[0])
+        saver.flush()
+    assert saver.write_back.report.dropped == 1
+    monkeypatch.setattr(ShardWriter, "flush", lambda self: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left")))
+    with caplog.at_level(logging.WARNING, logger="ragkv"):
+        for target, kv_tensor in zip(targets, kvs):
+            saver.submit(target, kv_tensor)
+            saver.flush()
+    saver.close()
+    assert saver.write_back.report.failures == len(targets)
+    assert len([r for r in caplog.records if "could not store computed KV" in r.getMessage()]) == 1
+    with open_snapshot(lazy) as snapshot:  # nothing stored, nothing harmed
+        assert verify(snapshot).ok and snapshot.generation == generation
+        assert snapshot.catalog.counts()["kv_entries"] == 1
+
+
+def test_a_kill_mid_save_leaves_the_store_as_published(full_and_lazy, tiny_llama):
+    import os
+    import subprocess
+    import sys
+
+    from store.writeback import KILL_ENV
+    from tests.conftest import ROOT
+
+    full, lazy = full_and_lazy
+    script = SAVER_KILLED.format(root=str(ROOT), full=str(full), lazy=str(lazy), model=str(tiny_llama))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env={**os.environ, KILL_ENV: "1"})
+    assert proc.returncode == -9 and "not killed" not in proc.stdout, proc.stderr[-2000:]
+    with open_snapshot(lazy) as snapshot:  # the sealed shard was never committed: an orphan gc removes
+        assert verify(snapshot).ok and snapshot.catalog.counts()["kv_entries"] == 1

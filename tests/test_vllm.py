@@ -202,3 +202,28 @@ def test_serve_engine_vllm_answers_with_the_store_kv(sample_store, tmp_path):
     finally:
         server.terminate()
         server.wait()
+
+
+def test_ingest_on_vllm_builds_the_store_ingest_builds(sample_store, tmp_path):
+    """`ingest --engine vllm`: the same entries under the same keys as `--engine local`, their KV
+    within float tolerance, and answers from it token-identical (float32)."""
+    full_store, local_report = sample_store
+    store = tmp_path / "kvstore"
+    result = run_cli("ingest", SAMPLE_DATA, "--store", store, "--engine", "vllm", "--vllm-python", VLLM_PYTHON,
+                     "--device", "cpu", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["engine"] == "vllm" and report["kv_deferred"] == 0
+    assert report["kv_computed"] == local_report["kv_computed"]  # every chunk (the prefix is computed here)
+    assert report["tokens_per_s"] > 0
+    with open_snapshot(store) as ours, open_snapshot(full_store) as reference:
+        assert verify(ours).ok
+        assert ours.catalog.counts()["kv_entries"] == reference.catalog.counts()["kv_entries"]
+    with ragkv.open(store, device="cpu") as served, ragkv.open(full_store, device="cpu") as local:
+        for question in QUESTIONS:
+            got = served.ask(question, max_new_tokens=12)
+            assert got.stats.kv_source == "store"
+            assert got.token_ids == local.ask(question, max_new_tokens=12).token_ids
+    refused = run_cli("ingest", SAMPLE_DATA, "--store", tmp_path / "other", "--engine", "vllm", "--span-tokens", "512",
+                      "--vllm-python", VLLM_PYTHON)
+    assert refused.exit_code != 0 and "--span-tokens runs with --engine local" in refused.output

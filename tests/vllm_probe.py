@@ -35,7 +35,7 @@ def main() -> None:
                               kv_connector_extra_config={"store": store, "layerwise": spec.get("layerwise", "auto")})
     started = time.perf_counter()
     llm = LLM(model=model, dtype=spec.get("dtype", "float32"), kv_transfer_config=config, enable_prefix_caching=False,
-              max_model_len=2048, max_num_seqs=4, enforce_eager=True, seed=0)
+              max_model_len=2048, max_num_seqs=4, enforce_eager=spec.get("enforce_eager", True), seed=0)
     out = {"start_s": time.perf_counter() - started, "runs": [],
            "block_size": llm.llm_engine.vllm_config.cache_config.block_size}
     connector = get_kv_transfer_group()
@@ -52,6 +52,7 @@ def main() -> None:
         if run.get("flush"):
             connector.flush()
     out["layer_waits"] = connector.layer_waits
+    out["load_ms"] = connector.load_ms
     saver = connector._saver
     out["copy_ms"] = saver.copy_ms if saver is not None else []
     out["write_back"] = vars(saver.write_back.report) if saver is not None else None

@@ -18,7 +18,8 @@ engine logs each chunk's use (popularity and the hit rate, as ragkv's own engine
 with `write_back`, stores the first chunk's KV when the store lacks it: the one chunk whose
 KV in the prompt is exactly what ingest computes (after the prefix alone). Nothing in the
 params is trusted for the store's contents: the key is computed from the prompt's own ids,
-and those ids must be the chunk's text as the store's tokenizer encodes it.
+and those ids must be the chunk's own (as ingest linked them, else its text as the store's
+tokenizer encodes it).
 """
 
 from __future__ import annotations
@@ -221,7 +222,8 @@ class StoreMatcher:
         if (write_back and self.tokenizer is not None and first is not None and first.chunk_id in refs
                 and match.num_tokens <= first.start):
             token_ids = tuple(prompt_ids[first.start:first.end])
-            if list(token_ids) == encode_text(self.tokenizer, refs[first.chunk_id][2]):
+            known = self.snapshot.catalog.linked_token_ids(first.chunk_id, self.profile.profile_id)
+            if token_ids == (known if known is not None else tuple(encode_text(self.tokenizer, refs[first.chunk_id][2]))):
                 save = SaveTarget(KVKey.for_chunk(self.profile, token_ids).to_string(), first.chunk_id, token_ids,
                                   first.start, first.end)
         uses = []
@@ -250,3 +252,76 @@ def slot_mapping(block_ids: Sequence[int], block_size: int, start: int, end: int
     positions = torch.arange(start, end)
     blocks = torch.tensor(list(block_ids), dtype=torch.long)[positions // block_size]
     return blocks * block_size + positions % block_size
+
+
+class KVSaver:
+    """Hands KV an engine computed to the store's write-back, off the engine's thread: a thread
+    waits for each gathered copy (an event, on CUDA), encodes it as the store does, and submits
+    it to `store.writeback.WriteBack` (which batches, admits by budget and publishes).
+
+    `wait=True` (an ingest): a full write-back queue makes `submit` wait instead of dropping."""
+
+    def __init__(self, store: str | Path, profile: Profile, model_name: str, engine: str, wait: bool = False):
+        import queue
+        import threading
+
+        from ragkv.forward import shard_metadata
+        from store.writeback import WriteBack
+
+        self.profile = profile
+        self.metadata = {**shard_metadata(profile.profile_id, model_name, profile.dtype), "engine": engine}
+        self.write_back = WriteBack(store)
+        self.wait = wait
+        self.copy_ms: list[float] = []  # per save: time the engine's step spent copying its KV out
+        self._queue: queue.Queue = queue.Queue(maxsize=64 if wait else 0)
+        self._thread = threading.Thread(target=self._run, name="ragkv-save", daemon=True)
+        self._thread.start()
+
+    def submit(self, target: SaveTarget, kv_tensor: torch.Tensor, event=None, copy_ms: float = 0.0) -> None:
+        """Save `kv_tensor` `(L, 2, H, T, D)` (ready once `event` is, when given) as `target`."""
+        self.copy_ms.append(copy_ms)
+        if len(self.copy_ms) % 50 == 0:
+            self.log_copies()
+        self._queue.put((target, kv_tensor, event))
+
+    def log_copies(self) -> None:
+        if self.copy_ms:
+            import logging
+
+            ordered = sorted(self.copy_ms)
+            logging.getLogger("ragkv").info(
+                "ragkv: %d chunks copied out to save; step time spent copying p50 %.2f ms, max %.2f ms",
+                len(ordered), ordered[len(ordered) // 2], ordered[-1])
+
+    def _run(self) -> None:
+        import logging
+
+        from store.writeback import ComputedKV
+
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                target, kv_tensor, event = item
+                if event is not None:
+                    event.synchronize()
+                parts = codec.encode(kv_tensor.cpu(), self.profile.kv_quant)
+                computed = ComputedKV(self.profile.profile_id, target.kv_key, target.chunk_id, target.token_ids, parts,
+                                      self.metadata)
+                self.write_back.submit(computed, wait=self.wait)
+            except Exception:  # a bug here must not stop later saves, nor the engine
+                logging.getLogger("ragkv").exception("could not hand computed KV to the store")
+            finally:
+                self._queue.task_done()
+
+    def flush(self) -> None:
+        """Wait until everything submitted so far is written (or given up)."""
+        self._queue.join()
+        self.write_back.flush()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        self.write_back.close()
+        self.log_copies()

@@ -20,8 +20,10 @@ Worker side, loading: before the forward, the matched KV is read from the shards
 verified) and written into the request's blocks through the attention backend's own
 cache-update op (the write vLLM's forward makes, so any paged layout is respected). On CUDA
 the copies go layer by layer on a side stream from page-locked memory, and each attention
-layer waits only for its own layer (`wait_for_layer_load`), so loading overlaps the forward;
-on a CPU they are made before the forward.
+layer waits only for its own layer (`wait_for_layer_load`), so loading overlaps the forward
+(the first such forward also waits for the whole load, and shows whether the backend waits per
+layer: one that does not gets loads before the forward from then on); on a CPU they are made
+before the forward.
 
 Worker side, saving: after the forward (`wait_for_save`), the chunk's token range is gathered
 out of every layer's blocks (the backend's layout is probed once, ragkv.integrations.paged)
@@ -39,9 +41,7 @@ refused with one line, as is a quantised vLLM KV cache. Import this module only 
 from __future__ import annotations
 
 import logging
-import queue
 import re
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,11 +55,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from ragkv import codec
 from ragkv.errors import InputError, ModelError
 from ragkv.integrations.paged import LayoutError, PagedLayout, block_dim_of
 from ragkv.integrations.store_match import (
-    ModelIdentity, RequestPlan, SaveTarget, StoreMatcher, chunk_layout, load_kv, profile_for, slot_mapping,
+    KVSaver, ModelIdentity, RequestPlan, SaveTarget, StoreMatcher, chunk_layout, load_kv, profile_for, slot_mapping,
 )
 from store import EntryRow
 from store.popularity import HitLog
@@ -146,7 +145,8 @@ class RagkvConnector(KVConnectorBase_V1):
             self._plans: dict[str, RequestPlan] = {}  # matched, not yet allocated
             self._pending_saves: dict[str, _PendingSave] = {}
             self._logged: set[str] = set()  # requests whose uses are logged
-            self._hit_log: HitLog | None = HitLog(Path(store))
+            log_uses = self._kv_transfer_config.get_from_extra_config("log_uses", True)
+            self._hit_log: HitLog | None = HitLog(Path(store)) if log_uses else None  # an ingest's are not uses
             self._warned_params = False
         else:
             self._shards = ShardReader(Path(store) / SHARD_DIR)
@@ -154,12 +154,16 @@ class RagkvConnector(KVConnectorBase_V1):
             layerwise = self._kv_transfer_config.get_from_extra_config("layerwise", "auto")
             self._layerwise = layerwise if isinstance(layerwise, bool) else None  # None: on CUDA only
             self._layer_events: dict[str, Any] = {}
+            self._layerwise_checked = False  # has a forward been seen to wait for every layer?
+            self._layerwise_this_step = False
             self._inflight: list[torch.Tensor] = []  # host buffers the side stream still reads
             self._load_stream = None
             self.layer_waits = 0  # wait_for_layer_load calls that waited on a layer's copy (tests)
+            self.load_ms: list[tuple[float, float]] = []  # per load: (read from the shards, issue the copies) ms
             self._paged: PagedLayout | None = None
-            self._saver: _Saver | None = None
+            self._saver: KVSaver | None = None
             self._saving_broken = False
+            self._wait_saves = bool(self._kv_transfer_config.get_from_extra_config("wait_saves", False))  # ingest
         log.info("ragkv connector: store %s, profile %s, block size %d, %s", store, self._profile.profile_id[:12],
                  self._block_size, "loads and saves" if self._saves_on else "loads only")
 
@@ -262,7 +266,9 @@ class RagkvConnector(KVConnectorBase_V1):
         if not isinstance(meta, RagkvConnectorMetadata) or not meta.loads:
             return
         for load in meta.loads:
+            started = time.perf_counter()
             kv_tensor = load_kv(self._shards, load.entries, self._dtype)[:, :, :, load.start:load.end]  # (L, 2, H, T, D)
+            read = time.perf_counter()
             if kv_tensor.shape[0] != len(self._layers):
                 raise RuntimeError(f"ragkv store KV has {kv_tensor.shape[0]} layers, the model {len(self._layers)}")
             slots = slot_mapping(load.block_ids, self._block_size, load.start, load.end)
@@ -272,6 +278,7 @@ class RagkvConnector(KVConnectorBase_V1):
                 self._load_layerwise(kv_tensor, slots, forward_context, device.type == "cuda")
             else:
                 self._load_now(kv_tensor, slots, forward_context)
+            self.load_ms.append(((read - started) * 1000.0, (time.perf_counter() - read) * 1000.0))
 
     @staticmethod
     def _cache(layer, forward_context) -> torch.Tensor:
@@ -312,6 +319,11 @@ class RagkvConnector(KVConnectorBase_V1):
                 layer.impl.do_kv_cache_update(layer, host[index, 0], host[index, 1], cache, slots)
                 event = True
             self._layer_events[name] = event
+        self._layerwise_this_step = True
+        if cuda and not self._layerwise_checked:
+            # Until a forward is seen to wait per layer, it also waits for the whole load: safe
+            # even where an attention backend never calls wait_for_layer_load.
+            torch.cuda.current_stream().wait_event(event)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         event = self._layer_events.pop(layer_name, None)
@@ -325,18 +337,23 @@ class RagkvConnector(KVConnectorBase_V1):
         return  # saves are gathered once per step, over all layers, in wait_for_save
 
     def wait_for_save(self) -> None:
-        if self._layer_events:  # a layer the forward never waited for: the step's loads are done by now
-            if self._load_stream is not None:
-                self._load_stream.synchronize()
+        if self._layerwise_this_step:
+            self._layerwise_this_step = False
+            if self._layer_events and not self._layerwise_checked:  # some layer's attention never waited
+                log.warning("ragkv connector: this attention backend does not wait for each layer's load; loads are "
+                            "made before the forward from now on")
+                self._layerwise = False
+            self._layerwise_checked = True
             self._layer_events.clear()
         if self._inflight and self._load_stream is not None:
-            self._load_stream.synchronize()  # the forward waited on every layer: already done
+            self._load_stream.synchronize()  # the forward waited on every layer's copy: done already
         self._inflight.clear()
         meta = self._get_connector_metadata()
         if not isinstance(meta, RagkvConnectorMetadata) or not meta.saves or self._saving_broken:
             return
         if self._saver is None:
-            self._saver = _Saver(self._store, self._profile, self._vllm_config.model_config.model)
+            self._saver = KVSaver(self._store, self._profile, Path(self._vllm_config.model_config.model).name,
+                                  ENGINE, wait=self._wait_saves)
         for spec in meta.saves:
             started = time.perf_counter()
             try:
@@ -346,7 +363,7 @@ class RagkvConnector(KVConnectorBase_V1):
                 log.warning("ragkv connector: cannot read KV out of this attention backend (%s); loading goes on, "
                             "saving is off", exc)
                 return
-            self._saver.submit(spec.target, gathered, (time.perf_counter() - started) * 1000.0)
+            self._saver.submit(spec.target, *gathered, copy_ms=(time.perf_counter() - started) * 1000.0)
 
     def _gather(self, spec: SaveSpec) -> tuple[torch.Tensor, Any]:
         """The target's KV `(L, 2, H, T, D)` copied out of every layer's blocks (on CUDA, into
@@ -380,62 +397,3 @@ class RagkvConnector(KVConnectorBase_V1):
             saver.close()
         super().shutdown()
 
-
-class _Saver:
-    """The worker's save thread: waits for a gathered copy, encodes it as the store does, and
-    hands it to the store's write-back (which batches, admits by budget and publishes)."""
-
-    def __init__(self, store: str, profile, model_folder: str):
-        from ragkv.forward import shard_metadata
-        from store.writeback import WriteBack
-
-        self.profile = profile
-        self.metadata = {**shard_metadata(profile.profile_id, Path(model_folder).name, profile.dtype),
-                         "engine": ENGINE}
-        self.write_back = WriteBack(store)
-        self.copy_ms: list[float] = []  # per save: time the engine's step spent copying its KV out
-        self._queue: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="ragkv-connector-save", daemon=True)
-        self._thread.start()
-
-    def submit(self, target: SaveTarget, gathered: tuple[torch.Tensor, Any], copy_ms: float) -> None:
-        self.copy_ms.append(copy_ms)
-        if len(self.copy_ms) % 50 == 0:
-            self.log_copies()
-        self._queue.put((target, *gathered))
-
-    def log_copies(self) -> None:
-        if self.copy_ms:
-            ordered = sorted(self.copy_ms)
-            log.info("ragkv connector: %d chunks copied out to save; step time spent copying p50 %.2f ms, max %.2f ms",
-                     len(ordered), ordered[len(ordered) // 2], ordered[-1])
-
-    def _run(self) -> None:
-        from store.writeback import ComputedKV
-
-        while True:
-            item = self._queue.get()
-            if item is None:
-                self._queue.task_done()
-                return
-            target, kv_tensor, event = item
-            try:
-                if event is not None:
-                    event.synchronize()
-                parts = codec.encode(kv_tensor.cpu(), self.profile.kv_quant)
-                self.write_back.submit(ComputedKV(self.profile.profile_id, target.kv_key, target.chunk_id,
-                                                  target.token_ids, parts, self.metadata))
-            except Exception:  # a bug here must not stop later saves, nor the engine
-                log.exception("ragkv connector: could not hand KV of chunk %d to the store", target.chunk_id)
-            finally:
-                self._queue.task_done()
-
-    def flush(self) -> None:
-        self._queue.join()
-        self.write_back.flush()
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
-        self.write_back.close()
-        self.log_copies()

@@ -1,0 +1,64 @@
+"""`ragkv ingest --engine vllm`: reading, chunking, embedding and the prefix's KV run here as
+for `--engine local`, and the store is published with every chunk's KV deferred; then vLLM's
+offline engine, in the python that has vLLM (`RAGKV_VLLM_PYTHON`, else this one), computes the
+deferred chunks' KV and the ragkv connector stores it (ragkv.integrations.vllm_fill), keyed
+as ingest keys it. A failure in that second half leaves a complete store whose chunks have
+their KV computed on a miss (by either engine), and says so.
+
+The engine that computed a KV is recorded in its shard's header, not in its key: the key
+names what the KV is of (weights, tokenizer, template, position, dtype, quantisation), and
+two engines' kernels agree within float tolerance on it (measured: benchmarks/vllm_memory.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from ragkv.errors import InputError, ModelError
+
+VLLM_PYTHON_ENV = "RAGKV_VLLM_PYTHON"
+
+
+def python() -> str:
+    return os.environ.get(VLLM_PYTHON_ENV) or sys.executable
+
+
+def check(store, settings) -> None:
+    """Refuse, before any work, what the vLLM engine does not do yet (one line each)."""
+    if str(store).startswith("s3://"):
+        raise InputError("--engine vllm writes the store's KV from vLLM's process: use a local --store")
+    if settings.span_tokens:
+        raise InputError("--engine vllm computes chunks one by one; --span-tokens runs with --engine local")
+    if settings.is_selective:
+        raise InputError("--engine vllm computes every chunk's KV; --kv-budget and --precompute run with "
+                         "--engine local")
+    found = subprocess.run([python(), "-c", "import vllm"], capture_output=True, text=True)
+    if found.returncode != 0:
+        raise InputError(f"--engine vllm: {python()} has no vllm (set {VLLM_PYTHON_ENV} or --vllm-python to a python "
+                         "that has it; bash tests/vllm_env.sh .venv-vllm makes one)")
+
+
+def fill(store, model_folder: str | Path, dtype: str, report) -> None:
+    """Compute the store's deferred chunk KV with vLLM; updates `report`'s counts."""
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([python(), "-m", "ragkv.integrations.vllm_fill", str(Path(store).resolve()),
+                           str(model_folder), dtype], stdout=subprocess.PIPE, stderr=None, text=True, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise ModelError(f"vLLM did not compute the chunks' KV (exit {proc.returncode}; its log is above); the store "
+                         "is published with their KV deferred: it is computed on each chunk's first miss")
+    result = json.loads(lines[-1].removeprefix("RESULT "))
+    report.kv_computed += result["stored"]
+    report.kv_deferred = max(report.kv_deferred - result["stored"], 0)
+    report.tokens_computed += result["tokens"]
+    report.compute_s += result.get("compute_s", 0.0)  # vLLM's prefill and the copies out; not its start
+    from store import open_snapshot
+
+    with open_snapshot(store) as snapshot:
+        report.kv_bytes = snapshot.catalog.kv_bytes()
+        report.generation = snapshot.generation
