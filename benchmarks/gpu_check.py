@@ -67,7 +67,7 @@ def main() -> None:
                                                                   "params": SKIP}]
     results = {mode: probe(args.vllm_python, model, work / "local", runs, work, layerwise=mode == "layer-by-layer")
                for mode in ("before the forward", "layer-by-layer")}
-    lines = [f"# GPU check: ragkv as vLLM's memory (bfloat16)", "", f"Machine: {describe()}.", "",
+    lines = ["# GPU check: ragkv as vLLM's memory (bfloat16)", "", f"Machine: {describe()}.", "",
              "| ingest engine | total s | chunk tokens | KV compute s | tokens/s |", "|---|---|---|---|---|"]
     for name, row in ingests.items():
         tps = row["tokens"] / row["compute_s"] if row["compute_s"] else 0

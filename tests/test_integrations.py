@@ -13,7 +13,7 @@ from ragkv.errors import InputError, ModelError
 from ragkv.integrations.paged import LayoutError, PagedLayout, block_dim_of
 from ragkv import codec
 from ragkv.integrations.store_match import (
-    KVSaver, ModelIdentity, StoreMatcher, chunk_layout, load_kv, profile_for, slot_mapping,
+    KVSaver, ModelIdentity, RequestLayout, StoreMatcher, chunk_layout, load_kv, profile_for, slot_mapping,
 )
 from ragkv.keys import KVKey
 from store import open_snapshot, verify
@@ -93,11 +93,10 @@ def test_the_matcher_sees_a_newer_generation(tiny_llama, corpus, tmp_path, ident
 # -- what a laid-out request means for the store (the save and use half) -------------------------
 def test_params_lay_out_chunks_after_the_prefix_joined_by_the_separator():
     params = {"ragkv": {"chunks": [[7, 5], [9, 3]], "write_back": True}}
-    chunks, write_back = chunk_layout(params, prompt_len=30, prefix_len=10, separator_len=2)
-    assert [(c.chunk_id, c.start, c.end) for c in chunks] == [(7, 10, 15), (9, 17, 20)] and write_back
-    assert chunk_layout(None, 30, 10, 2) == ((), False)
-    assert chunk_layout({"ragkv": "skip"}, 30, 10, 2) == ((), False)
-    assert chunk_layout({"other": 1}, 30, 10, 2) == ((), False)
+    layout = chunk_layout(params, prompt_len=30, prefix_len=10, separator_len=2)
+    assert [(c.chunk_id, c.start, c.end) for c in layout.chunks] == [(7, 10, 15), (9, 17, 20)] and layout.write_back
+    for nothing in (None, {"ragkv": "skip"}, {"other": 1}):
+        assert chunk_layout(nothing, 30, 10, 2) == RequestLayout()
 
 
 @pytest.mark.parametrize("block, problem", [
@@ -135,7 +134,8 @@ def test_a_missing_chunk_is_saved_under_ingest_key_and_uses_are_what_ragkv_logs(
     rows = [row for row, _ in prompt.retrieved]
     params = {"ragkv": {"chunks": [[row.chunk_id, len(ids)] for row, ids in zip(rows, prompt.chunk_ids)],
                         "write_back": True}}
-    chunks, write_back = chunk_layout(params, len(prompt.prompt_ids), len(profile.prefix_ids), len(separator))
+    layout = chunk_layout(params, len(prompt.prompt_ids), len(profile.prefix_ids), len(separator))
+    chunks, write_back = layout.chunks, layout.write_back
     match = matcher.match(prompt.prompt_ids)
     assert match.num_tokens == len(profile.prefix_ids)  # the prefix only
     plan = matcher.plan(prompt.prompt_ids, chunks, write_back, match)
@@ -238,8 +238,8 @@ def saves_for(full: str, lazy: str, model: str):
         for question in QUESTIONS:
             prompt = engine.prompt_for(question, AskSettings(top_k=1, context="chunk"), Stats(mode="exact"))
             (row, _), ids = prompt.retrieved[0], prompt.chunk_ids[0]
-            chunks, _ = chunk_layout({"ragkv": {"chunks": [[row.chunk_id, len(ids)]]}}, len(prompt.prompt_ids),
-                                     len(profile.prefix_ids), len(separator))
+            chunks = chunk_layout({"ragkv": {"chunks": [[row.chunk_id, len(ids)]]}}, len(prompt.prompt_ids),
+                                  len(profile.prefix_ids), len(separator)).chunks
             target = matcher.plan(prompt.prompt_ids, chunks, True, matcher.match(prompt.prompt_ids)).save
             entry = reference.catalog.entry(target.kv_key)
             kvs.append(codec.decode(reference.shards.read_parts(entry.shard, entry.tensor, entry.checksum),

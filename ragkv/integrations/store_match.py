@@ -77,13 +77,21 @@ class RequestPlan:
     save: SaveTarget | None
 
 
+@dataclass(frozen=True)
+class RequestLayout:
+    """The chunks a request's params lay out, and whether it asks to store a missing one."""
+
+    chunks: tuple[LaidOutChunk, ...] = ()
+    write_back: bool = False
+
+
 def chunk_layout(params: Mapping[str, Any] | None, prompt_len: int, prefix_len: int,
-                 separator_len: int) -> tuple[tuple[LaidOutChunk, ...], bool]:
-    """The chunks a request's `kv_transfer_params` lay out, and whether it asks for write-back:
-    `((), False)` without ragkv params; InputError (one line) when they are malformed."""
+                 separator_len: int) -> RequestLayout:
+    """What a request's `kv_transfer_params` lay out (nothing without ragkv params);
+    InputError (one line) when they are malformed."""
     block = (params or {}).get(PARAMS_KEY)
     if block is None or block == "skip":
-        return (), False
+        return RequestLayout()
     if not isinstance(block, Mapping):
         raise InputError(f'kv_transfer_params["{PARAMS_KEY}"] must be an object or "skip"')
     unknown = set(block) - {"chunks", "write_back"}
@@ -105,7 +113,7 @@ def chunk_layout(params: Mapping[str, Any] | None, prompt_len: int, prefix_len: 
     if pos > prompt_len:
         raise InputError(f'kv_transfer_params["{PARAMS_KEY}"] lays out {pos} tokens, more than the prompt\'s '
                          f"{prompt_len}")
-    return tuple(chunks), write_back
+    return RequestLayout(tuple(chunks), write_back)
 
 
 @dataclass(frozen=True)

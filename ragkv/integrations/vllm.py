@@ -58,7 +58,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from ragkv.errors import InputError, ModelError
 from ragkv.integrations.paged import LayoutError, PagedLayout, block_dim_of
 from ragkv.integrations.store_match import (
-    KVSaver, ModelIdentity, RequestPlan, SaveTarget, StoreMatcher, chunk_layout, load_kv, profile_for, slot_mapping,
+    KVSaver, ModelIdentity, RequestLayout, RequestPlan, SaveTarget, StoreMatcher, chunk_layout, load_kv, profile_for,
+    slot_mapping,
 )
 from store import EntryRow
 from store.popularity import HitLog
@@ -187,14 +188,14 @@ class RagkvConnector(KVConnectorBase_V1):
     def _plan(self, request: "Request", prompt: list[int], match) -> RequestPlan:
         """The request's uses and save, from the layout its params name (none without)."""
         try:
-            chunks, write_back = chunk_layout(request.kv_transfer_params, len(prompt),
-                                              len(self._profile.prefix_ids), self._separator_len)
+            layout = chunk_layout(request.kv_transfer_params, len(prompt), len(self._profile.prefix_ids),
+                                  self._separator_len)
         except InputError as exc:  # a client's own params: never the engine's failure
             if not self._warned_params:
                 self._warned_params = True
                 log.warning("ragkv connector: %s; the request is served without them (logged once)", exc)
-            chunks, write_back = (), False
-        return self._matcher.plan(prompt, chunks, write_back and self._saves_on, match)
+            layout = RequestLayout()
+        return self._matcher.plan(prompt, layout.chunks, layout.write_back and self._saves_on, match)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         request_id = request.request_id
