@@ -165,7 +165,8 @@ def test_vllm_stores_what_it_computes_and_logs_each_use(sample_store, lazy_sampl
 def test_serve_engine_vllm_answers_with_the_store_kv(sample_store, tmp_path):
     store, _ = sample_store
     served = tmp_path / "store"
-    shutil.copytree(store, served)  # the front logs chunk uses into its store
+    shutil.copytree(store, served)  # the connector logs chunk uses into its store
+    shutil.rmtree(served / HITS_DIR, ignore_errors=True)  # uses other tests logged in the shared sample store
     port, vllm_port = free_port(), free_port()
     server = subprocess.Popen(
         [sys.executable, "-c", "import cli; cli.main()", "serve", "--store", str(served), "--port", str(port),
