@@ -10,10 +10,8 @@ Run by benchmarks/gpu_check.sh (which bounds it to 10 minutes). Writes a markdow
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.machine import describe  # noqa: E402
+from tests import vllm_probe  # noqa: E402
 
 import ragkv  # noqa: E402
 from ragkv.answer import Stats  # noqa: E402
@@ -40,14 +39,10 @@ def ingest(store: Path, engine: str) -> dict:
 
 
 def probe(python: str, model: str, store: Path, runs: list, work: Path, **spec) -> dict:
-    spec_file = work / "spec.json"
-    spec_file.write_text(json.dumps({"dtype": "bfloat16", **spec, "runs": runs}))
-    proc = subprocess.run([python, str(ROOT / "tests" / "vllm_probe.py"), model, str(store), str(spec_file)],
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        sys.exit(f"vLLM probe failed: {proc.stderr[-3000:]}")
-    return json.loads(lines[-1].removeprefix("RESULT "))
+    try:
+        return vllm_probe.run(python, model, store, {"dtype": "bfloat16", **spec, "runs": runs}, work)
+    except RuntimeError as exc:
+        sys.exit(str(exc))
 
 
 def main() -> None:

@@ -20,7 +20,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.corpus_scale import corpus, questions_for, replay  # noqa: E402
 from benchmarks.fidelity import work_dir  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
+from tests import vllm_probe  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -60,16 +60,12 @@ def ingest(docs: Path, store: Path, engine: str = "local", **settings) -> dict:
 def probe(python: str, store: Path, runs: list[dict], work: Path, kv_role: str) -> dict:
     """`runs` through vLLM with the connector on `store`, after one warm-up request (a plain
     prompt: vLLM's first request in a process pays for its warm-up)."""
-    spec = work / "spec.json"
     warmup = {"name": "warmup", "ids": runs[0]["ids"], "params": SKIP}
-    spec.write_text(json.dumps({"kv_role": kv_role, "runs": [warmup, *runs]}))
     model = load_model(DEFAULT_MODEL, "cpu", "float32", weights=False).facts.path
-    proc = subprocess.run([python, str(ROOT / "tests" / "vllm_probe.py"), model, str(store), str(spec)],
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        sys.exit(f"vLLM probe failed: {proc.stderr[-3000:]}")
-    return json.loads(lines[-1].removeprefix("RESULT "))
+    try:
+        return vllm_probe.run(python, model, store, {"kv_role": kv_role, "runs": [warmup, *runs]}, work)
+    except RuntimeError as exc:
+        sys.exit(str(exc))
 
 
 def prompts_of(store: Path, questions: list[str]) -> tuple[list[dict], int, list[int]]:

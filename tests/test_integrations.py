@@ -114,6 +114,8 @@ def test_malformed_params_are_one_line_input_errors(block, problem):
     with pytest.raises(InputError, match=problem) as err:
         chunk_layout({"ragkv": block}, 30, 10, 2)
     assert "\n" not in str(err.value)
+    with pytest.raises(InputError, match="kv_transfer_params must be an object"):
+        chunk_layout(["ragkv"], 30, 10, 2)
 
 
 def test_a_missing_chunk_is_saved_under_ingest_key_and_uses_are_what_ragkv_logs(tiny_llama, corpus, tmp_path,

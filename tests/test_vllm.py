@@ -27,6 +27,7 @@ from ragkv import codec
 from ragkv.keys import KVKey
 from store import open_snapshot, verify
 from store.popularity import HITS_DIR
+from tests import vllm_probe
 from tests.conftest import ROOT, SAMPLE_DATA, free_port, run_cli
 
 VLLM_PYTHON = os.environ.get("RAGKV_VLLM_PYTHON", "")
@@ -42,15 +43,7 @@ QUESTIONS = ["How do I rotate the API key?", "How many days of annual leave do I
 
 
 def probe(model: str, store: Path, runs: list, tmp_path: Path, **spec) -> dict:
-    spec_file = tmp_path / "spec.json"
-    spec_file.write_text(json.dumps({**spec, "runs": runs}))
-    proc = subprocess.run([VLLM_PYTHON, str(ROOT / "tests" / "vllm_probe.py"), model, str(store), str(spec_file)],
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    result = json.loads(lines[-1].removeprefix("RESULT "))
-    result["log"] = proc.stderr
-    return result
+    return vllm_probe.run(VLLM_PYTHON, model, store, {**spec, "runs": runs}, tmp_path)
 
 
 def run(name: str, ids, params=None, flush: bool = False) -> dict:

@@ -2,7 +2,7 @@
 with the ragkv connector, prompts given as token ids, greedy first tokens and vLLM's own
 counts of the tokens it did not compute. Prints one JSON object.
 
-    python tests/vllm_probe.py MODEL_FOLDER STORE SPEC.json
+    python tests/vllm_probe.py MODEL_FOLDER STORE SPEC.json     (or `run(...)` from ragkv's python)
 
 SPEC: {"kv_role": "kv_both", "layerwise": "auto", "runs": [{"name", "ids", "params", "flush"}]}:
 each run is one request (`params`: its kv_transfer_params); `flush` waits, after it, until the
@@ -20,6 +20,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of paged KV on a CPU build
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker's connector in this process: to flush it
+
+
+def run(python: str, model: str, store, spec: dict, work: Path) -> dict:
+    """This script run in `python` (one with vLLM) on `spec`, from ragkv's environment: its
+    result, with vLLM's log under "log". RuntimeError (with the log's tail) when it fails."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    spec_file = Path(work) / "spec.json"
+    spec_file.write_text(json.dumps(spec))
+    proc = subprocess.run([python, str(Path(__file__).resolve()), str(model), str(store), str(spec_file)],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)})
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"the vLLM probe failed ({proc.returncode}): {proc.stderr[-4000:]}")
+    return {**json.loads(lines[-1].removeprefix("RESULT ")), "log": proc.stderr}
 
 
 def main() -> None:

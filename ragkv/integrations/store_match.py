@@ -89,6 +89,8 @@ def chunk_layout(params: Mapping[str, Any] | None, prompt_len: int, prefix_len: 
                  separator_len: int) -> RequestLayout:
     """What a request's `kv_transfer_params` lay out (nothing without ragkv params);
     InputError (one line) when they are malformed."""
+    if params is not None and not isinstance(params, Mapping):
+        raise InputError("kv_transfer_params must be an object")
     block = (params or {}).get(PARAMS_KEY)
     if block is None or block == "skip":
         return RequestLayout()

@@ -170,8 +170,8 @@ class RagkvConnector(KVConnectorBase_V1):
 
     # -- scheduler side -------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
-        params = request.kv_transfer_params or {}
-        if params.get("ragkv") == "skip":
+        params = request.kv_transfer_params
+        if isinstance(params, dict) and params.get("ragkv") == "skip":
             return 0, False
         prompt = list(request.prompt_token_ids or [])
         match = self._matcher.match(prompt)
