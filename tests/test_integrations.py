@@ -326,3 +326,18 @@ def test_a_kill_mid_save_leaves_the_store_as_published(full_and_lazy, tiny_llama
     assert proc.returncode == -9 and "not killed" not in proc.stdout, proc.stderr[-2000:]
     with open_snapshot(lazy) as snapshot:  # the sealed shard was never committed: an orphan gc removes
         assert verify(snapshot).ok and snapshot.catalog.counts()["kv_entries"] == 1
+
+
+def test_ingest_on_vllm_without_vllm_is_one_line_and_writes_nothing(tmp_path):
+    import sys
+
+    from tests.conftest import SAMPLE_DATA, run_cli
+
+    store = tmp_path / "kvstore"
+    result = run_cli("ingest", SAMPLE_DATA, "--store", store, "--engine", "vllm", "--vllm-python", sys.executable)
+    assert result.exit_code == 2 and "has no vllm" in result.output and "tests/vllm_env.sh" in result.output
+    assert not store.exists()
+    for refused, reason in ((["--span-tokens", "512"], "--span-tokens runs with --engine local"),
+                            (["--precompute", "none"], "--kv-budget and --precompute run with --engine local")):
+        result = run_cli("ingest", SAMPLE_DATA, "--store", store, "--engine", "vllm", *refused)
+        assert result.exit_code == 2 and reason in result.output and not store.exists()
