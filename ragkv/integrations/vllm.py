@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections import deque
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,8 +59,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from ragkv.errors import InputError, ModelError
 from ragkv.integrations.paged import LayoutError, PagedLayout, block_dim_of
 from ragkv.integrations.store_match import (
-    KVSaver, ModelIdentity, RequestLayout, RequestPlan, SaveTarget, StoreMatcher, chunk_layout, load_kv, profile_for,
-    slot_mapping,
+    TIMINGS_KEPT, KVSaver, ModelIdentity, RequestLayout, RequestPlan, SaveTarget, StoreMatcher, chunk_layout, load_kv,
+    profile_for, slot_mapping,
 )
 from store import EntryRow
 from store.popularity import HitLog
@@ -160,7 +161,7 @@ class RagkvConnector(KVConnectorBase_V1):
             self._inflight: list[torch.Tensor] = []  # host buffers the side stream still reads
             self._load_stream = None
             self.layer_waits = 0  # wait_for_layer_load calls that waited on a layer's copy (tests)
-            self.load_ms: list[tuple[float, float]] = []  # per load: (read from the shards, issue the copies) ms
+            self.load_ms: deque[tuple[float, float]] = deque(maxlen=TIMINGS_KEPT)  # per load: (shard read, copies) ms
             self._paged: PagedLayout | None = None
             self._saver: KVSaver | None = None
             self._saving_broken = False
