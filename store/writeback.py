@@ -16,9 +16,7 @@ failed write (disk full, read-only store) logs one warning per engine, and answe
 from __future__ import annotations
 
 import logging
-import os
 import queue
-import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -35,7 +33,6 @@ log = logging.getLogger("ragkv")
 MAX_PENDING = 64  # computed entries waiting to be written; beyond this a miss is not written back
 SHARD_BYTES = 256 << 20
 LOCK_WAIT_S = 30.0  # how long a write-back waits for another writer to finish
-KILL_ENV = "RAGKV_TEST_KILL_IN_WRITEBACK"  # tests: SIGKILL this process after sealing a shard, before commit
 
 
 @dataclass(frozen=True)
@@ -159,10 +156,7 @@ class WriteBack:
             for item in new:
                 catalog.add_entries(item.profile_id, shards.add(item.kv_key, item.parts))
             if shards:
-                sealed = shards.flush()
-                if os.environ.get(KILL_ENV):
-                    os.kill(os.getpid(), signal.SIGKILL)
-                catalog.add_entries(profile_id, sealed)
+                catalog.add_entries(profile_id, shards.flush())
             written = {b.kv_key for b in new} | stored
             links = {b.chunk_id: (b.chunk_id, b.kv_key, b.token_ids) for b in batch
                      if b.chunk_id in alive and b.kv_key in written}  # one per chunk: it may have missed twice

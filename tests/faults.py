@@ -1,0 +1,23 @@
+"""Fault injection the tests install (never shipped in the library's code paths): each helper
+patches one seam of the process it runs in."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+
+def kill_after_sealing_a_shard() -> None:
+    """SIGKILL this process as soon as a shard writer seals a shard and before anything commits
+    catalog rows for it: the moment "data before index" must survive."""
+    from store.shards import ShardWriter
+
+    original = ShardWriter.flush
+
+    def flush_then_die(self):
+        sealed = original(self)
+        if sealed:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return sealed
+
+    ShardWriter.flush = flush_then_die
