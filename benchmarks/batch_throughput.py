@@ -1,30 +1,31 @@
-"""Throughput of `ragkv batch` against asking the same questions one by one, side by side in
-one run, on the bundled SmolLM2 and the sample corpus; and that every batched answer equals
-its single-question answer.
+"""Questions/s of `ragkv batch` in two source trees side by side in one run: this one and another
+checkout (`--before TREE`, e.g. `git worktree add ../before c472a9f`, the commit before
+`ragkv batch` moved onto the continuous batcher). Each measurement runs in a fresh process that
+imports its tree's ragkv, opens the same store, warms up with one question, then answers the
+whole file; the trees alternate, `--repeats` times each. Also: whether both trees' answers are
+token-identical, and what each tree's stats say it reused.
 
-    python benchmarks/batch_throughput.py [--tokens 24] [--max-batch 16]
+Workloads on the bundled SmolLM2 in float32 over the sample corpus: top-1 (short prompts) and
+top-5 (long prompts: five chunks, several hundred tokens).
+
+    python benchmarks/batch_throughput.py --before ../before [--tokens 24] [--repeats 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
+import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-
-import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.machine import describe  # noqa: E402
 
-import ragkv  # noqa: E402
-from ragkv.batch import Question, answer_all  # noqa: E402
-from ragkv.config import AskSettings, ModelSettings  # noqa: E402
-
-# Several phrasings per topic: a RAG service sees the same documents asked about many ways.
 TOPICS = {
     "API key": ["How do I rotate the API key?", "When must the API key be rotated?", "What if the API key leaked?",
                 "Where is a new API key stored?"],
@@ -38,50 +39,104 @@ TOPICS = {
                 "Who do I escalate to when on call?", "What goes in the on-call handover?"],
 }
 
+# Runs in a fresh python whose sys.path starts with the tree measured.
+WORKER = r"""
+import json, sys, time
+tree, store, questions, top_k, tokens, max_batch = sys.argv[1:7]
+sys.path.insert(0, tree)
+import torch
+torch.set_num_threads(torch.get_num_threads())
+import ragkv
+from ragkv.batch import Question, answer_all
+from ragkv.config import AskSettings
+qs = [Question(str(i), q) for i, q in enumerate(json.loads(questions))]
+settings = AskSettings(top_k=int(top_k), max_new_tokens=int(tokens))
+with ragkv.open(store, device="cpu") as engine:
+    engine.ask(qs[0].question, top_k=int(top_k), max_new_tokens=2)  # warm up
+    start = time.perf_counter()
+    outcomes = list(answer_all(engine, qs, settings, max_batch=int(max_batch)))
+    seconds = time.perf_counter() - start
+    answers = {o.question.id: o.answer for o in outcomes}
+    print(json.dumps({
+        "seconds": seconds,
+        "token_ids": {i: a.token_ids for i, a in answers.items()},
+        "reused_tokens": sum(a.stats.reused_tokens for a in answers.values()),
+        "computed_tokens": sum(a.stats.computed_tokens for a in answers.values()),
+        "prompt_tokens": sum(a.stats.prompt_tokens for a in answers.values()) / len(answers),
+        "kv_load_ms": sum(a.stats.kv_load_ms for a in answers.values()),
+        "max_batch_size": max(a.stats.batch_size for a in answers.values()),
+    }))
+"""
+
+
+def measure(python: str, tree: Path, store: Path, questions: list[str], top_k: int, tokens: int,
+            max_batch: int) -> dict:
+    out = subprocess.run([python, "-c", WORKER, str(tree), str(store), json.dumps(questions), str(top_k), str(tokens),
+                          str(max_batch)], capture_output=True, text=True, cwd=tree)
+    if out.returncode:
+        raise SystemExit(f"{tree}: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", type=Path, required=True, help="the other source tree (a git worktree)")
     parser.add_argument("--tokens", type=int, default=24)
     parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "batch.md")
     args = parser.parse_args()
+    before_commit = subprocess.run(["git", "-C", str(args.before), "rev-parse", "--short", "HEAD"],
+                                   capture_output=True, text=True).stdout.strip()
+    after_commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                                  capture_output=True, text=True).stdout.strip()
     questions = [q for qs in TOPICS.values() for q in qs]
-    settings = AskSettings(max_new_tokens=args.tokens)
+    trees = {"before": args.before.resolve(), "after": ROOT}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for dtype in ("float32", "bfloat16"):
-            store = Path(tmp) / dtype
-            ragkv.ingest([ROOT / "data"], store, model=ModelSettings(device="cpu", dtype=dtype))
-            with ragkv.open(store, device="cpu") as engine:
-                engine.ask(questions[0], max_new_tokens=2)  # warm up
-                start = time.perf_counter()
-                alone = [engine.ask(q, settings) for q in questions]
-                alone_s = time.perf_counter() - start
-                start = time.perf_counter()
-                outcomes = list(answer_all(engine, [Question(str(i), q) for i, q in enumerate(questions)], settings,
-                                           max_batch=args.max_batch))
-                batch_s = time.perf_counter() - start
-                by_id = {o.question.id: o.answer for o in outcomes}
-                same = sum(by_id[str(i)].token_ids == a.token_ids for i, a in enumerate(alone))
-                groups = len({tuple(s.chunk_id for s in o.answer.sources) for o in outcomes})
-                rows.append((dtype, len(questions), groups, len(questions) / alone_s, len(questions) / batch_s, same))
-            print(f"{dtype}: done", file=sys.stderr)
+        store = Path(tmp) / "store"
+        subprocess.run([sys.executable, str(ROOT / "cli.py"), "ingest", str(ROOT / "data"), "--store", str(store),
+                        "--device", "cpu", "--quiet"], check=True, cwd=ROOT)
+        for top_k in (1, 5):
+            runs: dict[str, list[dict]] = {"before": [], "after": []}
+            for _ in range(args.repeats):
+                for name, tree in trees.items():
+                    runs[name].append(measure(sys.executable, tree, store, questions, top_k, args.tokens,
+                                              args.max_batch))
+                    print(f"top-{top_k} {name}: {len(questions) / runs[name][-1]['seconds']:.2f} q/s", file=sys.stderr)
+            rows.append((top_k, runs))
     lines = [
-        "# Batches grouped by shared context vs one question at a time",
+        "# `ragkv batch` before and after it moved onto the continuous batcher",
         "",
-        f"Bundled SmolLM2-135M-Instruct on the sample corpus, CPU ({describe()}, {torch.get_num_threads()} "
-        f"threads, torch {torch.__version__}); {len(questions)} questions ({len(TOPICS)} topics, 4 phrasings each), "
-        f"top-1, greedy, {args.tokens} new tokens, --max-batch {args.max_batch}. Both runs in one process, warm. "
-        "Command: `python benchmarks/batch_throughput.py`.",
+        f"Bundled SmolLM2-135M-Instruct, float32, the sample corpus, CPU ({describe()}); {len(questions)} questions "
+        f"({len(TOPICS)} topics, 4 phrasings each), greedy, {args.tokens} new tokens, --max-batch {args.max_batch}. "
+        f"before: {before_commit} (questions grouped by shared context, padded batch prefill, its own decode loop); "
+        f"after: {after_commit} (every question a turn of the Batcher). Each run a fresh process, warm (one question "
+        f"first), trees alternating, {args.repeats} runs each; questions/s is the median, the range in brackets. "
+        "Command: `python benchmarks/batch_throughput.py --before ../before`.",
         "",
-        "| dtype | questions | context groups | one by one (questions/s) | batched (questions/s) | speed-up | batched answer = alone |",
-        "|---|---|---|---|---|---|---|",
+        "| prompts | mean prompt tokens | before (questions/s) | after (questions/s) | after / before | "
+        "answers identical | tokens reused, before / after | KV load ms counted, before / after |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for dtype, n, groups, alone_qps, batch_qps, same in rows:
-        lines.append(f"| {dtype} | {n} | {groups} | {alone_qps:.2f} | {batch_qps:.2f} | {batch_qps / alone_qps:.2f}× | "
-                     f"{same}/{n} |")
-    lines += ["", "float32 answers must all be equal (a test holds this); in bfloat16 a batched prefill rounds "
-              "differently from a lone one, so equality is measured, not promised.", ""]
+    for top_k, runs in rows:
+        qps = {n: [len(questions) / r["seconds"] for r in rs] for n, rs in runs.items()}
+        med = {n: statistics.median(v) for n, v in qps.items()}
+        same = sum(runs["before"][0]["token_ids"][i] == runs["after"][0]["token_ids"][i]
+                   for i in runs["after"][0]["token_ids"])
+        b, a = runs["before"][0], runs["after"][0]
+        lines.append(
+            f"| top-{top_k} | {a['prompt_tokens']:.0f} | {med['before']:.2f} [{min(qps['before']):.2f}–"
+            f"{max(qps['before']):.2f}] | {med['after']:.2f} [{min(qps['after']):.2f}–{max(qps['after']):.2f}] | "
+            f"{med['after'] / med['before']:.2f}× | {same}/{len(questions)} | {b['reused_tokens']} / "
+            f"{a['reused_tokens']} | {b['kv_load_ms']:.0f} / {a['kv_load_ms']:.0f} |")
+    lines += [
+        "",
+        "Tokens reused: summed over the answers' stats. Before, a chunk KV computed on a miss counted as reused "
+        "and the KV load time of a grouped batch was never counted (0); after, both are counted as `ask` counts them, "
+        "and the answers' uses reach the store's popularity.",
+        "",
+    ]
     args.out.write_text("\n".join(lines))
     print(args.out.read_text())
 

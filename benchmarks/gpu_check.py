@@ -24,7 +24,6 @@ from benchmarks.machine import describe  # noqa: E402
 from tests import vllm_probe  # noqa: E402
 
 import ragkv  # noqa: E402
-from ragkv.answer import Stats  # noqa: E402
 from ragkv.config import AskSettings, IngestSettings, ModelSettings  # noqa: E402
 
 QUESTIONS = [line.strip() for line in (ROOT / "benchmarks" / "questions.txt").read_text().splitlines() if line.strip()]
@@ -57,7 +56,7 @@ def main() -> None:
     with ragkv.open(work / "local", device="cpu", weights=False) as engine:
         model = engine.lm.facts.path
         for i, question in enumerate(QUESTIONS[:16]):
-            prompt = engine.prompt_for(question, AskSettings(top_k=1, context="document"), Stats(mode="exact"))
+            prompt = engine.prompt_for(question, AskSettings(top_k=1, context="document"))
             runs += [{"name": f"q{i}", "ids": prompt.prompt_ids}, {"name": f"q{i}-full", "ids": prompt.prompt_ids,
                                                                   "params": SKIP}]
     results = {mode: probe(args.vllm_python, model, work / "local", runs, work, layerwise=mode == "layer-by-layer")

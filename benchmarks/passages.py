@@ -39,7 +39,6 @@ from benchmarks.fidelity import python_faq_or_exit, work_dir  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
 
 import ragkv  # noqa: E402
-from ragkv.answer import Stats  # noqa: E402
 from ragkv.config import AskSettings, IngestSettings, ModelSettings  # noqa: E402
 
 KS = (1, 3, 5, 10)
@@ -118,7 +117,7 @@ def cold(engine) -> None:
 def teacher_forced(engine, question: str, settings: AskSettings, answer_ids: list[int]) -> tuple[torch.Tensor, float]:
     """(first-token logits, top-1 agreement) of `settings`' cache with `answer_ids` fed after it."""
     cold(engine)
-    prepared = engine.prepare(question, settings, Stats(mode=settings.mode))
+    prepared = engine.prepare(question, settings)
     ids = torch.tensor([prepared.live_ids + answer_ids[:-1]], dtype=torch.long)
     model = prepared.assembly.attending(engine.lm.model)
     logits = model(input_ids=ids, cache=prepared.assembly.cache, use_cache=True,

@@ -33,7 +33,6 @@ from benchmarks.machine import describe  # noqa: E402
 from benchmarks.passages import cold  # noqa: E402
 
 import ragkv  # noqa: E402
-from ragkv.answer import Stats  # noqa: E402
 from ragkv.config import AskSettings, DecodeSettings, IngestSettings, ModelSettings  # noqa: E402
 from ragkv.generate import generate  # noqa: E402
 
@@ -49,9 +48,9 @@ def first_token_and_answer(engine, rows, question: str, settings: AskSettings, t
     start = time.perf_counter()
     chunk_ids = [engine.chunk_token_ids(r) for r in rows]
     prompt = layout.prompt_ids(chunk_ids, layout.question_ids(lm.tokenizer, question))
-    stats = Stats(mode=settings.mode if settings.use_cache else "full")
-    assembly = engine.assemble(rows, chunk_ids, settings, stats)
-    assert stats.mode != "fallback", stats.warnings
+    loaded = engine.loader.load(rows, chunk_ids, settings)
+    assert not loaded.fallback, loaded.warnings
+    assembly = loaded.assembly
     stream = generate(lm.model, lm.tokenizer, assembly.cache, prompt[assembly.num_cached:], lm.facts.eos_ids, tokens,
                       start, assembly.after_prefill, DecodeSettings(repetition_penalty=1.0, no_repeat_ngram=0))
     while True:

@@ -37,7 +37,7 @@ from benchmarks.machine import describe  # noqa: E402
 import ragkv  # noqa: E402
 from ragkv.forward import compute_chunks, compute_prefix  # noqa: E402
 from ragkv import kv  # noqa: E402
-from ragkv.config import IngestSettings, ModelSettings, cache_dir  # noqa: E402
+from ragkv.config import AskSettings, IngestSettings, ModelSettings, cache_dir  # noqa: E402
 from ragkv.generate import prefill  # noqa: E402
 from ragkv.lru import ByteLRU  # noqa: E402
 from ragkv.model import resolve_model_path  # noqa: E402
@@ -102,8 +102,7 @@ def oracle_s(engine, doc: str) -> float:
     answer = engine.ask(QUESTION, doc_ids=[doc], max_new_tokens=1)
     live = answer.prompt_ids[answer.stats.reused_tokens:]
     rows = [row for row, _ in engine.retrieve(QUESTION, 1, doc_ids=[doc])]
-    stored = engine._load_stored(rows, answer.stats)
-    cache = kv.to_cache(stored, engine.lm.model.config)
+    cache = engine.assemble(rows, AskSettings()).cache
     held = kv.num_cached(cache)
     start = time.perf_counter()
     int(prefill(engine.lm.model, live, cache).argmax())

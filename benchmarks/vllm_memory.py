@@ -36,7 +36,6 @@ import torch  # noqa: E402
 
 import ragkv  # noqa: E402
 from ragkv import codec  # noqa: E402
-from ragkv.answer import Stats  # noqa: E402
 from ragkv.config import DEFAULT_MODEL, AskSettings, IngestSettings, ModelSettings  # noqa: E402
 from ragkv.model import load_model  # noqa: E402
 from ragkv.vllm_front import _layout_params  # noqa: E402
@@ -75,7 +74,7 @@ def prompts_of(store: Path, questions: list[str]) -> tuple[list[dict], int, list
     with ragkv.open(store, device="cpu", weights=False) as engine:
         prefix = len(engine.active.layout.prefix_ids)
         for question in questions:
-            prompt = engine.prompt_for(question, AskSettings(top_k=1, context="chunk"), Stats(mode="exact"))
+            prompt = engine.prompt_for(question, AskSettings(top_k=1, context="chunk"))
             params = _layout_params(prompt, ServeSettings())
             params["ragkv"]["write_back"] = True  # the connector checks the store itself
             out.append({"ids": prompt.prompt_ids, "params": params})

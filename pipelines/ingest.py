@@ -28,7 +28,7 @@ from pipelines.plan import DocumentPlan, content_hash, plan_documents
 from pipelines import ray_engine, vllm_engine
 from pipelines.progress import Reporter
 from pipelines.read import Document, Skipped, read_documents
-from ragkv import codec
+from ragkv import codec, spans
 from ragkv.config import IngestSettings, ModelSettings
 from ragkv.embed import Embedder
 from ragkv.errors import InputError, ModelError
@@ -319,13 +319,12 @@ def _pending_spans(chunks: list[ChunkRow], tokenizer, profile: Profile, separato
         start, used, key = 0, 0, None
         for chunk in sorted(doc_chunks, key=lambda c: c.chunk_index):
             ids = tuple(encode_text(tokenizer, chunk.text))
-            segment = (*separator, *ids)
-            if key is None or used + len(segment) > span_tokens:
-                start, used, key = chunk.chunk_index, len(ids), KVKey.for_chunk(profile, ids)
-                pending.append(PendingChunk(chunk.chunk_id, chunk.text, ids, key.to_string(), start, ids))
-            else:
-                used, key = used + len(segment), key.then(segment)
-                pending.append(PendingChunk(chunk.chunk_id, chunk.text, ids, key.to_string(), start, segment))
+            opens = key is None or used + len(spans.segment(1, ids, separator)) > span_tokens
+            piece = spans.segment(0 if opens else 1, ids, separator)
+            if opens:
+                start, used, key = chunk.chunk_index, 0, None
+            used, key = used + len(piece), spans.next_key(profile, key, piece)
+            pending.append(PendingChunk(chunk.chunk_id, chunk.text, ids, key.to_string(), start, piece))
     return pending
 
 
@@ -352,15 +351,8 @@ def _todo(catalog, pending: list[PendingChunk], profile: Profile, report: Ingest
 
 def _units_of(pending: list[PendingChunk]) -> list[list[PendingChunk]]:
     """Chunks alone, and spans (consecutive chunks sharing a span start), in order."""
-    groups: list[list[PendingChunk]] = []
-    for p in pending:
-        continues = groups and p.span_start is not None and p.segment != p.token_ids and \
-            groups[-1][0].span_start == p.span_start
-        if continues:
-            groups[-1].append(p)
-        else:
-            groups.append([p])
-    return groups
+    return spans.runs(pending, lambda previous, p: p.span_start is not None and p.segment != p.token_ids
+                      and previous.span_start == p.span_start)
 
 
 def _compute_and_store(writer: StoreWriter, work: list[Unit], prefix_key: str | None, lm: LoadedModel,

@@ -9,7 +9,7 @@ from pathlib import Path
 import faiss
 
 from ragkv.forward import compute_chunks, compute_prefix, shard_metadata, split_segments
-from ragkv import codec
+from ragkv import codec, spans
 from ragkv.config import IngestSettings
 from ragkv.embed import Embedder
 from ragkv.errors import ModelError
@@ -81,10 +81,10 @@ def _recompute(writer: StoreWriter, profile_id: str, keys: list[str], device: st
     catalog.delete_entries(unused)
     report.entries_dropped += len(unused)
     separator = PromptLayout.build(lm.tokenizer, row["system_prompt"]).separator_ids
-    spans = _spans_of(catalog, chunk_keys, separator)
-    sequences = [[t for segment in segments for t in segment] for _, segments in spans]
+    to_compute = _spans_of(catalog, chunk_keys, separator)
+    sequences = [[t for segment in segments for t in segment] for _, segments in to_compute]
     for result in compute_chunks(lm.model, prefix_kv, sequences, IngestSettings().batch_tokens_for(device), lm.pad_id):
-        span_keys, segments = spans[result.index]
+        span_keys, segments = to_compute[result.index]
         for key, part in zip(span_keys, split_segments(result.kv, [len(s) for s in segments])):
             if key in chunk_keys:
                 sealed += shards.add(key, codec.encode(part, quant))
@@ -98,16 +98,16 @@ def _spans_of(catalog, keys: list[str], separator) -> list[tuple[list[str], list
     """What to compute to rebuild `keys`: per span (or chunk stored alone) holding any of
     them, its keys and the segments its KV was computed from, in order (a span's later
     chunks continue it, separator first, so the whole span is computed again)."""
-    spans, covered = [], set()
+    found, covered = [], set()
     for key in keys:
         if key in covered:
             continue
         links = catalog.span_links(key)
         span_keys = [k for k, _ in links]
-        segments = [ids if i == 0 else (*separator, *ids) for i, (_, ids) in enumerate(links)]
+        segments = spans.segments([ids for _, ids in links], separator)
         covered.update(span_keys)
-        spans.append((span_keys, segments))
-    return spans
+        found.append((span_keys, segments))
+    return found
 
 
 def _reindex_vectors(writer: StoreWriter, device: str, report: RepairReport) -> None:

@@ -26,6 +26,7 @@ import torch
 from ragkv import kv
 from ragkv.ape import Scaling, attending
 from ragkv.blend import blend, recompute_starts
+from ragkv.keys import KVKey
 from ragkv.prefix_cache import PrefixCache
 from ragkv.rope import check_supported, shift_positions
 
@@ -49,9 +50,10 @@ class Assembly:
 
 
 def exact(model, stored: list[torch.Tensor], segments: Sequence[Sequence[int]], prefix_cache: PrefixCache,
-          root: str) -> Assembly:
+          root: KVKey) -> Assembly:
     """`stored`: the prefix and first chunk KV from the store. `segments`: the token ids that
-    follow the first chunk, one per further chunk (separator + chunk). Matched segments come
+    follow the first chunk (whose entry `root` names), one per further chunk (separator +
+    chunk). Matched segments come
     from `prefix_cache`; `after_prefill` adds the ones the prefill computes."""
     match = prefix_cache.match(root, segments)
     cache = kv.to_cache([*stored, *match.kvs], model.config)

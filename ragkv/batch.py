@@ -1,21 +1,22 @@
-"""Answer many questions at once: retrieve for all, group the questions whose prompts share a
-context, load that context once, prefill the group's questions as one padded batch on top of
-it and decode them together. Each answer equals the single-question `ask` answer (float32)."""
+"""Answer a file of questions: every question is a turn submitted to the engine's continuous
+batcher (ragkv.scheduler), so `ragkv batch` retrieves, fits, loads KV, logs uses and counts
+tokens exactly as `ask` and the service do, and decodes up to `max_batch` answers together.
+Each answer equals the single-question `ask` answer (float32)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import time
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from ragkv import kv
-from ragkv.answer import Answer, Source, Stats
+from ragkv.answer import Answer
 from ragkv.config import AskSettings
-from ragkv.errors import InputError
-from ragkv.generate import generate_batch, prefill
+from ragkv.conversation import Conversation
+from ragkv.errors import InputError, RagkvError
+from ragkv.scheduler import Ticket
 from ragkv.text import check_text
 
 
@@ -76,66 +77,36 @@ def read_questions(path: Path) -> tuple[list[Question], list[BatchOutcome]]:
 
 def answer_all(engine, questions: list[Question], settings: AskSettings, max_batch: int = 16,
                on_done=None) -> Iterator[BatchOutcome]:
-    """Yield an outcome for every question (in groups, not in input order)."""
+    """Yield an outcome for every question, as each finishes (not in input order). At most
+    twice `max_batch` questions are submitted ahead, so a long file holds little memory."""
     settings.check_batchable("ragkv batch")
-    groups: dict[tuple[int, ...], list[tuple[Question, list]]] = {}
-    for question in questions:
-        try:
-            retrieved = engine.retrieve(question.question, settings.top_k,
-                                        [question.doc] if question.doc else settings.doc_ids, settings.context)
-        except InputError as exc:
-            yield BatchOutcome(question, error=str(exc))
-            continue
-        key = tuple(row.chunk_id for row, _ in retrieved)
-        groups.setdefault(key, []).append((question, retrieved))
-    for members in groups.values():
-        for start in range(0, len(members), max_batch):
-            part = members[start:start + max_batch]
-            yield from _answer_group(engine, part, settings)
-            if on_done:
-                on_done(len(part))
+    window = 2 * max_batch
+    with engine.batched(max_batch=max_batch, max_queue=window) as batcher:
+        pending = iter(questions)
+        running: dict = {}  # future -> (question, ticket)
+        while True:
+            for question in pending:
+                running[_submit(batcher, engine.runtime, question, settings).future] = question
+                if len(running) >= window:
+                    break
+            if not running:
+                return
+            done, _ = wait(list(running), return_when=FIRST_COMPLETED)
+            for future in done:
+                yield _outcome(running.pop(future), future)
+                if on_done:
+                    on_done(1)
 
 
-def _answer_group(engine, members, settings: AskSettings) -> Iterator[BatchOutcome]:
-    """One shared context, several questions: assemble and finish the context once (batch 1),
-    copy it to every row, then prefill and decode the questions together."""
-    start = time.perf_counter()
-    layout, tokenizer, model = engine.active.layout, engine.lm.tokenizer, engine.lm.model
-    retrieved = members[0][1]
-    rows = [row for row, _ in retrieved]
-    chunk_ids = [engine.chunk_token_ids(row) for row in rows]
-    context_ids = [*layout.prefix_ids, *layout.context_ids(chunk_ids)]
-    stats = Stats(mode=settings.mode if settings.use_cache else "full", store_generation=engine.snapshot.generation)
-    assembly = engine.assemble(rows, chunk_ids, settings, stats)
-    shared_live = context_ids[assembly.num_cached:]
-    if shared_live:
-        prefill(model, shared_live, assembly.cache)
-        if assembly.after_prefill:
-            assembly.after_prefill(assembly.cache)
-    questions = [layout.question_ids(tokenizer, q.question) for q, _ in members]
-    budget = min(settings.max_new_tokens, engine.lm.facts.max_context - len(context_ids) - max(map(len, questions)))
-    if budget < 1:
-        for question, _ in members:
-            yield BatchOutcome(question, error="the question and its context do not fit the model's context")
-        return
-    kv.repeat_batch(assembly.cache, len(members))
-    done = generate_batch(model, tokenizer, assembly.cache, questions, engine.lm.facts.eos_ids, budget,
-                          engine.lm.pad_id, settings.decoding)
-    elapsed = time.perf_counter() - start
-    for i, (question, hits) in enumerate(members):
-        row_stats = dataclasses.replace(stats, warnings=list(stats.warnings))
-        row_stats.reused_tokens = assembly.reused_tokens
-        row_stats.recomputed_tokens = assembly.recomputed_tokens
-        row_stats.computed_tokens = len(context_ids) - assembly.reused_tokens - assembly.recomputed_tokens + len(questions[i])
-        row_stats.generated_tokens = len(done.token_ids[i])
-        row_stats.finish_reason = done.finish_reasons[i]
-        row_stats.batch_size = len(members)
-        row_stats.prefill_ms = done.prefill_s * 1000.0
-        row_stats.ttft_s = elapsed - done.decode_s  # the group's first tokens all come at once
-        row_stats.decode_s = done.decode_s
-        row_stats.total_s = elapsed
-        sources = [Source(r.doc_id, r.source, r.chunk_index, r.chunk_id, score) for r, score in hits]
-        text = done.texts[i]
-        engine.savings.add(row_stats)
-        yield BatchOutcome(question, Answer(question.question, text, done.token_ids[i], sources, row_stats,
-                                            [*context_ids, *questions[i]]))
+def _submit(batcher, runtime, question: Question, settings: AskSettings) -> Ticket:
+    pinned = dataclasses.replace(settings, doc_ids=(question.doc,)) if question.doc else settings
+    return batcher.submit(lambda: Conversation(runtime, pinned), question.question, pinned.max_new_tokens,
+                          pinned.decoding)
+
+
+def _outcome(question: Question, future) -> BatchOutcome:
+    try:
+        answer: Answer = future.result()
+    except RagkvError as exc:
+        return BatchOutcome(question, error=str(exc))
+    return BatchOutcome(question, answer)

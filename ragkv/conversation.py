@@ -19,6 +19,7 @@ from ragkv.config import AskSettings, DecodeSettings
 from ragkv.errors import InputError
 from ragkv.generate import Generated, generate
 from ragkv.prompt import encode_text
+from ragkv.runtime import Runtime
 from ragkv.text import check_text
 
 
@@ -46,8 +47,8 @@ class Turn:
 class Conversation:
     """Use `engine.conversation()`; then `ask` (or `stream`) once per user message."""
 
-    def __init__(self, engine, settings: AskSettings):
-        self.engine = engine
+    def __init__(self, runtime: Runtime, settings: AskSettings):
+        self.runtime = runtime
         self.settings = settings
         self.turns: list[Turn] = []
         self.context_ids: list[int] = []  # prefix + retrieved chunks
@@ -83,23 +84,22 @@ class Conversation:
         generated). Its tokens are prefilled with the next message."""
         check_text(message, "a message")
         check_text(answer, "an answer")
-        engine = self.engine
+        runtime = self.runtime
         if not self.turns:
-            new_ids, _ = self._open_context(message, Stats(mode=self.settings.mode if self.settings.use_cache else "full"))
+            new_ids, _, _ = self._open_context(message)
         else:
-            new_ids = engine.active.layout.turn_ids(engine.lm.tokenizer, message)
-        self.turns.append(Turn(message, new_ids, encode_text(engine.lm.tokenizer, answer)))
+            new_ids = runtime.active.layout.turn_ids(runtime.lm.tokenizer, message)
+        self.turns.append(Turn(message, new_ids, encode_text(runtime.lm.tokenizer, answer)))
 
     def reset(self) -> None:
         """Forget everything: the next message retrieves again."""
-        self.__init__(self.engine, self.settings)
+        self.__init__(self.runtime, self.settings)
 
     def _turn(self, message: str, max_new_tokens: int, decoding: DecodeSettings) -> Generator[str, None, Answer]:
         plan = self.begin_turn(message, max_new_tokens)
-        engine = self.engine
-        done = yield from generate(attending(engine.lm.model, self.attention), engine.lm.tokenizer, plan.cache,
-                                   plan.live_ids, engine.lm.facts.eos_ids, plan.budget, plan.start, plan.after_prefill,
-                                   decoding)
+        lm = self.runtime.lm
+        done = yield from generate(attending(lm.model, self.attention), lm.tokenizer, plan.cache, plan.live_ids,
+                                   lm.facts.eos_ids, plan.budget, plan.start, plan.after_prefill, decoding)
         return self.end_turn(plan, done)
 
     def begin_turn(self, message: str, max_new_tokens: int) -> "TurnPlan":
@@ -109,14 +109,13 @@ class Conversation:
         Finish with `end_turn`."""
         check_text(message, "the message")
         start = time.perf_counter()
-        engine, layout = self.engine, self.engine.active.layout
-        stats = Stats(mode=self.settings.mode if self.settings.use_cache else "full",
-                      store_generation=engine.snapshot.generation)
+        runtime = self.runtime
         after_prefill = None
         if not self.turns:
-            new_ids, after_prefill = self._open_context(message, stats)
+            new_ids, after_prefill, stats = self._open_context(message)
         else:
-            new_ids = layout.turn_ids(engine.lm.tokenizer, message)
+            stats = runtime.new_stats(self.settings)
+            new_ids = runtime.active.layout.turn_ids(runtime.lm.tokenizer, message)
             self._fit(len(new_ids) + max_new_tokens, stats)
         self.turns.append(Turn(message, new_ids, []))
         conversation = self.ids()
@@ -125,7 +124,7 @@ class Conversation:
         if len(self.turns) > 1:  # the first turn's counts come from assembling its context
             stats.reused_tokens = cached
         stats.computed_tokens = len(live_ids)
-        budget = engine.fit_budget(len(conversation), max_new_tokens, stats)
+        budget = runtime.fit_budget(len(conversation), max_new_tokens, stats)
         return TurnPlan(message, self.cache, live_ids, budget, after_prefill, stats, start, conversation)
 
     def end_turn(self, plan: "TurnPlan", done: Generated, cache=None) -> Answer:
@@ -135,24 +134,25 @@ class Conversation:
             self.cache = cache
         self.turns[-1].answer_ids = list(done.token_ids)
         plan.stats.record(done, plan.start)
-        self.engine.savings.add(plan.stats)
+        self.runtime.savings.add(plan.stats)
         return Answer(plan.message, done.text, done.token_ids, self.sources, plan.stats, plan.prompt_ids)
 
-    def _open_context(self, message: str, stats: Stats):
+    def _open_context(self, message: str) -> tuple[list[int], Callable[[object], None] | None, Stats]:
         """Retrieve for the first message and assemble the context's cache; returns the
-        message's ids (the question template around it) and the assembly's after-prefill hook."""
-        prepared = self.engine.prepare(message, self.settings, stats)
+        message's ids (the question template around it), the assembly's after-prefill hook
+        and what retrieving and loading did."""
+        prepared = self.runtime.prepare(message, self.settings)
         self.context_ids = prepared.prompt_ids[: len(prepared.prompt_ids) - len(prepared.question_ids)]
-        self.sources = [Source(r.doc_id, r.source, r.chunk_index, r.chunk_id, s) for r, s in prepared.retrieved]
+        self.sources = prepared.sources()
         self.cache = prepared.assembly.cache
         self.attention = prepared.assembly.attention
         self._stored_context = prepared.assembly.num_cached
-        return prepared.question_ids, prepared.assembly.after_prefill
+        return prepared.question_ids, prepared.assembly.after_prefill, prepared.stats
 
     def _fit(self, needed: int, stats: Stats) -> None:
         """Drop the oldest turns until the conversation plus `needed` tokens fits the context,
         then rebuild the cache from the stored context and re-prefill the rest (said in stats)."""
-        room = self.engine.lm.facts.max_context
+        room = self.runtime.lm.facts.max_context
         dropped = 0
         while self.turns and len(self.ids()) + needed > room:
             self.turns.pop(0)
@@ -161,8 +161,9 @@ class Conversation:
             return
         if self.turns:  # the oldest kept turn now follows the context: it opens with the question head
             first = self.turns[0]
-            question = first.ids[len(self.engine.active.layout.turn_head_ids):]
-            first.ids = [*self.engine.active.layout.question_head_ids, *question]
+            layout = self.runtime.active.layout
+            question = first.ids[len(layout.turn_head_ids):]
+            first.ids = [*layout.question_head_ids, *question]
         if len(self.ids()) + needed > room:
             raise InputError("the context and this message do not fit the model's context; start a new conversation")
         kv.crop(self.cache, self._stored_context)

@@ -1,7 +1,7 @@
 """Continuous batching: one model thread advances every active answer by one token per
 forward pass, whatever its context (stored document KV, a conversation, a full prefill).
 
-    batcher = Batcher(engine)                       # engine: a QueryEngine (ragkv.open)
+    batcher = engine.batched()                      # engine: a QueryEngine (ragkv.open)
     answer = batcher.ask("How do I rotate the API key?")        # from any number of threads
     ticket = batcher.submit(conversation, message, on_text=print)  # streaming, cancellable
 
@@ -38,6 +38,7 @@ from ragkv.conversation import Conversation, TurnPlan
 from ragkv.decoding import Decoder
 from ragkv.errors import InputError, RagkvError
 from ragkv.generate import Generated, TextStream, prefill
+from ragkv.runtime import Runtime
 from ragkv.text import check_text
 
 log = logging.getLogger("ragkv")
@@ -118,16 +119,17 @@ class _Turn:
 
 class Batcher:
     """Runs every turn submitted to it on one model thread, decoding them together. Owns the
-    engine's model while open: do not call the engine's own ask/stream meanwhile."""
+    runtime's model while open: do not call the engine's own ask/stream meanwhile."""
 
-    def __init__(self, engine, settings: BatchSettings | None = None, before_admit: Callable[[], None] | None = None):
-        self.engine = engine
+    def __init__(self, runtime: Runtime, settings: BatchSettings | None = None,
+                 before_admit: Callable[[], None] | None = None):
+        self.runtime = runtime
         self.settings = settings or BatchSettings()
         self.before_admit = before_admit  # e.g. move the engine to a newer store generation
         self._waiting: deque[_Turn] = deque()
         self._prefilling: deque[_Turn] = deque()
         self._rows: list[_Turn] = []  # decoding, in RaggedBatch row order
-        self._batch = kv.RaggedBatch(engine.lm.model.config)
+        self._batch = kv.RaggedBatch(runtime.lm.model.config)
         self._calls: deque[tuple[Callable, tuple, Future]] = deque()  # other model-thread work, between steps
         self._wake = threading.Condition()
         self._closed = False
@@ -176,7 +178,7 @@ class Batcher:
         """Answer `question` (options as in `AskSettings`), batched with whatever else runs."""
         settings = settings or AskSettings.from_dict(options)
         settings.check_batchable("batched decoding")
-        return self.submit(lambda: self.engine.conversation(settings), question, settings.max_new_tokens,
+        return self.submit(lambda: Conversation(self.runtime, settings), question, settings.max_new_tokens,
                            settings.decoding).result()
 
     def call(self, fn: Callable, *args) -> Future:
@@ -247,7 +249,7 @@ class Batcher:
                 turn.plan = turn.conversation.begin_turn(turn.message, turn.max_new_tokens)
                 turn.pending = list(turn.plan.live_ids)
                 turn.decoder = Decoder(turn.decoding)
-                turn.text = TextStream(self.engine.lm.tokenizer, turn.decoding.stop)
+                turn.text = TextStream(self.runtime.lm.tokenizer, turn.decoding.stop)
             except Exception as exc:
                 if not isinstance(exc, RagkvError):
                     log.exception("a request failed as it joined the batch")
@@ -271,7 +273,7 @@ class Batcher:
         try:
             started = time.perf_counter()
             chunk, turn.pending = turn.pending[:self.settings.prefill_chunk], turn.pending[self.settings.prefill_chunk:]
-            logits = prefill(self.engine.lm.model, chunk, turn.plan.cache)
+            logits = prefill(self.runtime.lm.model, chunk, turn.plan.cache)
             turn.prefill_s += time.perf_counter() - started
             if turn.pending:
                 return
@@ -298,7 +300,7 @@ class Batcher:
 
     @torch.inference_mode()
     def _decode_step(self) -> None:
-        logits = self._batch.step(self.engine.lm.model, [t.next_token for t in self._rows])  # (B, V)
+        logits = self._batch.step(self.runtime.lm.model, [t.next_token for t in self._rows])  # (B, V)
         for turn in self._rows:
             turn.max_rows = max(turn.max_rows, len(self._rows))
         done = [i for i, turn in enumerate(self._rows) if self._take(turn, logits[i])]
@@ -311,7 +313,7 @@ class Batcher:
     def _take(self, turn: _Turn, logits: torch.Tensor) -> bool:
         """Pick `turn`'s next token from `logits`; returns whether the turn is finished."""
         token = turn.decoder.next_token(logits)
-        if token in self.engine.lm.facts.eos_ids:
+        if token in self.runtime.lm.facts.eos_ids:
             turn.finish_reason = "stop"
             return True
         if not turn.text.token_ids:
@@ -364,4 +366,4 @@ class Batcher:
                 turn.ticket.resolve(error=exc)
         self._prefilling.clear()
         self._rows = []
-        self._batch = kv.RaggedBatch(self.engine.lm.model.config)
+        self._batch = kv.RaggedBatch(self.runtime.lm.model.config)

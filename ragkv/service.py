@@ -148,7 +148,7 @@ class Conversations:
         return conversation, False
 
     def keep(self, conversation, history: list[tuple[str, str]]) -> None:
-        size = conversation.engine.lm.facts.kv_bytes_per_token * len(conversation.ids())
+        size = conversation.runtime.lm.facts.kv_bytes_per_token * len(conversation.ids())
         self._lru.put(_history_key(history), conversation, size=size)
 
 
@@ -194,7 +194,7 @@ def build_app(engine, settings: ServeSettings) -> FastAPI:
         except RagkvError as exc:  # keep serving the generation we have
             log.warning("not switching store generation: %s", exc)
 
-    batcher = Batcher(engine, BatchSettings(max_batch=settings.max_batch, max_batch_tokens=settings.max_batch_tokens,
+    batcher = Batcher(engine.runtime, BatchSettings(max_batch=settings.max_batch, max_batch_tokens=settings.max_batch_tokens,
                                             prefill_chunk=settings.prefill_chunk, max_queue=settings.max_queue),
                       before_admit=refresh)
 

@@ -133,10 +133,11 @@ def build_front_app(engine, vllm_url: str, settings: ServeSettings) -> FastAPI:
             warnings.append(f"max_tokens cut from {requested} to {settings.max_tokens_cap}")
         ask = AskSettings(top_k=body.ragkv.top_k, context=body.ragkv.context,
                           doc_ids=tuple(body.ragkv.doc_ids) if body.ragkv.doc_ids is not None else None)
-        stats = Stats(mode="exact")  # vLLM loads the stored KV at its own positions: exact
         async with lock:
             engine.refresh()
-            prompt = await asyncio.to_thread(engine.prompt_for, question, ask, stats)
+            prompt = await asyncio.to_thread(engine.prompt_for, question, ask)
+        stats = Stats(mode="exact", retrieval_ms=prompt.retrieval_ms, catalog_ms=prompt.catalog_ms,
+                      warnings=list(prompt.warnings))  # vLLM loads the stored KV at its own positions: exact
         payload = {"model": VLLM_MODEL_ID, "prompt": prompt.prompt_ids, "max_tokens": min(requested, settings.max_tokens_cap),
                    "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed,
                    "stop": body.stop, "stream": body.stream, "kv_transfer_params": _layout_params(prompt, settings),

@@ -1,4 +1,4 @@
-"""Batches grouped by shared context: every answer equals the single-question answer."""
+"""`ragkv batch`: every answer equals the single-question answer, and is counted like one."""
 
 from __future__ import annotations
 
@@ -40,15 +40,46 @@ def test_the_bundled_model_batched_equals_alone(sample_store):
             assert outcome.answer.token_ids == engine.ask(outcome.question.question, settings).token_ids
 
 
-def test_questions_sharing_a_chunk_are_grouped(tiny_store, monkeypatch):
-    import ragkv.batch as batch_module
-
-    groups = []
-    original = batch_module._answer_group
-    monkeypatch.setattr(batch_module, "_answer_group", lambda e, members, s: groups.append(len(members)) or original(e, members, s))
+def test_a_batch_decodes_together_and_counts_like_ask(tiny_store):
+    settings = AskSettings(top_k=2, max_new_tokens=6)
     with ragkv.open(tiny_store, device="cpu") as engine:
-        list(answer_all(engine, [Question(str(i), q) for i, q in enumerate(BATCH[:3])], AskSettings(max_new_tokens=2)))
-    assert groups == [3]  # the three API-key questions share one retrieved chunk
+        outcomes = list(answer_all(engine, [Question(str(i), q) for i, q in enumerate(BATCH)], settings, max_batch=4))
+        assert max(o.answer.stats.batch_size for o in outcomes) > 1
+        for outcome in outcomes:
+            alone = engine.ask(outcome.question.question, settings).stats
+            stats = outcome.answer.stats
+            assert stats.prompt_tokens == alone.prompt_tokens
+            # what the batch prefilled first, asking again finds in the prefix cache
+            assert stats.computed_tokens - alone.computed_tokens == alone.prefix_cache_tokens - stats.prefix_cache_tokens
+            assert stats.recomputed_tokens == alone.recomputed_tokens
+            assert set(stats.kv_sources) == set(alone.kv_sources) and stats.kv_load_ms > 0
+
+
+def test_batch_uses_reach_the_stores_popularity(tiny_store, tmp_path):
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps({"id": str(i), "question": q}) for i, q in enumerate(BATCH)))
+    before = json.loads(run_cli("stats", "--store", tiny_store, "--json").stdout)["uses"]
+    result = run_cli("batch", questions, "--out", tmp_path / "a.jsonl", "--store", tiny_store, "--top-k", "2",
+                     "--max-new-tokens", "2", "--json")
+    assert result.exit_code == 0, result.output
+    after = json.loads(run_cli("stats", "--store", tiny_store, "--json").stdout)["uses"]
+    assert after - before == 2 * len(BATCH)
+
+
+def test_a_batch_question_over_the_context_fails_alone(tiny_llama, tmp_path):
+    from tests.conftest import build_store
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.md").write_text("The valve manual says: turn left to open.")
+    build_store(docs, tmp_path / "s", str(tiny_llama))
+    long_question = "Why " + "really " * 1200 + "?"
+    with ragkv.open(tmp_path / "s", device="cpu") as engine:
+        outcomes = {o.question.id: o for o in answer_all(
+            engine, [Question("long", long_question), Question("short", "How do I open the valve?")],
+            AskSettings(max_new_tokens=2))}
+    assert "over the model's context" in outcomes["long"].error
+    assert outcomes["short"].error is None and outcomes["short"].answer.token_ids
 
 
 def test_the_batch_command_reports_bad_lines_and_answers_the_rest(tiny_store, tmp_path):

@@ -21,7 +21,6 @@ from store.budget import Candidate, plan
 from store.popularity import HITS_DIR, HitLog, Use, decay, read_pending
 from store.catalog import Catalog
 from store.shards import ShardWriter, shard_files
-from store.writeback import KILL_ENV
 from tests.conftest import QUESTIONS, ROOT, build_store, run_cli
 
 
@@ -90,7 +89,7 @@ def test_a_miss_computes_the_kv_token_identical_then_the_store_serves_it(stores)
             torch.testing.assert_close(engine.first_token_logits(question), stored.first_token_logits(question),
                                        rtol=1e-4, atol=1e-4)
         engine.flush()
-        assert engine._write_back.report.stored == 4
+        assert engine.loader.writer.report.stored == 4
         assert engine.refresh()
         again = engine.ask(QUESTIONS[0], max_new_tokens=12)
         assert again.stats.kv_source == "store" and again.token_ids == stored.ask(QUESTIONS[0], max_new_tokens=12).token_ids
@@ -206,8 +205,8 @@ def test_concurrent_misses_of_one_chunk_store_one_entry(stores):
         assert b.ask(QUESTIONS[2], max_new_tokens=1).stats.kv_source == "computed"
         a.flush()
         b.flush()
-        assert a._write_back.report.stored + b._write_back.report.stored == 1
-        assert a._write_back.report.linked + b._write_back.report.linked == 1
+        assert a.loader.writer.report.stored + b.loader.writer.report.stored == 1
+        assert a.loader.writer.report.linked + b.loader.writer.report.linked == 1
     with open_snapshot(lazy) as snapshot:
         assert snapshot.catalog.counts()["kv_entries"] == 2 and verify(snapshot).ok
         assert len(shard_files(lazy / "shards")) == 2  # the prefix's shard and one chunk shard
@@ -217,7 +216,9 @@ WRITE_BACK_KILLED = textwrap.dedent("""
     import sys
     sys.path.insert(0, {root!r})
     import ragkv
+    from tests.faults import kill_after_sealing_a_shard
     engine = ragkv.open({store!r}, device="cpu")
+    kill_after_sealing_a_shard()
     print(engine.ask({question!r}, max_new_tokens=1).stats.kv_source, flush=True)
     engine.close()  # waits for the write-back, which kills this process after sealing its shard
     print("not killed", flush=True)
@@ -227,8 +228,7 @@ WRITE_BACK_KILLED = textwrap.dedent("""
 def test_a_kill_during_write_back_leaves_a_store_that_verifies(stores):
     _, lazy = stores
     script = WRITE_BACK_KILLED.format(root=str(ROOT), store=str(lazy), question=QUESTIONS[3])
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          env={**__import__("os").environ, KILL_ENV: "1"})
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert proc.returncode == -9 and proc.stdout.split() == ["computed"], proc.stderr[-2000:]
     assert len(shard_files(lazy / "shards")) == 2  # the sealed, never committed shard is an orphan
     with open_snapshot(lazy) as snapshot:
@@ -252,7 +252,7 @@ def test_a_full_disk_during_write_back_warns_once_and_answers_go_on(stores, monk
             answer = engine.ask(question, max_new_tokens=2)
             assert answer.stats.kv_source == "computed" and answer.token_ids
             engine.flush()
-        assert engine._write_back.report.failures == 3
+        assert engine.loader.writer.report.failures == 3
     warnings = [r for r in caplog.records if "could not store computed KV" in r.getMessage()]
     assert len(warnings) == 1 and "No space left on device" in warnings[0].getMessage()
     with open_snapshot(lazy) as snapshot:

@@ -239,9 +239,9 @@ def test_usage_errors_are_one_line(store):
 
 
 def test_options_are_checked_before_the_model_loads(store, monkeypatch):
-    import ragkv.query
+    import ragkv.active
 
-    monkeypatch.setattr(ragkv.query, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    monkeypatch.setattr(ragkv.active, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
     for args, fragment in ((("serve", "--port", 70000), "--port"), (("serve", "--port", -1), "--port"),
                            (("ask", "x", "--device", "cuda"), "CUDA"), (("ask", "x", "--kv-dtype", "int4"), "int4"),
                            (("budget", "9" * 30 + "TB"), "largest size")):

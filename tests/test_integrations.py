@@ -11,7 +11,8 @@ from safetensors import safe_open
 import ragkv
 from ragkv.errors import InputError, ModelError
 from ragkv.integrations.paged import LayoutError, PagedLayout, block_dim_of
-from ragkv import codec
+from ragkv import codec, kv
+from ragkv.config import AskSettings
 from ragkv.integrations.store_match import (
     KVSaver, ModelIdentity, RequestLayout, StoreMatcher, chunk_layout, load_kv, profile_for, slot_mapping,
 )
@@ -45,7 +46,8 @@ def test_a_ragkv_prompt_matches_its_prefix_and_chunk_with_their_kv(tiny_store, i
         assert [e.kv_key for e in match.entries] == [matcher.prefix_entry.kv_key, row.entry.kv_key]
         stored = load_kv(engine.snapshot.shards, match.entries, torch.float32)
         assert stored.shape[3] == match.num_tokens
-        expected = torch.cat([engine._load_prefix(), engine._chunk_kv(row.entry, answer.stats, 0)], dim=3)
+        cache = engine.assemble([row], AskSettings(context="chunk")).cache  # prefix + chunk, read by the engine
+        expected = kv.from_cache(cache, 0, 0, match.num_tokens)
         assert torch.equal(stored, expected)
     changed = list(prompt)
     changed[len(profile.prefix_ids) + 3] += 1  # one token of the chunk differs: only the prefix matches
@@ -122,7 +124,6 @@ def test_a_missing_chunk_is_saved_under_ingest_key_and_uses_are_what_ragkv_logs(
                                                                               identity):
     """The plan for a lazy store (no chunk KV): the first chunk is saved under the key ingest
     gives it, only when its ids are its text's; each chunk's use is logged with its source."""
-    from ragkv.answer import Stats
     from ragkv.config import AskSettings
     from ragkv.prompt import PromptLayout
 
@@ -132,7 +133,7 @@ def test_a_missing_chunk_is_saved_under_ingest_key_and_uses_are_what_ragkv_logs(
     separator = PromptLayout.build(identity.tokenizer, "").separator_ids
     matcher = StoreMatcher(store, profile, separator, identity.tokenizer)
     with ragkv.open(store, device="cpu", weights=False) as engine:
-        prompt = engine.prompt_for(QUESTIONS[0], AskSettings(top_k=2, context="chunk"), Stats(mode="exact"))
+        prompt = engine.prompt_for(QUESTIONS[0], AskSettings(top_k=2, context="chunk"))
     rows = [row for row, _ in prompt.retrieved]
     params = {"ragkv": {"chunks": [[row.chunk_id, len(ids)] for row, ids in zip(rows, prompt.chunk_ids)],
                         "write_back": True}}
@@ -216,7 +217,9 @@ import sys; sys.path.insert(0, {root!r})
 import torch
 from tests.test_integrations import saves_for
 from ragkv.integrations.store_match import KVSaver
+from tests.faults import kill_after_sealing_a_shard
 targets, kv, profile = saves_for({full!r}, {lazy!r}, {model!r})
+kill_after_sealing_a_shard()
 saver = KVSaver({lazy!r}, profile, "tiny", "test")
 saver.submit(targets[0], kv[0])
 saver.flush()
@@ -227,7 +230,6 @@ print("not killed")
 def saves_for(full: str, lazy: str, model: str):
     """What an engine would save for each question on the lazy store: the plan's targets, the
     KV (ingest's, read from the full store), and the profile."""
-    from ragkv.answer import Stats
     from ragkv.config import AskSettings
     from ragkv.prompt import PromptLayout
 
@@ -238,7 +240,7 @@ def saves_for(full: str, lazy: str, model: str):
     targets, kvs = [], []
     with ragkv.open(lazy, device="cpu", weights=False) as engine, open_snapshot(full) as reference:
         for question in QUESTIONS:
-            prompt = engine.prompt_for(question, AskSettings(top_k=1, context="chunk"), Stats(mode="exact"))
+            prompt = engine.prompt_for(question, AskSettings(top_k=1, context="chunk"))
             (row, _), ids = prompt.retrieved[0], prompt.chunk_ids[0]
             chunks = chunk_layout({"ragkv": {"chunks": [[row.chunk_id, len(ids)]]}}, len(prompt.prompt_ids),
                                   len(profile.prefix_ids), len(separator)).chunks
@@ -312,17 +314,14 @@ def test_a_save_behind_another_writer_waits_then_gives_up_and_a_full_disk_warns_
 
 
 def test_a_kill_mid_save_leaves_the_store_as_published(full_and_lazy, tiny_llama):
-    import os
     import subprocess
     import sys
 
-    from store.writeback import KILL_ENV
     from tests.conftest import ROOT
 
     full, lazy = full_and_lazy
     script = SAVER_KILLED.format(root=str(ROOT), full=str(full), lazy=str(lazy), model=str(tiny_llama))
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          env={**os.environ, KILL_ENV: "1"})
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert proc.returncode == -9 and "not killed" not in proc.stdout, proc.stderr[-2000:]
     with open_snapshot(lazy) as snapshot:  # the sealed shard was never committed: an orphan gc removes
         assert verify(snapshot).ok and snapshot.catalog.counts()["kv_entries"] == 1

@@ -8,6 +8,7 @@ import torch
 import ragkv
 from ragkv.forward import compute_chunks, compute_prefix
 from ragkv.errors import InputError, ModelError
+from ragkv.keys import KVKey
 from ragkv.prefix_cache import PrefixCache
 from ragkv.rope import check_supported, shift_positions
 from tests.conftest import QUESTIONS
@@ -179,13 +180,14 @@ def test_bad_options_are_named(tiny_store):
 def test_prefix_cache_evicts_by_bytes_and_verifies_tokens():
     cache = PrefixCache(max_bytes=3 * 400)
     kv = lambda: torch.zeros(1, 2, 1, 10, 5)  # noqa: E731 - 400 bytes
-    cache.insert("root", [[1], [2], [3]], [kv(), kv(), kv()])
-    assert cache.match("root", [[1], [2], [3]]).num_segments == 3
-    cache.insert("other", [[9]], [kv()])  # evicts the least recently used
+    root, other = KVKey("p", "root"), KVKey("p", "other")
+    cache.insert(root, [[1], [2], [3]], [kv(), kv(), kv()])
+    assert cache.match(root, [[1], [2], [3]]).num_segments == 3
+    cache.insert(other, [[9]], [kv()])  # evicts the least recently used
     assert cache.bytes <= 1200 and len(cache) == 3
-    assert cache.match("root", [[1], [2]]).num_segments == 0  # [1] was evicted: the chain breaks there
-    assert cache.match("other", [[9]]).num_segments == 1
-    assert cache.match("root", [[1], [2], [4]]).num_segments == 0
+    assert cache.match(root, [[1], [2]]).num_segments == 0  # [1] was evicted: the chain breaks there
+    assert cache.match(other, [[9]]).num_segments == 1
+    assert cache.match(root, [[1], [2], [4]]).num_segments == 0
 
 
 def test_too_many_chunks_for_the_context_are_trimmed_and_said(tiny_llama, tmp_path):

@@ -43,7 +43,7 @@ def engine(tiny_store):
 
 def test_answers_decoded_together_equal_answers_alone(engine):
     alone = [_alone(engine, q, o) for q, o in MIXED]
-    with Batcher(engine, BatchSettings(prefill_chunk=8)) as batcher:  # small chunks: prefills interleave
+    with Batcher(engine.runtime, BatchSettings(prefill_chunk=8)) as batcher:  # small chunks: prefills interleave
         tickets = [batcher.submit(lambda o=o: engine.conversation(_settings(o)), q, _settings(o).max_new_tokens,
                                   _settings(o).decoding) for q, o in MIXED]
         batched = [t.result() for t in tickets]
@@ -66,7 +66,7 @@ def test_a_request_joining_mid_decode_changes_nobody(engine):
         if len(pieces) == 3:
             started.set()
 
-    with Batcher(engine) as batcher:
+    with Batcher(engine.runtime) as batcher:
         plain = DecodeSettings(repetition_penalty=1.0, no_repeat_ngram=0)
         first = batcher.submit(lambda: engine.conversation(AskSettings()), long_q, 40, plain, on_text)
         started.wait()  # the first is decoding: the second joins the running batch
@@ -80,7 +80,7 @@ def test_a_request_joining_mid_decode_changes_nobody(engine):
 def test_a_conversation_turn_in_the_batch_equals_one_alone(engine):
     lone = engine.conversation(max_new_tokens=10)
     expected = [lone.ask(QUESTIONS[1]).token_ids, lone.ask("And who approves it?").token_ids]
-    with Batcher(engine) as batcher:
+    with Batcher(engine.runtime) as batcher:
         chat = engine.conversation(max_new_tokens=10)
         other = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[3], 20, DecodeSettings())
         got = [batcher.submit(chat, QUESTIONS[1], 10, DecodeSettings()).result().token_ids]
@@ -94,7 +94,7 @@ def test_a_conversation_turn_in_the_batch_equals_one_alone(engine):
 def test_a_cancelled_turn_leaves_at_once_and_the_others_finish(engine):
     expected = engine.ask(QUESTIONS[2], max_new_tokens=12).token_ids
     begun = threading.Event()
-    with Batcher(engine) as batcher:
+    with Batcher(engine.runtime) as batcher:
         doomed = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[0], 200, DecodeSettings(),
                                 on_text=lambda _: begun.set())
         other = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[2], 12, DecodeSettings())
@@ -107,7 +107,7 @@ def test_a_cancelled_turn_leaves_at_once_and_the_others_finish(engine):
 
 def test_admission_keeps_the_batch_within_its_token_budget(engine):
     alone = [engine.ask(q, max_new_tokens=8).token_ids for q in QUESTIONS]
-    with Batcher(engine, BatchSettings(max_batch_tokens=1)) as batcher:  # room for one row at a time
+    with Batcher(engine.runtime, BatchSettings(max_batch_tokens=1)) as batcher:  # room for one row at a time
         tickets = [batcher.submit(lambda: engine.conversation(AskSettings()), q, 8, DecodeSettings()) for q in QUESTIONS]
         answers = [t.result() for t in tickets]
     assert [a.token_ids for a in answers] == alone
@@ -117,7 +117,7 @@ def test_admission_keeps_the_batch_within_its_token_budget(engine):
 def test_a_full_queue_is_busy_and_bad_turns_fail_alone(engine):
     gate = threading.Event()
     expected = engine.ask(QUESTIONS[0], max_new_tokens=4).token_ids
-    with Batcher(engine, BatchSettings(max_queue=3)) as batcher:
+    with Batcher(engine.runtime, BatchSettings(max_queue=3)) as batcher:
         blocker = batcher.call(gate.wait)  # holds the model thread: the next two wait
         good = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[0], 4, DecodeSettings())
         bad = batcher.submit(lambda: engine.conversation(AskSettings(doc_ids=("no-such-doc",))), QUESTIONS[1], 4,
@@ -143,7 +143,7 @@ def test_a_turn_that_fails_as_it_joins_the_batch_gets_the_error_and_the_batcher_
         return add(self, single)
 
     monkeypatch.setattr(kv.RaggedBatch, "add", add_once_failing)
-    with Batcher(engine) as batcher:
+    with Batcher(engine.runtime) as batcher:
         first = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[0], 6, DecodeSettings())
         with pytest.raises(RuntimeError, match="no memory"):
             first.result()  # resolved, not left waiting
@@ -161,7 +161,7 @@ def _unstartable_decoding() -> DecodeSettings:
 def test_a_turn_that_cannot_start_decoding_fails_alone_and_the_batch_goes_on(engine):
     expected = engine.ask(QUESTIONS[0], max_new_tokens=24).token_ids
     gate = threading.Event()
-    batcher = Batcher(engine)
+    batcher = Batcher(engine.runtime)
     blocker = batcher.call(gate.wait)  # both turns wait, then join in the same step
     good = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[0], 24, DecodeSettings())
     bad = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[1], 24, _unstartable_decoding())
@@ -189,7 +189,7 @@ def test_a_prefill_that_fails_fails_its_turn_alone(engine, monkeypatch):
         return real_prefill(model, ids, cache)
 
     monkeypatch.setattr(scheduler, "prefill", second_prefill_fails)
-    with Batcher(engine) as batcher:
+    with Batcher(engine.runtime) as batcher:
         running = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[0], 30, DecodeSettings())
         failing = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[1], 30, DecodeSettings())
         with pytest.raises(RuntimeError, match="out of memory"):
@@ -205,7 +205,7 @@ def test_a_corrupt_entry_falls_back_inside_the_batch_and_the_others_are_unaffect
         full = engine.ask(QUESTIONS[0], max_new_tokens=10, use_cache=False).token_ids
         others = [engine.ask(q, max_new_tokens=10) for q in QUESTIONS[1:]]
     flip_bit_of_entry(store / "shards" / row.entry.shard, row.entry.tensor)
-    with ragkv.open(store, device="cpu") as engine, Batcher(engine) as batcher:
+    with ragkv.open(store, device="cpu") as engine, Batcher(engine.runtime) as batcher:
         tickets = [batcher.submit(lambda: engine.conversation(AskSettings()), q, 10, DecodeSettings()) for q in QUESTIONS]
         answers = [t.result() for t in tickets]
     assert answers[0].stats.mode == "fallback" and answers[0].token_ids == full
@@ -225,7 +225,7 @@ def test_the_bundled_model_batched_equals_alone(sample_store):
     questions = (QUESTIONS + ["What is a SEV1 incident?", "How long are database backups kept?"])
     with ragkv.open(sample_store[0], device="cpu") as engine:
         alone = [engine.ask(q, max_new_tokens=24).token_ids for q in questions]
-        with Batcher(engine, BatchSettings(prefill_chunk=64)) as batcher:
+        with Batcher(engine.runtime, BatchSettings(prefill_chunk=64)) as batcher:
             answers = [batcher.ask(q, max_new_tokens=24) for q in questions[:1]]  # warm, alone
             tickets = [batcher.submit(lambda: engine.conversation(AskSettings()), q, 24, DecodeSettings())
                        for q in questions]

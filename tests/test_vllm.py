@@ -97,7 +97,6 @@ def test_vllm_stores_what_it_computes_and_logs_each_use(sample_store, lazy_sampl
     through the write-back, and the next request loads it. The saved KV agrees with
     transformers' (float32), and ragkv's own engine answers from it token-identically."""
     from ragkv.config import AskSettings
-    from ragkv.answer import Stats
     from ragkv.vllm_front import _layout_params
     from ragkv.service import ServeSettings
 
@@ -108,7 +107,7 @@ def test_vllm_stores_what_it_computes_and_logs_each_use(sample_store, lazy_sampl
     with ragkv.open(store, device="cpu", weights=False) as engine:
         model = engine.lm.facts.path
         for i, question in enumerate(QUESTIONS):
-            prompt = engine.prompt_for(question, AskSettings(top_k=1, context="chunk"), Stats(mode="exact"))
+            prompt = engine.prompt_for(question, AskSettings(top_k=1, context="chunk"))
             params = _layout_params(prompt, ServeSettings())
             assert params["ragkv"]["write_back"]  # the lazy store holds no chunk: a miss
             held[f"q{i}"] = len(engine.active.layout.prefix_ids) + len(prompt.chunk_ids[0])

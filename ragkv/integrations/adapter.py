@@ -111,7 +111,7 @@ def source_texts(engine, answer: Answer, passages: Sequence[str]) -> list[tuple[
     (read on the model thread, which owns the catalog), passages' from `passages`."""
     stored = [s.chunk_id for s in answer.sources if s.chunk_id >= 0]
     texts = batcher_of(engine).call(engine.snapshot.catalog.chunk_texts, stored).result() if stored else {}
-    # A passage's Source has chunk id -1 - its index (see ragkv.query's live rows).
+    # A passage's Source has chunk id -1 - its index (see ragkv.retrieval.live_rows).
     return [(s, texts.get(s.chunk_id, "") if s.chunk_id >= 0 else passages[-1 - s.chunk_id]) for s in answer.sources]
 
 

@@ -32,7 +32,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ragkv import codec, kv
+from ragkv import codec, kv, spans
 from ragkv.errors import InputError, ModelError
 from ragkv.keys import KVKey, Profile
 from store import EntryRow, open_snapshot
@@ -213,7 +213,7 @@ class StoreMatcher:
             if pos + n > len(prompt_ids):
                 continue
             segment = list(prompt_ids[pos:pos + n])
-            next_key = KVKey.for_chunk(self.profile, segment) if key is None else key.then(segment)
+            next_key = spans.next_key(self.profile, key, segment)
             candidates[next_key.to_string()] = (next_key, segment)
         catalog = self.snapshot.catalog
         for name in sorted(catalog.existing_keys(candidates), key=lambda k: -len(candidates[k][1])):

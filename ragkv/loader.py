@@ -1,0 +1,286 @@
+"""KV loading on the online path: the prompt's stored KV, read and verified (through a RAM tier
+and reused read buffers), the prefix and separator KV, KV computed on a miss and written back,
+and the cache each `--mode` assembles from them (see ragkv.assemble)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+from ragkv import assemble, codec, kv, spans
+from ragkv.active import ActiveProfile
+from ragkv.assemble import Assembly
+from ragkv.config import AskSettings
+from ragkv.errors import StoreCorruptError
+from ragkv.forward import compute_chunks, shard_metadata
+from ragkv.keys import KVKey
+from ragkv.lru import ByteLRU
+from ragkv.model import LoadedModel
+from ragkv.prefix_cache import PrefixCache
+from ragkv.prompt import encode_text
+from store import ContextRow, StoreSnapshot
+from store.popularity import HitLog, Use
+from store.writeback import ComputedKV, WriteBack
+
+log = logging.getLogger("ragkv")
+
+
+@dataclass
+class Loaded:
+    """What `KVLoader.load` assembled for a prompt, and how."""
+
+    assembly: Assembly
+    kv_quant: str = "none"  # how the reused KV was stored
+    fallback: bool = False  # the mode could not be used: the prompt is prefilled in full
+    kv_sources: dict[int, str] = field(default_factory=dict)  # chunk id -> "store", "ram" or "computed"
+    ram_hits: int = 0
+    ram_misses: int = 0
+    kv_read_ms: float = 0.0
+    assemble_ms: float = 0.0
+    kv_compute_ms: float = 0.0
+    warnings: list[str] = field(default_factory=list)
+
+
+class KVLoader:
+    """Loads one profile's stored KV from one open generation (`switch` moves it)."""
+
+    def __init__(self, snapshot: StoreSnapshot, lm: LoadedModel, active: ActiveProfile, device: str,
+                 prefix_cache_bytes: int, ram_bytes: int, write_back: bool):
+        self.snapshot = snapshot
+        self.lm = lm
+        self.active = active
+        self.device = device
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        self.ram: ByteLRU[torch.Tensor] = ByteLRU(ram_bytes)  # hot chunk KV by key, verified when loaded
+        self.write_back = write_back  # store KV computed on a miss (in the background, within the budget)
+        self._prefix_kv: torch.Tensor | None = None  # pinned in memory after the first load
+        self._separator: torch.Tensor | None = None
+        self._read_buffers: list[torch.Tensor] = []  # stored KV is read into these (reused memory)
+        self.writer: WriteBack | None = None  # the background write-back, once a miss started it
+        self._hit_log = None if snapshot.remote else HitLog(snapshot.root)
+
+    def switch(self, snapshot: StoreSnapshot) -> None:
+        self.snapshot = snapshot
+
+    def empty(self) -> Assembly:
+        """No stored KV: the whole prompt is prefilled."""
+        return Assembly(kv.to_cache_empty(self.lm.model.config))
+
+    def load(self, rows: list[ContextRow], chunk_ids: list[tuple[int, ...]], settings: AskSettings) -> Loaded:
+        """The cache a prompt over `rows` (their token ids: `chunk_ids`) starts from, per
+        `settings.mode`: what the store holds of it, loaded and verified."""
+        if not settings.use_cache:
+            return Loaded(self.empty())
+        loaded = Loaded(self.empty(), kv_quant=self.active.profile.kv_quant)
+        if rows[0].live:  # nothing stored comes first: a full prefill (exact)
+            return loaded
+        runs = spans.runs(list(range(len(rows))), lambda i, j: continues_span(rows[i], rows[j]))
+        refused = self._refusal(rows, runs, settings.mode)
+        if refused:
+            loaded.warnings.append(refused[0])
+            loaded.fallback = refused[1]
+            return loaded
+        read_start = time.perf_counter()
+        stored = self._load_stored([[rows[i] for i in run] for run in (runs[:1] if settings.mode == "exact" else runs)],
+                                   loaded)
+        loaded.kv_read_ms = _ms(read_start)
+        if stored is not None:
+            assemble_start = time.perf_counter()
+            loaded.assembly = self._assemble_mode(stored, rows, runs, chunk_ids, settings)
+            loaded.assemble_ms = _ms(assemble_start)
+        return loaded
+
+    def _refusal(self, rows: list[ContextRow], runs: list[list[int]], mode: str) -> tuple[str, bool] | None:
+        """Why the prompt cannot start from stored KV in `mode` (and whether that is a
+        fallback from an approximate mode), or None."""
+        if mode != "exact" and any(row.live for row in rows):
+            return (f"--mode {mode} composes stored KV; passages given as text have none, so the prompt was "
+                    "answered with a full prefill instead", True)
+        if not rows[runs[0][0]].starts_span:
+            return (f"chunk {rows[0].chunk_index} of {rows[0].doc_id} continues a span: its KV holds the chunks "
+                    "before it, so it is prefilled live (ask with --context span)", False)
+        if mode != "exact" and not all(rows[run[0]].starts_span for run in runs):
+            return (f"--mode {mode} needs every chunk's span from its start; answered with a full prefill instead "
+                    "(ask with --context span)", True)
+        return None
+
+    def _assemble_mode(self, stored: list[torch.Tensor], rows: list[ContextRow], runs: list[list[int]],
+                       chunk_ids: list[tuple[int, ...]], settings: AskSettings) -> Assembly:
+        """`stored`: the prefix KV, then one KV per loaded run (its chunks' entries joined)."""
+        model = self.lm.model
+        prefix, pieces_kv = stored[0], stored[1:]
+        layout = self.active.layout
+        if settings.mode == "exact":
+            after = len(runs[0])
+            segments = [(*layout.separator_ids, *ids) for ids in chunk_ids[after:]]
+            last = rows[after - 1]
+            root = KVKey.from_string(last.entry.kv_key) if last.entry else \
+                KVKey.for_chunk(self.active.profile, chunk_ids[after - 1])
+            return assemble.exact(model, stored, segments, self.prefix_cache, root)
+        pieces = [pieces_kv[0]]
+        for piece in pieces_kv[1:]:
+            pieces += [self._separator_kv(), piece]
+        if settings.mode == "concat":
+            return assemble.concat(model, prefix, pieces)
+        context_ids = [*layout.prefix_ids, *layout.context_ids(chunk_ids)]
+        if settings.mode == "epic":
+            return assemble.epic(model, prefix, pieces, context_ids, settings.blend_ratio)
+        if settings.mode == "ape":
+            return assemble.ape(model, prefix, pieces, settings.ape_temperature, settings.ape_scale)
+        return assemble.blended(model, prefix, pieces, context_ids, settings.blend_ratio)
+
+    def _load_stored(self, runs: list[list[ContextRow]], loaded: Loaded) -> list[torch.Tensor] | None:
+        """The prefix KV and each run's KV (its chunks' entries joined along the tokens),
+        `[(L, 2, H, P, D), (L, 2, H, T_run, D)...]`, every entry's key checked against the
+        tokens before it and its bytes verified; None (with a warning) when any is missing or
+        corrupt."""
+        try:
+            stored = [self.prefix_kv()]
+            slot = 0
+            for run in runs:
+                parts, key = [], None
+                for row in run:
+                    if row.entry is None and row.span_start is None and len(run) == 1:
+                        parts.append(self._computed_kv(row, loaded))  # a miss: compute it now
+                        continue
+                    if row.entry is None or row.token_ids is None:
+                        raise StoreCorruptError(f"chunk {row.chunk_id} has no stored KV for this model")
+                    key = spans.next_key(self.active.profile, key,
+                                         spans.segment(0 if key is None else 1, row.token_ids,
+                                                       self.active.layout.separator_ids))
+                    if key.to_string() != row.entry.kv_key:
+                        raise StoreCorruptError(f"chunk {row.chunk_id}'s stored KV key does not match its tokens")
+                    hits = loaded.ram_hits
+                    parts.append(self._chunk_kv(row.entry, loaded, slot))
+                    loaded.kv_sources[row.chunk_id] = "ram" if loaded.ram_hits > hits else "store"
+                    slot += 1
+                stored.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=kv.TOKEN_DIM))
+            return stored
+        except StoreCorruptError as exc:
+            message = f"{exc}; answered with a full prefill instead"
+            log.warning(message)
+            loaded.fallback = True
+            loaded.warnings.append(message)
+            return None
+
+    def _chunk_kv(self, entry, loaded: Loaded, slot: int) -> torch.Tensor:
+        """A chunk's KV from the RAM tier, else read (and verified) from its shard into read
+        buffer `slot` (valid until the next request assembles), then kept in the RAM tier."""
+        kv_tensor = self.ram.get(entry.kv_key)
+        if kv_tensor is not None:
+            loaded.ram_hits += 1
+            return kv_tensor
+        loaded.ram_misses += 1
+        buffer = self._read_buffer(slot, entry.nbytes + 64) if entry.nbytes else None  # + alignment of parts
+        parts = self.snapshot.shards.read_parts(entry.shard, entry.tensor, entry.checksum, out=buffer)
+        # From pinned host memory the copy to the GPU is asynchronous; the prefill that uses
+        # the KV runs after it on the same stream, and its first token synchronises.
+        parts = {name: t.to(self.device, non_blocking=True) for name, t in parts.items()}
+        kv_tensor = codec.decode(parts, self.lm.model.dtype)
+        if kv_tensor.numel() * kv_tensor.element_size() <= self.ram.max_bytes:
+            kv_tensor = kv_tensor.clone() if kv_tensor.device.type == "cpu" else kv_tensor  # own memory
+            self.ram.put(entry.kv_key, kv_tensor)
+        return kv_tensor
+
+    def _computed_kv(self, row: ContextRow, loaded: Loaded) -> torch.Tensor:
+        """The KV of a chunk the store has none for, `(L, 2, H, T, D)`: from the RAM tier if
+        computed earlier, else computed now after the prefix, exactly as ingest would (and
+        passed through the store's codec, so it equals what a later store read returns).
+        Kept in the RAM tier and handed to the background write-back."""
+        profile = self.active.profile
+        token_ids = row.token_ids if row.token_ids is not None else self._text_ids(row)
+        key = KVKey.for_chunk(profile, token_ids).to_string()
+        kv_tensor = self.ram.get(key)
+        if kv_tensor is not None:
+            loaded.ram_hits += 1
+            loaded.kv_sources[row.chunk_id] = "ram"
+            return kv_tensor
+        start = time.perf_counter()
+        (result,) = compute_chunks(self.lm.model, self.prefix_kv(), [list(token_ids)], len(token_ids), self.lm.pad_id)
+        parts = codec.encode(result.kv, profile.kv_quant)
+        kv_tensor = codec.decode({name: t.to(self.device) for name, t in parts.items()}, self.lm.model.dtype)
+        loaded.kv_compute_ms += _ms(start)
+        loaded.kv_sources[row.chunk_id] = "computed"
+        self.ram.put(key, kv_tensor)
+        writer = self._background_writer()
+        if writer is not None:
+            writer.submit(ComputedKV(profile.profile_id, key, row.chunk_id, token_ids, parts,
+                                     shard_metadata(profile.profile_id, self.lm.facts.name, profile.dtype)))
+        return kv_tensor
+
+    def _text_ids(self, row: ContextRow) -> tuple[int, ...]:
+        return tuple(encode_text(self.lm.tokenizer, row.text))
+
+    def _background_writer(self) -> WriteBack | None:
+        """The background write-back (started on the first miss), or None when off (opened
+        with write_back=False, or the store is on S3)."""
+        if self.writer is None and self.write_back and not self.snapshot.remote:
+            self.writer = WriteBack(self.snapshot.root)
+        return self.writer
+
+    def record_uses(self, rows: Iterable[ContextRow], kv_sources: dict[int, str]) -> None:
+        """Log each chunk a prompt used, with where its KV came from (popularity, hit rate)."""
+        if self._hit_log is None:
+            return
+        try:
+            self._hit_log.record(Use(row.doc_id, row.chunk_index, kv_sources.get(row.chunk_id, "live"))
+                                 for row in rows if not row.live)
+        except OSError as exc:  # a read-only store still answers; it only stops counting
+            log.warning("cannot log chunk uses in %s (%s); popularity is not counted for this engine",
+                        self.snapshot.location, exc.strerror or exc)
+            self._hit_log = None
+
+    def _read_buffer(self, slot: int, size: int) -> torch.Tensor:
+        """Reused host memory to read stored KV into: one buffer per chunk of a request,
+        page-locked when the model is on a GPU (so the host-to-device copy can overlap)."""
+        while len(self._read_buffers) <= slot:
+            self._read_buffers.append(torch.empty(0, dtype=torch.uint8))
+        if self._read_buffers[slot].numel() < size:
+            pinned = torch.device(self.device).type == "cuda"
+            self._read_buffers[slot] = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+        return self._read_buffers[slot]
+
+    def prefix_kv(self) -> torch.Tensor:
+        """The system-prompt KV `(L, 2, H, P, D)`, read once and kept."""
+        if self._prefix_kv is None:
+            entry = self.snapshot.catalog.entry(KVKey.for_prefix(self.active.profile).to_string())
+            if entry is None:
+                raise StoreCorruptError("the system-prompt KV is missing from the store")
+            parts = self.snapshot.shards.read_parts(entry.shard, entry.tensor, entry.checksum)
+            self._prefix_kv = codec.decode(parts, self.lm.model.dtype).to(self.device)
+        return self._prefix_kv
+
+    def _separator_kv(self) -> torch.Tensor:
+        """KV of the chunk separator computed right after the prefix, like a stored chunk."""
+        if self._separator is None:
+            separator = list(self.active.layout.separator_ids)
+            (result,) = compute_chunks(self.lm.model, self.prefix_kv(), [separator], len(separator), self.lm.pad_id)
+            self._separator = result.kv.to(self.device)
+        return self._separator
+
+    def flush(self) -> None:
+        """Wait until KV computed on misses so far is written to the store (or given up)."""
+        if self.writer is not None:
+            self.writer.flush()
+
+    def close(self) -> None:
+        """Finish the write-back and the use log."""
+        if self.writer is not None:
+            self.writer.close()
+        if self._hit_log is not None:
+            self._hit_log.close()
+
+
+def continues_span(previous: ContextRow, row: ContextRow) -> bool:
+    """Whether `row` is the chunk right after `previous` in the same stored span (so their KV
+    loads as one sequence)."""
+    return (not row.starts_span and row.span_start is not None and previous.doc_id == row.doc_id
+            and previous.span_start == row.span_start and row.chunk_index == previous.chunk_index + 1)
+
+
+def _ms(since: float) -> float:
+    return (time.perf_counter() - since) * 1000.0

@@ -1,0 +1,99 @@
+"""What every online path answers with: the loaded model and its stored profile, the retriever
+and the KV loader over one open generation, and the prefill accounting since open. `prepare`
+is the one seam a prompt is built through (ask, conversations, the batcher, the fronts)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ragkv.active import ActiveProfile
+from ragkv.answer import Savings, Source, Stats
+from ragkv.assemble import Assembly
+from ragkv.config import AskSettings
+from ragkv.errors import InputError
+from ragkv.loader import KVLoader, Loaded
+from ragkv.model import LoadedModel
+from ragkv.retrieval import Prompt, Retrieved, Retriever
+from store import StoreSnapshot
+
+
+@dataclass
+class Prepared:
+    """A question ready to prefill: what `Runtime.prepare` returns."""
+
+    retrieved: Retrieved
+    prompt_ids: list[int]  # the whole prompt
+    question_ids: list[int]  # its tail: the question with its template
+    live_ids: list[int]  # the part to prefill now (after what the assembled cache holds)
+    assembly: Assembly
+    stats: Stats  # what retrieving and loading did (counts, timings, warnings)
+
+    def sources(self) -> list[Source]:
+        return [Source(r.doc_id, r.source, r.chunk_index, r.chunk_id, score) for r, score in self.retrieved]
+
+
+class Runtime:
+    def __init__(self, lm: LoadedModel, active: ActiveProfile, retriever: Retriever, loader: KVLoader):
+        self.lm = lm
+        self.active = active
+        self.retriever = retriever
+        self.loader = loader
+        self.savings = Savings()  # every answer's prefill accounting, since open
+
+    @property
+    def snapshot(self) -> StoreSnapshot:
+        return self.retriever.snapshot
+
+    def switch(self, snapshot: StoreSnapshot) -> None:
+        """Answer from `snapshot` from now on."""
+        self.retriever.switch(snapshot)
+        self.loader.switch(snapshot)
+
+    def new_stats(self, settings: AskSettings) -> Stats:
+        return Stats(mode=settings.mode if settings.use_cache else "full", store_generation=self.snapshot.generation)
+
+    def prepare(self, question: str, settings: AskSettings) -> Prepared:
+        """Retrieve (widened to `settings.context`, cut to fit), build the prompt ids, assemble
+        what the store holds of the prompt into a cache, and log the chunks' uses."""
+        prompt = self.retriever.prompt_for(question, settings)
+        load_start = time.perf_counter()
+        loaded = self.loader.load([row for row, _ in prompt.retrieved], prompt.chunk_ids, settings)
+        stats = self._stats_of(prompt, loaded, settings)
+        stats.kv_load_ms = (time.perf_counter() - load_start) * 1000.0
+        self.loader.record_uses([row for row, _ in prompt.retrieved], loaded.kv_sources)
+        assembly = loaded.assembly
+        live_ids = prompt.prompt_ids[assembly.num_cached:]
+        computed = sum(len(ids) for (row, _), ids in zip(prompt.retrieved, prompt.chunk_ids)
+                       if loaded.kv_sources.get(row.chunk_id) == "computed")  # prefilled now, as a miss
+        stats.reused_tokens = assembly.reused_tokens - computed
+        stats.recomputed_tokens = assembly.recomputed_tokens
+        stats.prefix_cache_tokens = assembly.prefix_cache_tokens
+        stats.computed_tokens = len(live_ids) + computed
+        return Prepared(prompt.retrieved, prompt.prompt_ids, prompt.question_ids, live_ids, assembly, stats)
+
+    def _stats_of(self, prompt: Prompt, loaded: Loaded, settings: AskSettings) -> Stats:
+        stats = self.new_stats(settings)
+        stats.retrieval_ms, stats.catalog_ms = prompt.retrieval_ms, prompt.catalog_ms
+        stats.kv_quant = loaded.kv_quant
+        if loaded.fallback:
+            stats.mode = "fallback"
+        stats.kv_sources = dict(loaded.kv_sources)
+        stats.ram_hits, stats.ram_misses = loaded.ram_hits, loaded.ram_misses
+        stats.kv_read_ms, stats.assemble_ms, stats.kv_compute_ms = loaded.kv_read_ms, loaded.assemble_ms, \
+            loaded.kv_compute_ms
+        stats.warnings = [*prompt.warnings, *loaded.warnings]
+        return stats
+
+    def fit_budget(self, num_prompt_tokens: int, max_new_tokens: int, stats: Stats) -> int:
+        """How many tokens an answer after `num_prompt_tokens` may have (at most
+        `max_new_tokens`); a cut is said in `stats`' warnings."""
+        room = self.lm.facts.max_context - num_prompt_tokens
+        if room < 1:
+            raise InputError(
+                f"the prompt is {num_prompt_tokens} tokens, over the model's context of {self.lm.facts.max_context}; "
+                "ask a shorter question or use a smaller --top-k"
+            )
+        if room < max_new_tokens:
+            stats.warnings.append(f"max_new_tokens cut from {max_new_tokens} to {room} to fit the context")
+        return min(room, max_new_tokens)
