@@ -133,11 +133,6 @@ def layer_deviation(cache, exact: DynamicCache, layer: int, start: int) -> torch
     return (approx - truth).norm(dim=(0, 2))
 
 
-def repeat_batch(cache, batch_size: int) -> None:
-    """Turn a batch-1 cache into `batch_size` identical rows, in place."""
-    cache.batch_repeat_interleave(batch_size)
-
-
 class GrowingLayer(DynamicLayer):
     """A `DynamicLayer` that appends in place: keys and values live in buffers with spare
     tokens, and `keys`/`values` are views of their filled part. DynamicLayer's `update` copies

@@ -35,9 +35,8 @@ from ragkv import kv
 from ragkv.answer import Answer
 from ragkv.config import AskSettings, DecodeSettings
 from ragkv.conversation import Conversation, TurnPlan
-from ragkv.decoding import Decoder
 from ragkv.errors import InputError, RagkvError
-from ragkv.generate import Generated, TextStream, prefill
+from ragkv.generate import DecodeState, prefill
 from ragkv.runtime import Runtime
 from ragkv.text import check_text
 
@@ -102,13 +101,7 @@ class _Turn:
     on_text: Callable[[str], None] | None
     plan: TurnPlan | None = None
     pending: list[int] = field(default_factory=list)  # prompt ids still to prefill
-    decoder: Decoder | None = None
-    text: TextStream | None = None
-    next_token: int = -1  # picked, not yet fed
-    prefill_s: float = 0.0
-    first_token_s: float = 0.0
-    decode_start: float = 0.0
-    finish_reason: str = ""
+    state: DecodeState | None = None
     max_rows: int = 1  # the largest batch this turn decoded in
 
     @property
@@ -248,8 +241,8 @@ class Batcher:
                     turn.conversation = turn.conversation()
                 turn.plan = turn.conversation.begin_turn(turn.message, turn.max_new_tokens)
                 turn.pending = list(turn.plan.live_ids)
-                turn.decoder = Decoder(turn.decoding)
-                turn.text = TextStream(self.runtime.lm.tokenizer, turn.decoding.stop)
+                turn.state = DecodeState(self.runtime.lm.tokenizer, self.runtime.lm.facts.eos_ids, turn.plan.budget,
+                                         turn.decoding, turn.plan.start)
             except Exception as exc:
                 if not isinstance(exc, RagkvError):
                     log.exception("a request failed as it joined the batch")
@@ -274,13 +267,12 @@ class Batcher:
             started = time.perf_counter()
             chunk, turn.pending = turn.pending[:self.settings.prefill_chunk], turn.pending[self.settings.prefill_chunk:]
             logits = prefill(self.runtime.lm.model, chunk, turn.plan.cache)
-            turn.prefill_s += time.perf_counter() - started
+            turn.state.prefill_s += time.perf_counter() - started
             if turn.pending:
                 return
             self._prefilling.popleft()
             if turn.plan.after_prefill is not None:
                 turn.plan.after_prefill(turn.plan.cache)
-            turn.decode_start = time.perf_counter()
             if self._take(turn, logits):
                 self._finish(turn, turn.plan.cache)
                 return
@@ -300,7 +292,7 @@ class Batcher:
 
     @torch.inference_mode()
     def _decode_step(self) -> None:
-        logits = self._batch.step(self.runtime.lm.model, [t.next_token for t in self._rows])  # (B, V)
+        logits = self._batch.step(self.runtime.lm.model, [t.state.next_token for t in self._rows])  # (B, V)
         for turn in self._rows:
             turn.max_rows = max(turn.max_rows, len(self._rows))
         done = [i for i, turn in enumerate(self._rows) if self._take(turn, logits[i])]
@@ -312,22 +304,12 @@ class Batcher:
 
     def _take(self, turn: _Turn, logits: torch.Tensor) -> bool:
         """Pick `turn`'s next token from `logits`; returns whether the turn is finished."""
-        token = turn.decoder.next_token(logits)
-        if token in self.runtime.lm.facts.eos_ids:
-            turn.finish_reason = "stop"
-            return True
-        if not turn.text.token_ids:
-            turn.first_token_s = time.perf_counter() - turn.plan.start
-        self.tokens_generated += 1
-        delta = turn.text.push(token)
-        if delta and turn.on_text is not None:
-            turn.on_text(delta)
-        turn.next_token = token
-        if turn.text.stopped:
-            turn.finish_reason = "stop"
-        elif len(turn.text.token_ids) >= turn.plan.budget:
-            turn.finish_reason = "length"
-        return bool(turn.finish_reason)
+        had = len(turn.state.token_ids)
+        finished = turn.state.take(logits)
+        self.tokens_generated += len(turn.state.token_ids) - had
+        if turn.state.delta and turn.on_text is not None:
+            turn.on_text(turn.state.delta)
+        return finished
 
     def _leave(self, rows: list[int]) -> None:
         for i in rows:
@@ -336,13 +318,10 @@ class Batcher:
             self._rows = [self._rows[i] for i in self._batch.remove(rows)]
 
     def _finish(self, turn: _Turn, cache) -> None:
-        if turn.text.token_ids and not turn.text.stopped and (tail := turn.text.finish()) and turn.on_text:
+        if (tail := turn.state.finish()) and turn.on_text:
             turn.on_text(tail)
-        done = Generated(turn.text.token_ids, turn.text.text, turn.finish_reason, turn.prefill_s,
-                         turn.first_token_s or time.perf_counter() - turn.plan.start,
-                         time.perf_counter() - turn.decode_start)
         try:
-            answer = turn.conversation.end_turn(turn.plan, done, cache)
+            answer = turn.conversation.end_turn(turn.plan, turn.state.result(), cache)
             answer.stats.batch_size = turn.max_rows
         except BaseException as exc:
             turn.ticket.resolve(error=exc)
@@ -352,12 +331,11 @@ class Batcher:
     def _drop_cancelled(self) -> None:
         for turn in [t for t in self._prefilling if t.ticket.is_cancelled]:
             self._prefilling.remove(turn)
-            turn.finish_reason = "cancelled"
-            turn.decode_start = turn.decode_start or time.perf_counter()
+            turn.state.finish_reason = "cancelled"
             self._finish(turn, None)
         cancelled = [i for i, t in enumerate(self._rows) if t.ticket.is_cancelled]
         for i in cancelled:
-            self._rows[i].finish_reason = "cancelled"
+            self._rows[i].state.finish_reason = "cancelled"
         self._leave(cancelled)
 
     def _fail_active(self, exc: BaseException) -> None:
