@@ -13,19 +13,18 @@ from __future__ import annotations
 import dataclasses
 
 import math
-import os
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-import numpy as np
 
 from pipelines.chunk import chunk_text, chunking_id
 from ragkv.forward import compute_chunks, compute_prefix, shard_metadata, split_segments
 from pipelines.plan import DocumentPlan, content_hash, plan_documents
 from pipelines import ray_engine, vllm_engine
+from pipelines.ray_ingest import RayJob, run_ray_job
 from pipelines.progress import Reporter
 from pipelines.read import Document, Skipped, read_documents
 from ragkv import codec, spans
@@ -35,7 +34,8 @@ from ragkv.errors import InputError, ModelError
 from ragkv.keys import KVKey, Profile
 from ragkv.model import LoadedModel, load_model
 from ragkv.prompt import PromptLayout, encode_text
-from store import ChunkRow, DocumentRow, SealedEntry, StoreWriter, budget
+from store import ChunkRow, DocumentRow, StoreWriter, budget
+from store.catalog import ChunkLink, ProfileRow
 from store.store import open_writer
 
 ENGINES = ("local", "ray", "vllm")
@@ -227,11 +227,14 @@ def _write(writer: StoreWriter, documents: list[Document], lm: LoadedModel, embe
     work, prefix_key = _todo(catalog, pending, profile, report)
     if job:
         chunks = [u.chunks[0] for u in work]  # without spans every unit is one chunk
-        _run_ray_job(job, writer, new_chunks, chunks, prefix_key, lm, profile, settings, vectors, reporter, report)
+        done = run_ray_job(job, writer, new_chunks, chunks, prefix_key, lm, profile, settings, vectors, reporter)
+        report.kv_computed += done.kv_computed
+        report.tokens_computed += done.tokens_computed
+        report.compute_s = done.compute_s
     else:
         _embed(new_chunks, embedder, vectors, reporter)
         _compute_and_store(writer, work, prefix_key, lm, profile, settings, reporter, report)
-    catalog.link_chunks(profile.profile_id, [(p.chunk_id, p.key, p.token_ids, p.span_start) for p in pending])
+    catalog.link_chunks(profile.profile_id, [ChunkLink(p.chunk_id, p.key, p.token_ids, p.span_start) for p in pending])
     if limit is not None:  # estimates planned the work; the bytes written decide
         report.kv_evicted += len(budget.enforce(writer, profile.profile_id, limit))
         catalog.set_meta({"kv_budget": str(limit)})
@@ -380,68 +383,7 @@ def _compute_and_store(writer: StoreWriter, work: list[Unit], prefix_key: str | 
     report.compute_s = time.perf_counter() - compute_started
 
 
-@dataclass(frozen=True)
-class RayJob:
-    workers: int
-    cpus: float  # per worker
-    gpus: float  # per worker
-    model: ModelSettings  # what the workers load and where (the driver plans on the CPU)
-
-
-def _run_ray_job(job: RayJob, writer: StoreWriter, to_embed: list[ChunkRow], work: list[PendingChunk],
-                 prefix_key: str | None, lm: LoadedModel, profile: Profile, settings: IngestSettings, vectors,
-                 reporter: Reporter, report: IngestReport) -> None:
-    """Embed `to_embed` and compute `work` (and the prefix) on Ray; commit what comes back."""
-    rows: dict[int, dict] = {c.chunk_id: {"chunk_id": c.chunk_id, "text": c.text, "embed": True, "key": "",
-                                          "token_ids": [], "prefix": False} for c in to_embed}
-    for p in work:
-        row = rows.setdefault(p.chunk_id, {"chunk_id": p.chunk_id, "text": p.text, "embed": False, "prefix": False})
-        row.update(key=p.key, token_ids=list(p.token_ids))
-    if prefix_key:
-        rows[-1] = {"chunk_id": -1, "text": "", "embed": False, "key": prefix_key, "token_ids": [], "prefix": True}
-    if not rows:
-        return
-    spec = ray_engine.WorkerSpec(
-        model=job.model.model, embedder=job.model.embedder, device=job.model.device, dtype=job.model.dtype,
-        model_fingerprint=profile.model_fingerprint, tokenizer_fingerprint=profile.tokenizer_fingerprint,
-        prefix_ids=tuple(profile.prefix_ids), kv_quant=profile.kv_quant,
-        batch_tokens=settings.batch_tokens_for(job.model.device),
-        shard_metadata=shard_metadata(profile.profile_id, lm.facts.name, profile.dtype),
-        shard_target=writer.location,
-        threads=max(1, math.ceil(job.cpus - 0.01)) if not job.gpus else 1,  # the CPUs each actor was given
-        kill_once_marker=os.environ.get(ray_engine.KILL_ONCE_ENV, ""),
-    )
-    tokens = {p.key: len(p.token_ids) for p in work}
-    reporter.stage("embed + KV", len(rows))
-    started = time.perf_counter()
-    for batch in ray_engine.run_job(list(rows.values()), spec, job.workers, job.cpus, job.gpus,
-                                    ray_engine.DEFAULT_BATCH_ROWS):
-        embedded = np.flatnonzero(batch["embed"])
-        if len(embedded):
-            vectors.add([int(batch["chunk_id"][i]) for i in embedded], batch["vector"][embedded])
-        entries = [SealedEntry(str(batch["key"][i]), str(batch["shard"][i]), int(batch["num_tokens"][i]),
-                               str(batch["dtype"][i]), int(batch["nbytes"][i]), str(batch["checksum"][i]))
-                   for i in range(len(batch["key"])) if batch["shard"][i]]
-        writer.catalog.add_entries(profile.profile_id, entries, {prefix_key} if prefix_key else set())
-        computed = [tokens[e.name] for e in entries if e.name in tokens]
-        report.kv_computed += len(computed)
-        report.tokens_computed += sum(computed)
-        reporter.advance(len(batch["chunk_id"]), tokens=sum(computed))
-    report.compute_s = time.perf_counter() - started  # the whole job: embedding, KV, shard writes
-
-
-def _profile_row(profile: Profile, lm: LoadedModel, system_prompt: str) -> dict:
-    return {
-        "profile_id": profile.profile_id,
-        "model_name": lm.facts.name,
-        "model_fingerprint": profile.model_fingerprint,
-        "tokenizer_fingerprint": profile.tokenizer_fingerprint,
-        "template_fingerprint": profile.template_fingerprint,
-        "system_prompt": system_prompt,
-        "prefix_ids": list(profile.prefix_ids),
-        "dtype": profile.dtype,
-        "kv_quant": profile.kv_quant,
-        "num_layers": lm.facts.num_layers,
-        "num_kv_heads": lm.facts.num_kv_heads,
-        "head_dim": lm.facts.head_dim,
-    }
+def _profile_row(profile: Profile, lm: LoadedModel, system_prompt: str) -> ProfileRow:
+    return ProfileRow(profile.profile_id, lm.facts.name, profile.model_fingerprint, profile.tokenizer_fingerprint,
+                      profile.template_fingerprint, system_prompt, tuple(profile.prefix_ids), profile.dtype,
+                      profile.kv_quant, lm.facts.num_layers, lm.facts.num_kv_heads, lm.facts.head_dim)

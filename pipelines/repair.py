@@ -59,28 +59,28 @@ def repair(store: Path | str, device: str = "cpu", wait: bool = False) -> Repair
 
 def _recompute(writer: StoreWriter, profile_id: str, keys: list[str], device: str, report: RepairReport) -> None:
     catalog = writer.catalog
-    row = next((p for p in catalog.profiles() if p["profile_id"] == profile_id), None)
+    row = catalog.profile(profile_id)
     if row is None:
         report.unrepairable.append(f"profile {profile_id[:16]} is not in the catalog")
         return
     try:
-        lm = load_model(row["model_name"], device, row["dtype"])
+        lm = load_model(row.model_name, device, row.dtype)
     except ModelError as exc:
-        report.unrepairable.append(f"{row['model_name']}: {exc}")
+        report.unrepairable.append(f"{row.model_name}: {exc}")
         return
-    if lm.facts.fingerprint != row["model_fingerprint"]:
-        report.unrepairable.append(f"{row['model_name']}: weights differ from those the KV was computed with")
+    if lm.facts.fingerprint != row.model_fingerprint:
+        report.unrepairable.append(f"{row.model_name}: weights differ from those the KV was computed with")
         return
-    shards = writer.shard_writer(IngestSettings().shard_bytes, shard_metadata(profile_id, row["model_name"], row["dtype"]))
+    shards = writer.shard_writer(IngestSettings().shard_bytes, shard_metadata(profile_id, row.model_name, row.dtype))
     prefix_key = KVKey.prefix_of(profile_id).to_string()
-    prefix_kv = compute_prefix(lm.model, row["prefix_ids"])
-    quant = row["kv_quant"]
+    prefix_kv = compute_prefix(lm.model, row.prefix_ids)
+    quant = row.kv_quant
     sealed = shards.add(prefix_key, codec.encode(prefix_kv, quant)) if prefix_key in keys else []
     chunk_keys = [k for k in keys if k != prefix_key and catalog.token_ids_of(k) is not None]
     unused = [k for k in keys if k != prefix_key and k not in chunk_keys]
     catalog.delete_entries(unused)
     report.entries_dropped += len(unused)
-    separator = PromptLayout.build(lm.tokenizer, row["system_prompt"]).separator_ids
+    separator = PromptLayout.build(lm.tokenizer, row.system_prompt).separator_ids
     to_compute = _spans_of(catalog, chunk_keys, separator)
     sequences = [[t for segment in segments for t in segment] for _, segments in to_compute]
     for result in compute_chunks(lm.model, prefix_kv, sequences, IngestSettings().batch_tokens_for(device), lm.pad_id):
@@ -103,8 +103,8 @@ def _spans_of(catalog, keys: list[str], separator) -> list[tuple[list[str], list
         if key in covered:
             continue
         links = catalog.span_links(key)
-        span_keys = [k for k, _ in links]
-        segments = spans.segments([ids for _, ids in links], separator)
+        span_keys = [link.kv_key for link in links]
+        segments = spans.segments([link.token_ids for link in links], separator)
         covered.update(span_keys)
         found.append((span_keys, segments))
     return found

@@ -33,40 +33,33 @@ def open_model(snapshot: StoreSnapshot, name: str | None, device: str, dtype: st
     if not rows:
         raise StoreEmptyError(f"store {snapshot.location} holds no KV; add documents with: ragkv ingest DOCS")
     last = snapshot.catalog.meta().get("last_profile")
-    default = next((r for r in rows if r["profile_id"] == last), rows[0])
-    name = model_name(name) if name else default["model_name"]
-    same_name = [r for r in rows if r["model_name"] == name]
-    dtype = resolve_dtype(dtype, device) if dtype else (same_name[0]["dtype"] if same_name else default["dtype"])
-    if kv_dtype is not None and not any(r["kv_quant"] == codec.kv_quant(kv_dtype, dtype) for r in same_name or rows):
-        held = ", ".join(sorted({r["kv_quant"] for r in same_name or rows}))
+    default = next((r for r in rows if r.profile_id == last), rows[0])
+    name = model_name(name) if name else default.model_name
+    same_name = [r for r in rows if r.model_name == name]
+    dtype = resolve_dtype(dtype, device) if dtype else (same_name[0].dtype if same_name else default.dtype)
+    if kv_dtype is not None and not any(r.kv_quant == codec.kv_quant(kv_dtype, dtype) for r in same_name or rows):
+        held = ", ".join(sorted({r.kv_quant for r in same_name or rows}))
         raise ModelError(f"store {snapshot.location} holds no KV stored as {kv_dtype} for {name} (it holds: "
                          f"{held}; 'none' is lossless); omit --kv-dtype, or ingest with --kv-dtype {kv_dtype}")
     lm = load_model(name, device, dtype, weights)
-    candidates = [r for r in rows if r["model_fingerprint"] == lm.facts.fingerprint and r["dtype"] == dtype
-                  and (kv_dtype is None or r["kv_quant"] == codec.kv_quant(kv_dtype, dtype))]
+    candidates = [r for r in rows if r.model_fingerprint == lm.facts.fingerprint and r.dtype == dtype
+                  and (kv_dtype is None or r.kv_quant == codec.kv_quant(kv_dtype, dtype))]
     if not candidates:
-        held = ", ".join(sorted({f"{r['model_name']} ({r['dtype']}, KV {r['kv_quant']})" for r in rows}))
+        held = ", ".join(sorted({f"{r.model_name} ({r.dtype}, KV {r.kv_quant})" for r in rows}))
         raise ModelError(
             f"store {snapshot.location} has no KV for model {name} in {dtype}"
             f"{f' stored as {kv_dtype}' if kv_dtype else ''} (it holds: {held}); "
             f"ingest with --model {name} --dtype {dtype}, or omit --model"
         )
-    row = next((r for r in candidates if r["profile_id"] == last), candidates[0])
-    layout = PromptLayout.build(lm.tokenizer, row["system_prompt"])
-    profile = Profile(
-        model_fingerprint=lm.facts.fingerprint,
-        tokenizer_fingerprint=lm.facts.tokenizer_fingerprint,
-        template_fingerprint=layout.template_fingerprint,
-        prefix_ids=layout.prefix_ids,
-        dtype=dtype,
-        kv_quant=row["kv_quant"],
-    )
-    if profile.profile_id != row["profile_id"]:
+    row = next((r for r in candidates if r.profile_id == last), candidates[0])
+    layout = PromptLayout.build(lm.tokenizer, row.system_prompt)
+    profile = Profile.from_row(row, lm.facts.fingerprint, lm.facts.tokenizer_fingerprint, layout)
+    if profile is None:
         raise ModelError(
             f"model {name}'s tokenizer or chat template differs from when store {snapshot.location} was built; "
             "re-run ragkv ingest to recompute the KV"
         )
-    return lm, ActiveProfile(profile, layout, row["system_prompt"])
+    return lm, ActiveProfile(profile, layout, row.system_prompt)
 
 
 def open_embedder(snapshot: StoreSnapshot, name: str | None, device: str) -> Embedder:

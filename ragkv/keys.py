@@ -76,6 +76,15 @@ class Profile:
     def num_prefix_tokens(self) -> int:
         return len(self.prefix_ids)
 
+    @classmethod
+    def from_row(cls, row, model_fingerprint: str, tokenizer_fingerprint: str, layout) -> "Profile | None":
+        """The profile a loaded model (its fingerprints, and `layout`: the prompt layout its
+        tokenizer builds from `row.system_prompt`) computes for a stored profile `row`; None
+        when it is not that profile (other weights, tokenizer or template)."""
+        profile = cls(model_fingerprint, tokenizer_fingerprint, layout.template_fingerprint,
+                      tuple(layout.prefix_ids), row.dtype, row.kv_quant)
+        return profile if profile.profile_id == row.profile_id else None
+
 
 @dataclass(frozen=True)
 class KVKey:

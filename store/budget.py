@@ -143,7 +143,7 @@ def set_budget(root, size: int | None, wait: bool = False) -> BudgetReport:
         if size is not None:
             check_budget(size, catalog.prefix_bytes())
             for profile in catalog.profiles():
-                report.evicted += len(enforce(writer, profile["profile_id"], size))
+                report.evicted += len(enforce(writer, profile.profile_id, size))
         catalog.set_meta({"kv_budget": "" if size is None else str(size)})
         report.kv_bytes = catalog.kv_bytes()
         report.generation = writer.publish()

@@ -40,7 +40,7 @@ def collect_garbage(root: Path | str, other_models: bool = False, wait: bool = F
         catalog = writer.catalog
         if other_models:
             keep = catalog.meta().get("last_profile")
-            others = [p["profile_id"] for p in catalog.profiles() if p["profile_id"] != keep]
+            others = [p.profile_id for p in catalog.profiles() if p.profile_id != keep]
             catalog.drop_profiles(others)
             report.profiles_dropped = len(others)
         report.entries_removed, report.shards_rewritten = drop_dead(writer, rewrite_below)

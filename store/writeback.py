@@ -25,6 +25,7 @@ import torch
 
 from ragkv.errors import RagkvError, StoreLockedError
 from store import budget
+from store.catalog import ChunkLink
 from store.gc import drop_dead
 from store.store import open_writer
 
@@ -158,7 +159,7 @@ class WriteBack:
             if shards:
                 catalog.add_entries(profile_id, shards.flush())
             written = {b.kv_key for b in new} | stored
-            links = {b.chunk_id: (b.chunk_id, b.kv_key, b.token_ids) for b in batch
+            links = {b.chunk_id: ChunkLink(b.chunk_id, b.kv_key, b.token_ids) for b in batch
                      if b.chunk_id in alive and b.kv_key in written}  # one per chunk: it may have missed twice
             catalog.link_chunks(profile_id, list(links.values()))
             self.report.stored += len(new)

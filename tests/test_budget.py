@@ -178,7 +178,7 @@ def test_reingest_recomputes_a_changed_hot_document_before_cold_ones(stores, tin
     full, _ = stores
     prefix, _ = _entry_bytes(full)
     with open_snapshot(full) as snapshot:
-        per_token = prefix // len(snapshot.catalog.profiles()[0]["prefix_ids"])
+        per_token = prefix // len(snapshot.catalog.profiles()[0].prefix_ids)
     limit = prefix + 30 * per_token  # room for one of the two changed chunks (about 20 tokens each)
     docs = tmp_path / "docs"
     shutil.copytree(corpus, docs)

@@ -16,7 +16,7 @@ import pytest
 import ragkv
 from ragkv.errors import ModelError, StoreFormatError
 from store import StoreWriter, collect_garbage, open_snapshot, verify
-from store import catalog as catalog_module
+from store.catalog import schema as catalog_schema
 from store.generations import read_current
 from tests.conftest import QUESTIONS, ROOT, build_store, flip_bit_of_entry, run_cli
 from tests.test_exactness import assert_cached_equals_full
@@ -156,7 +156,7 @@ def test_verify_finds_damage_and_repair_fixes_it(store, damage):
 
 def test_an_older_catalog_is_migrated_by_a_writer_and_refused_by_readers(store, monkeypatch):
     extra = ("0002_test_column", "ALTER TABLE documents ADD COLUMN test_note VARCHAR;")
-    monkeypatch.setattr(catalog_module, "_MIGRATIONS", catalog_module._MIGRATIONS + [extra])
+    monkeypatch.setattr(catalog_schema, "MIGRATIONS", catalog_schema.MIGRATIONS + [extra])
     with pytest.raises(StoreFormatError, match="0002_test_column"):
         open_snapshot(store)
     with StoreWriter(store) as writer:

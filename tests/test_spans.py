@@ -44,7 +44,7 @@ def span_store(tiny_llama, tmp_path):
 
 def _rows(store):
     with open_snapshot(store) as snapshot:
-        profile_id = snapshot.catalog.profiles()[0]["profile_id"]
+        profile_id = snapshot.catalog.profiles()[0].profile_id
         ids = sorted(snapshot.catalog.chunk_ids())
         return sorted(snapshot.catalog.context_rows(profile_id, ids), key=lambda r: (r.doc_id, r.chunk_index))
 

@@ -150,16 +150,15 @@ def profile_for(store: str | Path, identity: ModelIdentity) -> Profile:
     with open_snapshot(store, require_documents=False) as snapshot:
         rows = snapshot.catalog.profiles()
         last = snapshot.catalog.meta().get("last_profile")
-    rows.sort(key=lambda r: r["profile_id"] != last)
+    rows.sort(key=lambda r: r.profile_id != last)
     for row in rows:
-        if row["model_fingerprint"] != identity.model_fingerprint or row["dtype"] != identity.dtype:
+        if row.model_fingerprint != identity.model_fingerprint or row.dtype != identity.dtype:
             continue
-        layout = PromptLayout.build(identity.tokenizer, row["system_prompt"])
-        profile = Profile(identity.model_fingerprint, identity.tokenizer_fingerprint, layout.template_fingerprint,
-                          layout.prefix_ids, identity.dtype, row["kv_quant"])
-        if profile.profile_id == row["profile_id"]:
+        layout = PromptLayout.build(identity.tokenizer, row.system_prompt)
+        profile = Profile.from_row(row, identity.model_fingerprint, identity.tokenizer_fingerprint, layout)
+        if profile is not None:
             return profile
-    held = ", ".join(sorted({f"{r['model_name']} ({r['dtype']})" for r in rows})) or "nothing"
+    held = ", ".join(sorted({f"{r.model_name} ({r.dtype})" for r in rows})) or "nothing"
     raise ModelError(f"store {store} holds no KV for this model in {identity.dtype} with this tokenizer (it holds "
                      f"{held}); serve the model the store was built with, or ingest with this one")
 
@@ -179,10 +178,7 @@ class StoreMatcher:
     def _load(self) -> None:
         catalog = self.snapshot.catalog
         self.prefix_entry = catalog.entry(KVKey.for_prefix(self.profile).to_string())
-        rows = catalog.con.execute(
-            "SELECT DISTINCT num_tokens FROM kv_entries WHERE profile_id = ? AND kind = 'chunk' ORDER BY 1 DESC",
-            [self.profile.profile_id]).fetchall()
-        self.lengths = [r[0] for r in rows]  # longest first: the longest stored continuation wins
+        self.lengths = catalog.entry_lengths(self.profile.profile_id)  # longest first: the longest continuation wins
 
     def refresh(self) -> None:
         if self.snapshot.latest_generation() != self.snapshot.generation:

@@ -1,0 +1,80 @@
+"""Documents and their chunks (mixed into `Catalog`)."""
+
+from __future__ import annotations
+
+import json
+from typing import Iterable, Sequence
+
+import pyarrow as pa
+
+from store.catalog.rows import ChunkRow, DocumentRow
+
+
+class Documents:
+    def documents(self) -> dict[str, DocumentRow]:
+        rows = self.con.execute("SELECT doc_id, source, content_hash, chunking, num_chunks FROM documents").fetchall()
+        return {row[0]: DocumentRow(*row) for row in rows}
+
+    def chunks_of(self, doc_ids: Iterable[str]) -> list[ChunkRow]:
+        ids = list(doc_ids)
+        if not ids:
+            return []
+        rows = self.con.execute(
+            "SELECT chunk_id, doc_id, chunk_index, text FROM chunks WHERE doc_id IN (SELECT unnest(?)) "
+            "ORDER BY doc_id, chunk_index",
+            [ids],
+        ).fetchall()
+        return [ChunkRow(*row) for row in rows]
+
+    def next_chunk_id(self) -> int:
+        return self.con.execute("SELECT coalesce(max(chunk_id), -1) + 1 FROM chunks").fetchone()[0]
+
+    def delete_documents(self, doc_ids: Sequence[str]) -> list[int]:
+        """Remove documents with their chunks and chunk-to-KV links; returns the chunk ids removed.
+        KV entries stay (other chunks or profiles may share them); garbage collection drops them."""
+        if not doc_ids:
+            return []
+        ids = list(doc_ids)
+        chunk_ids = [r[0] for r in self.con.execute(
+            "SELECT chunk_id FROM chunks WHERE doc_id IN (SELECT unnest(?))", [ids]).fetchall()]
+        self.con.execute("DELETE FROM chunk_kv WHERE chunk_id IN (SELECT unnest(?))", [chunk_ids])
+        self.con.execute("DELETE FROM chunks WHERE doc_id IN (SELECT unnest(?))", [ids])
+        self.con.execute("DELETE FROM documents WHERE doc_id IN (SELECT unnest(?))", [ids])
+        return chunk_ids
+
+    def add_documents(self, documents: Sequence[DocumentRow], metadata: Sequence[dict], chunks: Sequence[ChunkRow]) -> None:
+        new_docs = pa.table({
+            "doc_id": [d.doc_id for d in documents],
+            "source": [d.source for d in documents],
+            "content_hash": [d.content_hash for d in documents],
+            "chunking": [d.chunking for d in documents],
+            "num_chunks": pa.array([d.num_chunks for d in documents], pa.int32()),
+            "metadata": [json.dumps(m, sort_keys=True) for m in metadata],
+        })
+        new_chunks = pa.table({
+            "chunk_id": pa.array([c.chunk_id for c in chunks], pa.int64()),
+            "doc_id": [c.doc_id for c in chunks],
+            "chunk_index": pa.array([c.chunk_index for c in chunks], pa.int32()),
+            "text": [c.text for c in chunks],
+        })
+        self.con.execute("INSERT INTO documents (doc_id, source, content_hash, chunking, num_chunks, metadata) "
+                         "SELECT * FROM new_docs")
+        self.con.execute("INSERT INTO chunks SELECT * FROM new_chunks")
+
+    def chunk_texts(self, chunk_ids: Sequence[int]) -> dict[int, str]:
+        rows = self.con.execute("SELECT chunk_id, text FROM chunks WHERE chunk_id IN (SELECT unnest(?))",
+                                [list(chunk_ids)]).fetchall()
+        return dict(rows)
+
+    def chunk_refs(self, chunk_ids: Sequence[int]) -> dict[int, tuple[str, int, str]]:
+        """`{chunk_id: (doc_id, chunk_index, text)}` of those of `chunk_ids` the store holds."""
+        rows = self.con.execute("SELECT chunk_id, doc_id, chunk_index, text FROM chunks "
+                                "WHERE chunk_id IN (SELECT unnest(?))", [list(chunk_ids)]).fetchall()
+        return {r[0]: (r[1], r[2], r[3]) for r in rows}
+
+    def chunk_ids_of(self, doc_id: str) -> list[int]:
+        return [r[0] for r in self.con.execute("SELECT chunk_id FROM chunks WHERE doc_id = ? ORDER BY chunk_index",
+                                               [doc_id]).fetchall()]
+
+    def chunk_ids(self) -> set[int]:
+        return {r[0] for r in self.con.execute("SELECT chunk_id FROM chunks").fetchall()}

@@ -1,0 +1,213 @@
+"""Profiles, KV entries, and the links from chunks to the entries holding their KV, spans
+included (mixed into `Catalog`)."""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import pyarrow as pa
+
+from store.catalog.rows import ENTRY_COLUMNS, ChunkLink, ContextRow, EntryRow, ProfileRow, SpanLink
+from store.shards import SealedEntry
+
+
+class Entries:
+    def add_profile(self, row: ProfileRow) -> None:
+        """Insert a profile row unless its id is already present."""
+        exists = self.con.execute("SELECT 1 FROM profiles WHERE profile_id = ?", [row.profile_id]).fetchone()
+        if not exists:
+            values = [list(v) if isinstance(v, tuple) else v for v in (getattr(row, c) for c in ProfileRow.COLUMNS)]
+            self.con.execute(f"INSERT INTO profiles ({', '.join(ProfileRow.COLUMNS)}) "
+                             f"VALUES ({', '.join('?' for _ in ProfileRow.COLUMNS)})", values)
+
+    def profiles(self) -> list[ProfileRow]:
+        """Profile rows, newest first."""
+        rows = self.con.execute(f"SELECT {', '.join(ProfileRow.COLUMNS)} FROM profiles ORDER BY created_at DESC")
+        return [ProfileRow(*row[:6], tuple(row[6] or ()), *row[7:]) for row in rows.fetchall()]
+
+    def profile(self, profile_id: str) -> ProfileRow | None:
+        return next((p for p in self.profiles() if p.profile_id == profile_id), None)
+
+    def add_entries(self, profile_id: str, entries: Sequence[SealedEntry], prefix_keys: set[str] = frozenset()) -> None:
+        """Commit rows for entries of sealed shards (one transaction). Entries named in
+        `prefix_keys` are the shared prefix KV; the rest are chunks."""
+        if not entries:
+            return
+        new_entries = pa.table({
+            "kv_key": [e.name for e in entries],
+            "profile_id": [profile_id] * len(entries),
+            "kind": ["prefix" if e.name in prefix_keys else "chunk" for e in entries],
+            "shard": [e.shard for e in entries],
+            "tensor": [e.name for e in entries],
+            "num_tokens": pa.array([e.num_tokens for e in entries], pa.int32()),
+            "dtype": [e.dtype for e in entries],
+            "nbytes": pa.array([e.nbytes for e in entries], pa.int64()),
+            "checksum": [e.checksum for e in entries],
+        })
+        with self.transaction():
+            self.con.execute(
+                "INSERT INTO kv_entries (kv_key, profile_id, kind, shard, tensor, num_tokens, dtype, nbytes, checksum) "
+                "SELECT * FROM new_entries WHERE kv_key NOT IN (SELECT kv_key FROM kv_entries)"
+            )
+
+    def existing_keys(self, keys: Iterable[str]) -> set[str]:
+        wanted = list(keys)
+        if not wanted:
+            return set()
+        rows = self.con.execute("SELECT kv_key FROM kv_entries WHERE kv_key IN (SELECT unnest(?))", [wanted]).fetchall()
+        return {r[0] for r in rows}
+
+    def entry(self, kv_key: str) -> EntryRow | None:
+        row = self.con.execute(f"SELECT {ENTRY_COLUMNS} FROM kv_entries e WHERE kv_key = ?", [kv_key]).fetchone()
+        return EntryRow(*row) if row else None
+
+    def link_chunks(self, profile_id: str, links: Sequence[ChunkLink]) -> None:
+        """Record, for each link, which KV entry holds its chunk under `profile_id`."""
+        new_links = pa.table({
+            "chunk_id": pa.array([link.chunk_id for link in links], pa.int64()),
+            "profile_id": [profile_id] * len(links),
+            "kv_key": [link.kv_key for link in links],
+            "token_ids": pa.array([list(link.token_ids) for link in links], pa.list_(pa.int32())),
+            "span_start": pa.array([link.span_start for link in links], pa.int32()),
+        })
+        self.con.execute("DELETE FROM chunk_kv WHERE profile_id = ? AND chunk_id IN (SELECT chunk_id FROM new_links)",
+                         [profile_id])
+        self.con.execute("INSERT INTO chunk_kv SELECT chunk_id, profile_id, kv_key, token_ids, span_start FROM new_links")
+
+    def span_chunk_ids(self, profile_id: str, doc_id: str, span_start: int) -> list[int]:
+        """Chunk ids of the span of `doc_id` that starts at chunk_index `span_start`, in order."""
+        rows = self.con.execute(
+            "SELECT c.chunk_id FROM chunks c JOIN chunk_kv k USING (chunk_id) WHERE k.profile_id = ? AND c.doc_id = ? "
+            "AND coalesce(k.span_start, c.chunk_index) = ? AND c.chunk_index >= ? ORDER BY c.chunk_index",
+            [profile_id, doc_id, span_start, span_start]).fetchall()
+        return [r[0] for r in rows]
+
+    def span_links(self, kv_key: str) -> list[SpanLink]:
+        """Every chunk of the span holding `kv_key`, in order (one for a chunk whose KV stands
+        alone; none when no chunk links to the key)."""
+        rows = self.con.execute(
+            """
+            WITH target AS (
+                SELECT k.profile_id, c.doc_id, coalesce(k.span_start, c.chunk_index) AS start, k.span_start
+                FROM chunk_kv k JOIN chunks c USING (chunk_id) WHERE k.kv_key = ? LIMIT 1)
+            SELECT k.kv_key, k.token_ids FROM chunk_kv k JOIN chunks c USING (chunk_id), target t
+            WHERE k.profile_id = t.profile_id AND c.doc_id = t.doc_id
+              AND ((t.span_start IS NULL AND k.kv_key = ?) OR (t.span_start IS NOT NULL AND k.span_start = t.start))
+            ORDER BY c.chunk_index
+            """, [kv_key, kv_key]).fetchall()
+        return [SpanLink(r[0], tuple(r[1])) for r in rows]
+
+    def linked_totals(self, profile_id: str, doc_ids: Sequence[str]) -> tuple[int, int]:
+        """(chunks, tokens) of `doc_ids` that already have KV under `profile_id`."""
+        row = self.con.execute(
+            "SELECT count(*), coalesce(sum(len(k.token_ids)), 0) FROM chunk_kv k JOIN chunks c USING (chunk_id) "
+            "WHERE k.profile_id = ? AND c.doc_id IN (SELECT unnest(?))",
+            [profile_id, list(doc_ids)],
+        ).fetchone()
+        return int(row[0]), int(row[1])
+
+    def linked_chunk_ids(self, profile_id: str) -> set[int]:
+        rows = self.con.execute("SELECT chunk_id FROM chunk_kv WHERE profile_id = ?", [profile_id]).fetchall()
+        return {r[0] for r in rows}
+
+    def drop_profiles(self, profile_ids: Sequence[str]) -> None:
+        """Forget profiles with their chunk links and KV entry rows (files stay until gc)."""
+        ids = list(profile_ids)
+        for table in ("chunk_kv", "kv_entries", "profiles"):
+            self.con.execute(f"DELETE FROM {table} WHERE profile_id IN (SELECT unnest(?))", [ids])
+
+    def dead_entries(self) -> list[EntryRow]:
+        """Entries nothing needs: chunk KV no chunk links to; prefix KV of dropped profiles, or
+        of every profile once the store holds no chunks. (A profile may link no chunk and still
+        need its prefix: under a KV budget, chunks get KV on their first question.)"""
+        rows = self.con.execute(f"""
+            SELECT {ENTRY_COLUMNS} FROM kv_entries e
+            WHERE (e.kind = 'chunk' AND e.kv_key NOT IN (SELECT kv_key FROM chunk_kv))
+               OR (e.kind = 'prefix' AND (e.profile_id NOT IN (SELECT profile_id FROM profiles)
+                                          OR NOT EXISTS (SELECT 1 FROM chunks)))
+            ORDER BY e.shard""").fetchall()
+        return [EntryRow(*r) for r in rows]
+
+    def delete_entries(self, kv_keys: Iterable[str]) -> None:
+        self.con.execute("DELETE FROM kv_entries WHERE kv_key IN (SELECT unnest(?))", [list(kv_keys)])
+
+    def move_entries(self, sealed: Sequence[SealedEntry]) -> None:
+        """Point existing entry rows at the shards their bytes were copied into."""
+        with self.transaction():
+            for entry in sealed:
+                self.con.execute("UPDATE kv_entries SET shard = ?, tensor = ? WHERE kv_key = ?",
+                                 [entry.shard, entry.name, entry.name])
+
+    def entries_in(self, shard: str) -> list[EntryRow]:
+        rows = self.con.execute(f"SELECT {ENTRY_COLUMNS} FROM kv_entries e WHERE shard = ?", [shard]).fetchall()
+        return [EntryRow(*r) for r in rows]
+
+    def entry_lengths(self, profile_id: str) -> list[int]:
+        """The distinct token counts of `profile_id`'s chunk entries, longest first."""
+        rows = self.con.execute("SELECT DISTINCT num_tokens FROM kv_entries WHERE profile_id = ? AND kind = 'chunk' "
+                                "ORDER BY 1 DESC", [profile_id]).fetchall()
+        return [r[0] for r in rows]
+
+    def linked_token_ids(self, chunk_id: int, profile_id: str) -> tuple[int, ...] | None:
+        """The token ids a chunk is linked with under `profile_id` (None: not linked)."""
+        row = self.con.execute("SELECT token_ids FROM chunk_kv WHERE chunk_id = ? AND profile_id = ?",
+                               [chunk_id, profile_id]).fetchone()
+        return tuple(row[0]) if row else None
+
+    def deferred_chunks(self, profile_id: str) -> list[tuple[int, str]]:
+        """(chunk_id, text) of the chunks without KV under `profile_id` (deferred by a budget or
+        --precompute: not linked to an entry), in chunk order."""
+        return self.con.execute(
+            "SELECT chunk_id, text FROM chunks WHERE chunk_id NOT IN "
+            "(SELECT chunk_id FROM chunk_kv WHERE profile_id = ? AND kv_key IN (SELECT kv_key FROM kv_entries)) "
+            "ORDER BY chunk_id", [profile_id]).fetchall()
+
+    def links_without_entries(self) -> list[tuple[int, str, str]]:
+        """(chunk_id, profile_id, kv_key) of chunk links whose KV entry row is missing."""
+        return self.con.execute(
+            "SELECT chunk_id, profile_id, kv_key FROM chunk_kv WHERE kv_key NOT IN (SELECT kv_key FROM kv_entries) "
+            "ORDER BY chunk_id").fetchall()
+
+    def token_ids_of(self, kv_key: str) -> tuple[int, ...] | None:
+        """The chunk token ids an entry's key was made from (any chunk linked to it)."""
+        row = self.con.execute("SELECT token_ids FROM chunk_kv WHERE kv_key = ? LIMIT 1", [kv_key]).fetchone()
+        return tuple(row[0]) if row else None
+
+    def linked_profiles(self) -> set[str]:
+        return {r[0] for r in self.con.execute("SELECT DISTINCT profile_id FROM chunk_kv").fetchall()}
+
+    def context_rows(self, profile_id: str, chunk_ids: Sequence[int]) -> list[ContextRow]:
+        """Rows for `chunk_ids`, in that order, joined with their source and their KV entry."""
+        if not chunk_ids:
+            return []
+        rows = self.con.execute(
+            """
+            SELECT c.chunk_id, c.doc_id, d.source, c.chunk_index, c.text, k.token_ids,
+                   e.kv_key, e.shard, e.tensor, e.num_tokens, e.dtype, e.checksum, e.nbytes, k.span_start
+            FROM chunks c JOIN documents d USING (doc_id)
+            LEFT JOIN chunk_kv k ON k.chunk_id = c.chunk_id AND k.profile_id = ?
+            LEFT JOIN kv_entries e ON e.kv_key = k.kv_key
+            WHERE c.chunk_id IN (SELECT unnest(?))
+            """,
+            [profile_id, list(chunk_ids)],
+        ).fetchall()
+        by_id = {}
+        for r in rows:
+            entry = EntryRow(*r[6:13]) if r[6] is not None else None
+            token_ids = tuple(r[5]) if r[5] is not None else None
+            by_id[r[0]] = ContextRow(r[0], r[1], r[2], r[3], r[4], token_ids, entry, r[13])
+        return [by_id[i] for i in chunk_ids if i in by_id]
+
+    def stored_chunks(self, profile_id: str) -> list[tuple[str, int, list[int]]]:
+        """Chunk KV the budget may evict under `profile_id` (chunks stored on their own, not
+        spans): `(kv_key, nbytes, chunk ids linked to it)`."""
+        rows = self.con.execute(
+            "SELECT k.kv_key, any_value(e.nbytes), list(k.chunk_id ORDER BY k.chunk_id) FROM chunk_kv k "
+            "JOIN kv_entries e ON e.kv_key = k.kv_key WHERE k.profile_id = ? AND k.span_start IS NULL "
+            "GROUP BY k.kv_key ORDER BY k.kv_key", [profile_id]).fetchall()
+        return [(r[0], int(r[1]), list(r[2])) for r in rows]
+
+    def unlink_keys(self, profile_id: str, kv_keys: Sequence[str]) -> None:
+        """Drop the chunk links to `kv_keys` (their entries become dead: gc or reclaim drops them)."""
+        self.con.execute("DELETE FROM chunk_kv WHERE profile_id = ? AND kv_key IN (SELECT unnest(?))",
+                         [profile_id, list(kv_keys)])

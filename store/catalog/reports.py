@@ -1,0 +1,41 @@
+"""Totals for `ragkv stats`, `verify` and `gc` (mixed into `Catalog`)."""
+
+from __future__ import annotations
+
+from store.catalog.rows import ENTRY_COLUMNS, EntryRow
+
+
+class Reports:
+    def profile_totals(self) -> list[dict]:
+        """Per profile: model, dtype, entries, bytes, chunks linked and their tokens."""
+        cursor = self.con.execute("""
+            SELECT p.profile_id, p.model_name, p.dtype, p.kv_quant,
+                   (SELECT count(*) FROM kv_entries e WHERE e.profile_id = p.profile_id) AS entries,
+                   (SELECT coalesce(sum(nbytes), 0) FROM kv_entries e WHERE e.profile_id = p.profile_id) AS kv_bytes,
+                   (SELECT count(*) FROM chunk_kv k WHERE k.profile_id = p.profile_id) AS chunks,
+                   (SELECT coalesce(sum(len(token_ids)), 0) FROM chunk_kv k WHERE k.profile_id = p.profile_id) AS tokens
+            FROM profiles p ORDER BY p.created_at DESC""")
+        names = [d[0] for d in cursor.description]
+        return [dict(zip(names, row)) for row in cursor.fetchall()]
+
+    def live_bytes_by_shard(self) -> dict[str, int]:
+        return dict(self.con.execute("SELECT shard, sum(nbytes) FROM kv_entries GROUP BY shard").fetchall())
+
+    def shards(self) -> set[str]:
+        """Shard files this catalog references."""
+        return {r[0] for r in self.con.execute("SELECT DISTINCT shard FROM kv_entries").fetchall()}
+
+    def counts(self) -> dict[str, int]:
+        tables = ("documents", "chunks", "kv_entries", "profiles")
+        return {t: self.con.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in tables}
+
+    def prefix_bytes(self) -> int:
+        """Bytes of the system-prompt KV entries (of every profile): what no budget evicts."""
+        return self.con.execute("SELECT coalesce(sum(nbytes), 0) FROM kv_entries WHERE kind = 'prefix'").fetchone()[0]
+
+    def kv_bytes(self) -> int:
+        return self.con.execute("SELECT coalesce(sum(nbytes), 0) FROM kv_entries").fetchone()[0]
+
+    def all_entries(self) -> list[EntryRow]:
+        rows = self.con.execute(f"SELECT {ENTRY_COLUMNS} FROM kv_entries e ORDER BY shard, tensor").fetchall()
+        return [EntryRow(*r) for r in rows]

@@ -1,0 +1,97 @@
+"""What the catalog returns: small frozen rows, one per kind of record."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ENTRY_COLUMNS = "e.kv_key, e.shard, e.tensor, e.num_tokens, e.dtype, e.checksum, e.nbytes"
+
+
+@dataclass(frozen=True)
+class ProfileRow:
+    """A stored profile: the model, tokenizer, template and dtype its KV was computed with."""
+
+    profile_id: str
+    model_name: str
+    model_fingerprint: str
+    tokenizer_fingerprint: str
+    template_fingerprint: str
+    system_prompt: str
+    prefix_ids: tuple[int, ...]
+    dtype: str
+    kv_quant: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    COLUMNS = ("profile_id", "model_name", "model_fingerprint", "tokenizer_fingerprint", "template_fingerprint",
+               "system_prompt", "prefix_ids", "dtype", "kv_quant", "num_layers", "num_kv_heads", "head_dim")
+
+
+@dataclass(frozen=True)
+class SpanLink:
+    """One chunk of a stored span: its entry's key and its own token ids."""
+
+    kv_key: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ChunkLink:
+    """Which KV entry holds a chunk under a profile (`span_start`: the chunk_index of the span
+    its KV continues; None when its KV was computed on its own)."""
+
+    chunk_id: int
+    kv_key: str
+    token_ids: tuple[int, ...]
+    span_start: int | None = None
+
+
+@dataclass(frozen=True)
+class DocumentRow:
+    doc_id: str
+    source: str
+    content_hash: str
+    chunking: str  # chunker identity and settings the chunks were cut with
+    num_chunks: int
+
+
+@dataclass(frozen=True)
+class ChunkRow:
+    chunk_id: int
+    doc_id: str
+    chunk_index: int
+    text: str
+
+
+@dataclass(frozen=True)
+class EntryRow:
+    """A KV entry's location and checksum."""
+
+    kv_key: str
+    shard: str
+    tensor: str
+    num_tokens: int
+    dtype: str
+    checksum: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ContextRow:
+    """A retrieved chunk with its source and, under one profile, its token ids and KV entry."""
+
+    chunk_id: int
+    doc_id: str
+    source: str
+    chunk_index: int
+    text: str
+    token_ids: tuple[int, ...] | None  # None: no KV computed for this profile
+    entry: EntryRow | None
+    span_start: int | None = None  # chunk_index its span starts at; None: its KV stands alone
+    live: bool = False  # a passage given as text, not from the store: always prefilled, never stored
+
+    @property
+    def starts_span(self) -> bool:
+        """Whether this chunk's KV was computed right after the prefix (loadable on its own)."""
+        return self.span_start is None or self.span_start == self.chunk_index
