@@ -503,8 +503,8 @@ def batch(
     seed: Optional[int] = SeedOption,
     stop: Optional[List[str]] = StopOption,
 ):
-    """Answer a file of questions: group them by the context they share, load it once, and
-    prefill and decode each group's questions as one batch. Each answer equals `ragkv ask`'s."""
+    """Answer a file of questions, decoded together on the continuous batcher (as `ragkv serve`
+    does): each answer equals `ragkv ask`'s, and is counted and logged like one."""
     _quiet_libraries()
     import time
 
@@ -644,7 +644,8 @@ def serve(
     import uvicorn
 
     import ragkv
-    from ragkv.service import ServeSettings, build_app
+    from ragkv.api import ServeSettings
+    from ragkv.service import build_app
 
     settings = ServeSettings(host=host, port=port, api_key=api_key or None, max_queue=max_queue, max_batch=max_batch,
                              max_tokens_cap=max_tokens_cap, max_batch_tokens=max_batch_tokens,

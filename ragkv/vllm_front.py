@@ -33,8 +33,9 @@ from ragkv.answer import Source, Stats
 from ragkv.config import AskSettings
 from ragkv.errors import InputError, ModelError
 from ragkv.guard import RequestGuard
-from ragkv.service import (
-    SERVED_MODEL_ID, ChatRequest, ServeSettings, UnknownModel, install_errors, models_listing, split_messages,
+from ragkv.api import (
+    DONE_EVENT, SERVED_MODEL_ID, ChatRequest, ServeSettings, UnknownModel, chunk_event, completion, install_errors,
+    max_tokens, models_listing, split_messages,
 )
 
 log = logging.getLogger("ragkv")
@@ -128,9 +129,7 @@ def build_front_app(engine, vllm_url: str, settings: ServeSettings) -> FastAPI:
         history, question, warnings = split_messages(body.messages)
         if history:
             raise InputError("--engine vllm answers one question per request; send only the last user message")
-        requested = body.max_completion_tokens or body.max_tokens or settings.default_max_tokens
-        if requested > settings.max_tokens_cap:
-            warnings.append(f"max_tokens cut from {requested} to {settings.max_tokens_cap}")
+        budget = max_tokens(body, settings, warnings)
         ask = AskSettings(top_k=body.ragkv.top_k, context=body.ragkv.context,
                           doc_ids=tuple(body.ragkv.doc_ids) if body.ragkv.doc_ids is not None else None)
         async with lock:
@@ -138,7 +137,7 @@ def build_front_app(engine, vllm_url: str, settings: ServeSettings) -> FastAPI:
             prompt = await asyncio.to_thread(engine.prompt_for, question, ask)
         stats = Stats(mode="exact", retrieval_ms=prompt.retrieval_ms, catalog_ms=prompt.catalog_ms,
                       warnings=list(prompt.warnings))  # vLLM loads the stored KV at its own positions: exact
-        payload = {"model": VLLM_MODEL_ID, "prompt": prompt.prompt_ids, "max_tokens": min(requested, settings.max_tokens_cap),
+        payload = {"model": VLLM_MODEL_ID, "prompt": prompt.prompt_ids, "max_tokens": budget,
                    "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed,
                    "stop": body.stop, "stream": body.stream, "kv_transfer_params": _layout_params(prompt, settings),
                    **({"stream_options": {"include_usage": True}} if body.stream else {})}
@@ -151,10 +150,8 @@ def build_front_app(engine, vllm_url: str, settings: ServeSettings) -> FastAPI:
             reply.raise_for_status()
             data = reply.json()
             choice = data["choices"][0]
-            return {"id": reply_id, "object": "chat.completion", "created": created, "model": SERVED_MODEL_ID,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": choice["text"]},
-                                 "finish_reason": choice.get("finish_reason") or "stop"}],
-                    "usage": data.get("usage"), "ragkv": block}
+            return completion(reply_id, created, SERVED_MODEL_ID, choice["text"], choice.get("finish_reason") or "stop",
+                              data.get("usage"), block)
         return StreamingResponse(_relay(client, payload, reply_id, created, block), media_type="text/event-stream")
 
     return app
@@ -175,9 +172,7 @@ async def _relay(client: httpx.AsyncClient, payload: dict, reply_id: str, create
     and the ragkv block."""
 
     def chunk(delta: dict, finish: str | None = None, **extra) -> str:
-        body = {"id": reply_id, "object": "chat.completion.chunk", "created": created, "model": SERVED_MODEL_ID,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
-        return f"data: {json.dumps(body)}\n\n"
+        return chunk_event(reply_id, created, SERVED_MODEL_ID, delta, finish, **extra)
 
     yield chunk({"role": "assistant", "content": ""})
     finish, usage = "stop", None
@@ -192,4 +187,4 @@ async def _relay(client: httpx.AsyncClient, payload: dict, reply_id: str, create
                     yield chunk({"content": choice["text"]})
                 finish = choice.get("finish_reason") or finish
     yield chunk({}, finish, usage=usage, ragkv=block)
-    yield "data: [DONE]\n\n"
+    yield DONE_EVENT

@@ -98,7 +98,7 @@ def test_vllm_stores_what_it_computes_and_logs_each_use(sample_store, lazy_sampl
     transformers' (float32), and ragkv's own engine answers from it token-identically."""
     from ragkv.config import AskSettings
     from ragkv.vllm_front import _layout_params
-    from ragkv.service import ServeSettings
+    from ragkv.api import ServeSettings
 
     full_store, _ = sample_store
     store = tmp_path / "store"
