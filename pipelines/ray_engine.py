@@ -95,7 +95,7 @@ class KVWorker:
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         from ragkv.forward import compute_chunks
         from ragkv import codec
-        from store.remote import ShardSink
+        from store.remote_shards import ShardSink
 
         n = len(batch["chunk_id"])
         vectors = np.zeros((n, self.embedder.dim), dtype=np.float32)

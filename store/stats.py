@@ -6,7 +6,7 @@ import time
 
 from store.popularity import decay, read_pending, tally
 from store.shards import shard_files
-from store.store import StoreSnapshot
+from store.snapshot import StoreSnapshot
 
 NUM_LISTED = 5  # hottest and coldest documents shown
 

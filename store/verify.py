@@ -14,7 +14,7 @@ import faiss
 from ragkv.errors import StoreCorruptError
 from ragkv.keys import KVKey
 from store.popularity import HITS_DIR, read_pending
-from store.store import StoreSnapshot
+from store.snapshot import StoreSnapshot
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,7 @@ from ragkv.integrations.store_match import (
 from store import EntryRow
 from store.popularity import HitLog
 from store.shards import ShardReader
-from store.store import SHARD_DIR
+from store.snapshot import SHARD_DIR
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -113,10 +113,6 @@ class _PendingSave:
     computed: int = 0  # the request's tokens computed before the step being scheduled
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 class RagkvConnector(KVConnectorBase_V1):
     _cache_hit_source = CacheHitSource.DISK
 
@@ -131,7 +127,7 @@ class RagkvConnector(KVConnectorBase_V1):
                              "load and save another KV: serve with the default")
         model_config = vllm_config.model_config
         self._dtype = model_config.dtype
-        identity = ModelIdentity.of_folder(model_config.model, _dtype_name(self._dtype))
+        identity = ModelIdentity.of_folder(model_config.model, str(self._dtype).removeprefix("torch."))
         self._profile = profile_for(store, identity)  # refuses another model, tokenizer or dtype, in one line
         self._block_size = vllm_config.cache_config.block_size
         self._store = str(store)

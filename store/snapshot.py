@@ -1,0 +1,97 @@
+"""Opening a store to read: a snapshot of its published generation, leased until closed."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from ragkv.errors import StoreCorruptError, StoreEmptyError, StoreFormatError, StoreNotFoundError
+from store.catalog import Catalog
+from store.generations import ReaderLease, RetiredError, catalog_path, read_current, vectors_path
+from store.remote import RemoteStore, is_remote
+from store.shards import ShardReader
+from store.vectors import VectorIndex
+
+SHARD_DIR = "shards"
+REMOTE_POLL_S = 2.0  # how often a long-lived reader asks an S3 store for a newer generation
+
+
+class StoreSnapshot:
+    """A read-only view of one published generation: catalog, vectors and shard reader.
+    Holds the generation's reader lease until `close`. For an S3 store, `root` is the local
+    mirror and `remote` the bucket shards are fetched from."""
+
+    def __init__(self, root: Path, generation: int, remote: RemoteStore | None = None, lenient: bool = False):
+        self.root = root
+        self.remote = remote
+        self._polled = time.monotonic()  # when the bucket's CURRENT was last read
+        self.generation = generation
+        self._lease = ReaderLease(root, generation)
+        try:
+            self.catalog = Catalog(catalog_path(root, generation), read_only=True)
+            self.vectors_damage = ""  # lenient: why the vector index could not be read (it is then empty)
+            try:
+                self.vectors = VectorIndex.load(vectors_path(root, generation))
+            except StoreCorruptError as exc:
+                if not lenient:
+                    raise
+                self.vectors, self.vectors_damage = VectorIndex.empty(1), str(exc)
+        except BaseException:
+            self._lease.release()
+            raise
+        self.shards = ShardReader(root / SHARD_DIR, remote)
+
+    @property
+    def location(self) -> str:
+        """What the user named: the folder, or the s3:// URI."""
+        return self.remote.location.uri if self.remote else str(self.root)
+
+    def latest_generation(self) -> int | None:
+        """The generation published now. An S3 store is asked at most every REMOTE_POLL_S
+        seconds (a GET per question would add a round trip to every answer); its catalog and
+        index are copied down when they change."""
+        if not self.remote:
+            return read_current(self.root)
+        now = time.monotonic()
+        if now - self._polled < REMOTE_POLL_S:
+            return self.generation
+        self._polled = now
+        return self.remote.sync()
+
+    def close(self) -> None:
+        self.shards.close()
+        self.catalog.close()
+        self._lease.release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def open_snapshot(location: Path | str, require_documents: bool = True, lenient: bool = False) -> StoreSnapshot:
+    """Open the published generation of the store at `location` (a folder or s3://bucket/prefix).
+    `lenient` (verify, repair): open it even if its vector index is unreadable (see
+    `StoreSnapshot.vectors_damage`)."""
+    remote = RemoteStore(str(location)) if is_remote(location) else None
+    root = remote.mirror if remote else Path(location)
+    if not remote and root.exists() and not root.is_dir():
+        raise StoreNotFoundError(f"{location} is a file, not a ragkv store (a folder made by ragkv ingest)")
+    for _ in range(5):  # the generation may be retired between reading CURRENT and leasing it
+        generation = remote.sync() if remote else read_current(root)
+        if generation is None:
+            raise StoreNotFoundError(f"no ragkv store at {location}; create one with: "
+                                     f"ragkv ingest DOCS --store {location}")
+        try:
+            snapshot = StoreSnapshot(root, generation, remote, lenient)
+            break
+        except RetiredError:
+            continue
+    else:
+        raise StoreFormatError(f"store {root}: CURRENT names generation {generation} but its files are missing")
+    if require_documents and len(snapshot.vectors) == 0:
+        snapshot.close()
+        raise StoreEmptyError(f"store {location} holds no documents; add some with: "
+                              f"ragkv ingest DOCS --store {location}")
+    return snapshot
