@@ -1,11 +1,14 @@
 """Import rules. Imports flow one way:
 
-    cli  ->  pipelines  ->  ragkv (the online path and model code)  ->  store  ->  ragkv core
+    cli  ->  pipelines  ->  ragkv (the online path, then model code)  ->  store  ->  ragkv core
 
-`ragkv/__init__.py` is the public facade (`ragkv.open`, `ragkv.ingest`): it imports the
-layers below it lazily, inside its functions, and is the one module exempt. The core
-(errors, keys, config, cpu) imports nothing else of ragkv's; the store never pulls in
-transformers."""
+Inside ragkv the layers are, bottom up: the core (errors, keys, config, cpu, text: nothing else
+of ragkv's), model code (the model, the KV layout, prefill and decoding, the modes' assembly),
+then the online path, itself ordered: profile selection, retrieval and KV loading; the
+runtime; conversations; the batcher; the fronts (engine facade, batch, service, adapters).
+`ragkv/__init__.py` is the public facade (`ragkv.open`, `ragkv.ingest`): it imports the layers
+below it lazily, inside its functions, and is the one module exempt. No module imports one
+above it, so there is no import cycle; the store never pulls in transformers."""
 
 from __future__ import annotations
 
@@ -16,6 +19,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CORE = {"ragkv.errors", "ragkv.keys", "ragkv.config", "ragkv.cpu", "ragkv.text"}
+MODEL_CODE = {f"ragkv.{m}" for m in ("answer", "ape", "assemble", "blend", "codec", "decoding", "embed", "fingerprint",
+                                     "forward", "generate", "guard", "kv", "lru", "model", "prefix_cache", "prompt",
+                                     "rope", "spans")}
+ONLINE_LAYERS = [  # bottom up; a module may import its own layer and those below
+    {"ragkv.active", "ragkv.retrieval", "ragkv.loader", "ragkv.integrations.paged"},
+    {"ragkv.runtime", "ragkv.integrations.store_match"},
+    {"ragkv.conversation"},
+    {"ragkv.scheduler", "ragkv.api"},
+    {"ragkv.query", "ragkv.batch", "ragkv.service", "ragkv.vllm_front", "ragkv.integrations",
+     "ragkv.integrations.adapter", "ragkv.integrations.langchain", "ragkv.integrations.llama_index",
+     "ragkv.integrations.vllm", "ragkv.integrations.vllm_fill"},
+]
 FACADE = ROOT / "ragkv" / "__init__.py"
 
 
@@ -81,3 +96,48 @@ def test_only_ragkv_kv_touches_the_transformers_cache():
     users = [p.relative_to(ROOT).as_posix() for folder in ("ragkv", "pipelines", "store")
              for p in (ROOT / folder).rglob("*.py") if "DynamicCache" in p.read_text()]
     assert users == ["ragkv/kv.py"]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def own_imports() -> dict[str, set[str]]:
+    """Every module of ragkv (but the facade), store and pipelines, and the modules of those
+    three it imports (at the top or inside a function)."""
+    paths = {module_name(p): p for folder in ("ragkv", "store", "pipelines") for p in (ROOT / folder).rglob("*.py")
+             if p != FACADE}
+    return {name: {m for m in imports_of(path) if m in paths and m != name} for name, path in paths.items()}
+
+
+def test_every_ragkv_module_has_a_layer():
+    placed = CORE | MODEL_CODE | set().union(*ONLINE_LAYERS)
+    modules = {m for m in own_imports() if m.startswith("ragkv")}
+    assert modules - placed == set()
+
+
+def test_nothing_in_ragkv_imports_a_layer_above_it():
+    rank = {m: 0 for m in CORE} | {m: 1 for m in MODEL_CODE}
+    rank |= {m: 2 + i for i, layer in enumerate(ONLINE_LAYERS) for m in layer}
+    graph = own_imports()
+    upward = {(m, n) for m, names in graph.items() if m in rank for n in names if n in rank and rank[n] > rank[m]}
+    assert upward == set()
+
+
+def test_there_is_no_import_cycle():
+    graph = own_imports()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def cycle_from(module: str, path: list[str]) -> list[str] | None:
+        state[module] = 1
+        for name in sorted(graph[module]):
+            if state.get(name) == 1:
+                return path + [module, name]
+            if name not in state and (found := cycle_from(name, path + [module])):
+                return found
+        state[module] = 2
+        return None
+
+    cycles = [c for m in sorted(graph) if m not in state and (c := cycle_from(m, []))]
+    assert cycles == []
