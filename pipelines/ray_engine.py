@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import warnings
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -28,7 +28,6 @@ from store.remote import is_remote
 
 RETRIES = 4  # actor restarts and task retries before the job fails
 DEFAULT_BATCH_ROWS = 8  # chunks per map_batches call (one shard each)
-KILL_ONCE_ENV = "RAGKV_TEST_KILL_WORKER_ONCE"  # tests: a marker path; one worker SIGKILLs itself after sealing
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,9 @@ class WorkerSpec:
     shard_metadata: dict
     shard_target: str  # a local shard folder, or an object-store URI the shards are uploaded to
     threads: int
-    kill_once_marker: str = ""
+    # Called in the worker with the entries of each shard it seals, before it reports them (the
+    # crash tests install one that kills the worker there; it must pickle).
+    after_seal: Callable[[list], None] | None = None
 
 
 def connect(workers: int) -> tuple[int, float, float]:
@@ -112,8 +113,8 @@ class KVWorker:
                                      self.lm.pad_id):
             sink.add(str(batch["key"][kv_rows[result.index]]), codec.encode(result.kv, self.spec.kv_quant))
         sealed = {e.name: e for e in sink.seal()}
-        if self.spec.kill_once_marker and sealed and _claim(self.spec.kill_once_marker):
-            os.kill(os.getpid(), signal.SIGKILL)  # tests: die after sealing, before reporting
+        if self.spec.after_seal is not None and sealed:
+            self.spec.after_seal(list(sealed.values()))
 
         def field(name, default):
             return [getattr(sealed[str(k)], name) if str(k) in sealed else default for k in batch["key"]]
@@ -135,15 +136,6 @@ def _retry_args() -> dict:
     """Bounded fault tolerance (Ray Data's default retries forever: a batch that always kills
     its worker would hang the job)."""
     return {"max_restarts": RETRIES, "max_task_retries": RETRIES}
-
-
-def _claim(marker: str) -> bool:
-    """True for exactly one caller across processes: whoever creates the marker file."""
-    try:
-        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        return True
-    except FileExistsError:
-        return False
 
 
 def run_job(rows: list[dict], spec: WorkerSpec, workers: int, cpus: float, gpus: float, batch_rows: int):

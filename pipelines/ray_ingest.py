@@ -4,7 +4,6 @@ and committing what they send back."""
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass
 
@@ -17,6 +16,9 @@ from ragkv.forward import shard_metadata
 from ragkv.keys import Profile
 from ragkv.model import LoadedModel
 from store import ChunkRow, SealedEntry, StoreWriter
+
+
+AFTER_SEAL = None  # a hook each worker runs after sealing a shard (see WorkerSpec.after_seal): tests set it
 
 
 @dataclass
@@ -57,7 +59,7 @@ def run_ray_job(job: RayJob, writer: StoreWriter, to_embed: list[ChunkRow], work
         shard_metadata=shard_metadata(profile.profile_id, lm.facts.name, profile.dtype),
         shard_target=writer.location,
         threads=max(1, math.ceil(job.cpus - 0.01)) if not job.gpus else 1,  # the CPUs each actor was given
-        kill_once_marker=os.environ.get(ray_engine.KILL_ONCE_ENV, ""),
+        after_seal=AFTER_SEAL,
     )
     tokens = {p.key: len(p.token_ids) for p in work}
     reporter.stage("embed + KV", len(rows))

@@ -26,8 +26,8 @@ def store_stats(snapshot: StoreSnapshot) -> dict:
         "vectors": len(snapshot.vectors),
         "embedder": catalog.meta().get("embedder"),
         "profiles": [
-            {"model": p["model_name"], "dtype": p["dtype"], "kv_quant": p["kv_quant"], "profile_id": p["profile_id"],
-             "entries": p["entries"], "chunks": p["chunks"], "tokens": p["tokens"], "kv_bytes": p["kv_bytes"]}
+            {"model": p.model_name, "dtype": p.dtype, "kv_quant": p.kv_quant, "profile_id": p.profile_id,
+             "entries": p.entries, "chunks": p.chunks, "tokens": p.tokens, "kv_bytes": p.kv_bytes}
             for p in catalog.profile_totals()
         ],
         "shards": len(files),

@@ -21,3 +21,18 @@ def kill_after_sealing_a_shard() -> None:
         return sealed
 
     ShardWriter.flush = flush_then_die
+
+
+def kill_once(marker: str):
+    """A `WorkerSpec.after_seal` hook: the first worker to seal a shard SIGKILLs itself (before it
+    reports the shard), exactly once across processes (whoever creates `marker`). Defined here
+    and pickled by value, so a Ray worker runs it without importing the tests."""
+
+    def after_seal(sealed) -> None:
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    return after_seal

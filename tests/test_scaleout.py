@@ -94,11 +94,15 @@ def test_ray_ingest_builds_the_same_store_as_a_local_one(ray_cluster, local_stor
 
 
 def test_a_killed_ray_worker_is_retried_without_duplicates(ray_cluster, local_store, corpus, tmp_path, monkeypatch):
-    from pipelines import ray_engine
+    from ray import cloudpickle
+
+    import tests.faults
+    from pipelines import ray_engine, ray_ingest
 
     marker = tmp_path / "killed"
     monkeypatch.setattr(ray_engine, "DEFAULT_BATCH_ROWS", 3)
-    monkeypatch.setenv(ray_engine.KILL_ONCE_ENV, str(marker))
+    cloudpickle.register_pickle_by_value(tests.faults)  # the worker need not import the tests
+    monkeypatch.setattr(ray_ingest, "AFTER_SEAL", tests.faults.kill_once(str(marker)))
     report = ragkv.ingest(corpus, tmp_path / "kv", model=SMOLLM2, settings=SETTINGS, engine="ray", workers=2)
     assert marker.exists()  # a worker really died after sealing a shard
     assert report.shards_discarded >= 1  # its shard: unreferenced duplicates, deleted after publish

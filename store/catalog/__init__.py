@@ -16,12 +16,14 @@ from ragkv.errors import StoreFormatError
 from store.catalog.documents import Documents
 from store.catalog.entries import Entries
 from store.catalog.reports import Reports
-from store.catalog.rows import ChunkLink, ChunkRow, ContextRow, DocumentRow, EntryRow, ProfileRow, SpanLink
+from store.catalog.rows import (
+    ChunkLink, ChunkRow, ContextRow, DocumentRow, EntryRow, ProfileRow, ProfileTotals, SpanLink,
+)
 from store.catalog.schema import FORMAT_VERSION, Schema
 from store.catalog.usage import Usage
 
 __all__ = ["FORMAT_VERSION", "Catalog", "ChunkLink", "ChunkRow", "ContextRow", "DocumentRow", "EntryRow",
-           "ProfileRow", "SpanLink"]
+           "ProfileRow", "ProfileTotals", "SpanLink"]
 
 
 class Catalog(Schema, Documents, Entries, Usage, Reports):

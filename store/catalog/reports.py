@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from store.catalog.rows import ENTRY_COLUMNS, EntryRow
+from store.catalog.rows import ENTRY_COLUMNS, EntryRow, ProfileTotals
 
 
 class Reports:
-    def profile_totals(self) -> list[dict]:
-        """Per profile: model, dtype, entries, bytes, chunks linked and their tokens."""
+    def profile_totals(self) -> list[ProfileTotals]:
+        """Per profile, newest first: its entries and their bytes, the chunks linked and their tokens."""
         cursor = self.con.execute("""
             SELECT p.profile_id, p.model_name, p.dtype, p.kv_quant,
                    (SELECT count(*) FROM kv_entries e WHERE e.profile_id = p.profile_id) AS entries,
@@ -15,8 +15,7 @@ class Reports:
                    (SELECT count(*) FROM chunk_kv k WHERE k.profile_id = p.profile_id) AS chunks,
                    (SELECT coalesce(sum(len(token_ids)), 0) FROM chunk_kv k WHERE k.profile_id = p.profile_id) AS tokens
             FROM profiles p ORDER BY p.created_at DESC""")
-        names = [d[0] for d in cursor.description]
-        return [dict(zip(names, row)) for row in cursor.fetchall()]
+        return [ProfileTotals(*row) for row in cursor.fetchall()]
 
     def live_bytes_by_shard(self) -> dict[str, int]:
         return dict(self.con.execute("SELECT shard, sum(nbytes) FROM kv_entries GROUP BY shard").fetchall())

@@ -29,6 +29,20 @@ class ProfileRow:
 
 
 @dataclass(frozen=True)
+class ProfileTotals:
+    """What a profile holds: for `ragkv stats`."""
+
+    profile_id: str
+    model_name: str
+    dtype: str
+    kv_quant: str
+    entries: int
+    kv_bytes: int
+    chunks: int
+    tokens: int
+
+
+@dataclass(frozen=True)
 class SpanLink:
     """One chunk of a stored span: its entry's key and its own token ids."""
 

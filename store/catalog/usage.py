@@ -65,13 +65,3 @@ class Usage:
             "WHERE c.chunk_id IN (SELECT unnest(?))", [list(chunk_ids)]).fetchall()
         scores = {r[0]: decay(r[1], r[2], now, half_life_s) for r in rows}
         return {i: scores.get(i, 0.0) for i in chunk_ids}
-
-    def document_uses(self) -> list[dict]:
-        """Per stored document: uses, hits, misses and summed score (as last folded)."""
-        cursor = self.con.execute("""
-            SELECT d.doc_id, coalesce(sum(h.uses), 0) AS uses, coalesce(sum(h.hits), 0) AS hits,
-                   coalesce(sum(h.misses), 0) AS misses, coalesce(sum(h.score), 0) AS score,
-                   coalesce(max(h.last_use), 0) AS last_use
-            FROM documents d LEFT JOIN chunk_hits h USING (doc_id) GROUP BY d.doc_id""")
-        names = [d[0] for d in cursor.description]
-        return [dict(zip(names, row)) for row in cursor.fetchall()]
