@@ -20,7 +20,7 @@ import torch
 import ragkv
 from ragkv.config import IngestSettings, ModelSettings, cache_dir
 from ragkv.errors import StoreNotFoundError
-import store.store as store_module
+import store.snapshot as snapshot_module
 from store import open_snapshot, verify
 from tests import s3server
 from tests.conftest import QUESTIONS, run_cli
@@ -187,7 +187,7 @@ def test_s3_store_round_trip(s3_env, local_store, corpus, tmp_path, monkeypatch)
     assert unchanged.exit_code == 0 and '"tokens_computed": 0' in unchanged.output and '"generation": 1' in unchanged.output
     assert "catalog-000002.duckdb" not in _objects(s3_env, "roundtrip")  # nothing changed: nothing published
     # The reader's clock is driven, not waited on: first the poll interval has not passed, then it has.
-    monkeypatch.setattr(store_module, "REMOTE_POLL_S", float("inf"))
+    monkeypatch.setattr(snapshot_module, "REMOTE_POLL_S", float("inf"))
     with open_snapshot(uri) as reader:  # a long-lived reader, as in `ragkv serve`
         docs = tmp_path / "more-docs"
         shutil.copytree(corpus, docs)
@@ -195,7 +195,7 @@ def test_s3_store_round_trip(s3_env, local_store, corpus, tmp_path, monkeypatch)
         changed = run_cli("ingest", docs, "--store", uri, "--chunk-tokens", SETTINGS.chunk_tokens, "--json")
         assert changed.exit_code == 0 and "catalog-000002.duckdb" in _objects(s3_env, "roundtrip")
         assert reader.latest_generation() == 1  # asked the bucket moments ago: not again yet
-        monkeypatch.setattr(store_module, "REMOTE_POLL_S", 0.0)
+        monkeypatch.setattr(snapshot_module, "REMOTE_POLL_S", 0.0)
         assert reader.latest_generation() == 2
 
 
