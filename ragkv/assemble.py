@@ -9,6 +9,8 @@
 - `epic` (approximate, EPIC/LegoLink-style): `concat`, then the first share of every passage
   after the first recomputed (its separator and first tokens: where it learned its own
   attention sink). No selection pass.
+- `query` (approximate, ProphetKV-style): `concat`, then the share of the context tokens the
+  question attends to most recomputed (`ragkv.blend.recompute_attended`).
 - `ape` (approximate, APE-style): `concat`, recomputing nothing; the question and answer attend
   to the passages with APE's temperature and scaling (`ragkv.ape`).
 
@@ -25,7 +27,7 @@ import torch
 
 from ragkv import kv
 from ragkv.ape import Scaling, attending
-from ragkv.blend import blend, recompute_starts
+from ragkv.blend import blend, recompute_attended, recompute_starts
 from ragkv.keys import KVKey
 from ragkv.prefix_cache import PrefixCache
 from ragkv.rope import check_supported, shift_positions
@@ -106,6 +108,15 @@ def epic(model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor], context_id
         lengths.append(length)
         start += length
     return _recomputed(assembly, recompute_starts(model, assembly.cache, context_ids, starts, lengths, ratio))
+
+
+def attended(model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor], context_ids: Sequence[int],
+             question_ids: Sequence[int], ratio: float) -> Assembly:
+    """`concat`, then recompute the `ratio` share of the tokens after the first chunk that the
+    question attends to most (`query` mode)."""
+    assembly = concat(model, prefix, pieces)
+    return _recomputed(assembly, recompute_attended(model, assembly.cache, context_ids, question_ids,
+                                                    _after_first(prefix, pieces), ratio))
 
 
 def ape(model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor], temperature: float, scale: float) -> Assembly:

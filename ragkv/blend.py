@@ -1,5 +1,5 @@
-"""Selective recompute (approximate), CacheBlend-style (`blend`) and EPIC-style
-(`recompute_starts`). CacheBlend: after chunks' stored KV are placed one after another
+"""Selective recompute (approximate), CacheBlend-style (`blend`), EPIC-style
+(`recompute_starts`) and question-aware (`recompute_attended`, after ProphetKV). CacheBlend: after chunks' stored KV are placed one after another
 (`concat`), recompute the KV of the share of context tokens that deviate most from a full
 prefill, so that cross-chunk attention is partly restored.
 
@@ -23,6 +23,7 @@ from typing import Sequence
 import torch
 
 from ragkv import kv
+from ragkv.attention_probe import Probe, probed_forward
 
 SELECTION_LAYERS = 2  # layer 0 is exact after re-rotation; layer 1 is the first that deviates
 
@@ -116,6 +117,27 @@ def recompute_starts(model, cache, context_ids: Sequence[int], starts: Sequence[
     ids = torch.tensor([list(context_ids)], dtype=torch.long, device=model.device)  # (1, T)
     _recompute(model, cache, ids, torch.tensor(chosen, dtype=torch.long, device=model.device))
     return BlendResult(len(chosen))
+
+
+@torch.inference_mode()
+def recompute_attended(model, cache, context_ids: Sequence[int], question_ids: Sequence[int], start: int,
+                       ratio: float) -> BlendResult:
+    """Question-aware (approximate, after ProphetKV): run the question over the concatenated
+    cache, measure the attention it pays each context token after `start` (summed over layers,
+    heads and question tokens), and recompute, in place, the `ratio` share it attends to most.
+    The question's own KV is dropped again: the caller prefills it after the recompute."""
+    total = len(context_ids)
+    count = _share(ratio, total - start)
+    if count == 0 or not question_ids:
+        return BlendResult(0)
+    probe = Probe(total)
+    question = torch.tensor([list(question_ids)], dtype=torch.long, device=model.device)  # (1, Q)
+    probed_forward(model, probe, input_ids=question, cache=cache, use_cache=True, logits_to_keep=1)
+    kv.crop(cache, total)
+    chosen = (probe.mass[start:].topk(count).indices + start).sort().values  # (S,) context positions
+    ids = torch.tensor([list(context_ids)], dtype=torch.long, device=model.device)  # (1, T)
+    _recompute(model, cache, ids, chosen)
+    return BlendResult(count)
 
 
 def _recompute(model, cache, ids: torch.Tensor, positions: torch.Tensor) -> None:
