@@ -693,6 +693,37 @@ def _size(size: int) -> str:
 
 
 @app.command()
+def calibrate(
+    store: str = StoreOption,
+    questions: int = typer.Option(12, "--questions", help="Held-in questions drawn from the store's own chunks."),
+    top_k: int = typer.Option(5, "--top-k", "-k", help="Chunks each question retrieves (approximate modes need 2+)."),
+    target: float = typer.Option(0.9, "--target", help="First-token agreement with a full prefill to reach."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Override the model the store was built with."),
+    device: str = DeviceOption,
+    json_out: bool = JsonOption,
+    quiet: bool = QuietOption,
+):
+    """Measure the approximate modes against a full prefill on this store and record what
+    `--mode approximate` runs as: the fastest mode and recompute share reaching --target
+    first-token agreement, or exact answers when none does (faster than exact)."""
+    _quiet_libraries()
+    from pipelines.calibrate import CalibrateSettings, calibrate as run
+    from pipelines.progress import default_reporter
+
+    settings = CalibrateSettings(questions=questions, top_k=top_k, target=target)
+    result = run(store, settings, default_reporter(quiet or json_out), model=model, device=device)
+    if json_out:
+        typer.echo(json.dumps({**json.loads(result.to_json()), "summary": result.describe()}))
+        return
+    for m in result.measured:
+        typer.echo(f"  {m.mode:6} {m.share:4.0%}: first token {m.first_token:4.0%}, teacher-forced "
+                   f"{m.teacher_forced:4.0%}, TTFT {m.ttft_ratio:.2f}x full")
+    typer.echo(f"  exact: TTFT {result.exact_ttft_ratio:.2f}x full")
+    typer.echo(f"--mode approximate on {store}: " + (f"{result.chosen.mode} {result.chosen.share:.0%}"
+                                                     if result.chosen else "exact (gated)") + f" ({result.describe()})")
+
+
+@app.command()
 def budget(
     size: Optional[str] = typer.Argument(None, help="Most bytes of KV to keep (e.g. 20GB, 512MiB), or 'off'. "
                                                     "Omitted: show the budget and what the KV takes."),

@@ -43,6 +43,7 @@ class Stats:
     batch_size: int = 1  # questions prefilled and decoded together with this one (same context)
     store_generation: int = 0
     kv_compute_ms: float = 0.0  # of kv_load: computing the KV of chunks the store had none for (misses)
+    approximation: str = ""  # --mode approximate: the mode and share it ran as, and what calibration measured
     kv_sources: dict[int, str] = field(default_factory=dict)  # chunk id -> "store", "ram" or "computed"
     warnings: list[str] = field(default_factory=list)
 

@@ -29,13 +29,13 @@ DEFAULT_SPAN_TOKENS = 0  # see IngestSettings.span_tokens
 # One document's text (about 2M tokens: its KV alone would take tens of GB); larger ones are skipped, named.
 DEFAULT_MAX_DOCUMENT_BYTES = 8 << 20
 DTYPES = ("float32", "bfloat16", "float16")
-MODES = ("exact", "concat", "blend", "epic", "ape")
+MODES = ("exact", "concat", "blend", "epic", "query", "ape")
 SINGLE_ONLY_MODES = ("ape",)  # attend differently per request: ask and stream only, not batched
-# `--mode approximate` names the approximate mode that measured best: on the Python FAQ set at
+# `--mode approximate` on a store never calibrated (`ragkv calibrate`): on the Python FAQ set at
 # 5 passages, epic recomputing 5% kept 91% teacher-forced agreement and F1 within 0.01 of a full
 # prefill at 0.15 of its time to first token (benchmarks/results/passages.md).
 APPROXIMATE = "epic"
-DEFAULT_BLEND_RATIOS = {"blend": 0.15, "epic": 0.05}  # share recomputed when --blend-ratio is not given
+DEFAULT_BLEND_RATIOS = {"blend": 0.15, "epic": 0.05, "query": 0.2}  # share recomputed when --blend-ratio is not given
 CONTEXTS = ("chunk", "span", "document")  # what a retrieved chunk brings into the prompt (see QueryEngine.prepare)
 KV_DTYPES = ("auto", "bfloat16", "float16", "int8", "int4", "int2")  # see ragkv.codec
 DEVICES = ("auto", "cpu", "cuda")
@@ -243,12 +243,11 @@ class AskSettings(_Settings):
                              "use ragkv ask or chat (or another --mode)")
 
     def __post_init__(self):
-        if self.mode == "approximate":
-            object.__setattr__(self, "mode", APPROXIMATE)
-        if self.mode not in MODES:
+        if self.mode not in MODES and self.mode != "approximate":  # approximate: resolved per store (ragkv.calibration)
             raise InputError(f"unknown --mode {self.mode!r}; use exact (equals a full prefill), or approximate "
-                             "(faster with several chunks; the best measured: epic), concat, blend, epic or ape")
-        if self.blend_ratio is None:
+                             "(faster with several chunks: what ragkv calibrate measured best on the store), concat, "
+                             "blend, epic, query or ape")
+        if self.blend_ratio is None and self.mode != "approximate":
             object.__setattr__(self, "blend_ratio", DEFAULT_BLEND_RATIOS.get(self.mode, 0.0))
         if not (0.0 < self.ape_temperature <= 4.0 and 0.0 < self.ape_scale <= 4.0):
             raise InputError("ape_temperature and --ape-scale must be above 0 and at most 4, got "
@@ -256,7 +255,7 @@ class AskSettings(_Settings):
         if self.context not in CONTEXTS:
             raise InputError(f"unknown --context {self.context!r}; use chunk (the retrieved chunks only), span (each "
                              "with the chunks of its span before it) or document (each with its whole span)")
-        if not 0.0 <= self.blend_ratio <= 1.0:
+        if self.blend_ratio is not None and not 0.0 <= self.blend_ratio <= 1.0:
             raise InputError(f"--blend-ratio must be between 0 and 1, got {self.blend_ratio}")
         if self.top_k < 1:
             raise InputError(f"--top-k must be at least 1, got {self.top_k}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 
@@ -49,7 +49,7 @@ class KVLoader:
     """Loads one profile's stored KV from one open generation (`switch` moves it)."""
 
     def __init__(self, snapshot: StoreSnapshot, lm: LoadedModel, active: ActiveProfile, device: str,
-                 prefix_cache_bytes: int, ram_bytes: int, write_back: bool):
+                 prefix_cache_bytes: int, ram_bytes: int, write_back: bool, log_uses: bool = True):
         self.snapshot = snapshot
         self.lm = lm
         self.active = active
@@ -61,7 +61,7 @@ class KVLoader:
         self._separator: torch.Tensor | None = None
         self._read_buffers: list[torch.Tensor] = []  # stored KV is read into these (reused memory)
         self.writer: WriteBack | None = None  # the background write-back, once a miss started it
-        self._hit_log = None if snapshot.remote else HitLog(snapshot.root)
+        self._hit_log = HitLog(snapshot.root) if log_uses and not snapshot.remote else None
 
     def switch(self, snapshot: StoreSnapshot) -> None:
         self.snapshot = snapshot
@@ -70,9 +70,11 @@ class KVLoader:
         """No stored KV: the whole prompt is prefilled."""
         return Assembly(kv.to_cache_empty(self.lm.model.config))
 
-    def load(self, rows: list[ContextRow], chunk_ids: list[tuple[int, ...]], settings: AskSettings) -> Loaded:
-        """The cache a prompt over `rows` (their token ids: `chunk_ids`) starts from, per
-        `settings.mode`: what the store holds of it, loaded and verified."""
+    def load(self, rows: list[ContextRow], chunk_ids: list[tuple[int, ...]], settings: AskSettings,
+             question_ids: Sequence[int] = ()) -> Loaded:
+        """The cache a prompt over `rows` (their token ids: `chunk_ids`; then `question_ids`,
+        which the `query` mode selects by) starts from, per `settings.mode`: what the store
+        holds of it, loaded and verified."""
         if not settings.use_cache:
             return Loaded(self.empty())
         loaded = Loaded(self.empty(), kv_quant=self.active.profile.kv_quant)
@@ -90,7 +92,7 @@ class KVLoader:
         loaded.kv_read_ms = _ms(read_start)
         if stored is not None:
             assemble_start = time.perf_counter()
-            loaded.assembly = self._assemble_mode(stored, rows, runs, chunk_ids, settings)
+            loaded.assembly = self._assemble_mode(stored, rows, runs, chunk_ids, settings, question_ids)
             loaded.assemble_ms = _ms(assemble_start)
         return loaded
 
@@ -109,7 +111,7 @@ class KVLoader:
         return None
 
     def _assemble_mode(self, stored: list[torch.Tensor], rows: list[ContextRow], runs: list[list[int]],
-                       chunk_ids: list[tuple[int, ...]], settings: AskSettings) -> Assembly:
+                       chunk_ids: list[tuple[int, ...]], settings: AskSettings, question_ids: Sequence[int]) -> Assembly:
         """`stored`: the prefix KV, then one KV per loaded run (its chunks' entries joined)."""
         model = self.lm.model
         prefix, pieces_kv = stored[0], stored[1:]
@@ -129,6 +131,8 @@ class KVLoader:
         context_ids = [*layout.prefix_ids, *layout.context_ids(chunk_ids)]
         if settings.mode == "epic":
             return assemble.epic(model, prefix, pieces, context_ids, settings.blend_ratio)
+        if settings.mode == "query":
+            return assemble.attended(model, prefix, pieces, context_ids, question_ids, settings.blend_ratio)
         if settings.mode == "ape":
             return assemble.ape(model, prefix, pieces, settings.ape_temperature, settings.ape_scale)
         return assemble.blended(model, prefix, pieces, context_ids, settings.blend_ratio)

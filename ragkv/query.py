@@ -35,7 +35,7 @@ class QueryEngine:
     def __init__(self, store: Path | str, model: str | None = None, embedder: str | None = None,
                  device: str = "auto", dtype: str | None = None, kv_dtype: str | None = None,
                  prefix_cache_bytes: int = 512 << 20, ram_bytes: int = 1 << 30, write_back: bool = True,
-                 weights: bool = True):
+                 weights: bool = True, log_uses: bool = True):
         if kv_dtype is not None and kv_dtype not in KV_DTYPES:
             raise InputError(f"unknown --kv-dtype {kv_dtype!r}; use one of {', '.join(KV_DTYPES)}")
         snapshot = open_snapshot(store)
@@ -48,7 +48,7 @@ class QueryEngine:
             raise
         retriever = Retriever(snapshot, self.embedder, lm.tokenizer, active.layout, active.profile.profile_id,
                               lm.facts.max_context)
-        loader = KVLoader(snapshot, lm, active, self.device, prefix_cache_bytes, ram_bytes, write_back)
+        loader = KVLoader(snapshot, lm, active, self.device, prefix_cache_bytes, ram_bytes, write_back, log_uses)
         self.runtime = Runtime(lm, active, retriever, loader)
         self.lm, self.active, self.loader = lm, active, loader
 

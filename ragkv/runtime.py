@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from ragkv import calibration
 from ragkv.active import ActiveProfile
 from ragkv.answer import Savings, Source, Stats
 from ragkv.assemble import Assembly
@@ -40,6 +41,7 @@ class Runtime:
         self.retriever = retriever
         self.loader = loader
         self.savings = Savings()  # every answer's prefill accounting, since open
+        self.calibration = calibration.load(retriever.snapshot.catalog.meta(), active.profile.profile_id)
 
     @property
     def snapshot(self) -> StoreSnapshot:
@@ -49,17 +51,24 @@ class Runtime:
         """Answer from `snapshot` from now on."""
         self.retriever.switch(snapshot)
         self.loader.switch(snapshot)
+        self.calibration = calibration.load(snapshot.catalog.meta(), self.active.profile.profile_id)
 
     def new_stats(self, settings: AskSettings) -> Stats:
         return Stats(mode=settings.mode if settings.use_cache else "full", store_generation=self.snapshot.generation)
 
     def prepare(self, question: str, settings: AskSettings) -> Prepared:
         """Retrieve (widened to `settings.context`, cut to fit), build the prompt ids, assemble
-        what the store holds of the prompt into a cache, and log the chunks' uses."""
+        what the store holds of the prompt into a cache, and log the chunks' uses. `--mode
+        approximate` runs as the store's calibration says (ragkv.calibration)."""
+        resolved = calibration.resolve(settings, self.calibration)
+        settings = resolved.settings
         prompt = self.retriever.prompt_for(question, settings)
         load_start = time.perf_counter()
-        loaded = self.loader.load([row for row, _ in prompt.retrieved], prompt.chunk_ids, settings)
+        loaded = self.loader.load([row for row, _ in prompt.retrieved], prompt.chunk_ids, settings, prompt.question_ids)
         stats = self._stats_of(prompt, loaded, settings)
+        stats.approximation = resolved.note
+        if resolved.warning:
+            stats.warnings.insert(0, resolved.warning)
         stats.kv_load_ms = (time.perf_counter() - load_start) * 1000.0
         self.loader.record_uses([row for row, _ in prompt.retrieved], loaded.kv_sources)
         assembly = loaded.assembly

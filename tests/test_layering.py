@@ -19,11 +19,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CORE = {"ragkv.errors", "ragkv.keys", "ragkv.config", "ragkv.cpu", "ragkv.text"}
-MODEL_CODE = {f"ragkv.{m}" for m in ("answer", "ape", "assemble", "blend", "codec", "decoding", "embed", "fingerprint",
+MODEL_CODE = {f"ragkv.{m}" for m in ("answer", "ape", "assemble", "attention_probe", "blend", "codec", "decoding", "embed", "fingerprint",
                                      "forward", "generate", "guard", "kv", "lru", "model", "prefix_cache", "prompt",
                                      "rope", "spans")}
 ONLINE_LAYERS = [  # bottom up; a module may import its own layer and those below
-    {"ragkv.active", "ragkv.retrieval", "ragkv.loader", "ragkv.integrations.paged"},
+    {"ragkv.active", "ragkv.calibration", "ragkv.retrieval", "ragkv.loader", "ragkv.integrations.paged"},
     {"ragkv.runtime", "ragkv.integrations.store_match"},
     {"ragkv.conversation"},
     {"ragkv.scheduler", "ragkv.api"},

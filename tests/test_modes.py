@@ -52,6 +52,7 @@ def test_concat_of_one_chunk_is_exact_and_blend_of_everything_is_a_full_prefill(
             assert logit_gap(engine, question, mode="concat") < 1e-4
             assert logit_gap(engine, question, mode="blend", top_k=3, blend_ratio=1.0) < 1e-4
             assert logit_gap(engine, question, mode="epic", top_k=3, blend_ratio=1.0) < 1e-4
+            assert logit_gap(engine, question, mode="query", top_k=3, blend_ratio=1.0) < 1e-4
             assert logit_gap(engine, question, mode="concat", top_k=3) > 1e-3  # approximate, for real
 
 
@@ -133,14 +134,16 @@ def test_blend_repairs_the_tokens_it_selects_and_everything_at_ratio_one():
         assert (error[changed] < before[changed] / 2).all()  # nearer a full prefill (the rest of the context is not)
 
 
-@pytest.mark.parametrize("mode", ["concat", "blend", "epic", "ape", "approximate"])
+@pytest.mark.parametrize("mode", ["concat", "blend", "epic", "query", "ape", "approximate"])
 def test_approximate_modes_answer_and_say_what_they_did(tiny_store, mode):
     engine = ragkv.open(tiny_store, device="cpu")
     answer = engine.ask(QUESTIONS[0], top_k=3, mode=mode, max_new_tokens=6)
     if mode not in ("concat", "ape"):
         assert engine.ask(QUESTIONS[0], top_k=1, mode=mode, max_new_tokens=2).stats.recomputed_tokens == 0
     stats = answer.stats
-    mode = "epic" if mode == "approximate" else mode  # the approximate mode that measured best
+    if mode == "approximate":  # this store was never calibrated: the default, said to be unmeasured
+        assert stats.approximation == "epic 5%, uncalibrated" and "not calibrated" in stats.warnings[0]
+        mode = "epic"
     assert stats.mode == mode and len(answer.sources) == 3
     assert answer.to_dict()["stats"]["approximate"] is True
     assert engine.ask(QUESTIONS[0], top_k=3, max_new_tokens=1).to_dict()["stats"]["approximate"] is False
@@ -155,9 +158,33 @@ def test_approximate_modes_answer_and_say_what_they_did(tiny_store, mode):
                                                     [s.chunk_id for s in answer.sources[1:]])
         separator = len(engine.active.layout.separator_ids)
         assert stats.recomputed_tokens == sum(max(1, round(0.05 * (separator + len(r.token_ids)))) for r in rows)
+    elif mode == "query":  # 20% by default of the tokens after the first chunk
+        assert stats.recomputed_tokens == max(1, round(0.2 * (context - len(engine.active.layout.prefix_ids)
+                                                               - first_chunk)))
     else:
         assert stats.recomputed_tokens == 0
     engine.close()
+
+
+def test_the_attention_probe_measures_without_changing_the_forward(tiny_store):
+    from ragkv import kv
+    from ragkv.attention_probe import Probe, probed_forward
+    from ragkv.generate import prefill
+
+    with ragkv.open(tiny_store, device="cpu") as engine:
+        model, config = engine.lm.model, engine.lm.model.config
+        context, question = list(range(5, 45)), list(range(50, 58))
+        plain, probed = kv.to_cache_empty(config), kv.to_cache_empty(config)
+        prefill(model, context, plain)
+        prefill(model, context, probed)
+        want = prefill(model, question, plain)
+        probe = Probe(len(context))
+        ids = torch.tensor([question])
+        got = probed_forward(model, probe, input_ids=ids, cache=probed, use_cache=True, logits_to_keep=1).logits[0, -1]
+    assert torch.allclose(got, want, atol=1e-5)
+    # every layer, head and question token spreads one unit of attention over the context
+    heads = config.num_attention_heads * config.num_hidden_layers
+    assert probe.mass.shape == (len(context),) and abs(probe.mass.sum().item() - heads * len(question)) < 1e-2
 
 
 def test_unsupported_rotary_embeddings_are_refused(tiny_llama):

@@ -1,0 +1,137 @@
+"""`ragkv calibrate`: what `--mode approximate` should run as on this store and model, measured.
+
+Held-in questions are drawn from the store's own chunks (evenly over the corpus: "What does the
+text say about <the chunk's first sentence>?"), each retrieving `top_k` chunks. For each one a
+full prefill gives the reference: its first answer token and its greedy answer (no repetition
+controls, so the answer is the argmax path). Each approximate mode is then measured at growing
+recompute shares until it reaches the target first-token agreement:
+- first-token agreement: the mode's top first token equals the full prefill's;
+- teacher-forced agreement: the reference answer fed after the mode's cache, the share of
+  positions whose top token is the reference's;
+- time to first token over the full prefill's (medians; RAM tier and prefix cache emptied).
+The fastest configuration that reached the target, and only if faster than exact, is recorded in
+the store's catalog (ragkv.calibration); when none is, `--mode approximate` answers exactly.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipelines.progress import Reporter
+from ragkv.calibration import Calibration, Measured, meta_key
+from ragkv.config import AskSettings
+from ragkv.errors import InputError
+from ragkv.query import QueryEngine
+from store.store import open_writer
+
+SENTENCE_END = re.compile(r"(?<=[.!?])\s|\n")
+PLAIN = {"repetition_penalty": 1.0, "no_repeat_ngram": 0}  # the reference answer is the argmax path
+
+
+@dataclass(frozen=True)
+class CalibrateSettings:
+    questions: int = 12
+    top_k: int = 5
+    target: float = 0.9  # first-token agreement a configuration must reach
+    tokens: int = 16  # reference answer tokens fed for teacher-forced agreement
+    modes: tuple[str, ...] = ("epic", "query", "blend")
+    shares: tuple[float, ...] = (0.05, 0.1, 0.2, 0.3, 0.5)
+
+    def __post_init__(self):
+        if self.questions < 1 or self.top_k < 2:
+            raise InputError(f"--questions must be at least 1 and --top-k at least 2 (approximate modes compose "
+                             f"several chunks), got {self.questions} and {self.top_k}")
+        if not 0.0 < self.target <= 1.0:
+            raise InputError(f"--target must be above 0 and at most 1, got {self.target}")
+
+
+@dataclass(frozen=True)
+class Reference:
+    question: str
+    answer_ids: list[int]
+    ttft_s: float
+
+
+def held_in_questions(catalog, count: int) -> list[str]:
+    """Up to `count` questions, each about one chunk's first sentence, chunks spread evenly."""
+    ids = sorted(catalog.chunk_ids())
+    picked = ids[:: max(1, len(ids) // count)][:count]
+    questions = []
+    for text in catalog.chunk_texts(picked).values():
+        sentence = " ".join(SENTENCE_END.split(text.strip(), maxsplit=1)[0].split()[:20]).rstrip(".!?:;,")
+        if sentence:
+            questions.append(f"What does the text say about {sentence}?")
+    return questions
+
+
+def calibrate(store: Path | str, settings: CalibrateSettings, reporter: Reporter, model: str | None = None,
+              device: str = "auto") -> Calibration:
+    """Measure, choose and record (module docstring); returns what was recorded."""
+    with QueryEngine(store, model=model, device=device, write_back=False, log_uses=False) as engine:  # not traffic
+        questions = held_in_questions(engine.snapshot.catalog, settings.questions)
+        if not questions:
+            raise InputError(f"store {store} holds no chunk text to draw calibration questions from")
+        reporter.stage("calibrate", len(questions) * (1 + len(settings.modes) * len(settings.shares)), "measurements")
+        references = [_reference(engine, q, settings) for q in questions]
+        reporter.advance(len(references))
+        exact = _measure(engine, references, AskSettings(top_k=settings.top_k), settings)
+        measured = []
+        for mode in settings.modes:
+            for share in settings.shares:
+                measured.append(_measure(engine, references, AskSettings(top_k=settings.top_k, mode=mode,
+                                                                         blend_ratio=share), settings))
+                reporter.advance(len(references))
+                if measured[-1].first_token >= settings.target:
+                    break
+        reporter.done()
+        profile_id = engine.active.profile.profile_id
+    passing = [m for m in measured if m.first_token >= settings.target and m.ttft_ratio < exact.ttft_ratio]
+    chosen = min(passing, key=lambda m: m.ttft_ratio, default=None)
+    result = Calibration(settings.target, settings.top_k, len(references), exact.ttft_ratio, chosen, measured)
+    with open_writer(store) as writer:
+        writer.catalog.set_meta({meta_key(profile_id): result.to_json()})
+    return result
+
+
+def _cold(engine) -> None:
+    """The RAM tier and prefix cache emptied: the next prompt's KV is read from the store."""
+    engine.ram = type(engine.ram)(engine.ram.max_bytes)
+    engine.prefix_cache = type(engine.prefix_cache)(engine.prefix_cache.max_bytes)
+
+
+def _reference(engine, question: str, settings: CalibrateSettings) -> Reference:
+    _cold(engine)
+    answer = engine.ask(question, top_k=settings.top_k, max_new_tokens=settings.tokens, use_cache=False, **PLAIN)
+    return Reference(question, answer.token_ids, answer.stats.ttft_s)
+
+
+@torch.inference_mode()
+def _measure(engine, references: list[Reference], ask: AskSettings, settings: CalibrateSettings) -> Measured:
+    first, forced, ttft = [], [], []
+    for ref in references:
+        if not ref.answer_ids:
+            continue
+        _cold(engine)
+        start = time.perf_counter()
+        prepared = engine.prepare(ref.question, ask)
+        model, cache = prepared.assembly.attending(engine.lm.model), prepared.assembly.cache
+        ids = torch.tensor([prepared.live_ids], dtype=torch.long, device=engine.lm.model.device)  # (1, T)
+        head = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]  # (V,)
+        ttft.append(time.perf_counter() - start)
+        tops = [int(head.argmax())]
+        if len(ref.answer_ids) > 1:
+            rest = torch.tensor([ref.answer_ids[:-1]], dtype=torch.long, device=ids.device)  # (1, A - 1)
+            logits = model(input_ids=rest, cache=cache, use_cache=True, logits_to_keep=rest.shape[1]).logits[0]
+            tops += logits.argmax(-1).tolist()
+        first.append(tops[0] == ref.answer_ids[0])
+        forced.append(sum(a == b for a, b in zip(tops, ref.answer_ids)) / len(ref.answer_ids))
+    full_ttft = statistics.median(r.ttft_s for r in references)
+    return Measured(ask.mode, ask.blend_ratio or 0.0, statistics.mean(first) if first else 0.0,
+                    statistics.mean(forced) if forced else 0.0,
+                    statistics.median(ttft) / full_ttft if ttft and full_ttft else 1.0)

@@ -1,0 +1,120 @@
+"""`ragkv calibrate` and what `--mode approximate` becomes on a calibrated store: the measured
+mode and share, or exact answers when nothing reached the target (the gate)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+import ragkv
+from pipelines.calibrate import CalibrateSettings, calibrate, held_in_questions
+from pipelines.progress import default_reporter
+from ragkv.calibration import Calibration, Measured, meta_key, resolve
+from ragkv.config import AskSettings
+from ragkv.errors import InputError
+from store import open_snapshot, verify
+from store.store import open_writer
+from tests.conftest import QUESTIONS, run_cli
+
+PASSED = Measured("query", 0.3, 0.95, 0.97, 0.4)
+FAILED = Measured("epic", 0.5, 0.6, 0.8, 0.5)
+
+
+@pytest.fixture
+def store(tiny_store, tmp_path):
+    copy = tmp_path / "store"
+    shutil.copytree(tiny_store, copy)
+    return copy
+
+
+def record(store, calibration: Calibration) -> None:
+    with open_snapshot(store) as snapshot:
+        profile_id = snapshot.catalog.meta()["last_profile"]
+    with open_writer(store) as writer:
+        writer.catalog.set_meta({meta_key(profile_id): calibration.to_json()})
+
+
+def test_a_calibration_round_trips_and_says_what_it_measured():
+    calibration = Calibration(0.9, 5, 12, 0.8, PASSED, [FAILED, PASSED])
+    assert Calibration.from_json(calibration.to_json()) == calibration
+    assert "query 30%: 95% first-token" in calibration.describe()
+    gated = Calibration(0.9, 5, 12, 0.8, None, [FAILED])
+    assert Calibration.from_json(gated.to_json()) == gated
+    assert "best 60%" in gated.describe()
+
+
+def test_approximate_resolves_to_the_calibrated_mode_or_exact_and_other_modes_stay_as_asked():
+    asked = AskSettings(top_k=5, mode="approximate")
+    assert asked.blend_ratio is None  # resolved per store
+    chosen = resolve(asked, Calibration(0.9, 5, 12, 0.8, PASSED, [PASSED]))
+    assert (chosen.settings.mode, chosen.settings.blend_ratio, chosen.warning) == ("query", 0.3, "")
+    assert chosen.note.startswith("query 30%, calibrated")
+    gated = resolve(asked, Calibration(0.9, 5, 12, 0.8, None, [FAILED]))
+    assert gated.settings.mode == "exact" and "answered exactly" in gated.warning and "60%" in gated.warning
+    unmeasured = resolve(asked, None)
+    assert (unmeasured.settings.mode, unmeasured.settings.blend_ratio) == ("epic", 0.05)
+    assert "not calibrated" in unmeasured.warning
+    own_share = resolve(AskSettings(mode="approximate", blend_ratio=0.5), Calibration(0.9, 5, 12, 0.8, PASSED, []))
+    assert own_share.settings.blend_ratio == 0.5
+    epic = AskSettings(mode="epic", blend_ratio=0.1)
+    assert resolve(epic, Calibration(0.9, 5, 12, 0.8, None, [])).settings == epic
+
+
+def test_a_gated_store_answers_approximate_questions_exactly(store):
+    record(store, Calibration(0.9, 3, 4, 0.8, None, [FAILED]))
+    with ragkv.open(store, device="cpu") as engine:
+        exact = engine.ask(QUESTIONS[0], top_k=3, max_new_tokens=6)
+        gated = engine.ask(QUESTIONS[0], top_k=3, max_new_tokens=6, mode="approximate")
+    assert gated.token_ids == exact.token_ids and gated.stats.mode == "exact" and not gated.stats.is_approximate
+    assert gated.stats.approximation == "exact (gated)" and "answered exactly" in gated.stats.warnings[0]
+
+
+def test_a_calibrated_store_runs_the_measured_mode_and_share(store):
+    record(store, Calibration(0.9, 3, 4, 0.8, PASSED, [PASSED]))
+    with ragkv.open(store, device="cpu") as engine:
+        answer = engine.ask(QUESTIONS[0], top_k=3, max_new_tokens=4, mode="approximate")
+    stats = answer.stats
+    assert stats.mode == "query" and stats.recomputed_tokens > 0 and "calibrated" in stats.approximation
+    assert not any("calibrated" in w for w in stats.warnings)
+
+
+def test_calibrate_measures_stops_at_the_target_and_records_what_approximate_uses(store):
+    settings = CalibrateSettings(questions=3, top_k=3, target=0.6, tokens=4, shares=(0.1, 0.5, 1.0))
+    result = calibrate(store, settings, default_reporter(True), device="cpu")
+    assert result.num_questions == 3 and result.measured
+    for mode in settings.modes:
+        mine = [m for m in result.measured if m.mode == mode]
+        assert [m.share for m in mine] == list(settings.shares[:len(mine)])
+        assert all(m.first_token < 0.6 for m in mine[:-1])  # it stopped at the first share that reached it
+        assert mine[-1].first_token >= 0.6  # at the latest at 100% recomputed, which is a full prefill
+    if result.chosen is not None:
+        assert result.chosen.first_token >= 0.6 and result.chosen.ttft_ratio < result.exact_ttft_ratio
+    with ragkv.open(store, device="cpu") as engine:
+        assert engine.runtime.calibration == result
+        stats = engine.ask(QUESTIONS[1], top_k=3, max_new_tokens=2, mode="approximate").stats
+    assert stats.mode == (result.chosen.mode if result.chosen else "exact")
+    with open_snapshot(store) as snapshot:
+        assert verify(snapshot).ok
+
+
+def test_held_in_questions_come_from_the_stores_chunks(store):
+    with open_snapshot(store) as snapshot:
+        questions = held_in_questions(snapshot.catalog, 4)
+        texts = snapshot.catalog.chunk_texts(sorted(snapshot.catalog.chunk_ids())).values()
+    assert len(questions) == 4 and len(set(questions)) == 4
+    for question in questions:
+        topic = question.removeprefix("What does the text say about ").removesuffix("?")
+        assert any(topic.split()[0] in text for text in texts)
+
+
+def test_the_calibrate_command_reports_json_and_refuses_bad_settings(store):
+    result = run_cli("calibrate", "--store", store, "--questions", "2", "--top-k", "3", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["num_questions"] == 2 and report["measured"] and report["summary"]
+    with pytest.raises(InputError, match="--top-k"):
+        CalibrateSettings(top_k=1)
+    bad = run_cli("calibrate", "--store", store, "--target", "1.5")
+    assert bad.exit_code == 2 and "--target" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
