@@ -180,7 +180,9 @@ def test_the_attention_probe_measures_without_changing_the_forward(tiny_store):
         want = prefill(model, question, plain)
         probe = Probe(len(context))
         ids = torch.tensor([question])
-        got = probed_forward(model, probe, input_ids=ids, cache=probed, use_cache=True, logits_to_keep=1).logits[0, -1]
+        with torch.inference_mode():
+            got = probed_forward(model, probe, input_ids=ids, cache=probed, use_cache=True,
+                                 logits_to_keep=1).logits[0, -1]
     assert torch.allclose(got, want, atol=1e-5)
     # every layer, head and question token spreads one unit of attention over the context
     heads = config.num_attention_heads * config.num_hidden_layers
