@@ -140,11 +140,13 @@ QuietOption = typer.Option(False, "--quiet", "-q", help="No progress bars.")
 PathsArgument = typer.Argument(..., help="Files or directories: .txt .md .rst .html .jsonl.")
 ModeOption = typer.Option("exact", "--mode", help="With several chunks: exact (equals a full prefill; the "
                           "first chunk's KV, or the hits' spans, from the store, the rest prefilled), or approximate "
-                          "(faster; the mode that measured best: epic). The approximate modes: concat (every chunk's "
-                          "stored KV, re-rotated), blend (concat, then the most-deviating tokens recomputed, chosen "
-                          "layer by layer), epic (concat, then the first tokens of every chunk after the first "
-                          "recomputed), ape (concat, the later chunks' attention scaled down; ask and chat only). "
-                          "benchmarks/results/passages.md measures each.")
+                          "(faster: the mode and share `ragkv calibrate` measured reaching its target on this store, "
+                          "or exact when none did; epic 5% on a store never calibrated). The approximate modes: "
+                          "concat (every chunk's stored KV, re-rotated), blend (concat, then the most-deviating "
+                          "tokens recomputed, chosen layer by layer), epic (concat, then the first tokens of every "
+                          "chunk after the first recomputed), query (concat, then the tokens the question attends to "
+                          "most recomputed), ape (concat, the later chunks' attention scaled down; ask and chat "
+                          "only). benchmarks/results/approximate.md measures each.")
 ContextOption = typer.Option("span", "--context", help="What a retrieved chunk brings into the prompt: chunk (itself), "
                              "span (with the chunks of its span before it: exact from the store when ingested with "
                              "--span-tokens), document (its whole span).")

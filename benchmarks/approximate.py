@@ -45,6 +45,7 @@ from benchmarks.passages import PLAIN, cold, f1, gold_answers, kl  # noqa: E402
 import ragkv  # noqa: E402
 from pipelines.calibrate import CalibrateSettings, calibrate  # noqa: E402
 from pipelines.progress import default_reporter  # noqa: E402
+from ragkv.calibration import Calibration  # noqa: E402
 from ragkv.config import AskSettings, IngestSettings, ModelSettings  # noqa: E402
 
 KS = (3, 5, 10)
@@ -134,7 +135,7 @@ def summarise(per_question: list[dict], k: int) -> list[dict]:
     return rows
 
 
-def run_corpus(name: str, docs: Path, pairs: list[tuple[str, str]], work: Path, tokens: int) -> tuple[list, str]:
+def run_corpus(name: str, docs: Path, pairs: list[tuple[str, str]], work: Path, tokens: int) -> tuple[list, Calibration]:
     store = work / ("store-" + re.sub(r"\W+", "-", name))
     ragkv.ingest([docs], store, model=ModelSettings(device="cpu", dtype="float32"),
                  settings=IngestSettings(chunk_tokens=256))
@@ -146,7 +147,7 @@ def run_corpus(name: str, docs: Path, pairs: list[tuple[str, str]], work: Path, 
             per_question = [m for q, g in pairs if (m := measure(engine, q, g, k, tokens))]
             rows += summarise(per_question, k)
             print(f"{name}: K={k} done", file=sys.stderr, flush=True)
-    return rows, calibration.describe()
+    return rows, calibration
 
 
 def interval(stat: tuple[float, float, float], percent: bool = True) -> str:
@@ -159,15 +160,16 @@ def render(results: dict, args, elapsed: float) -> str:
         "# `--mode approximate` and every approximate mode against a full prefill",
         "",
         f"Bundled SmolLM2-135M-Instruct, float32, CPU ({describe()}). {args.tokens} new tokens, greedy without "
-        "repetition controls. Each store calibrated first (`ragkv calibrate --top-k 5 --questions 8`: questions drawn from its "
-        "own chunks, held in); the set's questions are held out. Intervals: 95% bootstrap over questions. TTFT: "
-        "median over the full prefill's, cold (RAM tier and prefix cache emptied) and warm (asked again). "
+        "repetition controls. Each store calibrated first (`ragkv calibrate --top-k 5 --questions 8`: questions "
+        "drawn from its own chunks, held in); the set's questions are held out. Intervals: 95% bootstrap over questions. TTFT: "
+        "median over the full prefill's, cold (RAM tier and prefix cache emptied) and warm (the same prompt's cache "
+        "again, right after). "
         f"Command: `python benchmarks/approximate.py --questions {args.questions} --tokens {args.tokens}` "
         f"({elapsed / 60:.0f} min).",
         "",
     ]
-    for name, (rows, chosen) in results.items():
-        lines += [f"## {name}: {rows[0]['n']} questions; calibration: {chosen}", "",
+    for name, (rows, calibration) in results.items():
+        lines += [f"## {name}: {rows[0]['n']} questions; calibration: {calibration.describe()}", "",
                   "| K | mode | first token = full | teacher-forced | first-token KL | F1 gold | F1 gap to full | "
                   "F1 vs full's answer | TTFT cold | TTFT warm |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
@@ -178,8 +180,19 @@ def render(results: dict, args, elapsed: float) -> str:
             lines.append(f"| {r['k']} | {label} | {interval(r['first'])} | {interval(r['forced'])} | {r['kl']:.2e} | "
                          f"{r['f1'][0]:.3f} | {interval(r['f1_gap'], False)} | {r['f1_full']:.2f} | "
                          f"{r['ttft']:.2f} | {r['warm']:.2f} |")
-        lines.append("")
+        lines += ["", *sweep(calibration), ""]
     return "\n".join(lines)
+
+
+def sweep(calibration: Calibration) -> list[str]:
+    """The calibration's measurements (held-in questions, top-5): each mode's share sweep, stopped
+    at the first share that reached the target; the Pareto front of agreement against TTFT."""
+    lines = [f"Calibration sweep ({calibration.num_questions} held-in questions, top-{calibration.top_k}, target "
+             f"{calibration.target:.0%}; exact: TTFT {calibration.exact_ttft_ratio:.2f}):", "",
+             "| mode | recomputed | first token = full | teacher-forced | TTFT vs full |", "|---|---|---|---|---|"]
+    for m in calibration.measured:
+        lines.append(f"| {m.mode} | {m.share:.0%} | {m.first_token:.0%} | {m.teacher_forced:.0%} | {m.ttft_ratio:.2f} |")
+    return lines
 
 
 def main() -> None:
