@@ -33,17 +33,16 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.fidelity import python_faq, work_dir  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
-from benchmarks.passages import PLAIN, cold, f1, gold_answers, kl  # noqa: E402
+from benchmarks.passages import f1, gold_answers, kl  # noqa: E402
 
 import ragkv  # noqa: E402
-from pipelines.calibrate import CalibrateSettings, calibrate  # noqa: E402
+from pipelines.calibrate import PLAIN, CalibrateSettings, calibrate, cold, teacher_forced  # noqa: E402
 from pipelines.progress import default_reporter  # noqa: E402
 from ragkv.calibration import Calibration  # noqa: E402
 from ragkv.config import AskSettings, IngestSettings, ModelSettings  # noqa: E402
@@ -79,23 +78,6 @@ def settings_for(mode: str, share: float | None, k: int, tokens: int) -> AskSett
     return AskSettings.from_dict(options)
 
 
-@torch.inference_mode()
-def forced(engine, question: str, settings: AskSettings, answer_ids: list[int]) -> tuple[torch.Tensor, float, float]:
-    """(first-token logits, teacher-forced top-1 agreement, warm seconds to the first logits) of
-    `settings`' cache with `answer_ids` fed after it; warm: whatever the engine kept from asking."""
-    start = time.perf_counter()
-    prepared = engine.prepare(question, settings)
-    model, cache = prepared.assembly.attending(engine.lm.model), prepared.assembly.cache
-    live = torch.tensor([prepared.live_ids], dtype=torch.long)  # (1, T)
-    first = model(input_ids=live, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1].float()  # (V,)
-    warm = time.perf_counter() - start
-    tops = [int(first.argmax())]
-    if len(answer_ids) > 1:
-        rest = torch.tensor([answer_ids[:-1]], dtype=torch.long)  # (1, A - 1)
-        tops += model(input_ids=rest, cache=cache, use_cache=True, logits_to_keep=rest.shape[1]).logits[0].argmax(-1).tolist()
-    return first, sum(a == b for a, b in zip(tops, answer_ids)) / len(answer_ids), warm
-
-
 def measure(engine, question: str, gold: str, k: int, tokens: int) -> dict:
     """Every configuration's numbers for one question at K = `k`: each asked cold (its answer
     and cold TTFT), then teacher-forced right after (warm TTFT)."""
@@ -103,14 +85,16 @@ def measure(engine, question: str, gold: str, k: int, tokens: int) -> dict:
     full = engine.ask(question, top_k=k, max_new_tokens=tokens, use_cache=False, **PLAIN)
     if not full.token_ids:
         return {}
-    full_first, _, full_warm = forced(engine, question, AskSettings(top_k=k, use_cache=False), full.token_ids)
-    out = {"full": {"f1": f1(full.text, gold), "ttft": full.stats.ttft_s, "warm": full_warm}}
+    reference = teacher_forced(engine, question, AskSettings(top_k=k, use_cache=False), full.token_ids)
+    full_first = reference.first_logits
+    out = {"full": {"f1": f1(full.text, gold), "ttft": full.stats.ttft_s, "warm": reference.seconds}}
     for mode, share in CONFIGS:
         settings = settings_for(mode, share, k, tokens)
         cold(engine)
         answer = engine.ask(question, settings)
-        first, agreement, warm = forced(engine, question, settings, full.token_ids)
-        out[mode] = {"first": float(first.argmax() == full_first.argmax()), "forced": agreement,
+        forced = teacher_forced(engine, question, settings, full.token_ids)
+        first, warm = forced.first_logits, forced.seconds
+        out[mode] = {"first": float(first.argmax() == full_first.argmax()), "forced": forced.agreement,
                      "kl": kl(full_first, first), "f1": f1(answer.text, gold), "f1_full": f1(answer.text, full.text),
                      "ttft": answer.stats.ttft_s, "warm": warm, "ran_as": answer.stats.approximation or mode}
     return out

@@ -39,6 +39,7 @@ from benchmarks.fidelity import python_faq_or_exit, work_dir  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
 
 import ragkv  # noqa: E402
+from pipelines.calibrate import cold  # noqa: E402
 from ragkv.config import AskSettings, IngestSettings, ModelSettings  # noqa: E402
 
 KS = (1, 3, 5, 10)
@@ -105,12 +106,6 @@ def f1(prediction: str, gold: str) -> float:
         return 0.0
     precision, recall = common / len(p), common / len(g)
     return 2 * precision * recall / (precision + recall)
-
-
-def cold(engine) -> None:
-    """Empty the engine's RAM tier and prefix cache: the next answer reads its KV from the store."""
-    engine.ram = type(engine.ram)(engine.ram.max_bytes)
-    engine.prefix_cache = type(engine.prefix_cache)(engine.prefix_cache.max_bytes)
 
 
 @torch.inference_mode()

@@ -99,38 +99,55 @@ def calibrate(store: Path | str, settings: CalibrateSettings, reporter: Reporter
     return result
 
 
-def _cold(engine) -> None:
+def cold(engine) -> None:
     """The RAM tier and prefix cache emptied: the next prompt's KV is read from the store."""
     engine.ram = type(engine.ram)(engine.ram.max_bytes)
     engine.prefix_cache = type(engine.prefix_cache)(engine.prefix_cache.max_bytes)
 
 
 def _reference(engine, question: str, settings: CalibrateSettings) -> Reference:
-    _cold(engine)
+    cold(engine)
     answer = engine.ask(question, top_k=settings.top_k, max_new_tokens=settings.tokens, use_cache=False, **PLAIN)
     return Reference(question, answer.token_ids, answer.stats.ttft_s)
 
 
+@dataclass(frozen=True)
+class Forced:
+    """A prompt's cache per some settings, with a reference answer fed after it."""
+
+    first_logits: torch.Tensor  # (V,) float32: the next-token logits after the prompt
+    agreement: float  # share of the answer's positions whose top token is the answer's
+    seconds: float  # from preparing the prompt to its first logits
+
+
 @torch.inference_mode()
+def teacher_forced(engine, question: str, ask: AskSettings, answer_ids: list[int]) -> Forced:
+    """`ask`'s cache for `question` (prepared now: whatever the engine holds is used), then
+    `answer_ids` fed after it in one forward."""
+    start = time.perf_counter()
+    prepared = engine.prepare(question, ask)
+    model, cache = prepared.assembly.attending(engine.lm.model), prepared.assembly.cache
+    ids = torch.tensor([prepared.live_ids], dtype=torch.long, device=engine.lm.model.device)  # (1, T)
+    head = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1].float()  # (V,)
+    seconds = time.perf_counter() - start
+    tops = [int(head.argmax())]
+    if len(answer_ids) > 1:
+        rest = torch.tensor([answer_ids[:-1]], dtype=torch.long, device=ids.device)  # (1, A - 1)
+        tops += model(input_ids=rest, cache=cache, use_cache=True,
+                      logits_to_keep=rest.shape[1]).logits[0].argmax(-1).tolist()
+    return Forced(head, sum(a == b for a, b in zip(tops, answer_ids)) / len(answer_ids), seconds)
+
+
 def _measure(engine, references: list[Reference], ask: AskSettings, settings: CalibrateSettings) -> Measured:
     first, forced, ttft = [], [], []
     for ref in references:
         if not ref.answer_ids:
             continue
-        _cold(engine)
-        start = time.perf_counter()
-        prepared = engine.prepare(ref.question, ask)
-        model, cache = prepared.assembly.attending(engine.lm.model), prepared.assembly.cache
-        ids = torch.tensor([prepared.live_ids], dtype=torch.long, device=engine.lm.model.device)  # (1, T)
-        head = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]  # (V,)
-        ttft.append(time.perf_counter() - start)
-        tops = [int(head.argmax())]
-        if len(ref.answer_ids) > 1:
-            rest = torch.tensor([ref.answer_ids[:-1]], dtype=torch.long, device=ids.device)  # (1, A - 1)
-            logits = model(input_ids=rest, cache=cache, use_cache=True, logits_to_keep=rest.shape[1]).logits[0]
-            tops += logits.argmax(-1).tolist()
-        first.append(tops[0] == ref.answer_ids[0])
-        forced.append(sum(a == b for a, b in zip(tops, ref.answer_ids)) / len(ref.answer_ids))
+        cold(engine)
+        result = teacher_forced(engine, ref.question, ask, ref.answer_ids)
+        ttft.append(result.seconds)
+        first.append(int(result.first_logits.argmax()) == ref.answer_ids[0])
+        forced.append(result.agreement)
     full_ttft = statistics.median(r.ttft_s for r in references)
     return Measured(ask.mode, ask.blend_ratio or 0.0, statistics.mean(first) if first else 0.0,
                     statistics.mean(forced) if forced else 0.0,
