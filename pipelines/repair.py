@@ -119,7 +119,7 @@ def _reindex_vectors(writer: StoreWriter, device: str, report: RepairReport) -> 
         embedder = Embedder.load(catalog.meta()["embedder"], device)
         writer.ensure_vectors(embedder.dim).num_changes += 1
     vectors = writer.vectors
-    indexed = set(faiss.vector_to_array(vectors.index.id_map).tolist())
+    indexed = set(vectors.ids().tolist())
     chunks = catalog.chunk_ids()
     vectors.remove(sorted(indexed - chunks))
     missing = sorted(chunks - indexed)

@@ -1,5 +1,7 @@
 """Garbage collection: drop KV entries nothing needs, rewrite mostly-dead shards, delete
-shard files no generation on disk references. Never touches a generation a reader holds."""
+shard files no generation on disk references, and compact: the catalog's delta (of
+COMPACT_ROWS rows or more) into a new base, the vector segments (when there are several, or
+tombstones) into one, an IVF one retrained for a large store. Never touches a generation a reader holds."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from ragkv.errors import StoreCorruptError, StoreNotFoundError
 from store.store import StoreWriter, open_writer
 
 REWRITE_BELOW = 0.5  # rewrite a shard once less than this fraction of its bytes is live
+COMPACT_ROWS = 5_000  # gc compacts a delta of at least this many rows (a smaller one costs writers nothing)
 
 
 @dataclass
@@ -24,6 +27,8 @@ class GcReport:
     bytes_reclaimed: int = 0  # shard bytes deleted from disk
     generations_removed: list[int] = field(default_factory=list)
     generations_kept_for_readers: list[int] = field(default_factory=list)
+    catalog_compacted: bool = False
+    vectors_compacted: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -44,6 +49,13 @@ def collect_garbage(root: Path | str, other_models: bool = False, wait: bool = F
             catalog.drop_profiles(others)
             report.profiles_dropped = len(others)
         report.entries_removed, report.shards_rewritten = drop_dead(writer, rewrite_below)
+        vectors = writer.vectors
+        if vectors is not None and (len(vectors.segments) > 1 or len(vectors.gone)):
+            writer.compact_vectors()
+            report.vectors_compacted = True
+        if writer.catalog.delta_rows() >= COMPACT_ROWS and not writer.compacted:
+            writer.compact()
+            report.catalog_compacted = True
         report.generation = writer.publish()
         report.generations_removed, report.generations_kept_for_readers = writer.retired, writer.held_by_readers
         report.shards_deleted, report.bytes_reclaimed = writer.delete_unreferenced_shards()

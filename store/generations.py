@@ -1,23 +1,34 @@
 """Published generations: a store's catalog and vector index are replaced together, atomically.
 
     CURRENT                 the published generation number (written aside, fsynced, renamed)
-    catalog-000007.duckdb   that generation's catalog (checkpointed, closed, never reopened for writing)
-    vectors-000007.faiss    that generation's FAISS index
+    catalog-000007.duckdb   that generation's catalog: a small delta over a base (see
+                            store.catalog.overlay; checkpointed, closed, never reopened for writing)
+    manifest-000007.json    that generation's base catalog and vector segments
+    base-000005.duckdb      a whole catalog some generations' deltas are over (immutable)
+    segments/*.faiss        vector segments (immutable; see store.vectors)
     shards/                 KV shards shared by all generations
     LOCK                    held (flock) by the one writer, with its pid
 
-A writer builds generation g+1 from copies of g, then publishes it by renaming CURRENT.
-Readers open whatever CURRENT names, so they see generation g or g+1 in full, never a mix,
-and never contend with the writer's DuckDB lock.
+A writer builds generation g+1 from a copy of g's delta (the changes since the last
+compaction, not the whole catalog), writes the vectors it added as a new segment and
+publishes by renaming CURRENT. Readers open whatever CURRENT names, so they see generation g
+or g+1 in full, never a mix, and never contend with the writer's DuckDB lock. Bases and
+segments are shared: they are deleted once no generation on disk names them.
 
-A reader holds a shared flock on its generation's vectors file (`ReaderLease`) for as long
-as it has the generation open. Retired generations are deleted only when nobody holds that
-lease, so a long-lived reader never loses the catalog (or, through gc, the shards) it uses.
+A store written by ragkv before segments (format 1) has `catalog-N.duckdb` as a whole catalog
+and `vectors-N.faiss` as its one index; it is read as it is, and its first writer migrates it
+once (the old files become the first base and segment, hard-linked, not copied).
+
+A reader holds a shared flock on its generation's manifest (`vectors-N.faiss` in format 1;
+`ReaderLease`) for as long as it has the generation open. Retired generations are deleted
+only when nobody holds that lease, so a long-lived reader never loses the catalog (or,
+through gc, the shards) it uses.
 """
 
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 import re
@@ -32,7 +43,10 @@ log = logging.getLogger("ragkv")
 CURRENT = "CURRENT"
 LOCK = "LOCK"
 _POINTER_TMP = re.compile(r"^\.\.?(remote-)?CURRENT\.[0-9a-f]{12}\.tmp$")  # write_atomic's temporary names
-_GENERATION_FILE = re.compile(r"^(catalog|vectors)-(\d{6})\.(duckdb|faiss)(\.partial)?(\.wal)?$")
+_GENERATION_FILE = re.compile(r"^(catalog|vectors|manifest)-(\d{6})\.(duckdb|faiss|json)(\.partial)?(\.wal)?$")
+_BASE_FILE = re.compile(r"^base-(\d{6})-[0-9a-f]{8}\.duckdb(\.wal)?$")
+SEGMENT_DIR = "segments"
+MANIFEST_FORMAT = 2
 
 
 def catalog_path(root: Path, generation: int) -> Path:
@@ -41,6 +55,79 @@ def catalog_path(root: Path, generation: int) -> Path:
 
 def vectors_path(root: Path, generation: int) -> Path:
     return root / f"vectors-{generation:06d}.faiss"
+
+
+def manifest_path(root: Path, generation: int) -> Path:
+    return root / f"manifest-{generation:06d}.json"
+
+
+def base_name(generation: int) -> str:
+    """A new base's name: unique, so a copy of it (an S3 mirror's) is never stale."""
+    return f"base-{generation:06d}-{uuid.uuid4().hex[:8]}.duckdb"
+
+
+def lease_path(root: Path, generation: int) -> Path:
+    """The file a generation's readers hold: its manifest, or a format-1 generation's index."""
+    manifest = manifest_path(root, generation)
+    return manifest if manifest.exists() or not vectors_path(root, generation).exists() else vectors_path(root, generation)
+
+
+def is_legacy(root: Path, generation: int) -> bool:
+    """A generation in format 1: a whole catalog and one index file, no manifest."""
+    return not manifest_path(root, generation).exists() and vectors_path(root, generation).exists()
+
+
+def read_manifest(root: Path, generation: int) -> dict:
+    path = manifest_path(root, generation)
+    try:
+        manifest = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError) as exc:
+        raise StoreFormatError(f"store {root}: {path.name} is unreadable ({exc}); run "
+                               f"`ragkv verify --repair --store {root}`") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        raise StoreFormatError(f"store {root}: {path.name} is of format {manifest.get('format') if isinstance(manifest, dict) else '?'}, "
+                               f"not {MANIFEST_FORMAT}; upgrade ragkv")
+    return manifest
+
+
+def write_manifest(root: Path, generation: int, manifest: dict) -> None:
+    write_atomic(manifest_path(root, generation), json.dumps({"format": MANIFEST_FORMAT, **manifest},
+                                                             indent=1).encode())
+
+
+def shared_files(root: Path, generations: set[int]) -> set[str]:
+    """Names (relative to `root`) of the bases and segments the manifests of `generations` name."""
+    names: set[str] = set()
+    for generation in generations:
+        try:
+            manifest = read_manifest(root, generation)
+        except (FileNotFoundError, StoreFormatError):
+            continue
+        names.add(manifest["base"])
+        names |= {f"{SEGMENT_DIR}/{s['name']}" for s in manifest.get("segments", [])}
+    return names
+
+
+def remove_unshared(root: Path, keep: set[str] = frozenset()) -> int:
+    """Delete bases and segments no generation on disk names (and not in `keep`): those of
+    retired generations, or a killed writer's. Returns bytes freed. Call only while holding
+    the write lock."""
+    wanted = shared_files(root, generations_on_disk(root)) | set(keep)
+    freed = 0
+    candidates = [p for p in root.iterdir() if _BASE_FILE.match(p.name)]
+    if (root / SEGMENT_DIR).is_dir():
+        candidates += [p for p in (root / SEGMENT_DIR).iterdir() if p.suffix == ".faiss" or p.name.endswith(".tmp")]
+    for path in candidates:
+        name = path.name if path.parent == root else f"{SEGMENT_DIR}/{path.name}"
+        if name.removesuffix(".wal") not in wanted:
+            try:
+                freed += path.stat().st_size
+                path.unlink()
+            except FileNotFoundError:
+                pass
+    return freed
 
 
 def read_current(root: Path) -> int | None:
@@ -76,7 +163,8 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 def is_store_file(name: str) -> bool:
     """A name a store writer creates at the top of a store."""
-    return name in (CURRENT, LOCK, ".remote-CURRENT") or bool(_GENERATION_FILE.match(name) or _POINTER_TMP.match(name))
+    return name in (CURRENT, LOCK, ".remote-CURRENT") or bool(
+        _GENERATION_FILE.match(name) or _POINTER_TMP.match(name) or _BASE_FILE.match(name))
 
 
 def generations_on_disk(root: Path) -> set[int]:
@@ -95,8 +183,9 @@ def _files_of(root: Path, generation: int) -> list[Path]:
 
 
 def complete_generations(root: Path) -> set[int]:
-    """Generations with both a published catalog and a vectors file (readable or not)."""
-    return {g for g in generations_on_disk(root) if vectors_path(root, g).is_file()}
+    """Generations with both a published catalog and a manifest (format 1: a vectors file),
+    readable or not."""
+    return {g for g in generations_on_disk(root) if lease_path(root, g).is_file()}
 
 
 def check_base(root: Path, current: int | None) -> None:
@@ -107,7 +196,7 @@ def check_base(root: Path, current: int | None) -> None:
         return
     complete = complete_generations(root)
     if current not in complete:
-        raise StoreFormatError(f"store {root}: CURRENT names generation {current} but its catalog or vectors file is "
+        raise StoreFormatError(f"store {root}: CURRENT names generation {current} but its catalog or manifest is "
                                "missing; run `ragkv verify --repair` to point it at the newest complete generation")
     if newer := sorted(g for g in complete if g > current + 1):
         raise StoreFormatError(f"store {root}: CURRENT names generation {current}, but generation {newer[-1]} is newer "
@@ -119,9 +208,11 @@ def remove_unpublished(root: Path, current: int | None) -> None:
     published, so no reader can have it). Call only while holding the write lock, after
     `check_base`."""
     for path in root.iterdir():
-        match = _GENERATION_FILE.match(path.name)
-        if match and int(match.group(2)) > (current or 0):
+        number = m.group(2) if (m := _GENERATION_FILE.match(path.name)) else \
+            m.group(1) if (m := _BASE_FILE.match(path.name)) else None
+        if number is not None and int(number) > (current or 0):
             path.unlink(missing_ok=True)
+    remove_unshared(root)
 
 
 def remove_retired(root: Path, current: int) -> tuple[list[int], list[int]]:
@@ -131,7 +222,7 @@ def remove_retired(root: Path, current: int) -> tuple[list[int], list[int]]:
     for generation in sorted(generations_on_disk(root) - {current}):
         if generation > current:
             continue
-        lease = vectors_path(root, generation)
+        lease = lease_path(root, generation)
         try:
             fd = os.open(lease, os.O_RDONLY)
         except FileNotFoundError:  # no vectors file: a half-removed generation, nothing to wait for
@@ -139,7 +230,7 @@ def remove_retired(root: Path, current: int) -> tuple[list[int], list[int]]:
         try:
             if fd is not None:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            for path in _files_of(root, generation):  # the vectors file last: it carries the lease
+            for path in _files_of(root, generation):  # the lease last
                 if path != lease:
                     path.unlink(missing_ok=True)
             lease.unlink(missing_ok=True)
@@ -177,11 +268,11 @@ class RetiredError(Exception):
 
 
 class ReaderLease:
-    """A shared flock on a generation's vectors file: while held, no writer deletes the generation."""
+    """A shared flock on a generation's manifest: while held, no writer deletes the generation."""
 
     def __init__(self, root: Path, generation: int):
         try:
-            self._fd = os.open(vectors_path(root, generation), os.O_RDONLY)
+            self._fd = os.open(lease_path(root, generation), os.O_RDONLY)
         except FileNotFoundError:
             raise RetiredError(generation) from None
         fcntl.flock(self._fd, fcntl.LOCK_SH)

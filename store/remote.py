@@ -1,16 +1,18 @@
 """Stores on S3-compatible object storage: `--store s3://bucket/prefix`.
 
-The objects mirror a local store's layout (`CURRENT`, `catalog-N.duckdb`, `vectors-N.faiss`,
-`shards/*.safetensors`). Every machine keeps a local mirror under the ragkv cache
-(`$RAGKV_HOME/s3/BUCKET/PREFIX`) that is itself a local store: DuckDB and FAISS only ever
-open local files (DuckDB's httpfs is not needed), published catalogs and indexes are copied
-down; a shard's first read fetches just the entry's bytes (ranged GETs) while the whole shard
+The objects mirror a local store's layout (`CURRENT`, `catalog-N.duckdb`, `manifest-N.json`,
+`base-*.duckdb`, `segments/*.faiss`, `shards/*.safetensors`; see store.generations). Every
+machine keeps a local mirror under the ragkv cache (`$RAGKV_HOME/s3/BUCKET/PREFIX`) that is
+itself a local store: DuckDB and FAISS only ever open local files (DuckDB's httpfs is not
+needed). A reader moving to a new generation downloads its delta and manifest and only the
+bases and segments it does not have yet: those are immutable and uniquely named, so what a
+change costs to fetch is what changed. A shard's first read fetches just the entry's bytes (ranged GETs) while the whole shard
 is copied down in the background for later reads, and copies are evicted least-recently-used
 beyond `$RAGKV_S3_CACHE_BYTES` (default 8 GiB).
 
 Writing: `RemoteStoreWriter` takes the store's `LOCK` object, builds the next generation in
-the mirror, uploads each shard as it is sealed, and publishes by uploading the catalog and
-index and then `CURRENT` (one PUT, atomic on S3). A writer killed at any moment leaves the
+the mirror, uploads each shard as it is sealed, and publishes by uploading the new base and
+segments (if any), the delta and manifest, and then `CURRENT` (one PUT, atomic on S3). A writer killed at any moment leaves the
 published objects as they were; shards it uploaded are unreferenced until `gc` deletes them.
 The last KEEP_GENERATIONS published generations stay on the bucket for readers that open
 one while a writer publishes the next.
@@ -40,7 +42,8 @@ from pathlib import Path
 from ragkv.config import cache_dir
 from ragkv.errors import InputError, StoreCorruptError, StoreLockedError, StoreNotFoundError, StoreWriteError
 from store.generations import (
-    CURRENT, LOCK, WriteLock, catalog_path, publish, read_current, remove_retired, vectors_path, write_atomic,
+    CURRENT, LOCK, SEGMENT_DIR, WriteLock, catalog_path, manifest_path, publish, read_current, read_manifest,
+    remove_retired, remove_unshared, vectors_path, write_atomic,
 )
 from store.shards import SHARD_SUFFIX, is_shard_name
 
@@ -109,6 +112,7 @@ class RemoteStore:
         self.mirror = cache_dir() / "s3" / self.location.bucket / (self.location.prefix or "_")
         self.cache_bytes = int(os.environ.get(CACHE_BYTES_ENV, DEFAULT_CACHE_BYTES))
         (self.mirror / "shards").mkdir(parents=True, exist_ok=True)
+        self.downloaded = 0  # bytes of catalogs, manifests and segments copied down (not shards)
         self._fetching: dict[str, threading.Thread] = {}  # shard -> its background copy
         self._fetching_lock = threading.Lock()
 
@@ -138,6 +142,8 @@ class RemoteStore:
             with self.fs.open_input_stream(self.location.key(name)) as src, open(tmp, "wb") as dst:
                 while block := src.read(_COPY_BLOCK):
                     dst.write(block)
+                    if not name.startswith("shards/"):
+                        self.downloaded += len(block)
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
@@ -171,24 +177,47 @@ class RemoteStore:
         generation = int(body.decode().split()[0])
         stale = body != seen
         if stale or read_current(self.mirror) != generation:
-            for path in (catalog_path(self.mirror, generation), vectors_path(self.mirror, generation)):
-                if stale or not path.exists():
-                    try:
-                        self._download(path.name, path)
-                    except FileNotFoundError:
-                        raise StoreCorruptError(f"store {self.location.uri}: CURRENT names generation "
-                                                f"{generation} but {path.name} is missing") from None
+            self.fetch_generation(generation, fresh=stale)
             publish(self.mirror, generation)
             write_atomic(marker, body)
             self._trim_mirror(generation)
         return generation
 
+    def fetch_generation(self, generation: int, fresh: bool = True) -> None:
+        """Copy a generation down: its delta and manifest (again when `fresh`: the bucket may
+        have been rebuilt with the same numbers), and the bases and segments it names that the
+        mirror lacks (never again: their names are unique). A format-1 generation: its catalog
+        and index."""
+        def need(name: str, path: Path, again: bool) -> None:
+            if again or not path.exists():
+                try:
+                    self._download(name, path)
+                except FileNotFoundError:
+                    raise StoreCorruptError(f"store {self.location.uri}: CURRENT names generation "
+                                            f"{generation} but {name} is missing") from None
+
+        manifest = manifest_path(self.mirror, generation)
+        try:
+            need(manifest.name, manifest, fresh)
+        except StoreCorruptError:  # format 1: no manifest, one index file
+            need(vectors_path(self.mirror, generation).name, vectors_path(self.mirror, generation), fresh)
+            need(catalog_path(self.mirror, generation).name, catalog_path(self.mirror, generation), fresh)
+            return
+        need(catalog_path(self.mirror, generation).name, catalog_path(self.mirror, generation), fresh)
+        named = read_manifest(self.mirror, generation)
+        need(named["base"], self.mirror / named["base"], False)
+        (self.mirror / SEGMENT_DIR).mkdir(exist_ok=True)
+        for segment in named["segments"]:
+            need(f"{SEGMENT_DIR}/{segment['name']}", self.mirror / SEGMENT_DIR / segment["name"], False)
+
     def _reset_mirror(self) -> None:
         for path in self.mirror.iterdir():
             if path.is_file() and path.name != LOCK:
                 path.unlink(missing_ok=True)
-        for path in (self.mirror / "shards").iterdir():
-            path.unlink(missing_ok=True)
+        for folder in ("shards", SEGMENT_DIR):
+            if (self.mirror / folder).is_dir():
+                for path in (self.mirror / folder).iterdir():
+                    path.unlink(missing_ok=True)
 
     def _trim_mirror(self, generation: int) -> None:
         """Drop older mirrored generations nobody reads, unless a local writer is busy."""
@@ -198,12 +227,21 @@ class RemoteStore:
             return
         try:
             remove_retired(self.mirror, generation)
+            remove_unshared(self.mirror)
         finally:
             lock.release()
 
     def upload_generation(self, generation: int) -> None:
-        """Publish: catalog and index first, CURRENT (with a fresh token) last."""
-        for path in (catalog_path(self.mirror, generation), vectors_path(self.mirror, generation)):
+        """Publish: the base and segments the bucket lacks, the delta and manifest, and CURRENT
+        (with a fresh token) last."""
+        named = read_manifest(self.mirror, generation)
+        if named["base"] not in self._list():
+            self._upload(self.mirror / named["base"], named["base"])
+        on_bucket = self._list(SEGMENT_DIR)
+        for segment in named["segments"]:
+            if segment["name"] not in on_bucket:
+                self._upload(self.mirror / SEGMENT_DIR / segment["name"], f"{SEGMENT_DIR}/{segment['name']}")
+        for path in (catalog_path(self.mirror, generation), manifest_path(self.mirror, generation)):
             self._upload(path, path.name)
         body = f"{generation}\n{uuid.uuid4().hex}\n".encode()
         self._put(CURRENT, body)
@@ -214,11 +252,27 @@ class RemoteStore:
         return {int(n.split("-")[1].split(".")[0]) for n in names if n.startswith("catalog-") and n.endswith(".duckdb")}
 
     def trim_generations(self, current: int) -> list[int]:
-        """Delete published generations older than the last KEEP_GENERATIONS."""
+        """Delete published generations older than the last KEEP_GENERATIONS, then the bases
+        and segments no kept generation names."""
+        names = self._list()
         old = sorted(g for g in self.remote_generations() if g <= current - KEEP_GENERATIONS)
         for generation in old:
-            for path in (catalog_path(self.mirror, generation), vectors_path(self.mirror, generation)):
-                self.fs.delete_file(self.location.key(path.name))
+            for path in (catalog_path(self.mirror, generation), vectors_path(self.mirror, generation),
+                         manifest_path(self.mirror, generation)):
+                if path.name in names:
+                    self.fs.delete_file(self.location.key(path.name))
+        wanted: set[str] = set()
+        for generation in self.remote_generations():
+            body = self._read(manifest_path(self.mirror, generation).name)
+            if body is not None:
+                named = json.loads(body)
+                wanted |= {named["base"]} | {f"{SEGMENT_DIR}/{s['name']}" for s in named["segments"]}
+        for name in names:
+            if name.startswith("base-") and name not in wanted:
+                self.fs.delete_file(self.location.key(name))
+        for name in self._list(SEGMENT_DIR):
+            if f"{SEGMENT_DIR}/{name}" not in wanted:
+                self.fs.delete_file(self.location.key(SEGMENT_DIR, name))
         return old
 
     # -- shards -------------------------------------------------------------------------------
@@ -361,8 +415,7 @@ def referenced_shards(remote: RemoteStore, generations: set[int]) -> set[str]:
     referenced: set[str] = set()
     for generation in generations:
         path = catalog_path(remote.mirror, generation)
-        if not path.exists():
-            remote._download(path.name, path)
+        remote.fetch_generation(generation, fresh=False)
         with Catalog(path, read_only=True) as catalog:
             referenced |= catalog.shards()
     return referenced

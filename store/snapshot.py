@@ -7,10 +7,12 @@ from pathlib import Path
 
 from ragkv.errors import StoreCorruptError, StoreEmptyError, StoreFormatError, StoreNotFoundError
 from store.catalog import Catalog
-from store.generations import ReaderLease, RetiredError, catalog_path, read_current, vectors_path
+from store.generations import (
+    SEGMENT_DIR, ReaderLease, RetiredError, catalog_path, is_legacy, read_current, read_manifest, vectors_path,
+)
 from store.remote import RemoteStore, is_remote
 from store.shards import ShardReader
-from store.vectors import VectorIndex
+from store.vectors import Segment, SegmentInfo, VectorIndex, read_index
 
 SHARD_DIR = "shards"
 REMOTE_POLL_S = 2.0  # how often a long-lived reader asks an S3 store for a newer generation
@@ -31,15 +33,27 @@ class StoreSnapshot:
             self.catalog = Catalog(catalog_path(root, generation), read_only=True)
             self.vectors_damage = ""  # lenient: why the vector index could not be read (it is then empty)
             try:
-                self.vectors = VectorIndex.load(vectors_path(root, generation))
+                self.vectors = self._open_vectors()
             except StoreCorruptError as exc:
                 if not lenient:
                     raise
-                self.vectors, self.vectors_damage = VectorIndex.empty(1), str(exc)
+                self.vectors, self.vectors_damage = VectorIndex.empty(0), str(exc)
         except BaseException:
             self._lease.release()
             raise
         self.shards = ShardReader(root / SHARD_DIR, remote)
+
+    def _open_vectors(self) -> VectorIndex:
+        if is_legacy(self.root, self.generation):  # format 1: one index file
+            path = vectors_path(self.root, self.generation)
+            index = read_index(path, self.root)
+            info = SegmentInfo(path.name, "flat", index.ntotal, path.stat().st_size)
+            return VectorIndex(index.d, self.root, [info], loaded={path.name: Segment(info, index)})
+        manifest = read_manifest(self.root, self.generation)
+        vectors = VectorIndex(int(manifest.get("dim", 0)), self.root / SEGMENT_DIR,
+                              [SegmentInfo.from_dict(s) for s in manifest["segments"]], self.catalog.gone_vectors())
+        vectors.load_all()
+        return vectors
 
     @property
     def location(self) -> str:

@@ -24,6 +24,9 @@ def store_stats(snapshot: StoreSnapshot) -> dict:
         "generation": snapshot.generation,
         **catalog.counts(),
         "vectors": len(snapshot.vectors),
+        "index": snapshot.vectors.describe(),
+        "catalog": {"base": catalog.base_name() if catalog.delta else None, "base_rows": catalog.base_rows(),
+                    "delta_rows": catalog.delta_rows()},
         "embedder": catalog.meta().get("embedder"),
         "profiles": [
             {"model": p.model_name, "dtype": p.dtype, "kv_quant": p.kv_quant, "profile_id": p.profile_id,

@@ -2,25 +2,31 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 from pathlib import Path
 
 import duckdb
+import numpy as np
 
 from ragkv.errors import InputError, RagkvError, StoreFormatError, StoreWriteError
 from ragkv.keys import KVKey
 from store.catalog import Catalog
 from store.generations import (
-    WriteLock, catalog_path, check_base, generations_on_disk, is_store_file, publish,
-    read_current, remove_retired, remove_unpublished, vectors_path,
+    SEGMENT_DIR, WriteLock, base_name, catalog_path, check_base, generations_on_disk, is_legacy, is_store_file,
+    publish, read_current, read_manifest, remove_retired, remove_unpublished, remove_unshared, vectors_path,
+    write_manifest,
 )
 from store.remote import RemoteStore, is_remote, referenced_shards, write_error
 from store.remote_shards import UploadingShardWriter
 from store.shards import SealedEntry, ShardReader, ShardWriter, fsync_dir, remove_temporary, sealed_entries, shard_files
 from store.snapshot import SHARD_DIR, StoreSnapshot, open_snapshot
-from store.vectors import VectorIndex
+from store.catalog.overlay import Overlay
+from store.vectors import (
+    FLAT_SHARE, GONE_SHARE, MAX_FLAT, Segment, SegmentInfo, VectorIndex, build_segment, read_index, segment_vectors,
+)
 
 __all__ = ["SHARD_DIR", "StoreSnapshot", "StoreWriter", "is_store", "open_snapshot", "open_writer"]
 
@@ -36,7 +42,8 @@ def _is_foreign(root: Path) -> bool:
     """A path that holds something other than a ragkv store (never write into it)."""
     if not root.is_dir():
         return True
-    return not is_store(root) and any(not (is_store_file(p.name) or p.name == SHARD_DIR) for p in root.iterdir())
+    return not is_store(root) and any(not (is_store_file(p.name) or p.name in (SHARD_DIR, SEGMENT_DIR))
+                                      for p in root.iterdir())
 
 
 def _write_error(root: Path, exc: BaseException) -> StoreWriteError:
@@ -45,12 +52,18 @@ def _write_error(root: Path, exc: BaseException) -> StoreWriteError:
     return StoreWriteError(f"cannot write store {root}: {reason} ({where}); the published store is unchanged")
 
 
+COMPACT_MIN_ROWS = 20_000  # a delta this small is never compacted by a writer (gc compacts any)
+COMPACT_SHARE = 0.10  # ... and a larger one once it holds this share of the base's rows
+
+
 class StoreWriter:
     """Builds the next generation of a store; `commit` publishes it, `abort` leaves no trace.
 
-    Holds the store's write lock from construction to commit/abort. The catalog and vector
-    index are copies of the current generation. Shards sealed before an abort (or a kill)
-    stay: no published catalog references them, the next writer adopts what it can use
+    Holds the store's write lock from construction to commit/abort. The catalog is a copy of
+    the current generation's delta (see store.catalog.overlay), the vector index the current
+    segments plus what this writer adds (see store.vectors): what it copies and writes grows
+    with the change, not the store. Shards sealed before an abort (or a kill) stay: no
+    published catalog references them, the next writer adopts what it can use
     (`adopt_orphans`) and gc removes the rest. File-system failures (read-only, disk full)
     surface as StoreWriteError.
     """
@@ -75,18 +88,19 @@ class StoreWriter:
             remove_temporary(self.shard_dir)
             self._partial = catalog_path(self.root, self.generation).with_suffix(".duckdb.partial")
             self.vectors: VectorIndex | None = None  # rebuild_vectors: repair makes it hold the catalog's chunks
-            if self.base_generation is not None:
-                shutil.copyfile(catalog_path(self.root, self.base_generation), self._partial)
-                if not rebuild_vectors:
-                    self.vectors = VectorIndex.load(vectors_path(self.root, self.base_generation))
-            try:
-                self.catalog = Catalog(self._partial, read_only=False)
-            except StoreFormatError as exc:  # name the published file, not our copy of it
-                raise StoreFormatError(str(exc).replace(str(self._partial), str(catalog_path(
-                    self.root, self.base_generation or 0)))) from None
+            self.compacted = False  # this writer wrote a new base (see `compact`)
+            self.migrated_format = False  # this writer brought a format-1 store forward
+            infos, dim = self._open_catalog()
+            if dim and not rebuild_vectors:
+                self.vectors = VectorIndex(dim, self.root / SEGMENT_DIR, infos, self.catalog.gone_vectors(),
+                                           loaded=self._legacy_loaded)
+            self._base_segments = [i.name for i in infos]
             # What the published generation holds; publishing the same again would be a no-op.
-            self._base_rows = (self.catalog.fingerprint()
-                               if self.base_generation is not None and not self.catalog.migrated else None)
+            self._base_rows = (self.catalog.fingerprint() if self.base_generation is not None and not
+                               (self.catalog.migrated or self.migrated_format) else None)
+            if self.catalog.needs_compaction:  # its base is of an older schema: migrate by compacting
+                log.info("store %s: migrating the catalog's schema (writes a new base)", self.root)
+                self.compact()
         except BaseException as exc:
             if self._partial is not None and self._lock:  # our own copy: nobody else reads it
                 self._partial.unlink(missing_ok=True)
@@ -100,6 +114,78 @@ class StoreWriter:
         self.unchanged = False  # publish found nothing new: the current generation stays
         self.retired: list[int] = []  # generations removed at publish
         self.held_by_readers: list[int] = []  # retired generations kept because a reader holds them
+
+    def _open_catalog(self) -> tuple[list[SegmentInfo], int]:
+        """Open this writer's delta: a copy of the published one, a new one over a format-1
+        catalog (migrating it), or over a new empty base. Returns the segments and dimension."""
+        self._legacy_loaded = {}
+        if self.base_generation is None:
+            base = base_name(self.generation)
+            Catalog(self.root / base, read_only=False).close()
+            self._new_delta(base)
+            return [], 0
+        if is_legacy(self.root, self.base_generation):
+            return self._migrate_format()
+        manifest = read_manifest(self.root, self.base_generation)
+        shutil.copyfile(catalog_path(self.root, self.base_generation), self._partial)
+        self.catalog = self._open_partial()
+        return [SegmentInfo.from_dict(s) for s in manifest["segments"]], int(manifest.get("dim", 0))
+
+    def _open_partial(self) -> Catalog:
+        try:
+            return Catalog(self._partial, read_only=False)
+        except StoreFormatError as exc:  # name the published file, not our copy of it
+            raise StoreFormatError(str(exc).replace(str(self._partial), str(catalog_path(
+                self.root, self.base_generation or 0)))) from None
+
+    def _new_delta(self, base: str) -> None:
+        con = duckdb.connect(str(self._partial))
+        try:
+            con.execute(f"ATTACH '{self.root / base}' AS base (READ_ONLY)")
+            Overlay.create_delta(con, base)
+        finally:
+            con.close()
+        self.catalog = self._open_partial()
+
+    def _migrate_format(self) -> tuple[list[SegmentInfo], int]:
+        """Bring a format-1 generation forward, once: its whole catalog becomes the first base
+        and its index the first segment (hard links: nothing is copied), unless the catalog's
+        schema is older, when a migrated copy becomes the base."""
+        old_catalog, old_vectors = catalog_path(self.root, self.base_generation), vectors_path(self.root, self.base_generation)
+        log.warning("store %s: migrating from format 1 (one whole catalog and index per generation) to "
+                    "segments (a delta per generation); this happens once", self.root)
+        base = base_name(self.generation)
+        if _current_schema(old_catalog):
+            _link_or_copy(old_catalog, self.root / base)
+        else:
+            shutil.copyfile(old_catalog, self.root / base)
+            Catalog(self.root / base, read_only=False).close()  # applies the schema migrations
+        self._new_delta(base)
+        self.migrated_format = True
+        index = read_index(old_vectors, self.root)
+        if not index.ntotal:
+            return [], index.d
+        name = f"seg-{self.generation:06d}-format1.faiss"
+        (self.root / SEGMENT_DIR).mkdir(exist_ok=True)
+        _link_or_copy(old_vectors, self.root / SEGMENT_DIR / name)
+        info = SegmentInfo(name, "flat", index.ntotal, (self.root / SEGMENT_DIR / name).stat().st_size)
+        self._legacy_loaded = {name: Segment(info, index)}
+        return [info], index.d
+
+    def compact(self) -> None:
+        """Write the catalog as it reads now into a new base and start an empty delta over it
+        (the vector tombstones carried over). Costs what the store holds: writers do it only
+        once the delta outgrows its share (COMPACT_SHARE), `gc` whenever there is a delta."""
+        base = base_name(self.generation)
+        gone = self.catalog.gone_vectors()
+        scratch = self._partial.with_name(self._partial.name + ".compact")
+        self.catalog.compact_into(self.root / base)
+        self.catalog.close()
+        self._partial.unlink()
+        scratch.unlink(missing_ok=True)
+        self._new_delta(base)
+        self.catalog.set_gone_vectors(gone)
+        self.compacted = True
 
     @property
     def shard_dir(self) -> Path:
@@ -122,7 +208,7 @@ class StoreWriter:
 
     def ensure_vectors(self, dim: int) -> VectorIndex:
         if self.vectors is None:
-            self.vectors = VectorIndex.empty(dim)
+            self.vectors = VectorIndex(dim, self.root / SEGMENT_DIR)
         elif self.vectors.dim != dim:
             raise StoreFormatError(f"store {self.root} holds {self.vectors.dim}-dim vectors, the embedder gives {dim}")
         return self.vectors
@@ -155,14 +241,21 @@ class StoreWriter:
         current generation number is returned (`unchanged`)."""
         if self._published:
             return self.generation
-        vectors_changed = self.vectors is not None and self.vectors.num_changes > 0
-        if self._base_rows is not None and not vectors_changed and self.catalog.fingerprint() == self._base_rows:
+        vectors_changed = self.vectors is not None and (self.vectors.num_changes > 0 or
+                                                         [s.name for s in self.vectors.segments] != self._base_segments)
+        if (self._base_rows is not None and not vectors_changed and not self.compacted
+                and self.catalog.fingerprint() == self._base_rows):
             return self._keep_current()
         try:
+            manifest = self._write_vectors()
+            if not self.compacted and self.catalog.delta_rows() > max(COMPACT_MIN_ROWS,
+                                                                      COMPACT_SHARE * self.catalog.base_rows()):
+                self.compact()
+            manifest["base"] = self.catalog.base_name()
             self.catalog.close()
             with open(self._partial, "rb") as f:
                 os.fsync(f.fileno())
-            (self.vectors or VectorIndex.empty(1)).save(vectors_path(self.root, self.generation))
+            write_manifest(self.root, self.generation, manifest)
             os.replace(self._partial, catalog_path(self.root, self.generation))
             fsync_dir(self.root)
             publish(self.root, self.generation)
@@ -171,7 +264,57 @@ class StoreWriter:
             raise _write_error(self.root, exc) from exc
         self._published = True
         self.retired, self.held_by_readers = remove_retired(self.root, self.generation)
+        remove_unshared(self.root)
         return self.generation
+
+    def _write_vectors(self) -> dict:
+        """Write the vectors added as a new segment (merging small ones, or compacting when
+        their share or the tombstones' outgrow their bounds: see store.vectors), record the
+        tombstones in the delta; returns the manifest's vector part."""
+        vectors = self.vectors
+        if vectors is None:
+            return {"dim": 0, "segments": []}
+        folder, tag = self.root / SEGMENT_DIR, f"{self.generation:06d}"
+        stored = sum(s.count for s in vectors.segments)
+        if vectors.pending_count:
+            ids, added = vectors.take_pending()
+            vectors.segments.append(build_segment(folder, ids, added, tag))  # IVF if large
+            stored += len(ids)
+        flat = [s for s in vectors.segments if s.kind == "flat"]
+        large = stored - sum(s.count for s in flat)
+        if vectors.segments and (len(vectors.gone) > GONE_SHARE * stored or
+                                 (large and sum(s.count for s in flat) > FLAT_SHARE * stored)):
+            self.compact_vectors()
+        elif len(flat) > MAX_FLAT:
+            self._merge(flat)
+        self.catalog.set_gone_vectors(vectors.gone)
+        return {"dim": vectors.dim, "segments": [s.to_dict() for s in vectors.segments]}
+
+    def _merge(self, chosen: list[SegmentInfo]) -> None:
+        """Rewrite the segments `chosen` (small, flat) as one flat segment, less tombstones."""
+        vectors = self.vectors
+        parts = [segment_vectors(vectors.segment(s).index) for s in chosen]
+        ids = np.concatenate([p[0] for p in parts])
+        data = np.concatenate([p[1] for p in parts])
+        keep = ~np.isin(ids, vectors.gone)
+        vectors.gone = vectors.gone[~np.isin(vectors.gone, ids)]
+        merged = build_segment(self.root / SEGMENT_DIR, ids[keep], data[keep], f"{self.generation:06d}",
+                                        ivf=False)
+        names = {s.name for s in chosen}
+        vectors.segments = [s for s in vectors.segments if s.name not in names] + [merged]
+        vectors.num_changes += 1
+
+    def compact_vectors(self) -> None:
+        """Rewrite every live vector as one segment: IVF, retrained, for a large store. Costs
+        what the index holds: writers do it only when tombstones or flat segments outgrow
+        their share, `gc` whenever there is more than one segment or any tombstone."""
+        vectors = self.vectors
+        ids, data = vectors.live_vectors()
+        vectors.segments = [build_segment(self.root / SEGMENT_DIR, ids, data, f"{self.generation:06d}")] \
+            if len(ids) else []
+        vectors.gone = np.empty(0, np.int64)
+        vectors._loaded.clear()
+        vectors.num_changes += 1
 
     def _keep_current(self) -> int:
         self.catalog.close()
@@ -228,6 +371,33 @@ class StoreWriter:
         self.abort()
         if isinstance(exc, _WRITE_ERRORS):
             raise _write_error(self.root, exc) from exc
+
+
+def _current_schema(path: Path) -> bool:
+    """Whether the plain catalog at `path` has exactly this code's schema migrations."""
+    from store.catalog import schema
+
+    try:
+        con = duckdb.connect(str(path), read_only=True)
+    except duckdb.Error as exc:
+        raise StoreFormatError(f"cannot open catalog {path}: {exc}".splitlines()[0]) from exc
+    try:
+        row = con.execute("SELECT value FROM meta WHERE key = 'migrations'").fetchone()
+    except duckdb.Error:
+        row = None
+    finally:
+        con.close()
+    return bool(row) and json.loads(row[0]) == [name for name, _ in schema.MIGRATIONS]
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    """`target` as a second name of `source` (both immutable from now on), or a copy where the
+    file system has no hard links."""
+    target.unlink(missing_ok=True)
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)
 
 
 def _is_key(name: str) -> bool:

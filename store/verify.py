@@ -9,8 +9,6 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
-import faiss
-
 from ragkv.errors import StoreCorruptError
 from ragkv.keys import KVKey
 from store.popularity import HITS_DIR, read_pending
@@ -62,7 +60,7 @@ def verify(snapshot: StoreSnapshot) -> VerifyReport:
     if snapshot.vectors_damage:
         report.problems.append(Problem("vectors-unreadable", snapshot.vectors_damage))
     else:
-        indexed = set(faiss.vector_to_array(snapshot.vectors.index.id_map).tolist())
+        indexed = set(snapshot.vectors.ids().tolist())
         chunks = catalog.chunk_ids()
         if indexed != chunks:
             report.problems.append(Problem("vectors", f"{len(chunks - indexed)} chunks missing from the vector index, "

@@ -103,7 +103,7 @@ def test_a_current_put_back_past_a_newer_generation_stops_writers(store, corpus,
 
 def test_a_damaged_vector_index_is_reported_and_rebuilt(store):
     expected = first_answer(store)
-    index = next(store.glob("vectors-*.faiss"))
+    index = next(store.glob("segments/*.faiss"))
     os.truncate(index, index.stat().st_size // 2)
     code, output = cli("ask", QUESTIONS[0], "--store", store)
     assert code == 4 and "verify --repair" in one_error_line(output)

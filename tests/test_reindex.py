@@ -15,7 +15,8 @@ import pytest
 
 import ragkv
 from ragkv.errors import ModelError, StoreFormatError
-from store import StoreWriter, collect_garbage, open_snapshot, verify
+from ragkv.keys import KVKey
+from store import SealedEntry, StoreWriter, collect_garbage, open_snapshot, verify
 from store.catalog import schema as catalog_schema
 from store.generations import read_current
 from tests.conftest import QUESTIONS, ROOT, build_store, flip_bit_of_entry, run_cli
@@ -189,12 +190,10 @@ def test_hostile_ids_and_catalog_rows_cannot_escape(tiny_llama, tmp_path):
         assert verify(snap).ok
     assert not (tmp_path / "etc").exists()
     # A catalog row naming a path outside the shard folder is refused, and the query falls back.
-    catalog_file = next((tmp_path / "s").glob("catalog-*.duckdb"))
-    import duckdb
-
-    con = duckdb.connect(str(catalog_file))
-    con.execute("UPDATE kv_entries SET shard = '../../../etc/passwd' WHERE kind = 'chunk'")
-    con.close()
+    with StoreWriter(tmp_path / "s") as writer:
+        chunk_entries = [e for e in writer.catalog.all_entries() if not KVKey.from_string(e.kv_key).is_prefix]
+        writer.catalog.move_entries([SealedEntry(e.kv_key, "../../../etc/passwd", e.num_tokens, e.dtype, e.nbytes,
+                                                 e.checksum) for e in chunk_entries])
     with ragkv.open(tmp_path / "s", device="cpu") as engine:
         answer = engine.ask("Record 1", max_new_tokens=2)
     assert answer.stats.mode == "fallback" and "invalid shard file" in answer.stats.warnings[0]

@@ -94,11 +94,23 @@ def test_generations_publish_catalog_and_index_together(tmp_path):
         assert sorted(e.kv_key for e in snap.catalog.all_entries()) == ["e0", "e1"]
         assert len(snap.vectors) == 2
     _commit_one(root, "e2", seed=2)
-    assert generation_files(root) == ["catalog-000003.duckdb", "vectors-000003.faiss"]  # nobody reads 1 or 2
+    assert generation_files(root) == ["catalog-000003.duckdb", "manifest-000003.json"]  # nobody reads 1 or 2
+    assert shared_files(root) == shared_files(root, generations={3})  # bases and segments: only what 3 names
 
 
 def generation_files(root: Path) -> list[str]:
-    return sorted(p.name for p in root.iterdir() if p.name.startswith(("catalog", "vectors")))
+    return sorted(p.name for p in root.iterdir() if p.name.startswith(("catalog", "vectors", "manifest")))
+
+
+def shared_files(root: Path, generations: set[int] | None = None) -> set[str]:
+    """The bases and segments on disk, or those the manifests of `generations` name."""
+    if generations is not None:
+        named = set()
+        for g in generations:
+            manifest = json.loads((root / f"manifest-{g:06d}.json").read_text())
+            named |= {manifest["base"]} | {f"segments/{s['name']}" for s in manifest["segments"]}
+        return named
+    return {p.name for p in root.glob("base-*")} | {f"segments/{p.name}" for p in (root / "segments").iterdir()}
 
 
 def test_a_generation_a_reader_holds_is_kept_until_it_lets_go(tmp_path):
@@ -108,11 +120,14 @@ def test_a_generation_a_reader_holds_is_kept_until_it_lets_go(tmp_path):
     _commit_one(root, "e1", seed=1)
     _commit_one(root, "e2", seed=2)
     assert generation_files(root) == ["catalog-000001.duckdb", "catalog-000003.duckdb",
-                                      "vectors-000001.faiss", "vectors-000003.faiss"]
+                                      "manifest-000001.json", "manifest-000003.json"]
+    assert shared_files(root) == shared_files(root, generations={1, 3})
     assert [e.kv_key for e in reader.catalog.all_entries()] == ["e0"]  # still answers from generation 1
+    assert len(reader.vectors) == 1
     reader.close()
     _commit_one(root, "e3", seed=3)
-    assert generation_files(root) == ["catalog-000004.duckdb", "vectors-000004.faiss"]
+    assert generation_files(root) == ["catalog-000004.duckdb", "manifest-000004.json"]
+    assert shared_files(root) == shared_files(root, generations={4})
 
 
 def test_readers_keep_their_generation_while_a_writer_works(tmp_path):

@@ -182,8 +182,8 @@ class StoreMatcher:
 
     def refresh(self) -> None:
         if self.snapshot.latest_generation() != self.snapshot.generation:
-            self.snapshot.close()
-            self.snapshot = open_snapshot(self.store, require_documents=False)
+            old, self.snapshot = self.snapshot, open_snapshot(self.store, require_documents=False)
+            old.close()  # after: the new generation reuses the vector segments the old one loaded
             self._load()
 
     def match(self, prompt_ids: Sequence[int]) -> StoreMatch | None:

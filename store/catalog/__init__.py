@@ -11,10 +11,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import duckdb
+import pyarrow as pa
 
 from ragkv.errors import StoreFormatError
 from store.catalog.documents import Documents
 from store.catalog.entries import Entries
+from store.catalog.overlay import Overlay
 from store.catalog.reports import Reports
 from store.catalog.rows import (
     ChunkLink, ChunkRow, ContextRow, DocumentRow, EntryRow, ProfileRow, ProfileTotals, SpanLink,
@@ -26,8 +28,9 @@ __all__ = ["FORMAT_VERSION", "Catalog", "ChunkLink", "ChunkRow", "ContextRow", "
            "ProfileRow", "ProfileTotals", "SpanLink"]
 
 
-class Catalog(Schema, Documents, Entries, Usage, Reports):
-    """One catalog file. Open read-only for queries, or writable inside a store write."""
+class Catalog(Overlay, Schema, Documents, Entries, Usage, Reports):
+    """One catalog file, plain or a delta over a base (see `overlay`). Open read-only for
+    queries, or writable inside a store write."""
 
     def __init__(self, path: Path, read_only: bool):
         self.path = path
@@ -37,13 +40,22 @@ class Catalog(Schema, Documents, Entries, Usage, Reports):
         except duckdb.Error as exc:
             raise StoreFormatError(f"cannot open catalog {path}: {exc}".splitlines()[0]) from exc
         self.migrated = False  # whether opening applied schema migrations (a change to publish)
-        self._migrate()
+        self.needs_compaction = False  # a delta over a base of an older schema: compact to migrate
+        try:
+            if self._is_delta_file():
+                self._attach_base()
+            self._migrate()
+        except BaseException:
+            self.con.close()
+            raise
 
     def fingerprint(self) -> tuple:
-        """Row count and an order-independent hash of the rows of every table: equal before
-        and after a write means the write changed nothing (and there is nothing to publish)."""
+        """Row count and an order-independent hash of the rows of every table of this file (of
+        a delta: its own tables, the base never changes): equal before and after a write means
+        the write changed nothing (and there is nothing to publish)."""
         tables = self.con.execute("SELECT table_name FROM information_schema.tables WHERE table_schema = 'main' "
-                                  "AND table_type = 'BASE TABLE' ORDER BY table_name").fetchall()
+                                  "AND table_type = 'BASE TABLE' AND table_catalog = current_database() "
+                                  "ORDER BY table_name").fetchall()
         return tuple((name, *self.con.execute(f'SELECT count(*), coalesce(sum(hash(t)), 0) FROM "{name}" t').fetchone())
                      for (name,) in tables)
 
@@ -76,5 +88,5 @@ class Catalog(Schema, Documents, Entries, Usage, Reports):
             self._set_meta_rows(values)
 
     def _set_meta_rows(self, values: dict[str, str]) -> None:
-        for key, value in values.items():
-            self.con.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", [key, value])
+        rows = pa.table({"key": list(values), "value": [str(v) for v in values.values()]})
+        self._insert("meta", rows, replace=True)

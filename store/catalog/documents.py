@@ -27,7 +27,10 @@ class Documents:
         return [ChunkRow(*row) for row in rows]
 
     def next_chunk_id(self) -> int:
-        return self.con.execute("SELECT coalesce(max(chunk_id), -1) + 1 FROM chunks").fetchone()[0]
+        """An id no chunk ever had: vector segments keep a removed chunk's id as a tombstone."""
+        high = self.con.execute("SELECT value FROM meta WHERE key = 'next_chunk_id'").fetchone()
+        current = self.con.execute("SELECT coalesce(max(chunk_id), -1) + 1 FROM chunks").fetchone()[0]
+        return max(current, int(high[0]) if high else 0)
 
     def delete_documents(self, doc_ids: Sequence[str]) -> list[int]:
         """Remove documents with their chunks and chunk-to-KV links; returns the chunk ids removed.
@@ -37,9 +40,9 @@ class Documents:
         ids = list(doc_ids)
         chunk_ids = [r[0] for r in self.con.execute(
             "SELECT chunk_id FROM chunks WHERE doc_id IN (SELECT unnest(?))", [ids]).fetchall()]
-        self.con.execute("DELETE FROM chunk_kv WHERE chunk_id IN (SELECT unnest(?))", [chunk_ids])
-        self.con.execute("DELETE FROM chunks WHERE doc_id IN (SELECT unnest(?))", [ids])
-        self.con.execute("DELETE FROM documents WHERE doc_id IN (SELECT unnest(?))", [ids])
+        self._delete("chunk_kv", "chunk_id IN (SELECT unnest(?))", [chunk_ids])
+        self._delete("chunks", "doc_id IN (SELECT unnest(?))", [ids])
+        self._delete("documents", "doc_id IN (SELECT unnest(?))", [ids])
         return chunk_ids
 
     def add_documents(self, documents: Sequence[DocumentRow], metadata: Sequence[dict], chunks: Sequence[ChunkRow]) -> None:
@@ -57,9 +60,11 @@ class Documents:
             "chunk_index": pa.array([c.chunk_index for c in chunks], pa.int32()),
             "text": [c.text for c in chunks],
         })
-        self.con.execute("INSERT INTO documents (doc_id, source, content_hash, chunking, num_chunks, metadata) "
-                         "SELECT * FROM new_docs")
-        self.con.execute("INSERT INTO chunks SELECT * FROM new_chunks")
+        self._insert("documents", new_docs, "SELECT doc_id, source, content_hash, chunking, num_chunks, metadata, "
+                     "current_timestamp::TIMESTAMP AS ingested_at FROM rows")
+        self._insert("chunks", new_chunks)
+        if chunks:
+            self._set_meta_rows({"next_chunk_id": str(max(self.next_chunk_id(), max(c.chunk_id for c in chunks) + 1))})
 
     def chunk_texts(self, chunk_ids: Sequence[int]) -> dict[int, str]:
         rows = self.con.execute("SELECT chunk_id, text FROM chunks WHERE chunk_id IN (SELECT unnest(?))",

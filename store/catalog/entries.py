@@ -17,8 +17,8 @@ class Entries:
         exists = self.con.execute("SELECT 1 FROM profiles WHERE profile_id = ?", [row.profile_id]).fetchone()
         if not exists:
             values = [list(v) if isinstance(v, tuple) else v for v in (getattr(row, c) for c in ProfileRow.COLUMNS)]
-            self.con.execute(f"INSERT INTO profiles ({', '.join(ProfileRow.COLUMNS)}) "
-                             f"VALUES ({', '.join('?' for _ in ProfileRow.COLUMNS)})", values)
+            self._insert("profiles", select=f"SELECT {', '.join(f'? AS {c}' for c in ProfileRow.COLUMNS)}, "
+                         "current_timestamp::TIMESTAMP AS created_at", params=values)
 
     def profiles(self) -> list[ProfileRow]:
         """Profile rows, newest first."""
@@ -45,10 +45,8 @@ class Entries:
             "checksum": [e.checksum for e in entries],
         })
         with self.transaction():
-            self.con.execute(
-                "INSERT INTO kv_entries (kv_key, profile_id, kind, shard, tensor, num_tokens, dtype, nbytes, checksum) "
-                "SELECT * FROM new_entries WHERE kv_key NOT IN (SELECT kv_key FROM kv_entries)"
-            )
+            self._insert("kv_entries", new_entries, "SELECT DISTINCT ON (kv_key) *, current_timestamp::TIMESTAMP AS created_at "
+                         "FROM rows WHERE kv_key NOT IN (SELECT kv_key FROM kv_entries)")
 
     def existing_keys(self, keys: Iterable[str]) -> set[str]:
         wanted = list(keys)
@@ -70,9 +68,8 @@ class Entries:
             "token_ids": pa.array([list(link.token_ids) for link in links], pa.list_(pa.int32())),
             "span_start": pa.array([link.span_start for link in links], pa.int32()),
         })
-        self.con.execute("DELETE FROM chunk_kv WHERE profile_id = ? AND chunk_id IN (SELECT chunk_id FROM new_links)",
-                         [profile_id])
-        self.con.execute("INSERT INTO chunk_kv SELECT chunk_id, profile_id, kv_key, token_ids, span_start FROM new_links")
+        self._delete("chunk_kv", "profile_id = ? AND chunk_id IN (SELECT chunk_id FROM rows)", [profile_id], new_links)
+        self._insert("chunk_kv", new_links, "SELECT chunk_id, profile_id, kv_key, token_ids, span_start FROM rows")
 
     def span_chunk_ids(self, profile_id: str, doc_id: str, span_start: int) -> list[int]:
         """Chunk ids of the span of `doc_id` that starts at chunk_index `span_start`, in order."""
@@ -114,7 +111,7 @@ class Entries:
         """Forget profiles with their chunk links and KV entry rows (files stay until gc)."""
         ids = list(profile_ids)
         for table in ("chunk_kv", "kv_entries", "profiles"):
-            self.con.execute(f"DELETE FROM {table} WHERE profile_id IN (SELECT unnest(?))", [ids])
+            self._delete(table, "profile_id IN (SELECT unnest(?))", [ids])
 
     def dead_entries(self) -> list[EntryRow]:
         """Entries nothing needs: chunk KV no chunk links to; prefix KV of dropped profiles, or
@@ -129,14 +126,14 @@ class Entries:
         return [EntryRow(*r) for r in rows]
 
     def delete_entries(self, kv_keys: Iterable[str]) -> None:
-        self.con.execute("DELETE FROM kv_entries WHERE kv_key IN (SELECT unnest(?))", [list(kv_keys)])
+        self._delete("kv_entries", "kv_key IN (SELECT unnest(?))", [list(kv_keys)])
 
     def move_entries(self, sealed: Sequence[SealedEntry]) -> None:
         """Point existing entry rows at the shards their bytes were copied into."""
+        moves = pa.table({"kv_key": [e.name for e in sealed], "shard": [e.shard for e in sealed]})
         with self.transaction():
-            for entry in sealed:
-                self.con.execute("UPDATE kv_entries SET shard = ?, tensor = ? WHERE kv_key = ?",
-                                 [entry.shard, entry.name, entry.name])
+            self._insert("kv_entries", moves, "SELECT e.* REPLACE (m.shard AS shard, m.kv_key AS tensor) "
+                         "FROM kv_entries e JOIN rows m USING (kv_key)", replace=True)
 
     def entries_in(self, shard: str) -> list[EntryRow]:
         rows = self.con.execute(f"SELECT {ENTRY_COLUMNS} FROM kv_entries e WHERE shard = ?", [shard]).fetchall()
@@ -209,5 +206,4 @@ class Entries:
 
     def unlink_keys(self, profile_id: str, kv_keys: Sequence[str]) -> None:
         """Drop the chunk links to `kv_keys` (their entries become dead: gc or reclaim drops them)."""
-        self.con.execute("DELETE FROM chunk_kv WHERE profile_id = ? AND kv_key IN (SELECT unnest(?))",
-                         [profile_id, list(kv_keys)])
+        self._delete("chunk_kv", "profile_id = ? AND kv_key IN (SELECT unnest(?))", [profile_id, list(kv_keys)])

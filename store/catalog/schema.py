@@ -58,6 +58,9 @@ class Schema:
     """Applies the migrations a catalog lacks (mixed into `Catalog`)."""
 
     def _applied(self) -> list[str]:
+        if self.delta:  # the base's migrations (a delta never changes them)
+            row = self.con.execute("SELECT value FROM meta WHERE key = 'migrations'").fetchone()
+            return json.loads(row[0]) if row else []
         has_meta = self.con.execute(
             "SELECT count(*) FROM information_schema.tables WHERE table_name = 'meta'"
         ).fetchone()[0]
@@ -75,6 +78,9 @@ class Schema:
             )
         pending = MIGRATIONS[len(applied):]
         if not pending:
+            return
+        if self.delta and not self.read_only:  # the base is shared and read-only: the writer compacts
+            self.needs_compaction = True
             return
         if self.read_only:
             raise StoreFormatError(

@@ -39,9 +39,9 @@ class Usage:
         })
         offsets = pa.table({"name": list(pending.offsets), "folded": pa.array(list(pending.offsets.values()), pa.int64())})
         with self.transaction():
-            self.con.execute("INSERT OR REPLACE INTO chunk_hits SELECT * FROM new_hits")
-            self.con.execute("INSERT OR REPLACE INTO hit_files SELECT * FROM offsets")
-            self.con.execute("DELETE FROM hit_files WHERE name IN (SELECT unnest(?))", [pending.finished])
+            self._insert("chunk_hits", new_hits, replace=True)
+            self._insert("hit_files", offsets, replace=True)
+            self._delete("hit_files", "name IN (SELECT unnest(?))", [pending.finished])
         return len(pending.uses)
 
     def chunk_hits(self, keys: Iterable[tuple[str, int]] | None = None) -> dict[tuple[str, int], ChunkHits]:

@@ -1,0 +1,151 @@
+"""A generation's catalog as a small delta over a shared, immutable base (mixed into `Catalog`).
+
+A base (`base-N.duckdb`) is a whole catalog in the plain format: the tables of `schema`. A
+generation's own file (`catalog-N.duckdb`) is a delta: for every table `t`, `add_t` holds the
+rows added or replaced since the base and `del_t` the keys of base rows deleted or replaced.
+Opening the delta attaches the base read-only and defines a temporary view `t` for each table
+(the base's rows less `del_t`, plus `add_t`), so every query reads the tables by their plain
+names. Writes go through `_insert` / `_delete`, which keep the delta's two halves consistent.
+
+A writer copies the previous delta (small: the changes since the last compaction), never the
+base; `compact_into` writes the views out as a new base once the delta outgrows its share.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from ragkv.errors import StoreFormatError
+
+# Every table with the columns that identify a row.
+TABLE_KEYS: dict[str, tuple[str, ...]] = {
+    "meta": ("key",), "profiles": ("profile_id",), "documents": ("doc_id",), "chunks": ("chunk_id",),
+    "kv_entries": ("kv_key",), "chunk_kv": ("chunk_id", "profile_id"), "chunk_hits": ("doc_id", "chunk_index"),
+    "hit_files": ("name",),
+}
+DELTA_INFO = "delta_info"  # (key, value): the base this delta is over
+GONE_VECTORS = "vector_gone"  # chunk ids removed from the vector segments (tombstones)
+
+
+def _on(table: str, left: str, right: str) -> str:
+    return " AND ".join(f"{left}.{k} = {right}.{k}" for k in TABLE_KEYS[table])
+
+
+class Overlay:
+    delta = False  # whether this catalog is a delta over a base (else: a plain, whole catalog)
+
+    # -- opening -------------------------------------------------------------------------------
+    def _is_delta_file(self) -> bool:
+        return bool(self.con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = ? "
+                                     "AND table_catalog = current_database()", [DELTA_INFO]).fetchone()[0])
+
+    def base_name(self) -> str:
+        return self.con.execute(f"SELECT value FROM {DELTA_INFO} WHERE key = 'base'").fetchone()[0]
+
+    def _attach_base(self) -> None:
+        path = self.path.parent / self.base_name()
+        if not path.is_file():
+            raise StoreFormatError(f"catalog {self.path.name} is a delta over {path.name}, which is missing; run "
+                                   f"`ragkv verify --repair --store {self.path.parent}`")
+        self.con.execute(f"ATTACH IF NOT EXISTS '{path}' AS base (READ_ONLY)")  # one per database instance
+        self.delta = True
+        for table in TABLE_KEYS:
+            # A reader's delta never changes: a table nothing deleted from needs no anti-join.
+            deleted = not self.read_only or self.con.execute(f"SELECT count(*) FROM del_{table}").fetchone()[0]
+            live = (f"SELECT * FROM base.{table} b WHERE NOT EXISTS (SELECT 1 FROM del_{table} d WHERE "
+                    f"{_on(table, 'd', 'b')})") if deleted else f"SELECT * FROM base.{table}"
+            self.con.execute(f"CREATE OR REPLACE TEMP VIEW {table} AS {live} UNION ALL SELECT * FROM add_{table}")
+
+    @staticmethod
+    def create_delta(con, base_name: str) -> None:
+        """Make the file `con` has open (empty, with `base` attached) an empty delta over it."""
+        con.execute(f"CREATE TABLE {DELTA_INFO} (key VARCHAR PRIMARY KEY, value VARCHAR NOT NULL)")
+        con.execute(f"INSERT INTO {DELTA_INFO} VALUES ('base', ?)", [base_name])
+        for table, keys in TABLE_KEYS.items():
+            con.execute(f"CREATE TABLE add_{table} AS SELECT * FROM base.{table} LIMIT 0")
+            con.execute(f"CREATE TABLE del_{table} AS SELECT {', '.join(keys)} FROM base.{table} LIMIT 0")
+        con.execute(f"CREATE TABLE {GONE_VECTORS} (chunk_id BIGINT PRIMARY KEY)")
+
+    # -- writing -------------------------------------------------------------------------------
+    def _insert(self, table: str, rows: pa.Table | None = None, select: str = "SELECT * FROM rows",
+                params=(), replace: bool = False) -> None:
+        """Insert the rows `select` gives (over `rows`, registered as `rows`), matched to the
+        table's columns by name; `replace`: rows whose key is present replace them."""
+        # `rows` is found by DuckDB's replacement scan (a Python variable of the calling frame).
+        if not self.delta:
+            self.con.execute(f"INSERT {'OR REPLACE ' if replace else ''}INTO {table} BY NAME {select}", list(params))
+            return
+        self.con.execute(f"CREATE OR REPLACE TEMP TABLE _new AS {select}", list(params))
+        if replace:
+            self._forget_keys(table, "_new")
+        self.con.execute(f"INSERT INTO add_{table} BY NAME SELECT * FROM _new")
+        self.con.execute("DROP TABLE _new")
+
+    def _delete(self, table: str, where: str, params=(), rows: pa.Table | None = None) -> None:
+        """Delete the rows of `table` matching `where` (over its plain column names)."""
+        if not self.delta:  # `rows`, if given, is found by DuckDB's replacement scan
+            self.con.execute(f"DELETE FROM {table} WHERE {where}", list(params))
+            return
+        keys = ", ".join(TABLE_KEYS[table])
+        self.con.execute(f"CREATE OR REPLACE TEMP TABLE _gone AS SELECT {keys} FROM {table} WHERE {where}",
+                         list(params))
+        self._forget_keys(table, "_gone")
+        self.con.execute("DROP TABLE _gone")
+
+    def _forget_keys(self, table: str, keys_table: str) -> None:
+        """Remove the rows whose keys `keys_table` holds: tombstones for base rows, deletion
+        for the delta's own."""
+        keys = ", ".join(f"k.{k}" for k in TABLE_KEYS[table])
+        self.con.execute(
+            f"INSERT INTO del_{table} SELECT DISTINCT {keys} FROM {keys_table} k WHERE EXISTS (SELECT 1 FROM "
+            f"base.{table} b WHERE {_on(table, 'b', 'k')}) AND NOT EXISTS (SELECT 1 FROM del_{table} d WHERE "
+            f"{_on(table, 'd', 'k')})")
+        self.con.execute(f"DELETE FROM add_{table} a WHERE EXISTS (SELECT 1 FROM {keys_table} k WHERE "
+                         f"{_on(table, 'a', 'k')})")
+
+    # -- sizes and compaction ------------------------------------------------------------------
+    def delta_rows(self) -> int:
+        """Rows the delta holds (added, deleted and tombstoned vectors): what a writer copies."""
+        if not self.delta:
+            return 0
+        total = sum(self.con.execute(f"SELECT (SELECT count(*) FROM add_{t}) + (SELECT count(*) FROM del_{t})")
+                    .fetchone()[0] for t in TABLE_KEYS)
+        return total + self.gone_vector_count()
+
+    def base_rows(self) -> int:
+        source = "base." if self.delta else ""
+        return sum(self.con.execute(f"SELECT count(*) FROM {source}{t}").fetchone()[0] for t in TABLE_KEYS)
+
+    def compact_into(self, path: Path) -> None:
+        """Write every table as this catalog reads it into a new plain catalog at `path` (the
+        current schema: rows of an older one get its new columns' defaults)."""
+        type(self)(path, read_only=False).close()  # empty, every migration applied
+        self.con.execute(f"ATTACH '{path}' AS fresh")
+        try:
+            for table in TABLE_KEYS:
+                if table == "meta":  # the new file's own migrations and format stand
+                    self.con.execute("INSERT OR REPLACE INTO fresh.meta SELECT key, value FROM meta "
+                                     "WHERE key NOT IN ('migrations', 'format_version')")
+                else:
+                    self.con.execute(f"INSERT INTO fresh.{table} BY NAME SELECT * FROM {table}")
+            self.con.execute("CHECKPOINT fresh")
+        finally:
+            self.con.execute("DETACH fresh")
+
+    # -- vector tombstones (kept in the delta; a plain catalog has none) -----------------------
+    def gone_vectors(self) -> np.ndarray:
+        if not self.delta:
+            return np.empty(0, np.int64)
+        return self.con.execute(f"SELECT chunk_id FROM {GONE_VECTORS} ORDER BY chunk_id").fetchnumpy()["chunk_id"] \
+            .astype(np.int64)
+
+    def gone_vector_count(self) -> int:
+        return self.con.execute(f"SELECT count(*) FROM {GONE_VECTORS}").fetchone()[0] if self.delta else 0
+
+    def set_gone_vectors(self, ids) -> None:
+        gone_ids = pa.table({"chunk_id": pa.array(list(map(int, ids)), pa.int64())})  # noqa: F841 (read by SQL)
+        self.con.execute(f"DELETE FROM {GONE_VECTORS}")
+        self.con.execute(f"INSERT INTO {GONE_VECTORS} SELECT chunk_id FROM gone_ids")
