@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import faiss
 
 from ragkv.forward import compute_chunks, compute_prefix, shard_metadata, split_segments
 from ragkv import codec, spans

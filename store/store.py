@@ -25,7 +25,7 @@ from store.shards import SealedEntry, ShardReader, ShardWriter, fsync_dir, remov
 from store.snapshot import SHARD_DIR, StoreSnapshot, open_snapshot
 from store.catalog.overlay import Overlay
 from store.vectors import (
-    FLAT_SHARE, GONE_SHARE, MAX_FLAT, Segment, SegmentInfo, VectorIndex, build_segment, read_index, segment_vectors,
+    FLAT_SHARE, GONE_SHARE, MAX_FLAT, MAX_SEGMENTS, Segment, SegmentInfo, VectorIndex, build_segment, read_index, segment_vectors,
 )
 
 __all__ = ["SHARD_DIR", "StoreSnapshot", "StoreWriter", "is_store", "open_snapshot", "open_writer"]
@@ -282,7 +282,7 @@ class StoreWriter:
             stored += len(ids)
         flat = [s for s in vectors.segments if s.kind == "flat"]
         large = stored - sum(s.count for s in flat)
-        if vectors.segments and (len(vectors.gone) > GONE_SHARE * stored or
+        if vectors.segments and (len(vectors.gone) > GONE_SHARE * stored or len(vectors.segments) > MAX_SEGMENTS or
                                  (large and sum(s.count for s in flat) > FLAT_SHARE * stored)):
             self.compact_vectors()
         elif len(flat) > MAX_FLAT:

@@ -10,9 +10,10 @@ the new vectors and the ids it removed, never the whole index:
   is tuned when it is built for recall@10 >= RECALL_TARGET against exact search on queries
   near its own vectors, and recorded beside it in the generation manifest.
 
-A writer collects added vectors in memory and publishes them as one new flat segment. Small
-flat segments are merged when there are more than MAX_FLAT of them; `compact` (run by `gc`, or
-by a writer once tombstones or flat segments outgrow their share) rewrites every live vector
+A writer collects added vectors in memory and publishes them as one new segment (flat, or
+IVF when it adds IVF_MIN or more). Small flat segments are merged when there are more than
+MAX_FLAT of them; a compaction (by `gc`, or by a writer once tombstones or flat segments
+outgrow their share, or there are more than MAX_SEGMENTS segments) rewrites every live vector
 into one segment: one IVF segment, retrained, for a large store.
 """
 
@@ -33,6 +34,7 @@ from ragkv.errors import StoreCorruptError
 SEGMENT_DIR = "segments"
 IVF_MIN = 50_000  # a segment with fewer vectors is searched exactly
 MAX_FLAT = 8  # flat segments a writer lets accumulate before it merges them
+MAX_SEGMENTS = 12  # segments of any kind before a writer compacts them all into one
 FLAT_SHARE = 0.05  # ... or once they hold this share of all vectors (beside an IVF segment)
 GONE_SHARE = 0.10  # compact once this share of the stored vectors are tombstones
 RECALL_TARGET = 0.95

@@ -36,3 +36,30 @@ def kill_once(marker: str):
         os.kill(os.getpid(), signal.SIGKILL)
 
     return after_seal
+
+
+def kill_mid_compaction() -> None:
+    """SIGKILL this process in the middle of a catalog compaction: once the new base holds its
+    chunks but before the rest of its tables (and long before anything publishes it)."""
+    from store.catalog.overlay import Overlay
+
+    original = Overlay.compact_into
+
+    class Dying:
+        def __init__(self, con):
+            self._con = con
+
+        def execute(self, sql, *args):
+            result = self._con.execute(sql, *args)
+            if sql.startswith("INSERT INTO fresh.chunks"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return result
+
+        def __getattr__(self, name):
+            return getattr(self._con, name)
+
+    def compact_then_die(self, path):
+        self.con = Dying(self.con)
+        original(self, path)
+
+    Overlay.compact_into = compact_then_die

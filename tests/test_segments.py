@@ -1,0 +1,233 @@
+"""Generations that cost what changed: the catalog as a delta over a shared base, the vectors as
+immutable segments (flat and IVF) with tombstones, compaction, and the one-time migration of a
+store written before segments (format 1)."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import tarfile
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ragkv.errors import StoreCorruptError
+from store import StoreWriter, collect_garbage, open_snapshot, verify
+from store import vectors as segments
+from store.catalog import ChunkRow, DocumentRow
+from store.stats import store_stats
+from tests.conftest import ROOT
+
+DIM = 16
+FORMAT1 = Path(__file__).parent / "data" / "format1-store.tar.gz"
+
+
+def unit(rng, n: int, dim: int = DIM) -> np.ndarray:
+    v = rng.standard_normal((n, dim)).astype(np.float32)
+    return v / np.linalg.norm(v, axis=1, keepdims=True)
+
+
+def add_docs(writer: StoreWriter, names: list[str], rng, per_doc: int = 10) -> dict[int, np.ndarray]:
+    catalog = writer.catalog
+    first = catalog.next_chunk_id()
+    chunks = [ChunkRow(first + i * per_doc + j, d, j, f"{d} part {j}") for i, d in enumerate(names) for j in range(per_doc)]
+    catalog.add_documents([DocumentRow(d, d, f"h-{d}-{first}", "t", per_doc) for d in names], [{}] * len(names), chunks)
+    vectors = unit(rng, len(chunks))
+    writer.ensure_vectors(DIM).add([c.chunk_id for c in chunks], vectors)
+    return {c.chunk_id: v for c, v in zip(chunks, vectors)}
+
+
+def near(rng, vectors: np.ndarray, n: int) -> np.ndarray:
+    """Queries near stored vectors (not equal to any), as a question is near its passages."""
+    picks = vectors[rng.choice(len(vectors), n, replace=False)]
+    queries = picks + 0.7 * unit(rng, n, vectors.shape[1])
+    return queries / np.linalg.norm(queries, axis=1, keepdims=True)
+
+
+def recall(snapshot, stored: dict[int, np.ndarray], queries: np.ndarray) -> float:
+    ids = np.array(list(stored))
+    matrix = np.stack(list(stored.values()))
+    truth = ids[np.argsort(-(queries @ matrix.T), axis=1)[:, :10]]
+    found = np.array([[h.chunk_id for h in snapshot.vectors.search(q, 10)] for q in queries])
+    return segments.recall_at(found, truth)
+
+
+@pytest.fixture
+def small_ivf(monkeypatch):
+    monkeypatch.setattr(segments, "IVF_MIN", 2000)
+
+
+def test_a_large_store_searches_an_ivf_segment_and_a_change_writes_only_itself(tmp_path, small_ivf):
+    rng = np.random.default_rng(0)
+    root = tmp_path / "s"
+    with StoreWriter(root) as writer:
+        stored = add_docs(writer, [f"d{i:04d}" for i in range(600)], rng)  # 6000 chunks
+    first_gc = collect_garbage(root)  # as the nightly job runs it: the catalog becomes a base
+    assert first_gc.catalog_compacted and not first_gc.vectors_compacted
+    with open_snapshot(root) as snap:
+        index = store_stats(snap)["index"]
+        assert index["type"] == "ivf-flat" and index["segments"] == 1 and 1 < index["nprobe"] < index["nlist"]
+        assert index["tuned_recall_at_10"] >= segments.RECALL_TARGET
+        assert recall(snap, stored, near(rng, np.stack(list(stored.values())), 100)) >= 0.93  # fresh queries
+    ivf_file = next((root / "segments").iterdir())
+    ivf_bytes = ivf_file.read_bytes()
+
+    # One document changes: its vectors become tombstones, its new ones a small flat segment.
+    with StoreWriter(root) as writer:
+        old_ids = writer.catalog.delete_documents(["d0007"])
+        assert writer.vectors.remove(old_ids) == 10
+        new = add_docs(writer, ["d0007"], rng)
+    assert ivf_file.read_bytes() == ivf_bytes  # the big segment was not rewritten
+    assert min(new) > max(stored)  # chunk ids are never reused: a tombstone names one chunk forever
+    with open_snapshot(root) as snap:
+        assert len(snap.vectors.segments) == 2 and len(snap.vectors.gone) == 10
+        for cid in old_ids:  # a removed vector is never returned, even searched for exactly
+            assert cid not in {h.chunk_id for h in snap.vectors.search(stored[cid], 10)}
+        for cid, vector in new.items():
+            assert snap.vectors.search(vector, 1)[0].chunk_id == cid
+        assert len(snap.vectors) == 6000 and verify(snap).ok
+        catalog = store_stats(snap)["catalog"]
+        assert catalog["base_rows"] >= 6000 and 0 < catalog["delta_rows"] < 100  # the change, not the store
+    for cid in old_ids:
+        stored.pop(cid)
+    stored.update(new)
+
+    # gc compacts: one segment again, no tombstones, the same answers.
+    report = collect_garbage(root)
+    assert report.vectors_compacted
+    with open_snapshot(root) as snap:
+        assert len(snap.vectors.segments) == 1 and not len(snap.vectors.gone) and snap.vectors.segments[0].kind == "ivf"
+        assert recall(snap, stored, near(rng, np.stack(list(stored.values())), 100)) >= 0.93
+        assert verify(snap).ok
+    assert not ivf_file.exists()  # nothing names it any more
+
+
+def test_small_flat_segments_merge_and_search_stays_exact(tmp_path):
+    rng = np.random.default_rng(1)
+    root = tmp_path / "s"
+    stored = {}
+    for i in range(segments.MAX_FLAT + 2):
+        with StoreWriter(root) as writer:
+            stored.update(add_docs(writer, [f"d{i}"], rng))
+    with open_snapshot(root) as snap:
+        assert all(s.kind == "flat" for s in snap.vectors.segments) and len(snap.vectors.segments) <= segments.MAX_FLAT
+        assert recall(snap, stored, near(rng, np.stack(list(stored.values())), 20)) == 1.0  # flat is exact
+        files = {p.name for p in (root / "segments").iterdir()}
+        assert files == {s.name for s in snap.vectors.segments}  # merged-away segments are deleted
+
+
+def test_a_missing_or_damaged_segment_is_one_line_naming_the_repair(tmp_path):
+    rng = np.random.default_rng(2)
+    root = tmp_path / "s"
+    with StoreWriter(root) as writer:
+        add_docs(writer, ["a", "b"], rng)
+    segment = next((root / "segments").iterdir())
+    segment.write_bytes(segment.read_bytes()[:-7])
+    with pytest.raises(StoreCorruptError, match=r"truncated.*ragkv verify --repair") as error:
+        open_snapshot(root)
+    assert "\n" not in str(error.value)
+    segment.unlink()
+    with pytest.raises(StoreCorruptError, match=r"missing.*ragkv verify --repair"):
+        open_snapshot(root)
+    with open_snapshot(root, require_documents=False, lenient=True) as snap:  # what verify sees
+        assert [p.kind for p in verify(snap).problems] == ["vectors-unreadable"]
+
+
+def test_a_store_of_format_1_is_read_as_it_is_and_migrated_once(tmp_path, caplog):
+    """The archive is a store written by ragkv before segments (commit 102d0ec): two generations
+    through its `StoreWriter`, 8 documents, 24 chunks with KV entries in two shards, 8-dim vectors."""
+    with tarfile.open(FORMAT1) as archive:
+        archive.extractall(tmp_path, filter="data")
+    root = tmp_path / "format1"
+    with open_snapshot(root) as snap:  # read without migrating
+        assert snap.generation == 2 and snap.catalog.counts()["chunks"] == 24 and verify(snap).ok
+        ids, vectors = snap.vectors.live_vectors()
+        before = [[h.chunk_id for h in snap.vectors.search(v, 5)] for v in vectors]
+        rows = snap.catalog.context_rows("p-format1", ids.tolist())
+    assert sorted(p.name for p in root.iterdir() if p.is_file()) == ["CURRENT", "catalog-000002.duckdb",
+                                                                     "vectors-000002.faiss"]
+    with caplog.at_level(logging.WARNING, logger="ragkv"):
+        with StoreWriter(root) as writer:
+            assert writer.migrated_format
+    assert sum("migrating from format 1" in r.message for r in caplog.records) == 1
+    assert not writer.unchanged and writer.generation == 3
+    names = sorted(p.name for p in root.iterdir() if p.is_file() and p.name != "LOCK")
+    assert names[0] == "CURRENT" and names[1].startswith("base-000003-") and names[2:] == [
+        "catalog-000003.duckdb", "manifest-000003.json"]  # generation 2's files retired
+    with open_snapshot(root) as snap:
+        assert verify(snap).ok and snap.catalog.context_rows("p-format1", ids.tolist()) == rows
+        assert [[h.chunk_id for h in snap.vectors.search(v, 5)] for v in vectors] == before
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ragkv"):
+        with StoreWriter(root) as writer:
+            pass
+    assert writer.unchanged and not caplog.records  # once: the next writer finds format 2
+
+
+KILL_MID_COMPACTION = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {root!r})
+    from store.store import StoreWriter
+    from tests.faults import kill_mid_compaction
+
+    kill_mid_compaction()
+    with StoreWriter({store!r}) as writer:
+        writer.vectors.remove(writer.catalog.delete_documents(["d0"]))
+        writer.compact()
+    print("not killed")
+""")
+
+
+def test_a_kill_during_compaction_leaves_the_published_generation(tmp_path):
+    rng = np.random.default_rng(3)
+    root = tmp_path / "s"
+    with StoreWriter(root) as writer:
+        add_docs(writer, [f"d{i}" for i in range(5)], rng)
+    with open_snapshot(root) as snap:
+        generation, counts, bases = snap.generation, snap.catalog.counts(), sorted(root.glob("base-*"))
+    result = subprocess.run([sys.executable, "-c", KILL_MID_COMPACTION.format(root=str(ROOT), store=str(root))],
+                            capture_output=True, text=True)
+    assert result.returncode == -9 and "not killed" not in result.stdout, result.stderr
+    assert len(list(root.glob("base-*"))) > len(bases)  # the half-written base is there ...
+    with open_snapshot(root) as snap:  # ... and nothing reads it
+        assert snap.generation == generation and snap.catalog.counts() == counts and verify(snap).ok
+    with StoreWriter(root) as writer:  # the next writer removes it and goes on
+        writer.vectors.remove(writer.catalog.delete_documents(["d0"]))
+    assert sorted(root.glob("base-*")) == bases
+    with open_snapshot(root) as snap:
+        assert snap.catalog.counts()["documents"] == 4 and verify(snap).ok
+
+
+def test_a_delta_reads_like_the_whole_catalog(tmp_path):
+    """Every kind of write through the delta (insert, replace, delete of base and delta rows)
+    reads back as the same writes on a plain catalog."""
+    rng = np.random.default_rng(4)
+    root = tmp_path / "s"
+    with StoreWriter(root) as writer:
+        add_docs(writer, [f"d{i}" for i in range(3)], rng)
+        writer.compact()  # the three documents now live in a base
+    with StoreWriter(root) as writer:
+        catalog = writer.catalog
+        writer.vectors.remove(catalog.delete_documents(["d1"]))  # base rows: tombstones
+        add_docs(writer, ["d3"], rng)
+        writer.vectors.remove(catalog.delete_documents(["d3"]))  # delta rows: gone from the delta
+        add_docs(writer, ["d1"], rng)  # a key deleted from the base, added again
+        catalog.set_meta({"embedder": "x"})
+        catalog.set_meta({"embedder": "y"})  # replaced twice
+    with open_snapshot(root) as snap:
+        docs = snap.catalog.documents()
+        assert sorted(docs) == ["d0", "d1", "d2"] and snap.catalog.meta()["embedder"] == "y"
+        assert len(snap.catalog.chunks_of(["d1"])) == 10 and len(snap.vectors) == 30 and verify(snap).ok
+    plain = tmp_path / "plain.duckdb"
+    writer = StoreWriter(root)
+    writer.catalog.compact_into(plain)  # what a compaction would write
+    writer.abort()
+    from store.catalog import Catalog
+
+    with Catalog(plain, read_only=True) as whole, open_snapshot(root) as snap:
+        for query in ("SELECT doc_id, source, content_hash, num_chunks, metadata FROM documents ORDER BY ALL",
+                      "SELECT * FROM chunks ORDER BY ALL", "SELECT * FROM meta ORDER BY ALL"):
+            assert whole.con.execute(query).fetchall() == snap.catalog.con.execute(query).fetchall()
