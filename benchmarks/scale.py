@@ -2,7 +2,10 @@
 retrieving cost at 10k, 100k and 1M chunks (and 10M by a fit, unless measured).
 
 Synthetic stores, no model: documents of CHUNKS_PER_DOC short texts, random unit vectors of
-384 dims (all-MiniLM-L6-v2's), one profile whose KV entries (rows only: a made-up shard name,
+384 dims (all-MiniLM-L6-v2's) with the structure of a corpus: each document near one of
+TOPICS random topic directions, each chunk near its document (uniformly random vectors have
+no neighbours worth the name: every index degrades to a full scan on them, and no text
+embeds so), one profile whose KV entries (rows only: a made-up shard name,
 no bytes) cover 90% of the chunks, the rest left as misses. Every store is built through the
 real write path (`StoreWriter`, `Catalog.add_documents`, `VectorIndex.add`), so its files are
 what an ingest writes. Measured per size, on the same machine in one run:
@@ -56,9 +59,26 @@ REPEATS = 5
 QUERIES = 200
 
 
+TOPICS = 512
+
+
 def unit(rng, n: int) -> np.ndarray:
     v = rng.standard_normal((n, DIM)).astype(np.float32)
     return v / np.linalg.norm(v, axis=1, keepdims=True)
+
+
+_TOPICS = unit(np.random.default_rng(12345), TOPICS)
+
+
+def corpus_vectors(rng, docs: int) -> np.ndarray:
+    """CHUNKS_PER_DOC vectors per document: topic + noise for the document, document + noise
+    for each chunk, normalised (cosine of a chunk to its document's other chunks ~0.55, to
+    other documents of its topic ~0.44, to anything else ~0: a question's ten nearest chunks
+    come from several documents)."""
+    centres = _TOPICS[rng.integers(0, TOPICS, docs)] + 0.5 * unit(rng, docs)
+    centres /= np.linalg.norm(centres, axis=1, keepdims=True)
+    chunks = np.repeat(centres, CHUNKS_PER_DOC, axis=0) + 0.9 * unit(rng, docs * CHUNKS_PER_DOC)
+    return chunks / np.linalg.norm(chunks, axis=1, keepdims=True)
 
 
 def doc_rows(doc_ids, first_chunk: int, version: int = 0):
@@ -91,7 +111,7 @@ def build(root: Path, n: int, rng) -> dict:
                                                       "float32", 512, "0") for c in with_kv])
             catalog.link_chunks(PROFILE, [ChunkLink(c.chunk_id, f"kv-{c.chunk_id}", tuple(range(TOKENS)))
                                           for c in with_kv])
-            writer.ensure_vectors(DIM).add([c.chunk_id for c in chunks], unit(rng, len(chunks)))
+            writer.ensure_vectors(DIM).add([c.chunk_id for c in chunks], corpus_vectors(rng, len(docs)))
     built = time.perf_counter()
     collect_garbage(root)
     return {"build_s": built - start, "gc_s": time.perf_counter() - built}
@@ -118,7 +138,7 @@ def publish_one_document(root: Path, rng, version: int) -> tuple[float, int]:
         writer.vectors.remove(removed)
         new_docs, chunks = doc_rows([doc_id], catalog.next_chunk_id(), version)
         catalog.add_documents(new_docs, [{}], chunks)
-        writer.vectors.add([c.chunk_id for c in chunks], unit(rng, len(chunks)))
+        writer.vectors.add([c.chunk_id for c in chunks], corpus_vectors(rng, 1))
     return time.perf_counter() - start, written(before, files(root))
 
 
@@ -257,7 +277,7 @@ def refresh_s3(root: Path, work: Path, rng, version: int, n: int) -> dict:
     writer.vectors.remove(removed)
     docs, chunks = doc_rows([doc_id], catalog.next_chunk_id(), version)
     catalog.add_documents(docs, [{}], chunks)
-    writer.vectors.add([c.chunk_id for c in chunks], unit(rng, len(chunks)))
+    writer.vectors.add([c.chunk_id for c in chunks], corpus_vectors(rng, 1))
     start = time.perf_counter()
     writer.commit()
     publish_s = time.perf_counter() - start

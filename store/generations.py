@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import re
+import time
 import uuid
 from pathlib import Path
 
@@ -46,6 +47,7 @@ _POINTER_TMP = re.compile(r"^\.\.?(remote-)?CURRENT\.[0-9a-f]{12}\.tmp$")  # wri
 _GENERATION_FILE = re.compile(r"^(catalog|vectors|manifest)-(\d{6})\.(duckdb|faiss|json)(\.partial)?(\.wal)?$")
 _BASE_FILE = re.compile(r"^base-(\d{6})-[0-9a-f]{8}\.duckdb(\.wal)?$")
 SEGMENT_DIR = "segments"
+_STALE_TMP_S = 3600  # a temporary file this old belongs to no live process
 MANIFEST_FORMAT = 2
 
 
@@ -118,7 +120,9 @@ def remove_unshared(root: Path, keep: set[str] = frozenset()) -> int:
     freed = 0
     candidates = [p for p in root.iterdir() if _BASE_FILE.match(p.name)]
     if (root / SEGMENT_DIR).is_dir():
-        candidates += [p for p in (root / SEGMENT_DIR).iterdir() if p.suffix == ".faiss" or p.name.endswith(".tmp")]
+        now = time.time()
+        candidates += [p for p in (root / SEGMENT_DIR).iterdir() if p.suffix == ".faiss" or (
+            p.name.endswith(".tmp") and now - _mtime(p) > _STALE_TMP_S)]  # a killed build's, not a live download's
     for path in candidates:
         name = path.name if path.parent == root else f"{SEGMENT_DIR}/{path.name}"
         if name.removesuffix(".wal") not in wanted:
@@ -128,6 +132,13 @@ def remove_unshared(root: Path, keep: set[str] = frozenset()) -> int:
             except FileNotFoundError:
                 pass
     return freed
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return float("inf")
 
 
 def read_current(root: Path) -> int | None:
