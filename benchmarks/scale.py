@@ -182,7 +182,7 @@ def retrieval(root: Path, rng) -> dict:
         picks = rng.choice(len(ids), QUERIES, replace=False)
         queries = vectors[picks] + 0.7 * unit(rng, QUERIES)
         queries /= np.linalg.norm(queries, axis=1, keepdims=True)
-        truth = ids[np.argsort(-(queries @ vectors.T), axis=1)[:, :10]]
+        truth = ids[np.argpartition(-(queries @ vectors.T), 10, axis=1)[:, :10]]  # the exact ten, any order
         found, times = [], []
         for q in queries:
             start = time.perf_counter()

@@ -60,8 +60,9 @@ def _contents(store) -> dict:
                             "ORDER BY 1, 2").fetchall()
         rows = con.execute("SELECT kv_key, kind, shard, tensor, checksum FROM kv_entries").fetchall()
         kv = {key: (kind, snapshot.shards.read(shard, tensor, digest).clone()) for key, kind, shard, tensor, digest in rows}
-        ids = {text: cid for cid, text in con.execute("SELECT chunk_id, text FROM chunks").fetchall()}
-        vectors = {text: snapshot.vectors.index.reconstruct(cid) for text, cid in ids.items()}
+        ids = {cid: text for cid, text in con.execute("SELECT chunk_id, text FROM chunks").fetchall()}
+        stored, matrix = snapshot.vectors.live_vectors()
+        vectors = {ids[cid]: vector for cid, vector in zip(stored.tolist(), matrix)}
     return {"docs": docs, "chunks": chunks, "links": links, "kv": kv, "vectors": vectors, "entries": len(rows)}
 
 

@@ -163,7 +163,9 @@ def test_serve_engine_vllm_answers_with_the_store_kv(sample_store, tmp_path):
     server = subprocess.Popen(
         [sys.executable, "-c", "import cli; cli.main()", "serve", "--store", str(served), "--port", str(port),
          "--engine", "vllm", "--vllm-python", VLLM_PYTHON, "--vllm-port", str(vllm_port),
-         "--vllm-args", "--enforce-eager --max-model-len 2048 --enable-prompt-tokens-details"],
+         # On the CPU build --gpu-memory-utilization is the share of the NUMA node's memory vLLM must find free
+         # at start (0.92 by default): a busy test machine may not have it.
+         "--vllm-args", "--enforce-eager --max-model-len 2048 --enable-prompt-tokens-details --gpu-memory-utilization 0.5"],
         cwd=ROOT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE, text=True)
     try:
