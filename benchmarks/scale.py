@@ -99,15 +99,23 @@ def build(root: Path, n: int, rng) -> dict:
     profile = ProfileRow(PROFILE, "synthetic", "m", "t", "p", "", (1, 2, 3), "float32", "none", 2, 1, 4)
     num_docs = n // CHUNKS_PER_DOC
     batch_docs = 25_000
+    shard = ""
     for first in range(0, num_docs, batch_docs):
         with StoreWriter(root) as writer:
             catalog = writer.catalog
             catalog.add_profile(profile)
+            if not shard:  # one real shard file the synthetic rows name (their bytes are never read)
+                import torch
+
+                shards = writer.shard_writer(1 << 20, {})
+                sealed = shards.add("synthetic-seed", torch.zeros(1, 2, 1, 1, 2)) + shards.flush()
+                catalog.add_entries(PROFILE, sealed)
+                shard = sealed[0].shard
             docs, chunks = doc_rows([f"d{i:08d}" for i in range(first, min(num_docs, first + batch_docs))],
                                     catalog.next_chunk_id())
             catalog.add_documents(docs, [{}] * len(docs), chunks)
             with_kv = [c for c in chunks if c.chunk_index != CHUNKS_PER_DOC - 1]  # 90%: the last chunk misses
-            catalog.add_entries(PROFILE, [SealedEntry(f"kv-{c.chunk_id}", "synthetic.safetensors", TOKENS,
+            catalog.add_entries(PROFILE, [SealedEntry(f"kv-{c.chunk_id}", shard, TOKENS,
                                                       "float32", 512, "0") for c in with_kv])
             catalog.link_chunks(PROFILE, [ChunkLink(c.chunk_id, f"kv-{c.chunk_id}", tuple(range(TOKENS)))
                                           for c in with_kv])
@@ -254,15 +262,16 @@ def s3(folder: Path):
 def refresh_s3(root: Path, work: Path, rng, version: int, n: int) -> dict:
     """Upload the store, let a reader's mirror copy it, publish one document through an S3
     writer (its own mirror), then time the reader's refresh and count what it downloads."""
-    from pyarrow import fs as pafs
-
     from store.remote import RemoteStore
     from store.store import RemoteStoreWriter
     from tests import s3server
 
     uri = f"s3://{s3server.BUCKET}/scale-{n}"
     client = s3server.client(os.environ["AWS_ENDPOINT_URL"])
-    pafs.copy_files(str(root), f"{s3server.BUCKET}/scale-{n}", destination_filesystem=client)
+    for name in files(root):  # the store's objects, as a writer uploads them
+        with open(root / name, "rb") as src, client.open_output_stream(f"{s3server.BUCKET}/scale-{n}/{name}") as dst:
+            while block := src.read(8 << 20):
+                dst.write(block)
     os.environ["RAGKV_HOME"] = str(work / "reader-home")
     reader = RemoteStore(uri)
     reader.sync()
@@ -322,8 +331,8 @@ def real_embeddings(count: int) -> dict:
     import ast
     import sysconfig
 
+    from ragkv.config import DEFAULT_EMBEDDER
     from ragkv.embed import Embedder
-    from ragkv.model import default_embedder
     from store import vectors as segments
 
     paragraphs = []
@@ -339,7 +348,7 @@ def real_embeddings(count: int) -> dict:
         if len(paragraphs) > count + QUERIES:
             break
     paragraphs = list(dict.fromkeys(paragraphs))[: count + QUERIES]
-    embedder = Embedder.load(default_embedder(), "cpu")
+    embedder = Embedder.load(DEFAULT_EMBEDDER, "cpu")
     start = time.perf_counter()
     vectors = embedder.embed(paragraphs)
     embed_s = time.perf_counter() - start
@@ -399,6 +408,13 @@ def report(results: list[dict], real: dict | None, out: Path, argv: str) -> None
                            ("write-back s", "writeback_s")):
             slope, intercept = fit(sizes, [r[key] for r in results])
             lines.append(f"- {label}: slope {slope:.2f}, at 10M ≈ {10 ** (intercept + slope * 7):.3g}")
+    lines += ["", "Goals at 1M chunks: a one-document publish <= 2 s and within 3x of 10k; a write-back of 16 <= 1 s; "
+              "an S3 refresh <= 2x the bytes changed; retrieval p50 <= 20 ms at recall@10 >= 0.95 (<= 30 ms at 10M). "
+              "10M was not built (15 GB of float32 vectors and their copies do not fit beside the build in 24 GB); "
+              "the fits above extrapolate to it. An IVF search scans nprobe/nlist of the vectors, with nlist ~ sqrt(N), "
+              "so its cost grows about as sqrt(N) at a fixed nprobe: from 1M to 10M about 3x, with nprobe tuned anew.",
+              "", "The 10k retrieval p99 (24 ms against a p50 of 0.7 ms) is a few outliers among the 200 searches of "
+                  "an exact 10k segment; not investigated."]
     if real:
         lines += ["", f"Real embeddings: {real['paragraphs']:,} standard-library docstring paragraphs (all-MiniLM-L6-v2), "
                       f"200 held out as queries: IVF nlist {real['nlist']}, tuned nprobe {real['nprobe']} "
