@@ -178,11 +178,9 @@ class StoreWriter:
         once the delta outgrows its share (COMPACT_SHARE), `gc` whenever there is a delta."""
         base = base_name(self.generation)
         gone = self.catalog.gone_vectors()
-        scratch = self._partial.with_name(self._partial.name + ".compact")
         self.catalog.compact_into(self.root / base)
         self.catalog.close()
         self._partial.unlink()
-        scratch.unlink(missing_ok=True)
         self._new_delta(base)
         self.catalog.set_gone_vectors(gone)
         self.compacted = True

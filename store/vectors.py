@@ -257,15 +257,6 @@ class VectorIndex:
     def empty(cls, dim: int) -> "VectorIndex":
         return cls(dim)
 
-    @classmethod
-    def from_faiss(cls, index: "faiss.Index") -> "VectorIndex":
-        """An in-memory index holding what `index` (flat with an id map) holds, as pending vectors."""
-        ids, vectors = segment_vectors(index)
-        made = cls(index.d)
-        made.add(ids.tolist(), vectors)
-        made.num_changes = 0
-        return made
-
     # -- reading --------------------------------------------------------------------------------
     def segment(self, info: SegmentInfo) -> Segment:
         if info.name not in self._loaded:
