@@ -99,16 +99,19 @@ def write_manifest(root: Path, generation: int, manifest: dict) -> None:
                                                              indent=1).encode())
 
 
+def named_files(manifest: dict) -> set[str]:
+    """The base and segments a manifest names, relative to the store's root."""
+    return {manifest["base"]} | {f"{SEGMENT_DIR}/{s['name']}" for s in manifest.get("segments", [])}
+
+
 def shared_files(root: Path, generations: set[int]) -> set[str]:
     """Names (relative to `root`) of the bases and segments the manifests of `generations` name."""
     names: set[str] = set()
     for generation in generations:
         try:
-            manifest = read_manifest(root, generation)
+            names |= named_files(read_manifest(root, generation))
         except (FileNotFoundError, StoreFormatError):
             continue
-        names.add(manifest["base"])
-        names |= {f"{SEGMENT_DIR}/{s['name']}" for s in manifest.get("segments", [])}
     return names
 
 

@@ -42,7 +42,7 @@ from pathlib import Path
 from ragkv.config import cache_dir
 from ragkv.errors import InputError, StoreCorruptError, StoreLockedError, StoreNotFoundError, StoreWriteError
 from store.generations import (
-    CURRENT, LOCK, SEGMENT_DIR, WriteLock, catalog_path, manifest_path, publish, read_current, read_manifest,
+    CURRENT, LOCK, SEGMENT_DIR, WriteLock, catalog_path, manifest_path, named_files, publish, read_current, read_manifest,
     remove_retired, remove_unshared, vectors_path, write_atomic,
 )
 from store.shards import SHARD_SUFFIX, is_shard_name
@@ -265,8 +265,7 @@ class RemoteStore:
         for generation in self.remote_generations():
             body = self._read(manifest_path(self.mirror, generation).name)
             if body is not None:
-                named = json.loads(body)
-                wanted |= {named["base"]} | {f"{SEGMENT_DIR}/{s['name']}" for s in named["segments"]}
+                wanted |= named_files(json.loads(body))
         for name in names:
             if name.startswith("base-") and name not in wanted:
                 self.fs.delete_file(self.location.key(name))

@@ -12,7 +12,7 @@ from store.generations import (
 )
 from store.remote import RemoteStore, is_remote
 from store.shards import ShardReader
-from store.vectors import Segment, SegmentInfo, VectorIndex, read_index
+from store.vectors import SegmentInfo, VectorIndex, open_flat_file
 
 SHARD_DIR = "shards"
 REMOTE_POLL_S = 2.0  # how often a long-lived reader asks an S3 store for a newer generation
@@ -46,9 +46,8 @@ class StoreSnapshot:
     def _open_vectors(self) -> VectorIndex:
         if is_legacy(self.root, self.generation):  # format 1: one index file
             path = vectors_path(self.root, self.generation)
-            index = read_index(path, self.root)
-            info = SegmentInfo(path.name, "flat", index.ntotal, path.stat().st_size)
-            return VectorIndex(index.d, self.root, [info], loaded={path.name: Segment(info, index)})
+            segment = open_flat_file(path, path.name, self.root)
+            return VectorIndex(segment.index.d, self.root, [segment.info], loaded={path.name: segment})
         manifest = read_manifest(self.root, self.generation)
         vectors = VectorIndex(int(manifest.get("dim", 0)), self.root / SEGMENT_DIR,
                               [SegmentInfo.from_dict(s) for s in manifest["segments"]], self.catalog.gone_vectors())

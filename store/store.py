@@ -25,7 +25,8 @@ from store.shards import SealedEntry, ShardReader, ShardWriter, fsync_dir, remov
 from store.snapshot import SHARD_DIR, StoreSnapshot, open_snapshot
 from store.catalog.overlay import Overlay
 from store.vectors import (
-    FLAT_SHARE, GONE_SHARE, MAX_FLAT, MAX_SEGMENTS, Segment, SegmentInfo, VectorIndex, build_segment, read_index, segment_vectors,
+    FLAT_SHARE, GONE_SHARE, MAX_FLAT, MAX_SEGMENTS, SegmentInfo, VectorIndex, build_segment, open_flat_file,
+    segment_vectors,
 )
 
 __all__ = ["SHARD_DIR", "StoreSnapshot", "StoreWriter", "is_store", "open_snapshot", "open_writer"]
@@ -162,15 +163,14 @@ class StoreWriter:
             Catalog(self.root / base, read_only=False).close()  # applies the schema migrations
         self._new_delta(base)
         self.migrated_format = True
-        index = read_index(old_vectors, self.root)
-        if not index.ntotal:
-            return [], index.d
         name = f"seg-{self.generation:06d}-format1.faiss"
+        segment = open_flat_file(old_vectors, name, self.root)
+        if not segment.info.count:
+            return [], segment.index.d
         (self.root / SEGMENT_DIR).mkdir(exist_ok=True)
         _link_or_copy(old_vectors, self.root / SEGMENT_DIR / name)
-        info = SegmentInfo(name, "flat", index.ntotal, (self.root / SEGMENT_DIR / name).stat().st_size)
-        self._legacy_loaded = {name: Segment(info, index)}
-        return [info], index.d
+        self._legacy_loaded = {name: segment}
+        return [segment.info], segment.index.d
 
     def compact(self) -> None:
         """Write the catalog as it reads now into a new base and start an empty delta over it

@@ -30,8 +30,7 @@ import faiss
 import numpy as np
 
 from ragkv.errors import StoreCorruptError
-
-SEGMENT_DIR = "segments"
+from store.generations import SEGMENT_DIR
 IVF_MIN = 50_000  # a segment with fewer vectors is searched exactly
 MAX_FLAT = 8  # flat segments a writer lets accumulate before it merges them
 MAX_SEGMENTS = 12  # segments of any kind before a writer compacts them all into one
@@ -81,15 +80,26 @@ class Segment:
         return self._ids
 
     def search(self, query: np.ndarray, k: int, selector=None) -> tuple[np.ndarray, np.ndarray]:
-        k = min(k, self.index.ntotal)
-        if k < 1:
-            return np.empty((1, 0), np.float32), np.empty((1, 0), np.int64)
-        if self.info.kind == "ivf":
-            params = faiss.SearchParametersIVF(nprobe=self.info.nprobe or 1, sel=selector) if selector \
-                else faiss.SearchParametersIVF(nprobe=self.info.nprobe or 1)
-        else:
-            params = faiss.SearchParameters(sel=selector) if selector else None
-        return self.index.search(query, k, params=params) if params else self.index.search(query, k)
+        return search_index(self.index, query, k, selector, self.info.nprobe if self.info.kind == "ivf" else 0)
+
+
+def search_index(index: "faiss.Index", query: np.ndarray, k: int, selector=None,
+                 nprobe: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(scores, ids), each `(1, <= k)`, of `query` `(1, dim)` in `index`; only ids `selector`
+    admits when given; `nprobe` lists of an IVF index (0: a flat one)."""
+    k = min(k, index.ntotal)
+    if k < 1:
+        return np.empty((1, 0), np.float32), np.empty((1, 0), np.int64)
+    params = faiss.SearchParametersIVF(nprobe=nprobe) if nprobe else faiss.SearchParameters()
+    if selector is not None:
+        params.sel = selector
+    return index.search(query, k, params=params)
+
+
+def open_flat_file(path: Path, name: str, store: Path) -> Segment:
+    """A format-1 store's one index file (flat, with an id map) as a segment named `name`."""
+    index = read_index(path, store)
+    return Segment(SegmentInfo(name, "flat", index.ntotal, path.stat().st_size), index)
 
 
 _loaded: "weakref.WeakValueDictionary[tuple, Segment]" = weakref.WeakValueDictionary()
@@ -304,9 +314,7 @@ class VectorIndex:
             scores.append(s[0])
             ids.append(i[0])
         if self.pending_count:
-            params = faiss.SearchParameters(sel=selector) if selector is not None else None
-            s, i = self._pending.search(query, min(k, self.pending_count), params=params) if params \
-                else self._pending.search(query, min(k, self.pending_count))
+            s, i = search_index(self._pending, query, k, selector)
             scores.append(s[0])
             ids.append(i[0])
         if not scores:
