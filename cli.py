@@ -96,6 +96,21 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 
+def _show_version(value: bool) -> None:
+    if value:
+        from ragkv import __version__
+        from ragkv.formats import STORE_FORMAT
+
+        typer.echo(f"ragkv {__version__} (store format {STORE_FORMAT})")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", is_eager=True, callback=_show_version,
+                                       help="Print ragkv's version and the store format it writes, and exit.")):
+    """Compute each document's KV cache once; answer questions by prefilling only the question."""
+
+
 StoreOption = typer.Option(DEFAULT_STORE, "--store", "-s", envvar="RAGKV_STORE",
                            help="Store: a directory, or s3://BUCKET/PREFIX (AWS credentials and AWS_ENDPOINT_URL "
                                 "from the environment) (env RAGKV_STORE).")
@@ -771,7 +786,8 @@ def stats(store: str = StoreOption, json_out: bool = JsonOption):
         typer.echo(json.dumps(summary))
         return
     mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
-    typer.echo(f"{summary['store']} generation {summary['generation']}: {summary['documents']} documents, "
+    typer.echo(f"{summary['store']} generation {summary['generation']} (written by ragkv {summary['written_by']}): "
+               f"{summary['documents']} documents, "
                f"{summary['chunks']} chunks, {summary['kv_entries']} KV entries; embedder {summary['embedder']}")
     for p in summary["profiles"]:
         typer.echo(f"  {p['model']} ({p['dtype']}): {p['chunks']} chunks, {p['tokens']:,} tokens, {mib(p['kv_bytes'])}")

@@ -23,7 +23,7 @@ from typing import Callable
 
 import numpy as np
 
-from ragkv.errors import InputError, ModelError
+from ragkv.errors import InputError, MissingExtraError, ModelError
 from store.remote import is_remote
 
 RETRIES = 4  # actor restarts and task retries before the job fails
@@ -57,7 +57,7 @@ def connect(workers: int) -> tuple[int, float, float]:
     try:
         import ray
     except ImportError as exc:
-        raise InputError("--engine ray needs Ray: pip install 'ragkv[ray]'") from exc
+        raise MissingExtraError("--engine ray", "ray", "ray") from exc
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=False,
                  logging_level=logging.WARNING, configure_logging=False)

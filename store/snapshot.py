@@ -30,6 +30,8 @@ class StoreSnapshot:
         self.generation = generation
         self._lease = ReaderLease(root, generation)
         try:
+            # First: a store of a newer ragkv is refused as such, before its catalog is read.
+            self._manifest = None if is_legacy(root, generation) else read_manifest(root, generation)
             self.catalog = Catalog(catalog_path(root, generation), read_only=True)
             self.vectors_damage = ""  # lenient: why the vector index could not be read (it is then empty)
             try:
@@ -44,15 +46,22 @@ class StoreSnapshot:
         self.shards = ShardReader(root / SHARD_DIR, remote)
 
     def _open_vectors(self) -> VectorIndex:
-        if is_legacy(self.root, self.generation):  # format 1: one index file
+        manifest = self._manifest
+        if manifest is None:  # format 1: one index file
             path = vectors_path(self.root, self.generation)
             segment = open_flat_file(path, path.name, self.root)
             return VectorIndex(segment.index.d, self.root, [segment.info], loaded={path.name: segment})
-        manifest = read_manifest(self.root, self.generation)
         vectors = VectorIndex(int(manifest.get("dim", 0)), self.root / SEGMENT_DIR,
                               [SegmentInfo.from_dict(s) for s in manifest["segments"]], self.catalog.gone_vectors())
         vectors.load_all()
         return vectors
+
+    @property
+    def written_by(self) -> str:
+        """Which ragkv wrote this generation (format-1 stores predate the record)."""
+        if self._manifest is None:
+            return "0.1.x (store format 1)"
+        return self._manifest.get("written_by", "0.1.x")
 
     @property
     def location(self) -> str:

@@ -22,6 +22,7 @@ def store_stats(snapshot: StoreSnapshot) -> dict:
     return {
         "store": snapshot.location,
         "generation": snapshot.generation,
+        "written_by": snapshot.written_by,
         **catalog.counts(),
         "vectors": len(snapshot.vectors),
         "index": snapshot.vectors.describe(),

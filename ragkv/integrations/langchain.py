@@ -21,15 +21,20 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Sequence
 
-from langchain_core.callbacks import CallbackManagerForLLMRun, CallbackManagerForRetrieverRun
-from langchain_core.documents import Document
-from langchain_core.language_models import BaseChatModel
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage
-from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from langchain_core.prompt_values import ChatPromptValue
-from langchain_core.retrievers import BaseRetriever
-from langchain_core.runnables import RunnableLambda
-from pydantic import ConfigDict, Field
+from ragkv.errors import MissingExtraError
+
+try:
+    from langchain_core.callbacks import CallbackManagerForLLMRun, CallbackManagerForRetrieverRun
+    from langchain_core.documents import Document
+    from langchain_core.language_models import BaseChatModel
+    from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage
+    from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+    from langchain_core.prompt_values import ChatPromptValue
+    from langchain_core.retrievers import BaseRetriever
+    from langchain_core.runnables import RunnableLambda
+    from pydantic import ConfigDict, Field
+except ModuleNotFoundError as exc:  # said once, naming the extra to install
+    raise MissingExtraError("ragkv.integrations.langchain", "langchain", exc.name) from None
 
 from ragkv.config import AskSettings
 from ragkv.errors import InputError

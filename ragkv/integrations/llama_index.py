@@ -17,11 +17,16 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Iterator, Sequence
 
-from llama_index.core.base.response.schema import Response, StreamingResponse
-from llama_index.core.query_engine import CustomQueryEngine
-from llama_index.core.retrievers import BaseRetriever
-from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
-from pydantic import Field
+from ragkv.errors import MissingExtraError
+
+try:
+    from llama_index.core.base.response.schema import Response, StreamingResponse
+    from llama_index.core.query_engine import CustomQueryEngine
+    from llama_index.core.retrievers import BaseRetriever
+    from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+    from pydantic import Field
+except ModuleNotFoundError as exc:  # said once, naming the extra to install
+    raise MissingExtraError("ragkv.integrations.llama_index", "llama-index", exc.name) from None
 
 from ragkv.integrations import adapter
 from ragkv.integrations.adapter import IDENTITY, AnswerOptions

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 from ragkv.errors import StoreFormatError
+from ragkv.formats import __version__
 
 FORMAT_VERSION = 1
 
@@ -74,7 +75,8 @@ class Schema:
         known = [name for name, _ in MIGRATIONS]
         if applied != known[: len(applied)]:
             raise StoreFormatError(
-                f"catalog {self.path} was written by a newer or different ragkv (migrations {applied}); upgrade ragkv"
+                f"catalog {self.path} was written by a newer or different ragkv (migrations {applied}); this is "
+                f"ragkv {__version__}: upgrade ragkv"
             )
         pending = MIGRATIONS[len(applied):]
         if not pending:

@@ -1,0 +1,26 @@
+"""Every on-disk format ragkv writes, its version, and what each ragkv does with another's.
+
+    store (a generation's manifest)  STORE_FORMAT    2   (1: 0.1.x before segments: one catalog + one index file)
+    catalog schema                   named migrations in store.catalog.schema.MIGRATIONS
+    KV shard (safetensors header)    SHARD_FORMAT    "1"
+    cache key strings                KEY_FORMAT      1   (`kv1:PROFILE:DIGEST`)
+
+The policy:
+- **Read as it is:** every older store format (1 and 2) and every older catalog schema. A
+  reader never writes, so an older store opened by `ragkv ask` or `serve` stays as it was.
+- **Migrated once, by its first writer** (`ingest`, `reindex`, `gc`, `verify --repair`): a
+  format-1 store becomes format 2 by hard links (no data copied; one logged warning), and a
+  catalog's missing migrations are applied in order (a delta over an older base: by compacting).
+- **Refused, in one line naming both versions:** a store whose manifest is of a format this
+  ragkv does not know (a newer ragkv's), and a catalog with migrations this ragkv lacks. Nothing
+  is read or written then; upgrade ragkv.
+- **Never stale:** a change of the key derivation bumps KEY_FORMAT (it is hashed into every
+  profile id), so no entry computed under the old rule is ever matched.
+A manifest records the version of the ragkv that wrote it (`ragkv stats` shows it).
+"""
+
+__version__ = "0.2.0"  # ragkv's own (the package metadata reads it from here)
+
+STORE_FORMAT = 2
+SHARD_FORMAT = "1"
+KEY_FORMAT = 1
