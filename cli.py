@@ -9,7 +9,6 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import List, Optional
 
 import typer
 from typer.core import TyperGroup
@@ -20,8 +19,17 @@ except ImportError:  # older typer runs on click itself
     from click.exceptions import ClickException, UsageError
 
 from ragkv.config import (
-    DEFAULT_EMBEDDER, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODEL, DEFAULT_NO_REPEAT_NGRAM, DEFAULT_REPETITION_PENALTY,
-    DEFAULT_SPAN_TOKENS, DEFAULT_STORE, DEFAULT_SYSTEM_PROMPT, DTYPES, AskSettings, DecodeSettings,
+    DEFAULT_EMBEDDER,
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_MODEL,
+    DEFAULT_NO_REPEAT_NGRAM,
+    DEFAULT_REPETITION_PENALTY,
+    DEFAULT_SPAN_TOKENS,
+    DEFAULT_STORE,
+    DEFAULT_SYSTEM_PROMPT,
+    DTYPES,
+    AskSettings,
+    DecodeSettings,
 )
 from ragkv.errors import InputError, OutputError, RagkvError
 
@@ -61,8 +69,11 @@ class _Group(TyperGroup):
         except Exception as exc:
             if os.environ.get("RAGKV_TRACEBACK"):
                 raise
-            typer.echo(f"error: internal error {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} "
-                       "(a bug in ragkv: please report it; RAGKV_TRACEBACK=1 shows where)", err=True)
+            typer.echo(
+                f"error: internal error {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} "
+                "(a bug in ragkv: please report it; RAGKV_TRACEBACK=1 shows where)",
+                err=True,
+            )
             raise typer.Exit(1) from None
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
@@ -87,14 +98,15 @@ class _Group(TyperGroup):
 app = typer.Typer(
     cls=_Group,
     help="Compute each document's KV cache once; answer questions by prefilling only the question.\n\n"
-         "  ragkv ingest data/ --store ./kvstore\n\n"
-         "  ragkv ask \"How do I rotate the API key?\" --store ./kvstore\n\n"
-         "Nightly: ragkv reindex data/ --store ./kvstore --report report.json",
+    "  ragkv ingest data/ --store ./kvstore\n\n"
+    '  ragkv ask "How do I rotate the API key?" --store ./kvstore\n\n'
+    "Nightly: ragkv reindex data/ --store ./kvstore --report report.json",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
+
 
 def _show_version(value: bool) -> None:
     if value:
@@ -106,20 +118,42 @@ def _show_version(value: bool) -> None:
 
 
 @app.callback()
-def _root(version: bool = typer.Option(False, "--version", is_eager=True, callback=_show_version,
-                                       help="Print ragkv's version and the store format it writes, and exit.")):
+def _root(
+    version: bool = typer.Option(
+        False,
+        "--version",
+        is_eager=True,
+        callback=_show_version,
+        help="Print ragkv's version and the store format it writes, and exit.",
+    ),
+):
     """Compute each document's KV cache once; answer questions by prefilling only the question."""
 
 
-StoreOption = typer.Option(DEFAULT_STORE, "--store", "-s", envvar="RAGKV_STORE",
-                           help="Store: a directory, or s3://BUCKET/PREFIX (AWS credentials and AWS_ENDPOINT_URL "
-                                "from the environment) (env RAGKV_STORE).")
-EngineOption = typer.Option("local", "--engine", help="local (this process), ray (a Ray Data job: joins RAY_ADDRESS, "
-                                                      "else starts Ray here; pip install 'ragkv[ray]') or vllm (vLLM's "
-                                                      "offline engine computes the chunks' KV; see --vllm-python).")
-VllmPythonOption = typer.Option(None, "--vllm-python", envvar="RAGKV_VLLM_PYTHON",
-                                help="--engine vllm: the python that has vLLM (default: this one).")
-WorkersOption = typer.Option(0, "--workers", help="With --engine ray: model actors (0: one per GPU, else one per 2 CPUs).")
+StoreOption = typer.Option(
+    DEFAULT_STORE,
+    "--store",
+    "-s",
+    envvar="RAGKV_STORE",
+    help="Store: a directory, or s3://BUCKET/PREFIX (AWS credentials and AWS_ENDPOINT_URL "
+    "from the environment) (env RAGKV_STORE).",
+)
+EngineOption = typer.Option(
+    "local",
+    "--engine",
+    help="local (this process), ray (a Ray Data job: joins RAY_ADDRESS, "
+    "else starts Ray here; pip install 'ragkv[ray]') or vllm (vLLM's "
+    "offline engine computes the chunks' KV; see --vllm-python).",
+)
+VllmPythonOption = typer.Option(
+    None,
+    "--vllm-python",
+    envvar="RAGKV_VLLM_PYTHON",
+    help="--engine vllm: the python that has vLLM (default: this one).",
+)
+WorkersOption = typer.Option(
+    0, "--workers", help="With --engine ray: model actors (0: one per GPU, else one per 2 CPUs)."
+)
 JsonOption = typer.Option(False, "--json", help="Print one JSON object instead of text (for scripts).")
 DeviceOption = typer.Option("auto", "--device", help="auto (CUDA when available), cpu or cuda.")
 
@@ -133,72 +167,125 @@ def _quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
 
 
-ModelOption = typer.Option(DEFAULT_MODEL, "--model", "-m",
-                           help="LLM: a local Hugging Face folder, a hub id, or 'smollm2' (bundled).")
-EmbedderOption = typer.Option(DEFAULT_EMBEDDER, "--embedder",
-                              help="sentence-transformers folder or hub id (default: bundled all-MiniLM-L6-v2).")
-DtypeOption = typer.Option("auto", "--dtype", help="KV dtype, part of the cache key: auto (float32 on CPU, "
-                                                  f"bfloat16 on CUDA), {', '.join(DTYPES)}.")
+ModelOption = typer.Option(
+    DEFAULT_MODEL, "--model", "-m", help="LLM: a local Hugging Face folder, a hub id, or 'smollm2' (bundled)."
+)
+EmbedderOption = typer.Option(
+    DEFAULT_EMBEDDER, "--embedder", help="sentence-transformers folder or hub id (default: bundled all-MiniLM-L6-v2)."
+)
+DtypeOption = typer.Option(
+    "auto",
+    "--dtype",
+    help=f"KV dtype, part of the cache key: auto (float32 on CPU, bfloat16 on CUDA), {', '.join(DTYPES)}.",
+)
 ChunkTokensOption = typer.Option(512, "--chunk-tokens", help="Most LLM tokens per chunk.")
-SystemPromptOption = typer.Option(DEFAULT_SYSTEM_PROMPT, "--system-prompt",
-                                  help="System prompt, computed once and part of every cache key.")
-KvDtypeOption = typer.Option("auto", "--kv-dtype", help="How KV is stored: auto (as computed: lossless), or "
-                             "bfloat16, float16, int8, int4, int2 (smaller, approximate, named in every answer's stats; "
-                             "benchmarks/results/kv_dtype.md measures each).")
-SpanTokensOption = typer.Option(DEFAULT_SPAN_TOKENS, "--span-tokens",
-                                help="Compute each document's chunks as one sequence, a new span starting where "
-                                     "the next chunk would pass this many tokens, so `ask --context span` loads a "
-                                     "hit with the chunks before it exactly. 0: each chunk on its own.")
+SystemPromptOption = typer.Option(
+    DEFAULT_SYSTEM_PROMPT, "--system-prompt", help="System prompt, computed once and part of every cache key."
+)
+KvDtypeOption = typer.Option(
+    "auto",
+    "--kv-dtype",
+    help="How KV is stored: auto (as computed: lossless), or "
+    "bfloat16, float16, int8, int4, int2 (smaller, approximate, named in every answer's stats; "
+    "benchmarks/results/kv_dtype.md measures each).",
+)
+SpanTokensOption = typer.Option(
+    DEFAULT_SPAN_TOKENS,
+    "--span-tokens",
+    help="Compute each document's chunks as one sequence, a new span starting where "
+    "the next chunk would pass this many tokens, so `ask --context span` loads a "
+    "hit with the chunks before it exactly. 0: each chunk on its own.",
+)
 BatchTokensOption = typer.Option(0, "--batch-tokens", help="Padded tokens per forward (0: 2048 on CPU, 16384 on CUDA).")
-WaitOption = typer.Option(False, "--wait", help="If another process is writing the store, wait for it instead of failing.")
+WaitOption = typer.Option(
+    False, "--wait", help="If another process is writing the store, wait for it instead of failing."
+)
 QuietOption = typer.Option(False, "--quiet", "-q", help="No progress bars.")
 PathsArgument = typer.Argument(..., help="Files or directories: .txt .md .rst .html .jsonl.")
-ModeOption = typer.Option("exact", "--mode", help="With several chunks: exact (equals a full prefill; the "
-                          "first chunk's KV, or the hits' spans, from the store, the rest prefilled), or approximate "
-                          "(faster: the mode and share `ragkv calibrate` measured reaching its target on this store, "
-                          "or exact when none did; epic 5% on a store never calibrated). The approximate modes: "
-                          "concat (every chunk's stored KV, re-rotated), blend (concat, then the most-deviating "
-                          "tokens recomputed, chosen layer by layer), epic (concat, then the first tokens of every "
-                          "chunk after the first recomputed), query (concat, then the tokens the question attends to "
-                          "most recomputed), ape (concat, the later chunks' attention scaled down; ask and chat "
-                          "only). benchmarks/results/approximate.md measures each.")
-ContextOption = typer.Option("span", "--context", help="What a retrieved chunk brings into the prompt: chunk (itself), "
-                             "span (with the chunks of its span before it: exact from the store when ingested with "
-                             "--span-tokens), document (its whole span).")
-BlendRatioOption = typer.Option(None, "--blend-ratio", help="blend, epic: share of context tokens recomputed "
-                                "(default: 15% for blend, 5% for epic; 1.0: all, equals exact).", show_default=False)
-ApeScaleOption = typer.Option(0.7, "--ape-scale", help="ape: multiply the attention to every chunk after the first by this (1.0: "
-                              "none, equals concat).")
-MaxNewTokensOption = typer.Option(DEFAULT_MAX_NEW_TOKENS, "--max-new-tokens", help="Most tokens to generate per answer.")
-RepetitionPenaltyOption = typer.Option(DEFAULT_REPETITION_PENALTY, "--repetition-penalty",
-                                       help="Penalise tokens the answer already used (1.0: off). The context is "
-                                            "never penalised: answers may copy from it freely.")
-NoRepeatNgramOption = typer.Option(DEFAULT_NO_REPEAT_NGRAM, "--no-repeat-ngram",
-                                   help="The answer never repeats a run of this many of its own tokens (0: off).")
+ModeOption = typer.Option(
+    "exact",
+    "--mode",
+    help="With several chunks: exact (equals a full prefill; the "
+    "first chunk's KV, or the hits' spans, from the store, the rest prefilled), or approximate "
+    "(faster: the mode and share `ragkv calibrate` measured reaching its target on this store, "
+    "or exact when none did; epic 5% on a store never calibrated). The approximate modes: "
+    "concat (every chunk's stored KV, re-rotated), blend (concat, then the most-deviating "
+    "tokens recomputed, chosen layer by layer), epic (concat, then the first tokens of every "
+    "chunk after the first recomputed), query (concat, then the tokens the question attends to "
+    "most recomputed), ape (concat, the later chunks' attention scaled down; ask and chat "
+    "only). benchmarks/results/approximate.md measures each.",
+)
+ContextOption = typer.Option(
+    "span",
+    "--context",
+    help="What a retrieved chunk brings into the prompt: chunk (itself), "
+    "span (with the chunks of its span before it: exact from the store when ingested with "
+    "--span-tokens), document (its whole span).",
+)
+BlendRatioOption = typer.Option(
+    None,
+    "--blend-ratio",
+    help="blend, epic: share of context tokens recomputed "
+    "(default: 15% for blend, 5% for epic; 1.0: all, equals exact).",
+    show_default=False,
+)
+ApeScaleOption = typer.Option(
+    0.7,
+    "--ape-scale",
+    help="ape: multiply the attention to every chunk after the first by this (1.0: none, equals concat).",
+)
+MaxNewTokensOption = typer.Option(
+    DEFAULT_MAX_NEW_TOKENS, "--max-new-tokens", help="Most tokens to generate per answer."
+)
+RepetitionPenaltyOption = typer.Option(
+    DEFAULT_REPETITION_PENALTY,
+    "--repetition-penalty",
+    help="Penalise tokens the answer already used (1.0: off). The context is "
+    "never penalised: answers may copy from it freely.",
+)
+NoRepeatNgramOption = typer.Option(
+    DEFAULT_NO_REPEAT_NGRAM,
+    "--no-repeat-ngram",
+    help="The answer never repeats a run of this many of its own tokens (0: off).",
+)
 TemperatureOption = typer.Option(0.0, "--temperature", help="0: greedy (deterministic, the default); above 0 samples.")
-TopPOption = typer.Option(1.0, "--top-p", help="With --temperature: sample from the smallest set of tokens "
-                                               "holding this much probability.")
+TopPOption = typer.Option(
+    1.0, "--top-p", help="With --temperature: sample from the smallest set of tokens holding this much probability."
+)
 SeedOption = typer.Option(None, "--seed", help="With --temperature: the same seed gives the same answer.")
 StopOption = typer.Option(None, "--stop", help="End the answer where this text appears (repeatable; not shown).")
 
 
-MaxDocBytesOption = typer.Option(None, "--max-doc-bytes", help="Skip (and list) documents with more text than this "
-                                 "(default 8MiB); a jsonl file's records count one by one.", show_default=False)
+MaxDocBytesOption = typer.Option(
+    None,
+    "--max-doc-bytes",
+    help="Skip (and list) documents with more text than this (default 8MiB); a jsonl file's records count one by one.",
+    show_default=False,
+)
 
 
-def _settings(model, embedder, device, dtype, chunk_tokens, system_prompt, batch_tokens, kv_dtype, span_tokens,
-              max_doc_bytes):
+def _settings(
+    model, embedder, device, dtype, chunk_tokens, system_prompt, batch_tokens, kv_dtype, span_tokens, max_doc_bytes
+):
     from ragkv.config import IngestSettings, ModelSettings, parse_size
 
     limit = {} if max_doc_bytes is None else {"max_document_bytes": parse_size(max_doc_bytes, "--max-doc-bytes")}
-    return (ModelSettings(model=model, embedder=embedder, device=device, dtype=dtype),
-            IngestSettings(chunk_tokens=chunk_tokens, system_prompt=system_prompt, batch_tokens=batch_tokens,
-                           kv_dtype=kv_dtype, span_tokens=span_tokens, **limit))
+    return (
+        ModelSettings(model=model, embedder=embedder, device=device, dtype=dtype),
+        IngestSettings(
+            chunk_tokens=chunk_tokens,
+            system_prompt=system_prompt,
+            batch_tokens=batch_tokens,
+            kv_dtype=kv_dtype,
+            span_tokens=span_tokens,
+            **limit,
+        ),
+    )
 
 
 @app.command()
 def ingest(
-    paths: List[Path] = PathsArgument,
+    paths: list[Path] = PathsArgument,
     store: str = StoreOption,
     model: str = ModelOption,
     embedder: str = EmbedderOption,
@@ -209,18 +296,25 @@ def ingest(
     batch_tokens: int = BatchTokensOption,
     kv_dtype: str = KvDtypeOption,
     span_tokens: int = SpanTokensOption,
-    max_doc_bytes: Optional[str] = MaxDocBytesOption,
-    kv_budget: Optional[str] = typer.Option(
-        None, "--kv-budget", help="Most bytes of KV the store keeps (e.g. 20GB, 512MiB), kept by popularity: a chunk "
+    max_doc_bytes: str | None = MaxDocBytesOption,
+    kv_budget: str | None = typer.Option(
+        None,
+        "--kv-budget",
+        help="Most bytes of KV the store keeps (e.g. 20GB, 512MiB), kept by popularity: a chunk "
         "without KV has it computed on its first question and stored if it earns a place. Saved in the store; change "
-        "it later with `ragkv budget`. Default: the store's budget, else none (all KV kept).", show_default=False),
+        "it later with `ragkv budget`. Default: the store's budget, else none (all KV kept).",
+        show_default=False,
+    ),
     precompute: str = typer.Option(
-        "all", "--precompute", help="Chunk KV to compute now: all (every chunk, or as much as the budget holds, most "
-        "asked first), none (only on questions' misses), or a size (e.g. 2GB)."),
+        "all",
+        "--precompute",
+        help="Chunk KV to compute now: all (every chunk, or as much as the budget holds, most "
+        "asked first), none (only on questions' misses), or a size (e.g. 2GB).",
+    ),
     prune: bool = typer.Option(False, "--prune", help="Also remove stored documents that are not under PATHS."),
     engine: str = EngineOption,
     workers: int = WorkersOption,
-    vllm_python: Optional[str] = VllmPythonOption,
+    vllm_python: str | None = VllmPythonOption,
     wait: bool = WaitOption,
     json_out: bool = JsonOption,
     quiet: bool = QuietOption,
@@ -234,22 +328,35 @@ def ingest(
     from pipelines.progress import default_reporter
     from ragkv.config import parse_size
 
-    model_settings, settings = _settings(model, embedder, device, dtype, chunk_tokens, system_prompt, batch_tokens,
-                                         kv_dtype, span_tokens, max_doc_bytes)
+    model_settings, settings = _settings(
+        model, embedder, device, dtype, chunk_tokens, system_prompt, batch_tokens, kv_dtype, span_tokens, max_doc_bytes
+    )
     limits = {"all": None, "none": 0}
     settings = dataclasses.replace(
-        settings, kv_budget=parse_size(kv_budget, "--kv-budget") if kv_budget is not None else None,
-        precompute=limits[precompute] if precompute in limits else parse_size(precompute, "--precompute (all, none or a size)"))
-    report = ragkv.ingest(paths, store, model=model_settings, settings=settings,
-                          reporter=default_reporter(quiet or json_out), wait=wait, prune=prune, engine=engine,
-                          workers=workers)
+        settings,
+        kv_budget=parse_size(kv_budget, "--kv-budget") if kv_budget is not None else None,
+        precompute=limits[precompute]
+        if precompute in limits
+        else parse_size(precompute, "--precompute (all, none or a size)"),
+    )
+    report = ragkv.ingest(
+        paths,
+        store,
+        model=model_settings,
+        settings=settings,
+        reporter=default_reporter(quiet or json_out),
+        wait=wait,
+        prune=prune,
+        engine=engine,
+        workers=workers,
+    )
     if json_out:
         typer.echo(json.dumps(report.to_dict()))
         return
     _print_ingest(report.to_dict())
 
 
-def _use_vllm_python(python: Optional[str]) -> None:
+def _use_vllm_python(python: str | None) -> None:
     """--vllm-python: where --engine vllm finds vLLM (pipelines.vllm_engine reads the variable)."""
     if python:
         os.environ["RAGKV_VLLM_PYTHON"] = python
@@ -285,17 +392,24 @@ class _Output:
 
 def _print_ingest(report: dict) -> None:
     docs = report["documents"]
-    typer.echo(f"Store {report['store']} (generation {report['generation']}): {docs['added']} added, "
-               f"{docs['changed']} changed, {docs['unchanged']} unchanged, {docs['removed']} removed documents")
+    typer.echo(
+        f"Store {report['store']} (generation {report['generation']}): {docs['added']} added, "
+        f"{docs['changed']} changed, {docs['unchanged']} unchanged, {docs['removed']} removed documents"
+    )
     adopted = f", {report['kv_adopted']} recovered from an interrupted run" if report["kv_adopted"] else ""
     if report["kv_deferred"] or report["kv_evicted"] or report["kv_budget"] is not None:
         budget = f" of a {_size(report['kv_budget'])} budget" if report["kv_budget"] is not None else ""
-        adopted += (f"; {report['kv_deferred']} chunks left to compute on their first question, "
-                    f"{report['kv_evicted']} evicted; KV takes {_size(report['kv_bytes'])}{budget}")
-    typer.echo(f"KV: {report['kv_computed']} chunks computed ({report['tokens_computed']:,} tokens, "
-               f"{report['tokens_per_s']:,.0f} tokens/s), {report['kv_reused']} already stored "
-               f"({report['tokens_skipped']:,} tokens skipped){adopted}; {report['model']} {report['dtype']} on "
-               f"{report['device']}{' (Ray)' if report.get('engine') == 'ray' else ' (vLLM)' if report.get('engine') == 'vllm' else ''}; {report['total_s']:.1f} s")
+        adopted += (
+            f"; {report['kv_deferred']} chunks left to compute on their first question, "
+            f"{report['kv_evicted']} evicted; KV takes {_size(report['kv_bytes'])}{budget}"
+        )
+    engine = {"ray": " (Ray)", "vllm": " (vLLM)"}.get(report.get("engine"), "")
+    typer.echo(
+        f"KV: {report['kv_computed']} chunks computed ({report['tokens_computed']:,} tokens, "
+        f"{report['tokens_per_s']:,.0f} tokens/s), {report['kv_reused']} already stored "
+        f"({report['tokens_skipped']:,} tokens skipped){adopted}; {report['model']} {report['dtype']} on "
+        f"{report['device']}{engine}; {report['total_s']:.1f} s"
+    )
     if report["skipped"]:
         typer.echo(f"Skipped {len(report['skipped'])} file(s):")
         for item in report["skipped"]:
@@ -304,7 +418,7 @@ def _print_ingest(report: dict) -> None:
 
 @app.command()
 def reindex(
-    paths: List[Path] = PathsArgument,
+    paths: list[Path] = PathsArgument,
     store: str = StoreOption,
     model: str = ModelOption,
     embedder: str = EmbedderOption,
@@ -315,13 +429,13 @@ def reindex(
     batch_tokens: int = BatchTokensOption,
     kv_dtype: str = KvDtypeOption,
     span_tokens: int = SpanTokensOption,
-    max_doc_bytes: Optional[str] = MaxDocBytesOption,
+    max_doc_bytes: str | None = MaxDocBytesOption,
     gc: bool = typer.Option(True, "--gc/--no-gc", help="Reclaim space of retired KV afterwards."),
     check: bool = typer.Option(True, "--verify/--no-verify", help="Verify every entry afterwards."),
-    report_file: Optional[Path] = typer.Option(None, "--report", help="Also write the JSON report to this file."),
+    report_file: Path | None = typer.Option(None, "--report", help="Also write the JSON report to this file."),
     engine: str = EngineOption,
     workers: int = WorkersOption,
-    vllm_python: Optional[str] = VllmPythonOption,
+    vllm_python: str | None = VllmPythonOption,
     wait: bool = WaitOption,
     json_out: bool = JsonOption,
     quiet: bool = QuietOption,
@@ -334,11 +448,22 @@ def reindex(
     from pipelines.nightly import run_nightly
     from pipelines.progress import default_reporter
 
-    model_settings, settings = _settings(model, embedder, device, dtype, chunk_tokens, system_prompt, batch_tokens,
-                                         kv_dtype, span_tokens, max_doc_bytes)
+    model_settings, settings = _settings(
+        model, embedder, device, dtype, chunk_tokens, system_prompt, batch_tokens, kv_dtype, span_tokens, max_doc_bytes
+    )
     output = _Output(report_file, "--report") if report_file else None
-    report = run_nightly(paths, store, model=model_settings, settings=settings, gc=gc, check=check, wait=wait,
-                         reporter=default_reporter(quiet or json_out), engine=engine, workers=workers)
+    report = run_nightly(
+        paths,
+        store,
+        model=model_settings,
+        settings=settings,
+        gc=gc,
+        check=check,
+        wait=wait,
+        reporter=default_reporter(quiet or json_out),
+        engine=engine,
+        workers=workers,
+    )
     if output:
         with output:
             output.write(json.dumps(report.to_dict(), indent=2))
@@ -356,8 +481,9 @@ def reindex(
 @app.command()
 def gc(
     store: str = StoreOption,
-    other_models: bool = typer.Option(False, "--other-models",
-                                      help="Also drop KV of every model except the one last ingested with."),
+    other_models: bool = typer.Option(
+        False, "--other-models", help="Also drop KV of every model except the one last ingested with."
+    ),
     wait: bool = WaitOption,
     json_out: bool = JsonOption,
 ):
@@ -375,11 +501,13 @@ def gc(
 
 def _print_gc(report: dict) -> None:
     held = report["generations_kept_for_readers"]
-    typer.echo(f"gc: {report['entries_removed']} KV entries removed, {report['shards_rewritten']} shards rewritten, "
-               f"{report['shards_deleted']} shard files deleted, {report['bytes_reclaimed'] / 2**20:.1f} MiB reclaimed"
-               + (f"; generations {held} kept for readers that still use them" if held else "")
-               + ("; catalog compacted" if report.get("catalog_compacted") else "")
-               + ("; vector segments compacted" if report.get("vectors_compacted") else ""))
+    typer.echo(
+        f"gc: {report['entries_removed']} KV entries removed, {report['shards_rewritten']} shards rewritten, "
+        f"{report['shards_deleted']} shard files deleted, {report['bytes_reclaimed'] / 2**20:.1f} MiB reclaimed"
+        + (f"; generations {held} kept for readers that still use them" if held else "")
+        + ("; catalog compacted" if report.get("catalog_compacted") else "")
+        + ("; vector segments compacted" if report.get("vectors_compacted") else "")
+    )
 
 
 @app.command()
@@ -400,8 +528,10 @@ def verify(
 
         fixed = repair_store(store, device=resolve_device(device))
         if not json_out:
-            typer.echo(f"repair: {fixed.problems_found} problems, {fixed.entries_recomputed} entries recomputed, "
-                       f"{fixed.entries_dropped} unused entries dropped, {fixed.chunks_reembedded} chunks re-embedded")
+            typer.echo(
+                f"repair: {fixed.problems_found} problems, {fixed.entries_recomputed} entries recomputed, "
+                f"{fixed.entries_dropped} unused entries dropped, {fixed.chunks_reembedded} chunks re-embedded"
+            )
             if fixed.current_restored is not None:
                 typer.echo(f"  CURRENT pointed at no complete generation: it now names {fixed.current_restored}")
             for reason in fixed.unrepairable:
@@ -417,8 +547,10 @@ def verify(
 
 def _print_verify(report: dict) -> None:
     mb = report["bytes_checked"] / 2**20
-    typer.echo(f"verify: generation {report['generation']}, {report['entries_checked']} entries ({mb:.1f} MiB) "
-               f"checked in {report['seconds']:.2f} s: " + ("ok" if report["ok"] else f"{len(report['problems'])} problems"))
+    typer.echo(
+        f"verify: generation {report['generation']}, {report['entries_checked']} entries ({mb:.1f} MiB) "
+        f"checked in {report['seconds']:.2f} s: " + ("ok" if report["ok"] else f"{len(report['problems'])} problems")
+    )
     for problem in report["problems"]:
         typer.echo(f"  {problem['kind']}: {problem['detail']}")
     for warning in report.get("warnings", []):
@@ -429,26 +561,34 @@ def _print_verify(report: dict) -> None:
 def ask(
     question: str = typer.Argument(..., help="The question."),
     store: str = StoreOption,
-    top_k: int = typer.Option(1, "--top-k", "-k", help="Chunks to retrieve; the first comes from the store, the rest are prefilled live."),
+    top_k: int = typer.Option(
+        1, "--top-k", "-k", help="Chunks to retrieve; the first comes from the store, the rest are prefilled live."
+    ),
     max_new_tokens: int = MaxNewTokensOption,
-    no_cache: bool = typer.Option(False, "--no-cache", help="Full prefill of the same prompt (to compare with the cached path)."),
+    no_cache: bool = typer.Option(
+        False, "--no-cache", help="Full prefill of the same prompt (to compare with the cached path)."
+    ),
     mode: str = ModeOption,
     context: str = ContextOption,
-    blend_ratio: Optional[float] = BlendRatioOption,
+    blend_ratio: float | None = BlendRatioOption,
     ape_scale: float = ApeScaleOption,
-    doc: Optional[str] = typer.Option(None, "--doc", help="Retrieve only from this document id."),
+    doc: str | None = typer.Option(None, "--doc", help="Retrieve only from this document id."),
     json_out: bool = JsonOption,
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Override the model the store was built with."),
-    embedder: Optional[str] = typer.Option(None, "--embedder", help="Override the embedder the store was built with."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="Which of the store's dtypes to use (default: the last ingested)."),
-    kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="Which stored KV form to use when the store holds several."),
+    model: str | None = typer.Option(None, "--model", "-m", help="Override the model the store was built with."),
+    embedder: str | None = typer.Option(None, "--embedder", help="Override the embedder the store was built with."),
+    dtype: str | None = typer.Option(
+        None, "--dtype", help="Which of the store's dtypes to use (default: the last ingested)."
+    ),
+    kv_dtype: str | None = typer.Option(
+        None, "--kv-dtype", help="Which stored KV form to use when the store holds several."
+    ),
     device: str = DeviceOption,
     repetition_penalty: float = RepetitionPenaltyOption,
     no_repeat_ngram: int = NoRepeatNgramOption,
     temperature: float = TemperatureOption,
     top_p: float = TopPOption,
-    seed: Optional[int] = SeedOption,
-    stop: Optional[List[str]] = StopOption,
+    seed: int | None = SeedOption,
+    stop: list[str] | None = StopOption,
 ):
     """Answer a question from the store: retrieve, load the chunk's KV, prefill only the question.
 
@@ -460,9 +600,17 @@ def ask(
     if not question.strip():
         raise InputError("the question is empty; ask something")
     decoding = _decoding(repetition_penalty, no_repeat_ngram, temperature, top_p, seed, stop)
-    settings = AskSettings(top_k=top_k, max_new_tokens=max_new_tokens, use_cache=not no_cache, mode=mode, context=context,
-                           blend_ratio=blend_ratio, ape_scale=ape_scale, doc_ids=(doc,) if doc else None,
-                           decoding=decoding)
+    settings = AskSettings(
+        top_k=top_k,
+        max_new_tokens=max_new_tokens,
+        use_cache=not no_cache,
+        mode=mode,
+        context=context,
+        blend_ratio=blend_ratio,
+        ape_scale=ape_scale,
+        doc_ids=(doc,) if doc else None,
+        decoding=decoding,
+    )
     with ragkv.open(store, model=model, embedder=embedder, device=device, dtype=dtype, kv_dtype=kv_dtype) as engine:
         stream = engine.stream(question, settings)
         for delta in stream:
@@ -478,8 +626,14 @@ def ask(
 
 
 def _decoding(repetition_penalty, no_repeat_ngram, temperature, top_p, seed, stop) -> DecodeSettings:
-    return DecodeSettings(repetition_penalty=repetition_penalty, no_repeat_ngram=no_repeat_ngram,
-                          temperature=temperature, top_p=top_p, seed=seed, stop=tuple(stop or ()))
+    return DecodeSettings(
+        repetition_penalty=repetition_penalty,
+        no_repeat_ngram=no_repeat_ngram,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        stop=tuple(stop or ()),
+    )
 
 
 def _print_answer_footer(answer, sources: bool = True) -> None:
@@ -492,27 +646,32 @@ def _print_answer_footer(answer, sources: bool = True) -> None:
     stored_as = f" (KV stored as {st.kv_quant}: approximate)" if st.kv_quant != "none" else ""
     mode = f"{st.mode} (approximate: may differ from a full prefill)" if st.is_approximate else st.mode
     if st.kv_source:
-        mode += {"computed": " (chunk KV computed now: not stored yet)", "ram": " (chunk KV from RAM)",
-                 "store": ""}[st.kv_source]
-    err(f"{mode}{stored_as}: {st.reused_tokens} tokens reused, {recomputed}{st.computed_tokens} computed, "
+        mode += {"computed": " (chunk KV computed now: not stored yet)", "ram": " (chunk KV from RAM)", "store": ""}[
+            st.kv_source
+        ]
+    err(
+        f"{mode}{stored_as}: {st.reused_tokens} tokens reused, {recomputed}{st.computed_tokens} computed, "
         f"{st.generated_tokens} generated | "
         f"retrieval {st.retrieval_ms:.0f} ms, catalog {st.catalog_ms:.0f} ms, KV load {st.kv_load_ms:.0f} ms, "
         f"prefill {st.prefill_ms:.0f} ms, "
-        f"TTFT {st.ttft_s:.2f} s, total {st.total_s:.2f} s ({rate:.1f} tokens/s)")
+        f"TTFT {st.ttft_s:.2f} s, total {st.total_s:.2f} s ({rate:.1f} tokens/s)"
+    )
     for warning in st.warnings:
         err(f"warning: {warning}")
 
 
 @app.command()
 def batch(
-    questions: Path = typer.Argument(..., help='JSONL: one {"id", "question", "doc"?} per line ("doc" pins a document).'),
+    questions: Path = typer.Argument(
+        ..., help='JSONL: one {"id", "question", "doc"?} per line ("doc" pins a document).'
+    ),
     out: Path = typer.Option(..., "--out", "-o", help="Where to write one JSON answer (or error) per line."),
     store: str = StoreOption,
     top_k: int = typer.Option(1, "--top-k", "-k", help="Chunks per question."),
     max_new_tokens: int = MaxNewTokensOption,
     mode: str = ModeOption,
     context: str = ContextOption,
-    blend_ratio: Optional[float] = BlendRatioOption,
+    blend_ratio: float | None = BlendRatioOption,
     max_batch: int = typer.Option(16, "--max-batch", help="Most questions decoded together."),
     device: str = DeviceOption,
     json_out: bool = JsonOption,
@@ -521,8 +680,8 @@ def batch(
     no_repeat_ngram: int = NoRepeatNgramOption,
     temperature: float = TemperatureOption,
     top_p: float = TopPOption,
-    seed: Optional[int] = SeedOption,
-    stop: Optional[List[str]] = StopOption,
+    seed: int | None = SeedOption,
+    stop: list[str] | None = StopOption,
 ):
     """Answer a file of questions, decoded together on the continuous batcher (as `ragkv serve`
     does): each answer equals `ragkv ask`'s, and is counted and logged like one."""
@@ -536,8 +695,14 @@ def batch(
     if max_batch < 1:
         raise InputError(f"--max-batch must be at least 1, got {max_batch}")
     decoding = _decoding(repetition_penalty, no_repeat_ngram, temperature, top_p, seed, stop)
-    settings = AskSettings(top_k=top_k, max_new_tokens=max_new_tokens, mode=mode, context=context, blend_ratio=blend_ratio,
-                           decoding=decoding)
+    settings = AskSettings(
+        top_k=top_k,
+        max_new_tokens=max_new_tokens,
+        mode=mode,
+        context=context,
+        blend_ratio=blend_ratio,
+        decoding=decoding,
+    )
     settings.check_batchable("ragkv batch")
     items, errors = read_questions(questions)
     sink = _Output(out, "--out")
@@ -556,37 +721,48 @@ def batch(
         reporter.done()
         savings = engine.savings.to_dict()
     seconds = time.perf_counter() - started
-    summary = {"questions": answered + len(errors), "answered": answered,
-               "errors": [e.error for e in errors], "seconds": round(seconds, 3),
-               "questions_per_s": round(answered / seconds, 3) if seconds else 0.0, "savings": savings}
+    summary = {
+        "questions": answered + len(errors),
+        "answered": answered,
+        "errors": [e.error for e in errors],
+        "seconds": round(seconds, 3),
+        "questions_per_s": round(answered / seconds, 3) if seconds else 0.0,
+        "savings": savings,
+    }
     if json_out:
         typer.echo(json.dumps(summary))
         return
-    typer.echo(f"{answered} answered, {len(errors)} errors, {seconds:.1f} s ({summary['questions_per_s']} questions/s) "
-               f"-> {out}")
+    typer.echo(
+        f"{answered} answered, {len(errors)} errors, {seconds:.1f} s ({summary['questions_per_s']} questions/s) "
+        f"-> {out}"
+    )
     for error in errors:
         typer.echo(f"  {error.error}", err=True)
-    typer.echo(f"prefill: {savings['prompt_tokens']:,} prompt tokens, {savings['prefilled_tokens']:,} prefilled "
-               f"({savings['saved_pct']}% saved over {savings['requests']} requests)")
+    typer.echo(
+        f"prefill: {savings['prompt_tokens']:,} prompt tokens, {savings['prefilled_tokens']:,} prefilled "
+        f"({savings['saved_pct']}% saved over {savings['requests']} requests)"
+    )
 
 
 @app.command()
 def chat(
     store: str = StoreOption,
-    top_k: int = typer.Option(1, "--top-k", "-k", help="Chunks the first message retrieves (kept for the conversation)."),
+    top_k: int = typer.Option(
+        1, "--top-k", "-k", help="Chunks the first message retrieves (kept for the conversation)."
+    ),
     max_new_tokens: int = MaxNewTokensOption,
     mode: str = ModeOption,
     context: str = ContextOption,
-    blend_ratio: Optional[float] = BlendRatioOption,
+    blend_ratio: float | None = BlendRatioOption,
     ape_scale: float = ApeScaleOption,
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Override the model the store was built with."),
+    model: str | None = typer.Option(None, "--model", "-m", help="Override the model the store was built with."),
     device: str = DeviceOption,
     repetition_penalty: float = RepetitionPenaltyOption,
     no_repeat_ngram: int = NoRepeatNgramOption,
     temperature: float = TemperatureOption,
     top_p: float = TopPOption,
-    seed: Optional[int] = SeedOption,
-    stop: Optional[List[str]] = StopOption,
+    seed: int | None = SeedOption,
+    stop: list[str] | None = StopOption,
 ):
     """An interactive conversation. The first message retrieves its context; every later turn
     reuses the cache of the whole conversation and prefills only the new message.
@@ -596,8 +772,15 @@ def chat(
     import ragkv
 
     decoding = _decoding(repetition_penalty, no_repeat_ngram, temperature, top_p, seed, stop)
-    settings = AskSettings(top_k=top_k, max_new_tokens=max_new_tokens, mode=mode, context=context, blend_ratio=blend_ratio,
-                           ape_scale=ape_scale, decoding=decoding)
+    settings = AskSettings(
+        top_k=top_k,
+        max_new_tokens=max_new_tokens,
+        mode=mode,
+        context=context,
+        blend_ratio=blend_ratio,
+        ape_scale=ape_scale,
+        decoding=decoding,
+    )
     try:
         import readline  # noqa: F401 - line editing and history for input()
     except ImportError:
@@ -634,30 +817,52 @@ def serve(
     store: str = StoreOption,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback unless you say otherwise)."),
     port: int = typer.Option(8000, "--port", help="TCP port."),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="RAGKV_API_KEY",
-                                          help="Require Authorization: Bearer KEY (env RAGKV_API_KEY)."),
+    api_key: str | None = typer.Option(
+        None, "--api-key", envvar="RAGKV_API_KEY", help="Require Authorization: Bearer KEY (env RAGKV_API_KEY)."
+    ),
     max_queue: int = typer.Option(16, "--max-queue", help="Requests that may wait to join the batch; more get 503."),
-    max_batch: int = typer.Option(16, "--max-batch", help="Requests decoded together (continuous batching: each "
-                                                          "forward advances every running answer by one token)."),
-    max_batch_tokens: int = typer.Option(32768, "--max-batch-tokens",
-                                         help="KV tokens the running batch may hold (rows x the longest prompt + "
-                                              "answer); requests beyond it wait. Bounds memory."),
-    prefill_chunk: int = typer.Option(256, "--prefill-chunk", help="Prompt tokens a request prefills per step, so "
-                                                                   "a long prefill never stalls running streams."),
+    max_batch: int = typer.Option(
+        16,
+        "--max-batch",
+        help="Requests decoded together (continuous batching: each "
+        "forward advances every running answer by one token).",
+    ),
+    max_batch_tokens: int = typer.Option(
+        32768,
+        "--max-batch-tokens",
+        help="KV tokens the running batch may hold (rows x the longest prompt + "
+        "answer); requests beyond it wait. Bounds memory.",
+    ),
+    prefill_chunk: int = typer.Option(
+        256,
+        "--prefill-chunk",
+        help="Prompt tokens a request prefills per step, so a long prefill never stalls running streams.",
+    ),
     max_tokens_cap: int = typer.Option(1024, "--max-tokens-cap", help="Largest max_tokens a request gets."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Override the model the store was built with."),
+    model: str | None = typer.Option(None, "--model", "-m", help="Override the model the store was built with."),
     device: str = DeviceOption,
-    engine_name: str = typer.Option("ragkv", "--engine", help="ragkv (this process runs the model) or vllm (a vLLM "
-                                    "server runs it, loading the store's KV through the ragkv connector; ragkv "
-                                    "retrieves and lays out the prompt in front, with the same API)."),
-    vllm_python: Optional[str] = VllmPythonOption,
+    engine_name: str = typer.Option(
+        "ragkv",
+        "--engine",
+        help="ragkv (this process runs the model) or vllm (a vLLM "
+        "server runs it, loading the store's KV through the ragkv connector; ragkv "
+        "retrieves and lays out the prompt in front, with the same API).",
+    ),
+    vllm_python: str | None = VllmPythonOption,
     vllm_port: int = typer.Option(8100, "--vllm-port", help="--engine vllm: the port vLLM listens on (loopback)."),
-    vllm_args: Optional[str] = typer.Option(None, "--vllm-args", help="--engine vllm: more arguments for vLLM's "
-                                            "server, e.g. \"--max-model-len 4096 --gpu-memory-utilization 0.8\"."),
-    write_back: bool = typer.Option(True, "--write-back/--no-write-back",
-                                    help="Store the KV computed for a retrieved chunk the store lacks (in the "
-                                         "background, within the KV budget), so the next question that uses it "
-                                         "loads it. --no-write-back leaves the store as it is."),
+    vllm_args: str | None = typer.Option(
+        None,
+        "--vllm-args",
+        help="--engine vllm: more arguments for vLLM's "
+        'server, e.g. "--max-model-len 4096 --gpu-memory-utilization 0.8".',
+    ),
+    write_back: bool = typer.Option(
+        True,
+        "--write-back/--no-write-back",
+        help="Store the KV computed for a retrieved chunk the store lacks (in the "
+        "background, within the KV budget), so the next question that uses it "
+        "loads it. --no-write-back leaves the store as it is.",
+    ),
 ):
     """Serve the store over HTTP: OpenAI-compatible /v1/chat/completions (streaming too),
     /v1/retrieve, /v1/models, /healthz, /metrics. Picks up re-indexed generations live."""
@@ -668,9 +873,17 @@ def serve(
     from ragkv.api import ServeSettings
     from ragkv.service import build_app
 
-    settings = ServeSettings(host=host, port=port, api_key=api_key or None, max_queue=max_queue, max_batch=max_batch,
-                             max_tokens_cap=max_tokens_cap, max_batch_tokens=max_batch_tokens,
-                             prefill_chunk=prefill_chunk, write_back=write_back)
+    settings = ServeSettings(
+        host=host,
+        port=port,
+        api_key=api_key or None,
+        max_queue=max_queue,
+        max_batch=max_batch,
+        max_tokens_cap=max_tokens_cap,
+        max_batch_tokens=max_batch_tokens,
+        prefill_chunk=prefill_chunk,
+        write_back=write_back,
+    )
     if engine_name == "vllm":
         _serve_vllm(store, model, settings, vllm_python or sys.executable, vllm_port, vllm_args or "")
         return
@@ -679,11 +892,17 @@ def serve(
     with ragkv.open(store, model=model, device=device, write_back=write_back) as engine:
         app = build_app(engine, settings)
         typer.echo(f"ragkv serving {store} ({engine.lm.facts.name}) on http://{host}:{port}", err=True)
-        uvicorn.run(app, host=host, port=port, log_level="warning", limit_concurrency=settings.max_queue * 4 + 16,
-                    timeout_graceful_shutdown=settings.shutdown_grace_s)
+        uvicorn.run(
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            limit_concurrency=settings.max_queue * 4 + 16,
+            timeout_graceful_shutdown=settings.shutdown_grace_s,
+        )
 
 
-def _serve_vllm(store: str, model: Optional[str], settings, python: str, vllm_port: int, args: str) -> None:
+def _serve_vllm(store: str, model: str | None, settings, python: str, vllm_port: int, args: str) -> None:
     import shlex
 
     import uvicorn
@@ -693,16 +912,23 @@ def _serve_vllm(store: str, model: Optional[str], settings, python: str, vllm_po
 
     with ragkv.open(store, model=model, device="cpu", weights=False) as engine:
         facts = engine.lm.facts
-        server = VllmServer(python, facts.path, facts.dtype, store, vllm_port, tuple(shlex.split(args)),
-                            write_back=settings.write_back)
+        server = VllmServer(
+            python, facts.path, facts.dtype, store, vllm_port, tuple(shlex.split(args)), write_back=settings.write_back
+        )
         typer.echo(f"starting vLLM ({python}) for {facts.name} on port {vllm_port}", err=True)
         server.start(timeout_s=1800)
         try:
             app = build_front_app(engine, server.url, settings)
-            typer.echo(f"ragkv serving {store} ({facts.name}, engine vllm) on http://{settings.host}:{settings.port}",
-                       err=True)
-            uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning",
-                        timeout_graceful_shutdown=settings.shutdown_grace_s)
+            typer.echo(
+                f"ragkv serving {store} ({facts.name}, engine vllm) on http://{settings.host}:{settings.port}", err=True
+            )
+            uvicorn.run(
+                app,
+                host=settings.host,
+                port=settings.port,
+                log_level="warning",
+                timeout_graceful_shutdown=settings.shutdown_grace_s,
+            )
         finally:
             server.stop()
 
@@ -719,7 +945,7 @@ def calibrate(
     questions: int = typer.Option(12, "--questions", help="Held-in questions drawn from the store's own chunks."),
     top_k: int = typer.Option(5, "--top-k", "-k", help="Chunks each question retrieves (approximate modes need 2+)."),
     target: float = typer.Option(0.9, "--target", help="First-token agreement with a full prefill to reach."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Override the model the store was built with."),
+    model: str | None = typer.Option(None, "--model", "-m", help="Override the model the store was built with."),
     device: str = DeviceOption,
     json_out: bool = JsonOption,
     quiet: bool = QuietOption,
@@ -728,7 +954,8 @@ def calibrate(
     `--mode approximate` runs as: the fastest mode and recompute share reaching --target
     first-token agreement, or exact answers when none does (faster than exact)."""
     _quiet_libraries()
-    from pipelines.calibrate import CalibrateSettings, calibrate as run
+    from pipelines.calibrate import CalibrateSettings
+    from pipelines.calibrate import calibrate as run
     from pipelines.progress import default_reporter
 
     settings = CalibrateSettings(questions=questions, top_k=top_k, target=target)
@@ -737,17 +964,24 @@ def calibrate(
         typer.echo(json.dumps({**json.loads(result.to_json()), "summary": result.describe()}))
         return
     for m in result.measured:
-        typer.echo(f"  {m.mode:6} {m.share:4.0%}: first token {m.first_token:4.0%}, teacher-forced "
-                   f"{m.teacher_forced:4.0%}, TTFT {m.ttft_ratio:.2f}x full")
+        typer.echo(
+            f"  {m.mode:6} {m.share:4.0%}: first token {m.first_token:4.0%}, teacher-forced "
+            f"{m.teacher_forced:4.0%}, TTFT {m.ttft_ratio:.2f}x full"
+        )
     typer.echo(f"  exact: TTFT {result.exact_ttft_ratio:.2f}x full")
-    typer.echo(f"--mode approximate on {store}: " + (f"{result.chosen.mode} {result.chosen.share:.0%}"
-                                                     if result.chosen else "exact (gated)") + f" ({result.describe()})")
+    typer.echo(
+        f"--mode approximate on {store}: "
+        + (f"{result.chosen.mode} {result.chosen.share:.0%}" if result.chosen else "exact (gated)")
+        + f" ({result.describe()})"
+    )
 
 
 @app.command()
 def budget(
-    size: Optional[str] = typer.Argument(None, help="Most bytes of KV to keep (e.g. 20GB, 512MiB), or 'off'. "
-                                                    "Omitted: show the budget and what the KV takes."),
+    size: str | None = typer.Argument(
+        None,
+        help="Most bytes of KV to keep (e.g. 20GB, 512MiB), or 'off'. Omitted: show the budget and what the KV takes.",
+    ),
     store: str = StoreOption,
     wait: bool = WaitOption,
     json_out: bool = JsonOption,
@@ -760,8 +994,11 @@ def budget(
 
     if size is None:
         with open_snapshot(store, require_documents=False) as snapshot:
-            summary = {"store": snapshot.location, "kv_budget": snapshot.catalog.kv_budget(),
-                       "kv_bytes": snapshot.catalog.kv_bytes()}
+            summary = {
+                "store": snapshot.location,
+                "kv_budget": snapshot.catalog.kv_budget(),
+                "kv_bytes": snapshot.catalog.kv_bytes(),
+            }
     else:
         limit = None if size.strip().lower() in ("off", "none") else parse_size(size, "budget")
         summary = set_budget(store, limit, wait=wait).to_dict()
@@ -770,8 +1007,10 @@ def budget(
         return
     limit = summary["kv_budget"]
     evicted = f"; {summary['evicted']} chunks' KV evicted" if summary.get("evicted") else ""
-    typer.echo(f"{summary['store']}: KV takes {_size(summary['kv_bytes'])} of "
-               f"{_size(limit) + ' budget' if limit is not None else 'no budget (all KV kept)'}{evicted}")
+    typer.echo(
+        f"{summary['store']}: KV takes {_size(summary['kv_bytes'])} of "
+        f"{_size(limit) + ' budget' if limit is not None else 'no budget (all KV kept)'}{evicted}"
+    )
 
 
 @app.command()
@@ -786,29 +1025,44 @@ def stats(store: str = StoreOption, json_out: bool = JsonOption):
         typer.echo(json.dumps(summary))
         return
     mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
-    typer.echo(f"{summary['store']} generation {summary['generation']} (written by ragkv {summary['written_by']}): "
-               f"{summary['documents']} documents, "
-               f"{summary['chunks']} chunks, {summary['kv_entries']} KV entries; embedder {summary['embedder']}")
+    typer.echo(
+        f"{summary['store']} generation {summary['generation']} (written by ragkv {summary['written_by']}): "
+        f"{summary['documents']} documents, "
+        f"{summary['chunks']} chunks, {summary['kv_entries']} KV entries; embedder {summary['embedder']}"
+    )
     for p in summary["profiles"]:
         typer.echo(f"  {p['model']} ({p['dtype']}): {p['chunks']} chunks, {p['tokens']:,} tokens, {mib(p['kv_bytes'])}")
-    typer.echo(f"shards: {summary['shards']} files, {mib(summary['shard_bytes'])} on disk, {mib(summary['live_bytes'])} live, "
-               f"{mib(summary['dead_bytes'])} dead ({summary['shards_unreferenced']} unreferenced files)")
+    typer.echo(
+        f"shards: {summary['shards']} files, {mib(summary['shard_bytes'])} on disk, {mib(summary['live_bytes'])} live, "
+        f"{mib(summary['dead_bytes'])} dead ({summary['shards_unreferenced']} unreferenced files)"
+    )
     typer.echo("  dead bytes: retired KV; `ragkv gc` deletes unreferenced files and rewrites shards under half live")
     index = summary["index"]
-    tuned = (f", nlist {index['nlist']}, nprobe {index['nprobe']} (recall@10 {index['tuned_recall_at_10']:.2f} "
-             "when built)" if index["type"] != "flat" else ", exact search")
-    typer.echo(f"vector index: {index['type']}, {index['vectors']} vectors of {index['dim']} dims in "
-               f"{index['segments']} segments ({index['tombstones']} removed ids){tuned}")
+    tuned = (
+        f", nlist {index['nlist']}, nprobe {index['nprobe']} (recall@10 {index['tuned_recall_at_10']:.2f} when built)"
+        if index["type"] != "flat"
+        else ", exact search"
+    )
+    typer.echo(
+        f"vector index: {index['type']}, {index['vectors']} vectors of {index['dim']} dims in "
+        f"{index['segments']} segments ({index['tombstones']} removed ids){tuned}"
+    )
     cat = summary["catalog"]
-    typer.echo(f"catalog: {cat['base_rows']:,} rows in its base, {cat['delta_rows']:,} in this generation's delta "
-               "(`ragkv gc` compacts the delta and the segments)")
+    typer.echo(
+        f"catalog: {cat['base_rows']:,} rows in its base, {cat['delta_rows']:,} in this generation's delta "
+        "(`ragkv gc` compacts the delta and the segments)"
+    )
     limit = summary["kv_budget"]
-    typer.echo(f"KV budget: {_size(limit) + ', ' + _size(summary['live_bytes']) + ' used' if limit is not None else 'none'}")
+    typer.echo(
+        f"KV budget: {_size(limit) + ', ' + _size(summary['live_bytes']) + ' used' if limit is not None else 'none'}"
+    )
     if summary["uses"]:
         rate = summary["hit_rate"]
-        typer.echo(f"questions used chunks {summary['uses']} times; KV hit rate "
-                   f"{'n/a' if rate is None else f'{rate:.1%}'} ({summary['kv_hits']} ready, "
-                   f"{summary['kv_misses']} computed on a miss)")
+        typer.echo(
+            f"questions used chunks {summary['uses']} times; KV hit rate "
+            f"{'n/a' if rate is None else f'{rate:.1%}'} ({summary['kv_hits']} ready, "
+            f"{summary['kv_misses']} computed on a miss)"
+        )
         show = lambda d: f"{d['doc_id']} ({d['uses']} uses, score {d['score']:.1f})"  # noqa: E731
         typer.echo("  hottest: " + ", ".join(show(d) for d in summary["hottest"]))
         typer.echo("  coldest: " + ", ".join(show(d) for d in summary["coldest"]))

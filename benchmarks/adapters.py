@@ -37,19 +37,20 @@ def first_token_s(chunks) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--store", type=Path, default=None, help="a demo store to reuse (default: built in a temp folder)")
+    parser.add_argument(
+        "--store", type=Path, default=None, help="a demo store to reuse (default: built in a temp folder)"
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "adapters.md"))
     args = parser.parse_args()
 
-    import ragkv
     from langchain_core.runnables import RunnablePassthrough
 
+    import ragkv
+    from benchmarks.fidelity import work_dir
     from ragkv.integrations.langchain import ChatRagkv, RagkvRetriever, rag_prompt
     from ragkv.integrations.llama_index import RagkvQueryEngine
-
-    from benchmarks.fidelity import work_dir
 
     store = args.store or work_dir(None, "adapters") / "store"
     if not store.exists():
@@ -72,20 +73,25 @@ def main() -> None:
             "LlamaIndex RagkvQueryEngine (streaming)": lambda q: query_engine.query(q).response_gen,
         }
         times: dict[str, list[float]] = {name: [] for name in systems}
-        for name, run in systems.items():  # warm-up: one question each
+        for run in systems.values():  # warm-up: one question each
             first_token_s(run(questions[0]))
         for _ in range(args.rounds):
             for question in questions:
                 for name, run in systems.items():
                     times[name].append(first_token_s(run(question)))
     base = statistics.median(times["ragkv.open().stream"])
-    lines = ["# Framework adapters: TTFT against ragkv.open() in the same process", "",
-             f"Command: `python benchmarks/adapters.py --rounds {args.rounds}`. Machine: {describe()}.",
-             f"Store: the sample corpus (`data/`), bundled SmolLM2 in float32, top_k 1, {len(questions)} questions "
-             f"x {args.rounds} rounds, warm (one warm-up question per system), systems in turn within each question. "
-             f"Answers through the chain and the query engine equal `ask`'s token for token: "
-             f"{'yes' if same else 'NO'}.", "",
-             "| system | TTFT p50 | p90 | vs ragkv.open() |", "|---|---|---|---|"]
+    lines = [
+        "# Framework adapters: TTFT against ragkv.open() in the same process",
+        "",
+        f"Command: `python benchmarks/adapters.py --rounds {args.rounds}`. Machine: {describe()}.",
+        f"Store: the sample corpus (`data/`), bundled SmolLM2 in float32, top_k 1, {len(questions)} questions "
+        f"x {args.rounds} rounds, warm (one warm-up question per system), systems in turn within each question. "
+        f"Answers through the chain and the query engine equal `ask`'s token for token: "
+        f"{'yes' if same else 'NO'}.",
+        "",
+        "| system | TTFT p50 | p90 | vs ragkv.open() |",
+        "|---|---|---|---|",
+    ]
     for name, values in times.items():
         p50 = statistics.median(values)
         p90 = statistics.quantiles(values, n=10)[-1]

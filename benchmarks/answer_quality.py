@@ -27,24 +27,28 @@ from ragkv.config import IngestSettings, ModelSettings  # noqa: E402
 
 # (label, ask options): the first is the old behaviour, the last the new defaults.
 VARIANTS = [
-    ("before: greedy, no repetition control, 256 tokens (the old defaults)",
-     dict(max_new_tokens=256, repetition_penalty=1.0, no_repeat_ngram=0)),
+    (
+        "before: greedy, no repetition control, 256 tokens (the old defaults)",
+        dict(max_new_tokens=256, repetition_penalty=1.0, no_repeat_ngram=0),
+    ),
     ("after (defaults): penalty 1.1 + no-repeat 6-grams, 128 tokens", dict()),
 ]
 # The system prompts tried for the bundled model (each a store of its own), with the defaults.
 SYSTEM_PROMPTS = {
     "before": "You are a helpful assistant. Answer the question using only the context provided. "
-              "If the context does not contain the answer, say so.",
+    "If the context does not contain the answer, say so.",
     "after (default)": None,
 }
 WORD = re.compile(r"\w+", re.UNICODE)
-STOPWORDS = set("the a an and or of to in on for is are be it this that with as by at from you your can if not "
-                "do does i we they he she its was were will would should has have had".split())
+STOPWORDS = set(
+    "the a an and or of to in on for is are be it this that with as by at from you your can if not "
+    "do does i we they he she its was were will would should has have had".split()
+)
 
 
 def repeats_8gram(text: str) -> bool:
     words = [w.lower() for w in WORD.findall(text)]
-    grams = [tuple(words[i:i + 8]) for i in range(len(words) - 7)]
+    grams = [tuple(words[i : i + 8]) for i in range(len(words) - 7)]
     return len(grams) != len(set(grams))
 
 
@@ -69,39 +73,68 @@ def evaluate(engine, questions: list[str], variants=VARIANTS) -> list[dict]:
             context = " ".join(row.text for row, _ in engine.retrieve(question, 1))
             grounding.append(grounded(answer.text, context))
         n = len(questions)
-        rows.append({"label": label, "n": n, "loops": loops / n, "length": length_cut / n, "tokens": tokens / n,
-                     "grounded": sum(grounding) / n})
+        rows.append(
+            {
+                "label": label,
+                "n": n,
+                "loops": loops / n,
+                "length": length_cut / n,
+                "tokens": tokens / n,
+                "grounded": sum(grounding) / n,
+            }
+        )
         print(rows[-1], flush=True)
     return rows
 
 
 def render(results: dict, examples: list[tuple[str, str, str]], prompts: list[dict]) -> str:
-    lines = ["# Answer quality: repetition before and after the decoding defaults", "",
-             f"Bundled SmolLM2-135M-Instruct, float32, top-1 chunk, on {describe()}. "
-             "Command: `python benchmarks/answer_quality.py`.", "",
-             "loops: answers containing a repeated 8-gram of words. cut: answers that hit max_new_tokens. "
-             "grounded: mean share of an answer's content words found in its retrieved chunk.", ""]
+    lines = [
+        "# Answer quality: repetition before and after the decoding defaults",
+        "",
+        f"Bundled SmolLM2-135M-Instruct, float32, top-1 chunk, on {describe()}. "
+        "Command: `python benchmarks/answer_quality.py`.",
+        "",
+        "loops: answers containing a repeated 8-gram of words. cut: answers that hit max_new_tokens. "
+        "grounded: mean share of an answer's content words found in its retrieved chunk.",
+        "",
+    ]
     for name, rows in results.items():
-        lines += [f"## {name}: {rows[0]['n']} questions", "",
-                  "| decoding | loops | cut | mean tokens | grounded |", "|---|---|---|---|---|"]
-        lines += [f"| {r['label']} | {r['loops']:.0%} | {r['length']:.0%} | {r['tokens']:.0f} | {r['grounded']:.2f} |"
-                  for r in rows]
+        lines += [
+            f"## {name}: {rows[0]['n']} questions",
+            "",
+            "| decoding | loops | cut | mean tokens | grounded |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['label']} | {r['loops']:.0%} | {r['length']:.0%} | {r['tokens']:.0f} | {r['grounded']:.2f} |"
+            for r in rows
+        ]
         lines.append("")
-    lines += ["## System prompt (sample corpus, default decoding)", "",
-              "| system prompt | loops | grounded | mean tokens | answer to the demo question |", "|---|---|---|---|---|"]
-    lines += [f"| {p['label']}: \"{p['prompt']}\" | {p['loops']:.0%} | {p['grounded']:.2f} | {p['tokens']:.0f} | "
-              f"{p['demo'][:160].replace(chr(10), ' ')}... |" for p in prompts]
+    lines += [
+        "## System prompt (sample corpus, default decoding)",
+        "",
+        "| system prompt | loops | grounded | mean tokens | answer to the demo question |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f'| {p["label"]}: "{p["prompt"]}" | {p["loops"]:.0%} | {p["grounded"]:.2f} | {p["tokens"]:.0f} | '
+        f"{p['demo'][:160].replace(chr(10), ' ')}... |"
+        for p in prompts
+    ]
     lines += ["", "## The demo question", ""]
     for label, question, text in examples:
-        lines += [f"{label}, \"{question}\":", "", "> " + text.replace("\n", "\n> "), ""]
+        lines += [f'{label}, "{question}":', "", "> " + text.replace("\n", "\n> "), ""]
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--faq-questions", type=int, default=10)
-    parser.add_argument("--faq-pages", default="general.html,gui.html,installed.html,windows.html",
-                        help="which FAQ pages to ingest (all: '')")
+    parser.add_argument(
+        "--faq-pages",
+        default="general.html,gui.html,installed.html,windows.html",
+        help="which FAQ pages to ingest (all: '')",
+    )
     parser.add_argument("--work", type=Path, default=None, help="reuse stores and downloads across runs")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "answer_quality.md")
     args = parser.parse_args()

@@ -33,15 +33,13 @@ import sys
 import time
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import ragkv  # noqa: E402
 from benchmarks.fidelity import python_faq, work_dir  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
 from benchmarks.passages import f1, gold_answers, kl  # noqa: E402
-
-import ragkv  # noqa: E402
 from pipelines.calibrate import PLAIN, CalibrateSettings, calibrate, cold, teacher_forced  # noqa: E402
 from pipelines.progress import default_reporter  # noqa: E402
 from ragkv.calibration import Calibration  # noqa: E402
@@ -94,9 +92,16 @@ def measure(engine, question: str, gold: str, k: int, tokens: int) -> dict:
         answer = engine.ask(question, settings)
         forced = teacher_forced(engine, question, settings, full.token_ids)
         first, warm = forced.first_logits, forced.seconds
-        out[mode] = {"first": float(first.argmax() == full_first.argmax()), "forced": forced.agreement,
-                     "kl": kl(full_first, first), "f1": f1(answer.text, gold), "f1_full": f1(answer.text, full.text),
-                     "ttft": answer.stats.ttft_s, "warm": warm, "ran_as": answer.stats.approximation or mode}
+        out[mode] = {
+            "first": float(first.argmax() == full_first.argmax()),
+            "forced": forced.agreement,
+            "kl": kl(full_first, first),
+            "f1": f1(answer.text, gold),
+            "f1_full": f1(answer.text, full.text),
+            "ttft": answer.stats.ttft_s,
+            "warm": warm,
+            "ran_as": answer.stats.approximation or mode,
+        }
     return out
 
 
@@ -106,23 +111,33 @@ def summarise(per_question: list[dict], k: int) -> list[dict]:
     full_warm = statistics.median(q["full"]["warm"] for q in per_question)
     for mode, share in CONFIGS:
         got = [q[mode] for q in per_question]
-        rows.append({
-            "k": k, "mode": mode, "share": share, "n": len(got),
-            "first": bootstrap([g["first"] for g in got]), "forced": bootstrap([g["forced"] for g in got]),
-            "kl": statistics.fmean(g["kl"] for g in got), "f1": bootstrap([g["f1"] for g in got]),
-            "f1_gap": bootstrap([g["f1"] - q["full"]["f1"] for g, q in zip(got, per_question)]),
-            "f1_full": statistics.fmean(g["f1_full"] for g in got),
-            "ttft": statistics.median(g["ttft"] for g in got) / full_ttft,
-            "warm": statistics.median(g["warm"] for g in got) / full_warm,
-            "ran_as": sorted({g["ran_as"] for g in got}),
-        })
+        rows.append(
+            {
+                "k": k,
+                "mode": mode,
+                "share": share,
+                "n": len(got),
+                "first": bootstrap([g["first"] for g in got]),
+                "forced": bootstrap([g["forced"] for g in got]),
+                "kl": statistics.fmean(g["kl"] for g in got),
+                "f1": bootstrap([g["f1"] for g in got]),
+                "f1_gap": bootstrap([g["f1"] - q["full"]["f1"] for g, q in zip(got, per_question, strict=False)]),
+                "f1_full": statistics.fmean(g["f1_full"] for g in got),
+                "ttft": statistics.median(g["ttft"] for g in got) / full_ttft,
+                "warm": statistics.median(g["warm"] for g in got) / full_warm,
+                "ran_as": sorted({g["ran_as"] for g in got}),
+            }
+        )
     return rows
 
 
-def run_corpus(name: str, docs: Path, pairs: list[tuple[str, str]], work: Path, tokens: int) -> tuple[list, Calibration]:
+def run_corpus(
+    name: str, docs: Path, pairs: list[tuple[str, str]], work: Path, tokens: int
+) -> tuple[list, Calibration]:
     store = work / ("store-" + re.sub(r"\W+", "-", name))
-    ragkv.ingest([docs], store, model=ModelSettings(device="cpu", dtype="float32"),
-                 settings=IngestSettings(chunk_tokens=256))
+    ragkv.ingest(
+        [docs], store, model=ModelSettings(device="cpu", dtype="float32"), settings=IngestSettings(chunk_tokens=256)
+    )
     calibration = calibrate(store, CalibrateSettings(questions=8, top_k=5), default_reporter(True), device="cpu")
     rows = []
     with ragkv.open(store, device="cpu", write_back=False) as engine:
@@ -153,17 +168,22 @@ def render(results: dict, args, elapsed: float) -> str:
         "",
     ]
     for name, (rows, calibration) in results.items():
-        lines += [f"## {name}: {rows[0]['n']} questions; calibration: {calibration.describe()}", "",
-                  "| K | mode | first token = full | teacher-forced | first-token KL | F1 gold | F1 gap to full | "
-                  "F1 vs full's answer | TTFT cold | TTFT warm |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## {name}: {rows[0]['n']} questions; calibration: {calibration.describe()}",
+            "",
+            "| K | mode | first token = full | teacher-forced | first-token KL | F1 gold | F1 gap to full | "
+            "F1 vs full's answer | TTFT cold | TTFT warm |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in rows:
             label = r["mode"] + (f" {r['share']:.0%}" if r["share"] is not None else "")
             if r["mode"] == "approximate":
                 label += " (" + "; ".join(r["ran_as"]).split(",")[0] + ")"
-            lines.append(f"| {r['k']} | {label} | {interval(r['first'])} | {interval(r['forced'])} | {r['kl']:.2e} | "
-                         f"{r['f1'][0]:.3f} | {interval(r['f1_gap'], False)} | {r['f1_full']:.2f} | "
-                         f"{r['ttft']:.2f} | {r['warm']:.2f} |")
+            lines.append(
+                f"| {r['k']} | {label} | {interval(r['first'])} | {interval(r['forced'])} | {r['kl']:.2e} | "
+                f"{r['f1'][0]:.3f} | {interval(r['f1_gap'], False)} | {r['f1_full']:.2f} | "
+                f"{r['ttft']:.2f} | {r['warm']:.2f} |"
+            )
         lines += ["", *sweep(calibration), ""]
     return "\n".join(lines)
 
@@ -171,11 +191,17 @@ def render(results: dict, args, elapsed: float) -> str:
 def sweep(calibration: Calibration) -> list[str]:
     """The calibration's measurements (held-in questions, top-5): each mode's share sweep, stopped
     at the first share that reached the target; the Pareto front of agreement against TTFT."""
-    lines = [f"Calibration sweep ({calibration.num_questions} held-in questions, top-{calibration.top_k}, target "
-             f"{calibration.target:.0%}; exact: TTFT {calibration.exact_ttft_ratio:.2f}):", "",
-             "| mode | recomputed | first token = full | teacher-forced | TTFT vs full |", "|---|---|---|---|---|"]
+    lines = [
+        f"Calibration sweep ({calibration.num_questions} held-in questions, top-{calibration.top_k}, target "
+        f"{calibration.target:.0%}; exact: TTFT {calibration.exact_ttft_ratio:.2f}):",
+        "",
+        "| mode | recomputed | first token = full | teacher-forced | TTFT vs full |",
+        "|---|---|---|---|---|",
+    ]
     for m in calibration.measured:
-        lines.append(f"| {m.mode} | {m.share:.0%} | {m.first_token:.0%} | {m.teacher_forced:.0%} | {m.ttft_ratio:.2f} |")
+        lines.append(
+            f"| {m.mode} | {m.share:.0%} | {m.first_token:.0%} | {m.teacher_forced:.0%} | {m.ttft_ratio:.2f} |"
+        )
     return lines
 
 
@@ -193,9 +219,10 @@ def main() -> None:
     if faq:
         docs, candidates = faq
         gold = gold_answers(work)
-        questions = [q for q in candidates if len(gold.get(q, "").split()) >= 10][:args.questions]
-        results["Python FAQ (python3.11-doc)"] = run_corpus("pyfaq", docs, [(q, gold[q]) for q in questions], work,
-                                                            args.tokens)
+        questions = [q for q in candidates if len(gold.get(q, "").split()) >= 10][: args.questions]
+        results["Python FAQ (python3.11-doc)"] = run_corpus(
+            "pyfaq", docs, [(q, gold[q]) for q in questions], work, args.tokens
+        )
     results["sample corpus (data/faq.jsonl)"] = run_corpus("sample", ROOT / "data", sample_faq(), work, args.tokens)
     args.out.write_text(render(results, args, time.perf_counter() - started))
     print(args.out.read_text())

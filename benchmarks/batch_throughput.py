@@ -27,16 +27,36 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.machine import describe  # noqa: E402
 
 TOPICS = {
-    "API key": ["How do I rotate the API key?", "When must the API key be rotated?", "What if the API key leaked?",
-                "Where is a new API key stored?"],
-    "leave": ["How many days of annual leave do I get?", "Who approves my leave?", "How much leave carries over?",
-              "Do sick days count against leave?"],
-    "deploy": ["How do we deploy to production?", "Can I deploy on Friday?", "What is a canary release?",
-               "Which tool syncs production deploys?"],
-    "backups": ["How long are backups kept?", "How do I restore the database to a point in time?",
-                "When does the restore drill run?", "Where are write-ahead logs archived?"],
-    "on-call": ["How much is an on-call week paid?", "How fast must I acknowledge a page?",
-                "Who do I escalate to when on call?", "What goes in the on-call handover?"],
+    "API key": [
+        "How do I rotate the API key?",
+        "When must the API key be rotated?",
+        "What if the API key leaked?",
+        "Where is a new API key stored?",
+    ],
+    "leave": [
+        "How many days of annual leave do I get?",
+        "Who approves my leave?",
+        "How much leave carries over?",
+        "Do sick days count against leave?",
+    ],
+    "deploy": [
+        "How do we deploy to production?",
+        "Can I deploy on Friday?",
+        "What is a canary release?",
+        "Which tool syncs production deploys?",
+    ],
+    "backups": [
+        "How long are backups kept?",
+        "How do I restore the database to a point in time?",
+        "When does the restore drill run?",
+        "Where are write-ahead logs archived?",
+    ],
+    "on-call": [
+        "How much is an on-call week paid?",
+        "How fast must I acknowledge a page?",
+        "Who do I escalate to when on call?",
+        "What goes in the on-call handover?",
+    ],
 }
 
 # Runs in a fresh python whose sys.path starts with the tree measured.
@@ -69,10 +89,15 @@ with ragkv.open(store, device="cpu") as engine:
 """
 
 
-def measure(python: str, tree: Path, store: Path, questions: list[str], top_k: int, tokens: int,
-            max_batch: int) -> dict:
-    out = subprocess.run([python, "-c", WORKER, str(tree), str(store), json.dumps(questions), str(top_k), str(tokens),
-                          str(max_batch)], capture_output=True, text=True, cwd=tree)
+def measure(
+    python: str, tree: Path, store: Path, questions: list[str], top_k: int, tokens: int, max_batch: int
+) -> dict:
+    out = subprocess.run(
+        [python, "-c", WORKER, str(tree), str(store), json.dumps(questions), str(top_k), str(tokens), str(max_batch)],
+        capture_output=True,
+        text=True,
+        cwd=tree,
+    )
     if out.returncode:
         raise SystemExit(f"{tree}: {out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -87,23 +112,39 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "batch.md")
     args = parser.parse_args()
-    before_commit = subprocess.run(["git", "-C", str(args.before), "rev-parse", "--short", "HEAD"],
-                                   capture_output=True, text=True).stdout.strip()
-    after_commit = subprocess.run(["git", "-C", str(args.after), "rev-parse", "--short", "HEAD"],
-                                  capture_output=True, text=True).stdout.strip()
+    before_commit = subprocess.run(
+        ["git", "-C", str(args.before), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    after_commit = subprocess.run(
+        ["git", "-C", str(args.after), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     questions = [q for qs in TOPICS.values() for q in qs]
     trees = {"before": args.before.resolve(), "after": args.after.resolve()}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         store = Path(tmp) / "store"
-        subprocess.run([sys.executable, str(ROOT / "cli.py"), "ingest", str(ROOT / "data"), "--store", str(store),
-                        "--device", "cpu", "--quiet"], check=True, cwd=ROOT)
+        subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "cli.py"),
+                "ingest",
+                str(ROOT / "data"),
+                "--store",
+                str(store),
+                "--device",
+                "cpu",
+                "--quiet",
+            ],
+            check=True,
+            cwd=ROOT,
+        )
         for top_k in (1, 5):
             runs: dict[str, list[dict]] = {"before": [], "after": []}
             for _ in range(args.repeats):
                 for name, tree in trees.items():
-                    runs[name].append(measure(sys.executable, tree, store, questions, top_k, args.tokens,
-                                              args.max_batch))
+                    runs[name].append(
+                        measure(sys.executable, tree, store, questions, top_k, args.tokens, args.max_batch)
+                    )
                     print(f"top-{top_k} {name}: {len(questions) / runs[name][-1]['seconds']:.2f} q/s", file=sys.stderr)
             rows.append((top_k, runs))
     lines = [
@@ -123,14 +164,16 @@ def main() -> None:
     for top_k, runs in rows:
         qps = {n: [len(questions) / r["seconds"] for r in rs] for n, rs in runs.items()}
         med = {n: statistics.median(v) for n, v in qps.items()}
-        same = sum(runs["before"][0]["token_ids"][i] == runs["after"][0]["token_ids"][i]
-                   for i in runs["after"][0]["token_ids"])
+        same = sum(
+            runs["before"][0]["token_ids"][i] == runs["after"][0]["token_ids"][i] for i in runs["after"][0]["token_ids"]
+        )
         b, a = runs["before"][0], runs["after"][0]
         lines.append(
             f"| top-{top_k} | {a['prompt_tokens']:.0f} | {med['before']:.2f} [{min(qps['before']):.2f}–"
             f"{max(qps['before']):.2f}] | {med['after']:.2f} [{min(qps['after']):.2f}–{max(qps['after']):.2f}] | "
             f"{med['after'] / med['before']:.2f}× | {same}/{len(questions)} | {b['reused_tokens']} / "
-            f"{a['reused_tokens']} | {b['kv_load_ms']:.0f} / {a['kv_load_ms']:.0f} |")
+            f"{a['reused_tokens']} | {b['kv_load_ms']:.0f} / {a['kv_load_ms']:.0f} |"
+        )
     lines += [
         "",
         "Tokens reused: summed over the answers' stats. Before, groups ran one after another, so chunks one "

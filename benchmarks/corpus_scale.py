@@ -24,10 +24,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import ragkv  # noqa: E402
 from benchmarks.fidelity import python_faq_or_exit, work_dir  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
-
-import ragkv  # noqa: E402
 from pipelines.read import read_documents  # noqa: E402
 from ragkv.config import IngestSettings, ModelSettings  # noqa: E402
 from ragkv.model import load_model  # noqa: E402
@@ -77,8 +76,12 @@ def questions_for(store: Path, count: int, seed: int) -> tuple[list[str], list[i
 
 def ingest(docs: Path, store: Path, **settings) -> float:
     started = time.perf_counter()
-    ragkv.ingest([docs], store, model=ModelSettings(device="cpu", dtype="float32"),
-                 settings=IngestSettings(chunk_tokens=CHUNK_TOKENS, **settings))
+    ragkv.ingest(
+        [docs],
+        store,
+        model=ModelSettings(device="cpu", dtype="float32"),
+        settings=IngestSettings(chunk_tokens=CHUNK_TOKENS, **settings),
+    )
     return time.perf_counter() - started
 
 
@@ -95,12 +98,20 @@ def replay(store: Path, questions: list[str], keep_kv: bool) -> list[dict]:
         for i, question in enumerate(questions):
             engine.refresh()  # as the service does between requests: see what the write-back stored
             answer = engine.ask(question, max_new_tokens=1)
-            out.append({"ttft": answer.stats.ttft_s, "source": answer.stats.kv_source or "live",
-                        "chunk": answer.sources[0].chunk_id})
+            out.append(
+                {
+                    "ttft": answer.stats.ttft_s,
+                    "source": answer.stats.kv_source or "live",
+                    "chunk": answer.sources[0].chunk_id,
+                }
+            )
             if (i + 1) % 200 == 0:
                 recent = out[-200:]
-                print(f"  {i + 1}: hit rate {hit_rate(recent):.0%}, mean TTFT "
-                      f"{statistics.mean(r['ttft'] for r in recent):.3f} s", flush=True)
+                print(
+                    f"  {i + 1}: hit rate {hit_rate(recent):.0%}, mean TTFT "
+                    f"{statistics.mean(r['ttft'] for r in recent):.3f} s",
+                    flush=True,
+                )
     return out
 
 
@@ -142,7 +153,7 @@ def simulate(trace: list[int], sizes: dict[int, int], room: int, policy: str, ha
 
         def score(c: int) -> float:
             s = stats[c]
-            return s.score * 0.5 ** ((t - s.last_use) / half_life) if half_life else s.score
+            return s.score * 0.5 ** ((t - s.last_use) / half_life) if half_life else s.score  # noqa: B023 - used now
 
         candidates = [Candidate(str(c), sizes[c], score(c), True, c) for c in stored]
         decision = plan(candidates + [Candidate(str(chunk), sizes[chunk], score(chunk), False, chunk)], room)
@@ -155,7 +166,7 @@ def shifted(trace: list[int], seed: int) -> list[int]:
     chunks = sorted(set(trace))
     moved = chunks[:]
     random.Random(seed).shuffle(moved)
-    rename = dict(zip(chunks, moved))
+    rename = dict(zip(chunks, moved, strict=False))
     half = len(trace) // 2
     return trace[:half] + [rename[c] for c in trace[half:]]
 
@@ -179,8 +190,12 @@ def main() -> None:
     with open_snapshot(stores["all"]) as snapshot:
         full_bytes = snapshot.catalog.kv_bytes()
         prefix_bytes = snapshot.catalog.prefix_bytes()
-        sizes = {cid: nbytes for cid, nbytes in snapshot.catalog.con.execute(
-            "SELECT k.chunk_id, e.nbytes FROM chunk_kv k JOIN kv_entries e USING (kv_key)").fetchall()}
+        sizes = {
+            cid: nbytes
+            for cid, nbytes in snapshot.catalog.con.execute(
+                "SELECT k.chunk_id, e.nbytes FROM chunk_kv k JOIN kv_entries e USING (kv_key)"
+            ).fetchall()
+        }
         num_chunks = snapshot.catalog.counts()["chunks"]
     limit = int(full_bytes * BUDGET_SHARE)
     ingest_s["budget"] = ingest(docs, stores["budget"], kv_budget=limit)
@@ -213,19 +228,43 @@ def main() -> None:
             "LFU (no ageing)": simulate(events, sizes, room, "lfu"),
             "ragkv: LFU, half-life 200 questions": simulate(events, sizes, room, "ragkv", 200.0),
         }
-    matched = sum(r["chunk"] == t for r, t in zip(runs["all"], targets)) / len(targets)
-    report = render(runs, ingest_s, bytes_after, live_bytes, full_bytes, limit, num_tokens, num_chunks, len(set(trace)),
-                    matched, policies, args)
+    matched = sum(r["chunk"] == t for r, t in zip(runs["all"], targets, strict=False)) / len(targets)
+    report = render(
+        runs,
+        ingest_s,
+        bytes_after,
+        live_bytes,
+        full_bytes,
+        limit,
+        num_tokens,
+        num_chunks,
+        len(set(trace)),
+        matched,
+        policies,
+        args,
+    )
     args.out.write_text(report)
     args.out.with_suffix(".json").write_text(json.dumps({"runs": runs, "ingest_s": ingest_s, "policies": policies}))
     plot(runs, args.out.with_suffix(".png"))
     print(report)
 
 
-def render(runs, ingest_s, bytes_after, live_bytes, full_bytes, limit, num_tokens, num_chunks, distinct, matched, policies,
-           args) -> str:
+def render(
+    runs,
+    ingest_s,
+    bytes_after,
+    live_bytes,
+    full_bytes,
+    limit,
+    num_tokens,
+    num_chunks,
+    distinct,
+    matched,
+    policies,
+    args,
+) -> str:
     base = statistics.mean(r["ttft"] for r in runs["all"])
-    second_base = statistics.mean(r["ttft"] for r in runs["all"][len(runs["all"]) // 2:])
+    second_base = statistics.mean(r["ttft"] for r in runs["all"][len(runs["all"]) // 2 :])
     lines = [
         "# Corpus scale: a 10% KV budget against all KV and none",
         "",
@@ -258,19 +297,23 @@ def render(runs, ingest_s, bytes_after, live_bytes, full_bytes, limit, num_token
             f"| {name} | {ingest_s[name]:.0f} | {live_bytes[name] / 1e9:.2f} GB | {bytes_after[name] / 1e9:.2f} GB | {hit_rate(rows):.1%} | "
             f"{hit_rate(rows[:200]):.0%} | {hit_rate(rows[-200:]):.0%} | {statistics.mean(ttfts):.3f} | "
             f"{p90(ttfts):.3f} | {statistics.mean(ttfts) / base:.2f}x | "
-            f"{statistics.mean(ttfts[len(ttfts) // 2:]) / second_base:.2f}x | "
-            f"{sources['store']} / {sources['ram']} / {sources['computed'] + sources['live']} |")
-    lines += ["", "## The eviction policy, replayed offline on the same trace",
-              "",
-              f"The chunks the replay used, in order, against a cache of the same bytes ({limit / 1e9:.2f} GB less "
-              "the system prompt's KV), empty at the start, storing a miss when the policy admits it. LFU and ragkv "
-              "run ragkv's own budget plan (`store.budget.plan`): a miss is stored only when it is more popular than "
-              "what it would evict. The second trace renames every chunk halfway, as when a new release moves "
-              "what users ask about. ragkv's default half-life is 7 days of wall-clock time; here it is 200 questions, "
-              "since a replay lasts minutes.",
-              "",
-              "| trace | " + " | ".join(next(iter(policies.values()))) + " |",
-              "|---|" + "---|" * len(next(iter(policies.values())))]
+            f"{statistics.mean(ttfts[len(ttfts) // 2 :]) / second_base:.2f}x | "
+            f"{sources['store']} / {sources['ram']} / {sources['computed'] + sources['live']} |"
+        )
+    lines += [
+        "",
+        "## The eviction policy, replayed offline on the same trace",
+        "",
+        f"The chunks the replay used, in order, against a cache of the same bytes ({limit / 1e9:.2f} GB less "
+        "the system prompt's KV), empty at the start, storing a miss when the policy admits it. LFU and ragkv "
+        "run ragkv's own budget plan (`store.budget.plan`): a miss is stored only when it is more popular than "
+        "what it would evict. The second trace renames every chunk halfway, as when a new release moves "
+        "what users ask about. ragkv's default half-life is 7 days of wall-clock time; here it is 200 questions, "
+        "since a replay lasts minutes.",
+        "",
+        "| trace | " + " | ".join(next(iter(policies.values()))) + " |",
+        "|---|" + "---|" * len(next(iter(policies.values()))),
+    ]
     for label, rates in policies.items():
         lines.append(f"| {label} | " + " | ".join(f"{rate:.1%}" for rate in rates.values()) + " |")
     return "\n".join(lines) + "\n"
@@ -285,8 +328,8 @@ def plot(runs, path: Path) -> None:
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
     for name, rows in runs.items():
         xs = list(range(WINDOW, len(rows) + 1, WINDOW // 4))
-        top.plot(xs, [hit_rate(rows[x - WINDOW:x]) for x in xs], label=name)
-        bottom.plot(xs, [statistics.mean(r["ttft"] for r in rows[x - WINDOW:x]) for x in xs], label=name)
+        top.plot(xs, [hit_rate(rows[x - WINDOW : x]) for x in xs], label=name)
+        bottom.plot(xs, [statistics.mean(r["ttft"] for r in rows[x - WINDOW : x]) for x in xs], label=name)
     top.set_ylabel(f"KV hit rate (last {WINDOW} questions)")
     bottom.set_ylabel(f"mean TTFT s (last {WINDOW})")
     bottom.set_xlabel("question")

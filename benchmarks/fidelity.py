@@ -27,9 +27,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.machine import describe  # noqa: E402
-
 import ragkv  # noqa: E402
+from benchmarks.machine import describe  # noqa: E402
 from ragkv.config import ModelSettings  # noqa: E402
 
 MODES = ("exact", "concat", "blend")
@@ -106,11 +105,18 @@ def evaluate(engine, questions: list[str], tokens: int) -> list[dict]:
                 stats["kl"].append(kl(full_logits, engine.first_token_logits(question, top_k=k, mode=mode)))
         for mode in MODES:
             stats = per_mode[mode]
-            rows.append({"k": k, "mode": mode, "n": len(questions),
-                         "whole": stats["whole"] / len(questions), "first8": stats["first8"] / len(questions),
-                         "kl": statistics.mean(stats["kl"]),
-                         "ttft_ratio": statistics.median(stats["ttft"]) / statistics.median(full_ttft),
-                         "full_ttft": statistics.median(full_ttft)})
+            rows.append(
+                {
+                    "k": k,
+                    "mode": mode,
+                    "n": len(questions),
+                    "whole": stats["whole"] / len(questions),
+                    "first8": stats["first8"] / len(questions),
+                    "kl": statistics.mean(stats["kl"]),
+                    "ttft_ratio": statistics.median(stats["ttft"]) / statistics.median(full_ttft),
+                    "full_ttft": statistics.median(full_ttft),
+                }
+            )
         print(f"K={k} done", file=sys.stderr)
     return rows
 
@@ -123,7 +129,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "fidelity.md")
     args = parser.parse_args()
     work = work_dir(args.work, "fidelity")
-    corpora = {"sample corpus (data/)": (ROOT / "data", (ROOT / "benchmarks" / "questions.txt").read_text().splitlines())}
+    corpora = {
+        "sample corpus (data/)": (ROOT / "data", (ROOT / "benchmarks" / "questions.txt").read_text().splitlines())
+    }
     faq = python_faq(work, args.faq_questions)
     if faq:
         corpora["Python FAQ (python3.11-doc)"] = faq
@@ -150,12 +158,17 @@ def render(results: dict, tokens: int) -> str:
         "",
     ]
     for name, (chunks, rows) in results.items():
-        lines += [f"## {name}: {rows[0]['n']} questions, {chunks} chunks", "",
-                  "| K | mode | whole answer = full | first 8 tokens = full | mean first-token KL | TTFT vs full |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            f"## {name}: {rows[0]['n']} questions, {chunks} chunks",
+            "",
+            "| K | mode | whole answer = full | first 8 tokens = full | mean first-token KL | TTFT vs full |",
+            "|---|---|---|---|---|---|",
+        ]
         for r in rows:
-            lines.append(f"| {r['k']} | {r['mode']} | {r['whole']:.0%} | {r['first8']:.0%} | {r['kl']:.2e} | "
-                         f"{r['ttft_ratio']:.2f} (full {r['full_ttft']:.2f} s) |")
+            lines.append(
+                f"| {r['k']} | {r['mode']} | {r['whole']:.0%} | {r['first8']:.0%} | {r['kl']:.2e} | "
+                f"{r['ttft_ratio']:.2f} (full {r['full_ttft']:.2f} s) |"
+            )
         lines.append("")
     lines += [
         "Reading the table: `exact` must show 100% (it is a float32 guarantee, and a test); with K > 1 it reuses",

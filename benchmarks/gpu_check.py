@@ -20,11 +20,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.machine import describe  # noqa: E402
-from tests import vllm_probe  # noqa: E402
-
 import ragkv  # noqa: E402
+from benchmarks.machine import describe  # noqa: E402
 from ragkv.config import AskSettings, IngestSettings, ModelSettings  # noqa: E402
+from tests import vllm_probe  # noqa: E402
 
 QUESTIONS = [line.strip() for line in (ROOT / "benchmarks" / "questions.txt").read_text().splitlines() if line.strip()]
 SKIP = {"ragkv": "skip"}
@@ -32,8 +31,13 @@ SKIP = {"ragkv": "skip"}
 
 def ingest(store: Path, engine: str) -> dict:
     started = time.perf_counter()
-    report = ragkv.ingest([ROOT / "data"], store, model=ModelSettings(device="cuda", dtype="bfloat16"),
-                          settings=IngestSettings(), engine=engine)
+    report = ragkv.ingest(
+        [ROOT / "data"],
+        store,
+        model=ModelSettings(device="cuda", dtype="bfloat16"),
+        settings=IngestSettings(),
+        engine=engine,
+    )
     return {"s": time.perf_counter() - started, "tokens": report.tokens_computed, "compute_s": report.compute_s}
 
 
@@ -57,17 +61,31 @@ def main() -> None:
         model = engine.lm.facts.path
         for i, question in enumerate(QUESTIONS[:16]):
             prompt = engine.prompt_for(question, AskSettings(top_k=1, context="document"))
-            runs += [{"name": f"q{i}", "ids": prompt.prompt_ids}, {"name": f"q{i}-full", "ids": prompt.prompt_ids,
-                                                                  "params": SKIP}]
-    results = {mode: probe(args.vllm_python, model, work / "local", runs, work, layerwise=mode == "layer-by-layer")
-               for mode in ("before the forward", "layer-by-layer")}
-    lines = ["# GPU check: ragkv as vLLM's memory (bfloat16)", "", f"Machine: {describe()}.", "",
-             "| ingest engine | total s | chunk tokens | KV compute s | tokens/s |", "|---|---|---|---|---|"]
+            runs += [
+                {"name": f"q{i}", "ids": prompt.prompt_ids},
+                {"name": f"q{i}-full", "ids": prompt.prompt_ids, "params": SKIP},
+            ]
+    results = {
+        mode: probe(args.vllm_python, model, work / "local", runs, work, layerwise=mode == "layer-by-layer")
+        for mode in ("before the forward", "layer-by-layer")
+    }
+    lines = [
+        "# GPU check: ragkv as vLLM's memory (bfloat16)",
+        "",
+        f"Machine: {describe()}.",
+        "",
+        "| ingest engine | total s | chunk tokens | KV compute s | tokens/s |",
+        "|---|---|---|---|---|",
+    ]
     for name, row in ingests.items():
         tps = row["tokens"] / row["compute_s"] if row["compute_s"] else 0
         lines.append(f"| {name} | {row['s']:.1f} | {row['tokens']:,} | {row['compute_s']:.2f} | {tps:.0f} |")
-    lines += ["", "| vLLM load | prompt tokens p50 | TTFT from store p50 ms | vLLM alone p50 ms | ratio | "
-              "shard read p50 ms | copies issued p50 ms | same first token |", "|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| vLLM load | prompt tokens p50 | TTFT from store p50 ms | vLLM alone p50 ms | ratio | "
+        "shard read p50 ms | copies issued p50 ms | same first token |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for mode, result in results.items():
         by = {r["name"]: r for r in result["runs"]}
         names = [n for n in by if not n.endswith("-full")][1:]  # the first request warms up
@@ -76,14 +94,19 @@ def main() -> None:
         reads = [r for r, _ in result["load_ms"][1:]] or [0.0]
         issues = [i for _, i in result["load_ms"][1:]] or [0.0]
         same = sum(by[n]["first_token"] == by[f"{n}-full"]["first_token"] for n in names)
-        lines.append(f"| {mode} | {statistics.median(by[n]['num_prompt_tokens'] for n in names):.0f} | "
-                     f"{statistics.median(stored):.1f} | {statistics.median(alone):.1f} | "
-                     f"{statistics.median(stored) / statistics.median(alone):.2f}x | {statistics.median(reads):.1f} | "
-                     f"{statistics.median(issues):.1f} | {same} of {len(names)} |")
-    lines += ["", "Overlap: layer-by-layer issues each layer's host-to-device copy on a side stream and the forward "
-              "waits per layer; the difference in TTFT between the two rows is what the overlap saved. `copies issued` "
-              "is host time to start the copies (layer-by-layer) or to make them (before the forward): its share of "
-              "the TTFT is the load's cost on the critical path."]
+        lines.append(
+            f"| {mode} | {statistics.median(by[n]['num_prompt_tokens'] for n in names):.0f} | "
+            f"{statistics.median(stored):.1f} | {statistics.median(alone):.1f} | "
+            f"{statistics.median(stored) / statistics.median(alone):.2f}x | {statistics.median(reads):.1f} | "
+            f"{statistics.median(issues):.1f} | {same} of {len(names)} |"
+        )
+    lines += [
+        "",
+        "Overlap: layer-by-layer issues each layer's host-to-device copy on a side stream and the forward "
+        "waits per layer; the difference in TTFT between the two rows is what the overlap saved. `copies issued` "
+        "is host time to start the copies (layer-by-layer) or to make them (before the forward): its share of "
+        "the TTFT is the load's cost on the critical path.",
+    ]
     args.out.write_text("\n".join(lines) + "\n")
     print(args.out.read_text())
 

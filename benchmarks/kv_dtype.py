@@ -18,9 +18,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.machine import describe  # noqa: E402
-
 import ragkv  # noqa: E402
+from benchmarks.machine import describe  # noqa: E402
 from benchmarks.passages import PLAIN, teacher_forced  # noqa: E402
 from ragkv.config import AskSettings, IngestSettings, ModelSettings  # noqa: E402
 
@@ -42,8 +41,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for kv_dtype in KV_DTYPES:
             store = Path(tmp) / kv_dtype
-            ragkv.ingest([ROOT / "data"], store, model=ModelSettings(device="cpu", dtype="float32"),
-                         settings=IngestSettings(kv_dtype=kv_dtype))
+            ragkv.ingest(
+                [ROOT / "data"],
+                store,
+                model=ModelSettings(device="cpu", dtype="float32"),
+                settings=IngestSettings(kv_dtype=kv_dtype),
+            )
             with ragkv.open(store, device="cpu", ram_bytes=0) as engine:
                 kv_bytes = engine.snapshot.catalog.kv_bytes()
                 engine.ask(QUESTIONS[0], max_new_tokens=1)  # warm
@@ -55,12 +58,24 @@ def main() -> None:
                     whole += answer.token_ids == full.token_ids
                     first8 += answer.token_ids[:8] == full.token_ids[:8]
                     load_ms.append(answer.stats.kv_read_ms)
-                    kls.append(kl(engine.first_token_logits(question, use_cache=False),
-                                  engine.first_token_logits(question)))
+                    kls.append(
+                        kl(engine.first_token_logits(question, use_cache=False), engine.first_token_logits(question))
+                    )
                     greedy = engine.ask(question, max_new_tokens=args.tokens, use_cache=False, **PLAIN).token_ids
                     agreement.append(teacher_forced(engine, question, AskSettings(), greedy)[1])
-                rows.append((kv_dtype, answer.stats.kv_quant, kv_bytes, statistics.median(load_ms), whole, first8,
-                             statistics.mean(agreement), statistics.mean(kls), max(kls)))
+                rows.append(
+                    (
+                        kv_dtype,
+                        answer.stats.kv_quant,
+                        kv_bytes,
+                        statistics.median(load_ms),
+                        whole,
+                        first8,
+                        statistics.mean(agreement),
+                        statistics.mean(kls),
+                        max(kls),
+                    )
+                )
             print(f"{kv_dtype}: done", file=sys.stderr)
     base = rows[0][2]
     lines = [
@@ -77,13 +92,19 @@ def main() -> None:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for kv_dtype, quant, kv_bytes, load, whole, first8, agree, kl_mean, kl_max in rows:
-        lines.append(f"| {kv_dtype} | {quant} | {kv_bytes / 2**20:.1f} MiB | {kv_bytes / base:.3f} | {load:.1f} | "
-                     f"{whole}/{len(QUESTIONS)} | {first8}/{len(QUESTIONS)} | {agree:.1%} | "
-                     f"{kl_mean:.2e} / {kl_max:.2e} |")
-    lines += ["", "`auto` stores KV as computed (lossless; the default). The others are approximate, opt-in, part of "
-              "the cache key, and named in every answer's stats (`kv_quant`). Teacher-forced agreement: the full "
-              "prefill's greedy answer (no repetition controls) fed after the stored KV; the share of positions "
-              "where the stored KV's top token is the full prefill's.", ""]
+        lines.append(
+            f"| {kv_dtype} | {quant} | {kv_bytes / 2**20:.1f} MiB | {kv_bytes / base:.3f} | {load:.1f} | "
+            f"{whole}/{len(QUESTIONS)} | {first8}/{len(QUESTIONS)} | {agree:.1%} | "
+            f"{kl_mean:.2e} / {kl_max:.2e} |"
+        )
+    lines += [
+        "",
+        "`auto` stores KV as computed (lossless; the default). The others are approximate, opt-in, part of "
+        "the cache key, and named in every answer's stats (`kv_quant`). Teacher-forced agreement: the full "
+        "prefill's greedy answer (no repetition controls) fed after the stored KV; the share of positions "
+        "where the stored KV's top token is the full prefill's.",
+        "",
+    ]
     args.out.write_text("\n".join(lines))
     print(args.out.read_text())
 

@@ -25,5 +25,7 @@ def describe() -> str:
 
     features = bf16_features()
     gpu = f", GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""
-    return (f"{cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__} "
-            f"({torch.backends.cpu.get_cpu_capability()}), native bf16: {', '.join(features) or 'none'}{gpu}")
+    return (
+        f"{cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__} "
+        f"({torch.backends.cpu.get_cpu_capability()}), native bf16: {', '.join(features) or 'none'}{gpu}"
+    )

@@ -35,10 +35,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import ragkv  # noqa: E402
 from benchmarks.fidelity import python_faq_or_exit, work_dir  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
-
-import ragkv  # noqa: E402
 from pipelines.calibrate import cold  # noqa: E402
 from ragkv.config import AskSettings, IngestSettings, ModelSettings  # noqa: E402
 
@@ -70,7 +69,9 @@ class Config:
         return self.mode if self.mode not in RECOMPUTING else f"{self.mode} {self.ratio:.0%}"
 
 
-def configurations(ratios=RATIOS, modes=("exact", "concat", *RECOMPUTING, "ape"), ape_points=APE_POINTS) -> list[Config]:
+def configurations(
+    ratios=RATIOS, modes=("exact", "concat", *RECOMPUTING, "ape"), ape_points=APE_POINTS
+) -> list[Config]:
     configs = [Config(m) for m in ("exact", "concat") if m in modes]
     configs += [Config(m, r) for m in RECOMPUTING if m in modes for r in ratios]
     return configs + [Config("ape", ape=point) for point in ape_points if "ape" in modes]
@@ -96,6 +97,7 @@ def gold_answers(work: Path) -> dict[str, str]:
 
 def f1(prediction: str, gold: str) -> float:
     """SQuAD-style: word overlap F1 after lower-casing and dropping punctuation and articles."""
+
     def words(text: str) -> list[str]:
         text = "".join(c for c in text.lower() if c not in string.punctuation)
         return [w for w in text.split() if w not in ("a", "an", "the")]
@@ -115,8 +117,11 @@ def teacher_forced(engine, question: str, settings: AskSettings, answer_ids: lis
     prepared = engine.prepare(question, settings)
     ids = torch.tensor([prepared.live_ids + answer_ids[:-1]], dtype=torch.long)
     model = prepared.assembly.attending(engine.lm.model)
-    logits = model(input_ids=ids, cache=prepared.assembly.cache, use_cache=True,
-                   logits_to_keep=len(answer_ids)).logits[0].float()  # (A, V)
+    logits = (
+        model(input_ids=ids, cache=prepared.assembly.cache, use_cache=True, logits_to_keep=len(answer_ids))
+        .logits[0]
+        .float()
+    )  # (A, V)
     agreement = (logits.argmax(-1) == torch.tensor(answer_ids)).float().mean().item()
     return logits[0], agreement
 
@@ -153,12 +158,21 @@ def evaluate(engine, questions: list[str], gold: dict[str, str], tokens: int, ks
         for config, stats in per.items():
             if not stats["agree"]:
                 continue
-            rows.append({"k": k, "mode": config.mode, "ratio": config.ratio, "label": config.label,
-                         "n": len(stats["agree"]),
-                         "agree": statistics.mean(stats["agree"]), "kl": statistics.mean(stats["kl"]),
-                         "f1": statistics.mean(stats["f1"]), "full_f1": statistics.mean(full_f1),
-                         "ttft_ratio": statistics.median(stats["ttft"]) / statistics.median(full_ttft),
-                         "full_ttft": statistics.median(full_ttft)})
+            rows.append(
+                {
+                    "k": k,
+                    "mode": config.mode,
+                    "ratio": config.ratio,
+                    "label": config.label,
+                    "n": len(stats["agree"]),
+                    "agree": statistics.mean(stats["agree"]),
+                    "kl": statistics.mean(stats["kl"]),
+                    "f1": statistics.mean(stats["f1"]),
+                    "full_f1": statistics.mean(full_f1),
+                    "ttft_ratio": statistics.median(stats["ttft"]) / statistics.median(full_ttft),
+                    "full_ttft": statistics.median(full_ttft),
+                }
+            )
         print(f"K={k} done", file=sys.stderr, flush=True)
     return rows
 
@@ -182,9 +196,11 @@ def render(rows: list[dict], chunks: int, args, elapsed: float) -> str:
     for r in rows:
         recomputed = f"{r['ratio']:.0%}" if r["mode"] in RECOMPUTING else ("0%" if r["mode"] != "exact" else "-")
         name = r["label"] if r["mode"] == "ape" else r["mode"]
-        lines.append(f"| {r['k']} | {name} | {recomputed} | {r['agree']:.1%} | {r['kl']:.2e} | {r['f1']:.3f} | "
-                     f"{r['full_f1']:.3f} | {r['f1'] - r['full_f1']:+.3f} | {r['ttft_ratio']:.2f} "
-                     f"(full {r['full_ttft']:.2f} s) |")
+        lines.append(
+            f"| {r['k']} | {name} | {recomputed} | {r['agree']:.1%} | {r['kl']:.2e} | {r['f1']:.3f} | "
+            f"{r['full_f1']:.3f} | {r['f1'] - r['full_f1']:+.3f} | {r['ttft_ratio']:.2f} "
+            f"(full {r['full_ttft']:.2f} s) |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -197,14 +213,25 @@ def plot(rows: list[dict], path: Path) -> None:
     ks = sorted({r["k"] for r in rows if r["k"] > 1})
     fig, axes = plt.subplots(1, len(ks), figsize=(4 * len(ks), 3.8), sharey=True, squeeze=False)
     axes = axes[0]
-    for axis, k in zip(axes, ks):
-        markers = (("exact", "s"), ("concat", "x"), ("blend (layer 1)", "o"), ("blend", "v"), ("epic", "^"),
-                   ("ape", "D"))
+    for axis, k in zip(axes, ks, strict=False):
+        markers = (
+            ("exact", "s"),
+            ("concat", "x"),
+            ("blend (layer 1)", "o"),
+            ("blend", "v"),
+            ("epic", "^"),
+            ("ape", "D"),
+        )
         for mode, marker in markers:
             mine = sorted((r for r in rows if r["k"] == k and r["mode"] == mode), key=lambda r: r["ratio"])
             if mine:
-                axis.plot([r["ttft_ratio"] for r in mine], [r["agree"] for r in mine], marker=marker,
-                          linestyle="-" if len(mine) > 1 else "", label=mode)
+                axis.plot(
+                    [r["ttft_ratio"] for r in mine],
+                    [r["agree"] for r in mine],
+                    marker=marker,
+                    linestyle="-" if len(mine) > 1 else "",
+                    label=mode,
+                )
                 for r in mine:
                     if len(mine) > 1:
                         axis.annotate(f"{r['ratio']:.0%}", (r["ttft_ratio"], r["agree"]), fontsize=6)
@@ -231,14 +258,16 @@ def main() -> None:
     work = work_dir(args.work, "passages")
     docs, candidates = python_faq_or_exit(work, args.questions * 4)
     gold = gold_answers(work)
-    questions = [q for q in candidates if len(gold.get(q, "").split()) >= 10][::4][:args.questions]
+    questions = [q for q in candidates if len(gold.get(q, "").split()) >= 10][::4][: args.questions]
     store = work / "store-256"
-    ragkv.ingest([docs], store, model=ModelSettings(device="cpu", dtype="float32"),
-                 settings=IngestSettings(chunk_tokens=256))
+    ragkv.ingest(
+        [docs], store, model=ModelSettings(device="cpu", dtype="float32"), settings=IngestSettings(chunk_tokens=256)
+    )
     with ragkv.open(store, device="cpu") as engine:
         chunks = engine.snapshot.catalog.counts()["chunks"]
-        configs = configurations([float(r) for r in args.ratios.split(",")], args.modes.split(","),
-                                 APE_GRID if args.ape_grid else APE_POINTS)
+        configs = configurations(
+            [float(r) for r in args.ratios.split(",")], args.modes.split(","), APE_GRID if args.ape_grid else APE_POINTS
+        )
         rows = evaluate(engine, questions, gold, args.tokens, [int(k) for k in args.ks.split(",")], configs)
     args.out.write_text(render(rows, chunks, args, time.perf_counter() - started))
     plot(rows, args.out.with_suffix(".png"))

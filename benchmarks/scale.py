@@ -111,14 +111,17 @@ def build(root: Path, n: int, rng) -> dict:
                 sealed = shards.add("synthetic-seed", torch.zeros(1, 2, 1, 1, 2)) + shards.flush()
                 catalog.add_entries(PROFILE, sealed)
                 shard = sealed[0].shard
-            docs, chunks = doc_rows([f"d{i:08d}" for i in range(first, min(num_docs, first + batch_docs))],
-                                    catalog.next_chunk_id())
+            docs, chunks = doc_rows(
+                [f"d{i:08d}" for i in range(first, min(num_docs, first + batch_docs))], catalog.next_chunk_id()
+            )
             catalog.add_documents(docs, [{}] * len(docs), chunks)
             with_kv = [c for c in chunks if c.chunk_index != CHUNKS_PER_DOC - 1]  # 90%: the last chunk misses
-            catalog.add_entries(PROFILE, [SealedEntry(f"kv-{c.chunk_id}", shard, TOKENS,
-                                                      "float32", 512, "0") for c in with_kv])
-            catalog.link_chunks(PROFILE, [ChunkLink(c.chunk_id, f"kv-{c.chunk_id}", tuple(range(TOKENS)))
-                                          for c in with_kv])
+            catalog.add_entries(
+                PROFILE, [SealedEntry(f"kv-{c.chunk_id}", shard, TOKENS, "float32", 512, "0") for c in with_kv]
+            )
+            catalog.link_chunks(
+                PROFILE, [ChunkLink(c.chunk_id, f"kv-{c.chunk_id}", tuple(range(TOKENS))) for c in with_kv]
+            )
             writer.ensure_vectors(DIM).add([c.chunk_id for c in chunks], corpus_vectors(rng, len(docs)))
     built = time.perf_counter()
     collect_garbage(root)
@@ -126,8 +129,11 @@ def build(root: Path, n: int, rng) -> dict:
 
 
 def files(root: Path) -> dict[str, int]:
-    return {str(p.relative_to(root)): p.stat().st_size for p in root.rglob("*")
-            if p.is_file() and p.name != "LOCK" and not p.name.endswith(".tmp")}
+    return {
+        str(p.relative_to(root)): p.stat().st_size
+        for p in root.rglob("*")
+        if p.is_file() and p.name != "LOCK" and not p.name.endswith(".tmp")
+    }
 
 
 def written(before: dict[str, int], after: dict[str, int]) -> int:
@@ -157,9 +163,19 @@ def write_back(root: Path, version: int) -> tuple[float, int]:
 
     with open_snapshot(root) as snap:
         misses = snap.catalog.con.execute(
-            "SELECT chunk_id FROM chunks WHERE chunk_id NOT IN (SELECT chunk_id FROM chunk_kv) LIMIT 16").fetchall()
-    batch = [ComputedKV(PROFILE, f"wb-{version}-{cid}", cid, tuple(range(TOKENS)),
-                        {"": torch.zeros(2, 2, 1, TOKENS, 4)}, {"profile": PROFILE}) for (cid,) in misses]
+            "SELECT chunk_id FROM chunks WHERE chunk_id NOT IN (SELECT chunk_id FROM chunk_kv) LIMIT 16"
+        ).fetchall()
+    batch = [
+        ComputedKV(
+            PROFILE,
+            f"wb-{version}-{cid}",
+            cid,
+            tuple(range(TOKENS)),
+            {"": torch.zeros(2, 2, 1, TOKENS, 4)},
+            {"profile": PROFILE},
+        )
+        for (cid,) in misses
+    ]
     writer = WriteBack(root)
     before = files(root)
     start = time.perf_counter()
@@ -197,7 +213,7 @@ def retrieval(root: Path, rng) -> dict:
             hits = snap.vectors.search(q, 10)
             times.append(time.perf_counter() - start)
             found.append([h.chunk_id for h in hits])
-        recall = np.mean([len(set(f) & set(t.tolist())) / 10 for f, t in zip(found, truth)])
+        recall = np.mean([len(set(f) & set(t.tolist())) / 10 for f, t in zip(found, truth, strict=False)])
         chunk_ids = ids[rng.choice(len(ids), 100 * 5)].reshape(100, 5).tolist()
         lookups = {"context_rows": [], "span_chunk_ids": [], "entry": []}
         for group in chunk_ids:
@@ -212,8 +228,12 @@ def retrieval(root: Path, rng) -> dict:
             snap.catalog.entry(key)
             lookups["entry"].append(time.perf_counter() - start)
         index = snap.vectors.describe()
-    out = {"search_p50_ms": pct(times, 50), "search_p99_ms": pct(times, 99), "recall_at_10": float(recall),
-           "index": index}
+    out = {
+        "search_p50_ms": pct(times, 50),
+        "search_p99_ms": pct(times, 99),
+        "recall_at_10": float(recall),
+        "index": index,
+    }
     for name, values in lookups.items():
         out[f"{name}_p50_ms"], out[f"{name}_p99_ms"] = pct(values, 50), pct(values, 99)
     return out
@@ -225,15 +245,16 @@ def pct(values, q) -> float:
 
 def reader_ram(root: Path) -> int:
     """Resident bytes a fresh process gains by opening the store and answering one search."""
-    code = ("import sys, numpy as np; sys.path.insert(0, %r)\n"
-            "from store.store import open_snapshot\n"
-            "import faiss, duckdb, torch\n"
-            "rss = lambda: int(open('/proc/self/statm').read().split()[1]) * 4096\n"
-            "before = rss()\n"
-            "s = open_snapshot(%r); v = np.ones(%d, np.float32); s.vectors.search(v / np.linalg.norm(v), 10)\n"
-            "s.catalog.context_rows(%r, [0, 1, 2])\n"
-            "print(rss() - before)") % (
-        str(ROOT), str(root), DIM, PROFILE)
+    code = (
+        f"import sys, numpy as np; sys.path.insert(0, {str(ROOT)!r})\n"
+        "from store.store import open_snapshot\n"
+        "import faiss, duckdb, torch\n"
+        "rss = lambda: int(open('/proc/self/statm').read().split()[1]) * 4096\n"
+        "before = rss()\n"
+        f"s = open_snapshot({str(root)!r}); v = np.ones({DIM}, np.float32); s.vectors.search(v / np.linalg.norm(v), 10)\n"
+        f"s.catalog.context_rows({PROFILE!r}, [0, 1, 2])\n"
+        "print(rss() - before)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return int(out.stdout.strip().splitlines()[-1])
 
@@ -296,8 +317,13 @@ def refresh_s3(root: Path, work: Path, rng, version: int, n: int) -> dict:
     start = time.perf_counter()
     reader.sync()
     seconds = time.perf_counter() - start
-    return {"s3_first_sync_bytes": first, "s3_publish_s": publish_s, "s3_refresh_s": seconds,
-            "s3_refresh_bytes": reader.downloaded, "s3_changed_bytes": changed}
+    return {
+        "s3_first_sync_bytes": first,
+        "s3_publish_s": publish_s,
+        "s3_refresh_s": seconds,
+        "s3_refresh_bytes": reader.downloaded,
+        "s3_changed_bytes": changed,
+    }
 
 
 def du(root: Path) -> int:
@@ -308,11 +334,12 @@ def measure(n: int, work: Path, with_s3: bool) -> dict:
     rng = np.random.default_rng(n)
     root = work / f"store-{n}"
     result = {"chunks": n, **build(root, n, rng)}
-    times, sizes = zip(*(publish_one_document(root, rng, v + 1) for v in range(REPEATS)))
+    times, sizes = zip(*(publish_one_document(root, rng, v + 1) for v in range(REPEATS)), strict=False)
     result.update(publish_s=statistics.median(times), publish_max_s=max(times), publish_bytes=int(np.median(sizes)))
-    times, sizes = zip(*(write_back(root, v) for v in range(REPEATS)))
-    result.update(writeback_s=statistics.median(times), writeback_max_s=max(times),
-                  writeback_bytes=int(np.median(sizes)))
+    times, sizes = zip(*(write_back(root, v) for v in range(REPEATS)), strict=False)
+    result.update(
+        writeback_s=statistics.median(times), writeback_max_s=max(times), writeback_bytes=int(np.median(sizes))
+    )
     result["refresh_local_s"] = statistics.median(refresh_local(root, rng, 100 + v) for v in range(3))
     result.update(retrieval(root, rng))
     result["reader_ram_bytes"] = reader_ram(root)
@@ -359,8 +386,14 @@ def real_embeddings(count: int) -> dict:
         segment = segments.load_segment(Path(tmp), info)
         truth = np.argsort(-(queries @ indexed.T), axis=1)[:, :10]
         found = [segment.search(q.reshape(1, -1), 10)[1][0] for q in queries]
-    return {"paragraphs": len(indexed), "embed_s": embed_s, "nlist": info.nlist, "nprobe": info.nprobe,
-            "tuned_recall": info.recall, "recall_at_10": segments.recall_at(np.array(found), truth)}
+    return {
+        "paragraphs": len(indexed),
+        "embed_s": embed_s,
+        "nlist": info.nlist,
+        "nprobe": info.nprobe,
+        "tuned_recall": info.recall,
+        "recall_at_10": segments.recall_at(np.array(found), truth),
+    }
 
 
 def fit(sizes, values):
@@ -391,35 +424,59 @@ def report(results: list[dict], real: dict | None, out: Path, argv: str) -> None
         ("build through the write path (s)", "build_s", "{:.1f}"),
         ("gc after the build: compaction (s)", "gc_s", "{:.1f}"),
     ]
-    lines = ["# Store cost against size", "", f"Machine: {describe()}", "", f"Command: `{argv}`", "",
-             "| | " + " | ".join(f"{n:,} chunks" for n in sizes) + " |", "|---|" + "---|" * len(sizes)]
+    lines = [
+        "# Store cost against size",
+        "",
+        f"Machine: {describe()}",
+        "",
+        f"Command: `{argv}`",
+        "",
+        "| | " + " | ".join(f"{n:,} chunks" for n in sizes) + " |",
+        "|---|" + "---|" * len(sizes),
+    ]
     for label, key, form in rows:
         cells = []
         for r in results:
             v = r.get(key)
             cells.append("n/a" if v is None else f"{v / 2**20:.1f}" if form == "mib" else form.format(v))
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    lines += ["", "Index per size: " + "; ".join(
-        f"{r['chunks']:,}: {r['index']['type']}, {r['index']['segments']} segments, nlist {r['index']['nlist']}, "
-        f"nprobe {r['index']['nprobe']}" for r in results)]
+    lines += [
+        "",
+        "Index per size: "
+        + "; ".join(
+            f"{r['chunks']:,}: {r['index']['type']}, {r['index']['segments']} segments, nlist {r['index']['nlist']}, "
+            f"nprobe {r['index']['nprobe']}"
+            for r in results
+        ),
+    ]
     if len(sizes) >= 2:
         lines += ["", "Fits (log-log, cost ∝ N^slope) and 10M extrapolated:"]
-        for label, key in (("retrieval p50 ms", "search_p50_ms"), ("publish s", "publish_s"),
-                           ("write-back s", "writeback_s")):
+        for label, key in (
+            ("retrieval p50 ms", "search_p50_ms"),
+            ("publish s", "publish_s"),
+            ("write-back s", "writeback_s"),
+        ):
             slope, intercept = fit(sizes, [r[key] for r in results])
             lines.append(f"- {label}: slope {slope:.2f}, at 10M ≈ {10 ** (intercept + slope * 7):.3g}")
-    lines += ["", "Goals at 1M chunks: a one-document publish <= 2 s and within 3x of 10k; a write-back of 16 <= 1 s; "
-              "an S3 refresh <= 2x the bytes changed; retrieval p50 <= 20 ms at recall@10 >= 0.95 (<= 30 ms at 10M). "
-              "10M was not built (15 GB of float32 vectors and their copies do not fit beside the build in 24 GB); "
-              "the fits above extrapolate to it. An IVF search scans nprobe/nlist of the vectors, with nlist ~ sqrt(N), "
-              "so its cost grows about as sqrt(N) at a fixed nprobe: from 1M to 10M about 3x, with nprobe tuned anew.",
-              "", "The 10k retrieval p99 (24 ms against a p50 of 0.7 ms) is a few outliers among the 200 searches of "
-                  "an exact 10k segment; not investigated."]
+    lines += [
+        "",
+        "Goals at 1M chunks: a one-document publish <= 2 s and within 3x of 10k; a write-back of 16 <= 1 s; "
+        "an S3 refresh <= 2x the bytes changed; retrieval p50 <= 20 ms at recall@10 >= 0.95 (<= 30 ms at 10M). "
+        "10M was not built (15 GB of float32 vectors and their copies do not fit beside the build in 24 GB); "
+        "the fits above extrapolate to it. An IVF search scans nprobe/nlist of the vectors, with nlist ~ sqrt(N), "
+        "so its cost grows about as sqrt(N) at a fixed nprobe: from 1M to 10M about 3x, with nprobe tuned anew.",
+        "",
+        "The 10k retrieval p99 (24 ms against a p50 of 0.7 ms) is a few outliers among the 200 searches of "
+        "an exact 10k segment; not investigated.",
+    ]
     if real:
-        lines += ["", f"Real embeddings: {real['paragraphs']:,} standard-library docstring paragraphs (all-MiniLM-L6-v2), "
-                      f"200 held out as queries: IVF nlist {real['nlist']}, tuned nprobe {real['nprobe']} "
-                      f"(recall {real['tuned_recall']:.3f} on its tuning queries), recall@10 on the held-out "
-                      f"queries {real['recall_at_10']:.3f}."]
+        lines += [
+            "",
+            f"Real embeddings: {real['paragraphs']:,} standard-library docstring paragraphs (all-MiniLM-L6-v2), "
+            f"200 held out as queries: IVF nlist {real['nlist']}, tuned nprobe {real['nprobe']} "
+            f"(recall {real['tuned_recall']:.3f} on its tuning queries), recall@10 on the held-out "
+            f"queries {real['recall_at_10']:.3f}.",
+        ]
     out.write_text("\n".join(lines) + "\n")
     (out.with_suffix(".json")).write_text(json.dumps({"results": results, "real": real}, indent=1, default=str))
     plot(results, out.with_suffix(".png"))
@@ -434,9 +491,14 @@ def plot(results: list[dict], path: Path) -> None:
 
     sizes = [r["chunks"] for r in results]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label, key, scale in (("one-document publish", "publish_s", 1000), ("write-back of 16", "writeback_s", 1000),
-                              ("local refresh", "refresh_local_s", 1000), ("S3 refresh", "s3_refresh_s", 1000),
-                              ("retrieval p50", "search_p50_ms", 1), ("context_rows p50", "context_rows_p50_ms", 1)):
+    for label, key, scale in (
+        ("one-document publish", "publish_s", 1000),
+        ("write-back of 16", "writeback_s", 1000),
+        ("local refresh", "refresh_local_s", 1000),
+        ("S3 refresh", "s3_refresh_s", 1000),
+        ("retrieval p50", "search_p50_ms", 1),
+        ("context_rows p50", "context_rows_p50_ms", 1),
+    ):
         values = [r.get(key) for r in results]
         if all(v is not None for v in values):
             ax.plot(sizes, [v * scale for v in values], marker="o", label=label)

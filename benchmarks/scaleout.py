@@ -21,9 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.machine import describe  # noqa: E402
-
 import ragkv  # noqa: E402
+from benchmarks.machine import describe  # noqa: E402
 from ragkv.config import IngestSettings, ModelSettings, cache_dir  # noqa: E402
 from store.remote import RemoteStore  # noqa: E402
 from tests import s3server  # noqa: E402
@@ -102,8 +101,10 @@ def main() -> None:
         "|---|---|---|---|---|",
     ]
     for engine, workers, seconds, report in rows:
-        lines.append(f"| {engine} | {workers or '-'} | {seconds:.1f} | {report['tokens_computed'] / seconds:,.0f} | "
-                     f"{base / seconds:.2f}x |")
+        lines.append(
+            f"| {engine} | {workers or '-'} | {seconds:.1f} | {report['tokens_computed'] / seconds:,.0f} | "
+            f"{base / seconds:.2f}x |"
+        )
     lines += [
         "",
         "On 2 cores Ray cannot win: the local engine already runs the model on both cores, while each Ray",

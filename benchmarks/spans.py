@@ -28,11 +28,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import ragkv  # noqa: E402
 from benchmarks.fidelity import python_faq_or_exit, work_dir  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
 from benchmarks.passages import cold  # noqa: E402
-
-import ragkv  # noqa: E402
 from ragkv.config import AskSettings, DecodeSettings, IngestSettings, ModelSettings  # noqa: E402
 from ragkv.generate import generate  # noqa: E402
 
@@ -51,8 +50,17 @@ def first_token_and_answer(engine, rows, question: str, settings: AskSettings, t
     loaded = engine.loader.load(rows, chunk_ids, settings)
     assert not loaded.fallback, loaded.warnings
     assembly = loaded.assembly
-    stream = generate(lm.model, lm.tokenizer, assembly.cache, prompt[assembly.num_cached:], lm.facts.eos_ids, tokens,
-                      start, assembly.after_prefill, DecodeSettings(repetition_penalty=1.0, no_repeat_ngram=0))
+    stream = generate(
+        lm.model,
+        lm.tokenizer,
+        assembly.cache,
+        prompt[assembly.num_cached :],
+        lm.facts.eos_ids,
+        tokens,
+        start,
+        assembly.after_prefill,
+        DecodeSettings(repetition_penalty=1.0, no_repeat_ngram=0),
+    )
     while True:
         try:
             next(stream)
@@ -86,18 +94,22 @@ def main() -> None:
     for name, span in (("chunks", 0), ("spans", args.span_tokens)):
         stores[name] = work / f"store-{name}-{args.chunk_tokens}-{span}"
         started = time.perf_counter()
-        report = ragkv.ingest([docs], stores[name], model=model,
-                              settings=IngestSettings(chunk_tokens=args.chunk_tokens, span_tokens=span))
+        report = ragkv.ingest(
+            [docs], stores[name], model=model, settings=IngestSettings(chunk_tokens=args.chunk_tokens, span_tokens=span)
+        )
         ingest_s[name] = report.compute_s if report.kv_computed else float("nan")
-        print(f"{name}: {report.kv_computed} entries computed in {time.perf_counter() - started:.0f} s", file=sys.stderr)
+        print(
+            f"{name}: {report.kv_computed} entries computed in {time.perf_counter() - started:.0f} s", file=sys.stderr
+        )
 
-    results = {k: {"exact": [], "span": [], "full": [], "agree_exact": 0, "agree_span": 0, "n": 0,
-                   "prompt": []} for k in KS}
+    results = {
+        k: {"exact": [], "span": [], "full": [], "agree_exact": 0, "agree_span": 0, "n": 0, "prompt": []} for k in KS
+    }
     with ragkv.open(stores["spans"], device="cpu") as spans, ragkv.open(stores["chunks"], device="cpu") as chunks:
         bytes_on_disk = {"spans": spans.snapshot.catalog.kv_bytes(), "chunks": chunks.snapshot.catalog.kv_bytes()}
         first_token_and_answer(spans, [spans.retrieve(questions[0])[0][0]], questions[0], AskSettings(), 2)  # warm up
         for question in questions:
-            (hit, _), = spans.retrieve(question, top_k=1)
+            ((hit, _),) = spans.retrieve(question, top_k=1)
             span_rows = spans.widen([(hit, 0.0)], "document")
             for k in KS:
                 if len(span_rows) < k:
@@ -106,12 +118,15 @@ def main() -> None:
                 on_spans = [r for r, _ in span_rows[:k]]
                 on_chunks = rows_of(chunks, hit.doc_id, indexes)
                 assert [r.token_ids for r in on_chunks] == [r.token_ids for r in on_spans]
-                span_s, span_ids, cached, prompt = first_token_and_answer(spans, on_spans, question, AskSettings(),
-                                                                           args.tokens)
-                exact_s, exact_ids, _, _ = first_token_and_answer(chunks, on_chunks, question, AskSettings(),
-                                                                  args.tokens)
-                full_s, full_ids, _, _ = first_token_and_answer(chunks, on_chunks, question,
-                                                                AskSettings(use_cache=False), args.tokens)
+                span_s, span_ids, cached, prompt = first_token_and_answer(
+                    spans, on_spans, question, AskSettings(), args.tokens
+                )
+                exact_s, exact_ids, _, _ = first_token_and_answer(
+                    chunks, on_chunks, question, AskSettings(), args.tokens
+                )
+                full_s, full_ids, _, _ = first_token_and_answer(
+                    chunks, on_chunks, question, AskSettings(use_cache=False), args.tokens
+                )
                 r = results[k]
                 r["span"].append(span_s)
                 r["exact"].append(exact_s)
@@ -150,9 +165,11 @@ def render(results, bytes_on_disk, ingest_s, args, asked: int) -> str:
             lines.append(f"| {k} | 0 | - | - | - | - | - | - | - | - |")
             continue
         full, exact, span = (statistics.median(r[p]) for p in ("full", "exact", "span"))
-        lines.append(f"| {k} | {r['n']} | {statistics.median(r['prompt']):.0f} | {full:.3f} | {exact:.3f} | "
-                     f"{span:.3f} | {exact / span:.1f}x faster | {full / span:.1f}x faster | "
-                     f"{r['agree_exact']}/{r['n']} | {r['agree_span']}/{r['n']} |")
+        lines.append(
+            f"| {k} | {r['n']} | {statistics.median(r['prompt']):.0f} | {full:.3f} | {exact:.3f} | "
+            f"{span:.3f} | {exact / span:.1f}x faster | {full / span:.1f}x faster | "
+            f"{r['agree_exact']}/{r['n']} | {r['agree_span']}/{r['n']} |"
+        )
     ratio = bytes_on_disk["spans"] / bytes_on_disk["chunks"]
     lines += [
         "",

@@ -32,23 +32,27 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.machine import describe  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
 
 import ragkv  # noqa: E402
-from ragkv.forward import compute_chunks, compute_prefix  # noqa: E402
+from benchmarks.machine import describe  # noqa: E402
 from ragkv import kv  # noqa: E402
 from ragkv.config import AskSettings, IngestSettings, ModelSettings, cache_dir  # noqa: E402
+from ragkv.forward import compute_chunks, compute_prefix  # noqa: E402
 from ragkv.generate import prefill  # noqa: E402
 from ragkv.lru import ByteLRU  # noqa: E402
 from ragkv.model import resolve_model_path  # noqa: E402
 from ragkv.prompt import encode_text  # noqa: E402
 from store.stats import store_stats  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
 
 LENGTHS = (256, 512, 1024, 2048, 4096)
-QUESTION = "Which of the facts listed in this section mentions the valve that opens first, and what happens after it opens?"
-WORDS = ("valve pump sensor relay gauge filter boiler turbine compressor regulator manifold actuator "
-         "opens closes rises falls holds drains vents locks trips resets").split()
+QUESTION = (
+    "Which of the facts listed in this section mentions the valve that opens first, and what happens after it opens?"
+)
+WORDS = (
+    "valve pump sensor relay gauge filter boiler turbine compressor regulator manifold actuator "
+    "opens closes rises falls holds drains vents locks trips resets"
+).split()
 
 
 def qwen_shape_model() -> Path:
@@ -61,10 +65,22 @@ def qwen_shape_model() -> Path:
     folder = cache_dir() / "bench" / "qwen2.5-0.5b-shape"
     if (folder / "config.json").is_file():
         return folder
-    config = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6,
-                         rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-                         pad_token_id=2, use_sliding_window=False)
+    config = Qwen2Config(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        max_position_embeddings=32768,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        use_sliding_window=False,
+    )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).to(torch.bfloat16)
     tmp = folder.with_name(folder.name + ".tmp")
@@ -100,7 +116,7 @@ def median_spread(values: list[float]) -> tuple[float, float, float]:
 def oracle_s(engine, doc: str) -> float:
     """Question-only prefill and first token over the same KV, already a ready cache."""
     answer = engine.ask(QUESTION, doc_ids=[doc], max_new_tokens=1)
-    live = answer.prompt_ids[answer.stats.reused_tokens:]
+    live = answer.prompt_ids[answer.stats.reused_tokens :]
     rows = [row for row, _ in engine.retrieve(QUESTION, 1, doc_ids=[doc])]
     cache = engine.assemble(rows, AskSettings()).cache
     held = kv.num_cached(cache)
@@ -132,11 +148,19 @@ def measure(engine, docs: dict[int, str], repeats: int) -> list[dict]:
             assert ram.ram_hits == 1
             samples["ram"].append(ram.ttft_s - ram.retrieval_ms / 1000)
             samples["oracle"].append(oracle_s(engine, doc))
-        rows.append({"length": cached.reused_tokens + cached.computed_tokens, "doc_tokens": length,
-                     **{k: median_spread(v) for k, v in samples.items()},
-                     **{k: statistics.median(v) for k, v in parts.items()}})
-        print(f"  {length} tokens: full {rows[-1]['full'][0]:.3f} s, cached {rows[-1]['cached'][0]:.3f} s, "
-              f"oracle {rows[-1]['oracle'][0]:.3f} s", file=sys.stderr)
+        rows.append(
+            {
+                "length": cached.reused_tokens + cached.computed_tokens,
+                "doc_tokens": length,
+                **{k: median_spread(v) for k, v in samples.items()},
+                **{k: statistics.median(v) for k, v in parts.items()},
+            }
+        )
+        print(
+            f"  {length} tokens: full {rows[-1]['full'][0]:.3f} s, cached {rows[-1]['cached'][0]:.3f} s, "
+            f"oracle {rows[-1]['oracle'][0]:.3f} s",
+            file=sys.stderr,
+        )
     return rows
 
 
@@ -146,8 +170,11 @@ def ingest_vs_bare(engine, docs_dir: Path, settings: IngestSettings) -> float:
     from pipelines.read import read_documents
 
     lm, layout = engine.lm, engine.active.layout
-    chunks = [encode_text(lm.tokenizer, c) for d in read_documents([docs_dir]).documents
-              for c in chunk_text(d.text, lm.tokenizer, settings.chunk_tokens)]
+    chunks = [
+        encode_text(lm.tokenizer, c)
+        for d in read_documents([docs_dir]).documents
+        for c in chunk_text(d.text, lm.tokenizer, settings.chunk_tokens)
+    ]
     start = time.perf_counter()
     prefix = compute_prefix(lm.model, layout.prefix_ids)
     for _ in compute_chunks(lm.model, prefix, chunks, settings.batch_tokens_for("cpu"), lm.pad_id):
@@ -177,9 +204,15 @@ def retrieval_latency(engine, sizes=(10_000, 100_000), queries: int = 200) -> li
             start = time.perf_counter()
             index.search(vector, 5)
             search_ms.append((time.perf_counter() - start) * 1000)
-        total = [e + s for e, s in zip(embed_ms, search_ms)]
-        rows.append({"size": size, "embed": np.percentile(embed_ms, [50, 99]), "search": np.percentile(search_ms, [50, 99]),
-                     "total": np.percentile(total, [50, 99])})
+        total = [e + s for e, s in zip(embed_ms, search_ms, strict=False)]
+        rows.append(
+            {
+                "size": size,
+                "embed": np.percentile(embed_ms, [50, 99]),
+                "search": np.percentile(search_ms, [50, 99]),
+                "total": np.percentile(total, [50, 99]),
+            }
+        )
     return rows
 
 
@@ -193,8 +226,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "ttft.md")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    models = {"smollm2": ("SmolLM2-135M (bundled)", "smollm2"),
-              "qwen0.5b": ("Qwen2.5-0.5B shape (random weights)", None)}
+    models = {
+        "smollm2": ("SmolLM2-135M (bundled)", "smollm2"),
+        "qwen0.5b": ("Qwen2.5-0.5B shape (random weights)", None),
+    }
     lengths = [n for n in LENGTHS if n <= args.max_length]
     settings = IngestSettings(chunk_tokens=args.max_length + 64)
     results, retrieval = [], None
@@ -205,10 +240,15 @@ def main() -> None:
             for dtype in args.dtypes.split(","):
                 print(f"{label} {dtype}", file=sys.stderr)
                 store = Path(tmp) / f"{key}-{dtype}"
-                docs = write_documents(Path(tmp) / f"docs-{key}", AutoTokenizer.from_pretrained(resolve_model_path(name)),
-                                       lengths)
-                report = ragkv.ingest([Path(tmp) / f"docs-{key}"], store,
-                                      model=ModelSettings(model=name, device="cpu", dtype=dtype), settings=settings)
+                docs = write_documents(
+                    Path(tmp) / f"docs-{key}", AutoTokenizer.from_pretrained(resolve_model_path(name)), lengths
+                )
+                report = ragkv.ingest(
+                    [Path(tmp) / f"docs-{key}"],
+                    store,
+                    model=ModelSettings(model=name, device="cpu", dtype=dtype),
+                    settings=settings,
+                )
                 with ragkv.open(store, device="cpu") as engine:
                     bare = ingest_vs_bare(engine, Path(tmp) / f"docs-{key}", settings)
                     rows = measure(engine, docs, args.repeats)
@@ -216,9 +256,18 @@ def main() -> None:
                         retrieval = retrieval_latency(engine)
                     snapshot_stats = store_stats(engine.snapshot)
                 facts = engine.lm.facts
-                results.append({"model": label, "dtype": dtype, "rows": rows, "ingest": report.tokens_per_s,
-                                "bare": bare, "disk": snapshot_stats["shard_bytes"],
-                                "raw": snapshot_stats["live_bytes"], "bytes_per_token": facts.kv_bytes_per_token})
+                results.append(
+                    {
+                        "model": label,
+                        "dtype": dtype,
+                        "rows": rows,
+                        "ingest": report.tokens_per_s,
+                        "bare": bare,
+                        "disk": snapshot_stats["shard_bytes"],
+                        "raw": snapshot_stats["live_bytes"],
+                        "bytes_per_token": facts.kv_bytes_per_token,
+                    }
+                )
     args.out.write_text(render(results, retrieval, args))
     plot(results, args.out.with_suffix(".png"))
     print(args.out.read_text())
@@ -249,33 +298,56 @@ def render(results, retrieval, args) -> str:
                 f"| {result['model']} | {result['dtype']} | {r['length']} | {fmt(r['full'])} | {fmt(r['cached'])} | "
                 f"{fmt(r['ram'])} | {fmt(r['oracle'])} | {r['full'][0] / r['cached'][0]:.1f}× | "
                 f"{r['cached'][0] / r['oracle'][0]:.2f} | {r['ram'][0] / r['oracle'][0]:.2f} | "
-                f"{r['catalog_ms']:.1f} / {r['kv_read_ms']:.1f} / {r['assemble_ms']:.1f} / {r['prefill_ms']:.0f} |")
-    lines += ["", "## Ingest throughput and storage", "",
-              "| model | dtype | ingest KV tokens/s | bare forward tokens/s | ingest / bare | bytes on disk / raw KV bytes |",
-              "|---|---|---|---|---|---|"]
+                f"{r['catalog_ms']:.1f} / {r['kv_read_ms']:.1f} / {r['assemble_ms']:.1f} / {r['prefill_ms']:.0f} |"
+            )
+    lines += [
+        "",
+        "## Ingest throughput and storage",
+        "",
+        "| model | dtype | ingest KV tokens/s | bare forward tokens/s | ingest / bare | bytes on disk / raw KV bytes |",
+        "|---|---|---|---|---|---|",
+    ]
     for result in results:
-        lines.append(f"| {result['model']} | {result['dtype']} | {result['ingest']:,.0f} | {result['bare']:,.0f} | "
-                     f"{result['ingest'] / result['bare']:.2f} | {result['disk'] / result['raw']:.4f} |")
+        lines.append(
+            f"| {result['model']} | {result['dtype']} | {result['ingest']:,.0f} | {result['bare']:,.0f} | "
+            f"{result['ingest'] / result['bare']:.2f} | {result['disk'] / result['raw']:.4f} |"
+        )
     lines += ["", "## Targets", "", "| target | measured | met |", "|---|---|---|"]
     for result in results:
-        worst = max((r for r in result["rows"] if r["doc_tokens"] >= 512), key=lambda r: r["cached"][0] / r["oracle"][0])
+        worst = max(
+            (r for r in result["rows"] if r["doc_tokens"] >= 512), key=lambda r: r["cached"][0] / r["oracle"][0]
+        )
         ratio = worst["cached"][0] / worst["oracle"][0]
         ram = max(r["ram"][0] / r["oracle"][0] for r in result["rows"] if r["doc_tokens"] >= 512)
-        lines.append(f"| cached ≤ 1.15 × oracle, ≥ 512 tokens ({result['model']}, {result['dtype']}) | worst {ratio:.2f} "
-                     f"at {worst['length']} tokens (RAM tier worst {ram:.2f}) | {'yes' if ratio <= 1.15 else 'no'} |")
+        lines.append(
+            f"| cached ≤ 1.15 × oracle, ≥ 512 tokens ({result['model']}, {result['dtype']}) | worst {ratio:.2f} "
+            f"at {worst['length']} tokens (RAM tier worst {ram:.2f}) | {'yes' if ratio <= 1.15 else 'no'} |"
+        )
     worst_ingest = min(r["ingest"] / r["bare"] for r in results)
     worst_disk = max(r["disk"] / r["raw"] for r in results)
-    lines.append(f"| ingest ≥ 0.9 × bare forward | worst {worst_ingest:.2f} | {'yes' if worst_ingest >= 0.9 else 'no'} |")
+    lines.append(
+        f"| ingest ≥ 0.9 × bare forward | worst {worst_ingest:.2f} | {'yes' if worst_ingest >= 0.9 else 'no'} |"
+    )
     lines.append(f"| stored bytes ≤ 1.02 × raw KV | worst {worst_disk:.4f} | {'yes' if worst_disk <= 1.02 else 'no'} |")
     if retrieval:
         p50 = max(r["total"][0] for r in retrieval)
-        lines.append(f"| retrieval p50 ≤ 25 ms | {p50:.1f} ms at {retrieval[-1]['size']:,} chunks | {'yes' if p50 <= 25 else 'no'} |")
-    lines += ["", "## Retrieval (question embedding with all-MiniLM-L6-v2 + FAISS flat search, 1 query at a time)", "",
-              f"FAISS threads: {faiss.omp_get_max_threads()}.", "",
-              "| chunks | embed p50 / p99 ms | search p50 / p99 ms | total p50 / p99 ms |", "|---|---|---|---|"]
+        lines.append(
+            f"| retrieval p50 ≤ 25 ms | {p50:.1f} ms at {retrieval[-1]['size']:,} chunks | {'yes' if p50 <= 25 else 'no'} |"
+        )
+    lines += [
+        "",
+        "## Retrieval (question embedding with all-MiniLM-L6-v2 + FAISS flat search, 1 query at a time)",
+        "",
+        f"FAISS threads: {faiss.omp_get_max_threads()}.",
+        "",
+        "| chunks | embed p50 / p99 ms | search p50 / p99 ms | total p50 / p99 ms |",
+        "|---|---|---|---|",
+    ]
     for r in retrieval or []:
-        lines.append(f"| {r['size']:,} | {r['embed'][0]:.1f} / {r['embed'][1]:.1f} | {r['search'][0]:.1f} / "
-                     f"{r['search'][1]:.1f} | {r['total'][0]:.1f} / {r['total'][1]:.1f} |")
+        lines.append(
+            f"| {r['size']:,} | {r['embed'][0]:.1f} / {r['embed'][1]:.1f} | {r['search'][0]:.1f} / "
+            f"{r['search'][1]:.1f} | {r['total'][0]:.1f} / {r['total'][1]:.1f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -290,13 +362,19 @@ def plot(results, path: Path) -> None:
         return
     models = sorted({r["model"] for r in results})
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
-    for ax, model in zip(axes[0], models):
+    for ax, model in zip(axes[0], models, strict=False):
         for result in (r for r in results if r["model"] == model):
             style = "-" if result["dtype"] == "bfloat16" else "--"
             x = [r["length"] for r in result["rows"]]
             for column, color in (("full", "tab:red"), ("cached", "tab:blue"), ("oracle", "tab:green")):
-                ax.plot(x, [r[column][0] for r in result["rows"]], style, color=color, marker="o",
-                        label=f"{column} ({result['dtype']})")
+                ax.plot(
+                    x,
+                    [r[column][0] for r in result["rows"]],
+                    style,
+                    color=color,
+                    marker="o",
+                    label=f"{column} ({result['dtype']})",
+                )
         ax.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="time to first token (s)", title=model)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)

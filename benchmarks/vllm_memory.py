@@ -27,20 +27,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.corpus_scale import corpus, questions_for, replay  # noqa: E402
-from benchmarks.fidelity import work_dir  # noqa: E402
-from benchmarks.machine import describe  # noqa: E402
-from tests import vllm_probe  # noqa: E402
-
 import torch  # noqa: E402
 
 import ragkv  # noqa: E402
+from benchmarks.corpus_scale import corpus, questions_for, replay  # noqa: E402
+from benchmarks.fidelity import work_dir  # noqa: E402
+from benchmarks.machine import describe  # noqa: E402
 from ragkv import codec  # noqa: E402
+from ragkv.api import ServeSettings  # noqa: E402
 from ragkv.config import DEFAULT_MODEL, AskSettings, IngestSettings, ModelSettings  # noqa: E402
 from ragkv.model import load_model  # noqa: E402
 from ragkv.vllm_front import _layout_params  # noqa: E402
-from ragkv.api import ServeSettings  # noqa: E402
 from store import open_snapshot  # noqa: E402
+from tests import vllm_probe  # noqa: E402
 
 CHUNK_TOKENS = 256
 BUDGET_SHARE = 0.10
@@ -50,10 +49,20 @@ SKIP = {"ragkv": "skip"}
 
 def ingest(docs: Path, store: Path, engine: str = "local", **settings) -> dict:
     started = time.perf_counter()
-    report = ragkv.ingest([docs], store, model=ModelSettings(device="cpu", dtype="float32"),
-                          settings=IngestSettings(chunk_tokens=CHUNK_TOKENS, **settings), engine=engine)
-    return {"s": time.perf_counter() - started, "tokens": report.tokens_computed, "compute_s": report.compute_s,
-            "entries": report.kv_computed, "kv_bytes": report.kv_bytes}
+    report = ragkv.ingest(
+        [docs],
+        store,
+        model=ModelSettings(device="cpu", dtype="float32"),
+        settings=IngestSettings(chunk_tokens=CHUNK_TOKENS, **settings),
+        engine=engine,
+    )
+    return {
+        "s": time.perf_counter() - started,
+        "tokens": report.tokens_computed,
+        "compute_s": report.compute_s,
+        "entries": report.kv_computed,
+        "kv_bytes": report.kv_bytes,
+    }
 
 
 def probe(python: str, store: Path, runs: list[dict], work: Path, kv_role: str) -> dict:
@@ -103,8 +112,12 @@ def kv_agreement(a: Path, b: Path) -> dict:
             kx = codec.decode(left.shards.read_parts(x.shard, x.tensor, x.checksum), torch.float32)
             ky = codec.decode(right.shards.read_parts(y.shard, y.tensor, y.checksum), torch.float32)
             diff = (kx - ky).abs()
-            worst, total, count, entries = max(worst, diff.max().item()), total + diff.sum().item(), \
-                count + diff.numel(), entries + 1
+            worst, total, count, entries = (
+                max(worst, diff.max().item()),
+                total + diff.sum().item(),
+                count + diff.numel(),
+                entries + 1,
+            )
     return {"entries": entries, "of": len(keys), "max": worst, "mean": total / max(count, 1)}
 
 
@@ -113,9 +126,13 @@ def answers_agree(a: Path, b: Path, questions: list[str], tokens: int) -> dict:
     same, first_diff = 0, 0.0
     with ragkv.open(a, device="cpu") as left, ragkv.open(b, device="cpu") as right:
         for question in questions:
-            same += left.ask(question, max_new_tokens=tokens).token_ids == right.ask(question, max_new_tokens=tokens).token_ids
-            first_diff = max(first_diff, (left.first_token_logits(question) - right.first_token_logits(question))
-                             .abs().max().item())
+            same += (
+                left.ask(question, max_new_tokens=tokens).token_ids
+                == right.ask(question, max_new_tokens=tokens).token_ids
+            )
+            first_diff = max(
+                first_diff, (left.first_token_logits(question) - right.first_token_logits(question)).abs().max().item()
+            )
     return {"identical": same, "of": len(questions), "logit_max_diff": first_diff}
 
 
@@ -168,8 +185,13 @@ def main() -> None:
     ceiling = 1 - distinct / len(questions)
 
     print(f"vLLM + connector, budget store with write-back: {len(questions)} questions", flush=True)
-    budget_run = probe(args.vllm_python, stores["budget-vllm"],
-                       [{"name": f"q{i}", **p} for i, p in enumerate(prompts)], work, "kv_both")
+    budget_run = probe(
+        args.vllm_python,
+        stores["budget-vllm"],
+        [{"name": f"q{i}", **p} for i, p in enumerate(prompts)],
+        work,
+        "kv_both",
+    )
     block = budget_run["block_size"]
     hits = hits_logged(stores["budget-vllm"])  # where each use's KV came from, as the connector logged it
 
@@ -199,24 +221,41 @@ def main() -> None:
         budget_entries = snapshot.catalog.counts()["kv_entries"]
 
     def ttft(result: dict, names: list[str] | None = None) -> list[float]:
-        return [r["seconds"] for r in result["runs"] if r["name"] != "warmup" and (
-            (names is None and not r["name"].endswith("-full")) or (names is not None and r["name"] in names))]
+        return [
+            r["seconds"]
+            for r in result["runs"]
+            if r["name"] != "warmup"
+            and ((names is None and not r["name"].endswith("-full")) or (names is not None and r["name"] in names))
+        ]
 
     rows = {
         "vllm_budget": {"hit": sum(hits) / len(hits), "ttft": ttft(budget_run), "hits": hits},
         "vllm_all": {"ttft": ttft(all_run, sampled)},
         "vllm_alone": {"ttft": ttft(all_run, [f"{n}-full" for n in sampled])},
         "vllm_budget_sampled": {"ttft": ttft(budget_run, sampled)},
-        "ragkv_budget": {"hit": sum(r["source"] in ("store", "ram") for r in ragkv_rows) / len(ragkv_rows),
-                         "ttft": [r["ttft"] for r in ragkv_rows],
-                         "hits": [r["source"] in ("store", "ram") for r in ragkv_rows]},
+        "ragkv_budget": {
+            "hit": sum(r["source"] in ("store", "ram") for r in ragkv_rows) / len(ragkv_rows),
+            "ttft": [r["ttft"] for r in ragkv_rows],
+            "hits": [r["source"] in ("store", "ram") for r in ragkv_rows],
+        },
     }
-    result = {"num_tokens": num_tokens, "questions": len(questions), "distinct": distinct, "ceiling": ceiling,
-              "limit": limit, "ingests": ingests, "rows": rows, "kv": kv, "answers": answers,
-              "transformers_kv_in_vllm": vllm_agreement(all_run, sampled),
-              "vllm_kv_in_vllm": vllm_agreement(vllm_store_run, sampled),
-              "copy_ms": budget_run["copy_ms"], "write_back": budget_run["write_back"],
-              "budget_entries": budget_entries, "block": block}
+    result = {
+        "num_tokens": num_tokens,
+        "questions": len(questions),
+        "distinct": distinct,
+        "ceiling": ceiling,
+        "limit": limit,
+        "ingests": ingests,
+        "rows": rows,
+        "kv": kv,
+        "answers": answers,
+        "transformers_kv_in_vllm": vllm_agreement(all_run, sampled),
+        "vllm_kv_in_vllm": vllm_agreement(vllm_store_run, sampled),
+        "copy_ms": budget_run["copy_ms"],
+        "write_back": budget_run["write_back"],
+        "budget_entries": budget_entries,
+        "block": block,
+    }
     (work / "vllm_memory.json").write_text(json.dumps(result))
     args.out.write_text(render(result, args))
     plot(result, args.out.with_suffix(".png"))
@@ -290,11 +329,16 @@ def render(r: dict, args) -> str:
         "| system | mean TTFT s | p50 | p90 | vs vLLM alone |",
         "|---|---|---|---|---|",
     ]
-    for label, key in (("vLLM alone (full prefill)", "vllm_alone"), ("vLLM + connector, all KV precomputed", "vllm_all"),
-                       ("vLLM + connector, 10% budget learning", "vllm_budget_sampled")):
+    for label, key in (
+        ("vLLM alone (full prefill)", "vllm_alone"),
+        ("vLLM + connector, all KV precomputed", "vllm_all"),
+        ("vLLM + connector, 10% budget learning", "vllm_budget_sampled"),
+    ):
         values = rows[key]["ttft"]
-        lines.append(f"| {label} | {_mean(values):.3f} | {_p50(values):.3f} | {_p90(values):.3f} | "
-                     f"{_mean(values) / alone:.2f}x |")
+        lines.append(
+            f"| {label} | {_mean(values):.3f} | {_p50(values):.3f} | {_p90(values):.3f} | "
+            f"{_mean(values) / alone:.2f}x |"
+        )
     kv, ans = r["kv"], r["answers"]
     t_in_v, v_in_v = r["transformers_kv_in_vllm"], r["vllm_kv_in_vllm"]
     lines += [
@@ -355,7 +399,7 @@ def plot(r: dict, path: Path) -> None:
     for key, label in (("vllm_budget", "vLLM + connector"), ("ragkv_budget", "ragkv's engine")):
         hits = r["rows"][key]["hits"]
         xs = list(range(WINDOW, len(hits) + 1, WINDOW))
-        ax.plot(xs, [sum(hits[x - WINDOW:x]) / WINDOW for x in xs], marker="o", label=label)
+        ax.plot(xs, [sum(hits[x - WINDOW : x]) / WINDOW for x in xs], marker="o", label=label)
     ax.axhline(r["ceiling"], linestyle="--", color="grey", label="compulsory-miss ceiling (whole trace)")
     ax.set_xlabel("question")
     ax.set_ylabel(f"hit rate (last {WINDOW})")

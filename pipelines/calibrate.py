@@ -45,8 +45,10 @@ class CalibrateSettings:
 
     def __post_init__(self):
         if self.questions < 1 or self.top_k < 2:
-            raise InputError(f"--questions must be at least 1 and --top-k at least 2 (approximate modes compose "
-                             f"several chunks), got {self.questions} and {self.top_k}")
+            raise InputError(
+                f"--questions must be at least 1 and --top-k at least 2 (approximate modes compose "
+                f"several chunks), got {self.questions} and {self.top_k}"
+            )
         if not 0.0 < self.target <= 1.0:
             raise InputError(f"--target must be above 0 and at most 1, got {self.target}")
 
@@ -70,8 +72,9 @@ def held_in_questions(catalog, count: int) -> list[str]:
     return questions
 
 
-def calibrate(store: Path | str, settings: CalibrateSettings, reporter: Reporter, model: str | None = None,
-              device: str = "auto") -> Calibration:
+def calibrate(
+    store: Path | str, settings: CalibrateSettings, reporter: Reporter, model: str | None = None, device: str = "auto"
+) -> Calibration:
     """Measure, choose and record (module docstring); returns what was recorded."""
     with QueryEngine(store, model=model, device=device, write_back=False, log_uses=False) as engine:  # not traffic
         questions = held_in_questions(engine.snapshot.catalog, settings.questions)
@@ -84,8 +87,11 @@ def calibrate(store: Path | str, settings: CalibrateSettings, reporter: Reporter
         measured = []
         for mode in settings.modes:
             for share in settings.shares:
-                measured.append(_measure(engine, references, AskSettings(top_k=settings.top_k, mode=mode,
-                                                                         blend_ratio=share), settings))
+                measured.append(
+                    _measure(
+                        engine, references, AskSettings(top_k=settings.top_k, mode=mode, blend_ratio=share), settings
+                    )
+                )
                 reporter.advance(len(references))
                 if measured[-1].first_token >= settings.target:
                     break
@@ -133,9 +139,13 @@ def teacher_forced(engine, question: str, ask: AskSettings, answer_ids: list[int
     tops = [int(head.argmax())]
     if len(answer_ids) > 1:
         rest = torch.tensor([answer_ids[:-1]], dtype=torch.long, device=ids.device)  # (1, A - 1)
-        tops += model(input_ids=rest, cache=cache, use_cache=True,
-                      logits_to_keep=rest.shape[1]).logits[0].argmax(-1).tolist()
-    return Forced(head, sum(a == b for a, b in zip(tops, answer_ids)) / len(answer_ids), seconds)
+        tops += (
+            model(input_ids=rest, cache=cache, use_cache=True, logits_to_keep=rest.shape[1])
+            .logits[0]
+            .argmax(-1)
+            .tolist()
+        )
+    return Forced(head, sum(a == b for a, b in zip(tops, answer_ids, strict=False)) / len(answer_ids), seconds)
 
 
 def _measure(engine, references: list[Reference], ask: AskSettings, settings: CalibrateSettings) -> Measured:
@@ -149,6 +159,10 @@ def _measure(engine, references: list[Reference], ask: AskSettings, settings: Ca
         first.append(int(result.first_logits.argmax()) == ref.answer_ids[0])
         forced.append(result.agreement)
     full_ttft = statistics.median(r.ttft_s for r in references)
-    return Measured(ask.mode, ask.blend_ratio or 0.0, statistics.mean(first) if first else 0.0,
-                    statistics.mean(forced) if forced else 0.0,
-                    statistics.median(ttft) / full_ttft if ttft and full_ttft else 1.0)
+    return Measured(
+        ask.mode,
+        ask.blend_ratio or 0.0,
+        statistics.mean(first) if first else 0.0,
+        statistics.mean(forced) if forced else 0.0,
+        statistics.median(ttft) / full_ttft if ttft and full_ttft else 1.0,
+    )

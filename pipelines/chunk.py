@@ -3,8 +3,9 @@ where possible, then sentence boundaries, then (for a run-on sentence) the last 
 that fits: after a comma or a space, else between two CJK characters, never inside a number
 or a word.
 
-Sentences end at `.!?;:` followed by white space (not after a list number such as "4."), and at the CJK and full-width sentence
-ends `。！？；：．` (which need no space after them; Chinese and Japanese text has none).
+Sentences end at `.!?;:` followed by white space (not after a list number such as "4."), and at
+the CJK and full-width sentence ends `。！？；：．` (which need no space after them; Chinese and
+Japanese text has none).
 Pieces are joined back with the white space that separated them (none between CJK
 sentences). Token counts are exact: every chunk is checked by tokenising it as it will be
 stored.
@@ -70,7 +71,9 @@ def _pieces(text: str, tokenizer, max_tokens: int):
         first = True
         for sentence, gap in _split(paragraph, _SENTENCE_END):
             fits = _count(tokenizer, sentence) <= max_tokens
-            for index, (part, part_gap) in enumerate([(sentence, gap)] if fits else _windows(sentence, tokenizer, max_tokens)):
+            for index, (part, part_gap) in enumerate(
+                [(sentence, gap)] if fits else _windows(sentence, tokenizer, max_tokens)
+            ):
                 yield Piece(part, "\n\n" if first else _joiner(gap if index == 0 else part_gap))
                 first = False
 
@@ -82,7 +85,7 @@ def _split(text: str, pattern: re.Pattern) -> list[tuple[str, str]]:
     for match in pattern.finditer(text):
         if match.end() == 0 or match.start() < start:
             continue
-        if piece := text[start:match.start()]:
+        if piece := text[start : match.start()]:
             pieces.append((piece, gap))
             gap = ""
         gap += match.group()
@@ -98,8 +101,13 @@ def _joiner(gap: str) -> str:
 
 def _is_cjk(char: str) -> bool:
     code = ord(char)
-    return (0x3040 <= code <= 0x30FF or 0x3400 <= code <= 0x4DBF or 0x4E00 <= code <= 0x9FFF
-            or 0xAC00 <= code <= 0xD7AF or 0xF900 <= code <= 0xFAFF)
+    return (
+        0x3040 <= code <= 0x30FF
+        or 0x3400 <= code <= 0x4DBF
+        or 0x4E00 <= code <= 0x9FFF
+        or 0xAC00 <= code <= 0xD7AF
+        or 0xF900 <= code <= 0xFAFF
+    )
 
 
 def _cut_quality(text: str, at: int) -> int:
@@ -119,8 +127,9 @@ def _windows(text: str, tokenizer, max_tokens: int) -> list[tuple[str, str]]:
     """Cut `text` into parts of at most `max_tokens` tokens each, at the best token boundary
     of the last half of each window (see `_cut_quality`); each part with the white space
     before it."""
-    offsets = tokenizer(text, add_special_tokens=False, split_special_tokens=True,
-                        return_offsets_mapping=True)["offset_mapping"]
+    offsets = tokenizer(text, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True)[
+        "offset_mapping"
+    ]
     parts, start_token, previous_end = [], 0, 0
     while start_token < len(offsets):
         size = max_tokens

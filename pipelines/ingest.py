@@ -11,26 +11,24 @@ again, and a chunk whose KV key is already in the store is not computed again.
 from __future__ import annotations
 
 import dataclasses
-
 import math
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
 
-
-from pipelines.chunk import chunk_text, chunking_id
-from ragkv.forward import compute_chunks, compute_prefix, shard_metadata, split_segments
-from pipelines.plan import DocumentPlan, content_hash, plan_documents
 from pipelines import ray_engine, vllm_engine
-from pipelines.ray_ingest import RayJob, run_ray_job
+from pipelines.chunk import chunk_text, chunking_id
+from pipelines.plan import DocumentPlan, content_hash, plan_documents
 from pipelines.progress import Reporter
+from pipelines.ray_ingest import RayJob, run_ray_job
 from pipelines.read import Document, Skipped, read_documents
 from ragkv import codec, spans
 from ragkv.config import IngestSettings, ModelSettings
 from ragkv.embed import Embedder
 from ragkv.errors import InputError, ModelError
+from ragkv.forward import compute_chunks, compute_prefix, shard_metadata, split_segments
 from ragkv.keys import KVKey, Profile
 from ragkv.model import LoadedModel, load_model
 from ragkv.prompt import PromptLayout, encode_text
@@ -105,9 +103,17 @@ class Unit:
         return [t for c in self.chunks for t in c.ids]
 
 
-def ingest(paths: Sequence[Path | str], store: Path | str, model: ModelSettings | None = None,
-           settings: IngestSettings | None = None, reporter: Reporter | None = None, wait: bool = False,
-           prune: bool = False, engine: str = "local", workers: int = 0) -> IngestReport:
+def ingest(
+    paths: Sequence[Path | str],
+    store: Path | str,
+    model: ModelSettings | None = None,
+    settings: IngestSettings | None = None,
+    reporter: Reporter | None = None,
+    wait: bool = False,
+    prune: bool = False,
+    engine: str = "local",
+    workers: int = 0,
+) -> IngestReport:
     """Ingest documents under `paths` into the store at `store` (a folder or s3://bucket/prefix)
     and publish a new generation.
 
@@ -139,13 +145,22 @@ def ingest(paths: Sequence[Path | str], store: Path | str, model: ModelSettings 
     layout = PromptLayout.build(lm.tokenizer, settings.system_prompt)
     _check_fits(lm, layout, settings.chunk_tokens)
     if settings.span_tokens > _chunk_room(lm, layout):
-        raise InputError(f"--span-tokens {settings.span_tokens} does not fit the model's context of "
-                         f"{lm.facts.max_context} tokens with the {len(layout.prefix_ids)}-token system prompt; use at "
-                         f"most {_chunk_room(lm, layout)}")
-    profile = Profile(lm.facts.fingerprint, lm.facts.tokenizer_fingerprint, layout.template_fingerprint,
-                      layout.prefix_ids, model.dtype, codec.kv_quant(settings.kv_dtype, model.dtype))
-    report = IngestReport(str(store), model=lm.facts.name, dtype=model.dtype, device=model.device,
-                          engine=engine, skipped=found.skipped)
+        raise InputError(
+            f"--span-tokens {settings.span_tokens} does not fit the model's context of "
+            f"{lm.facts.max_context} tokens with the {len(layout.prefix_ids)}-token system prompt; use at "
+            f"most {_chunk_room(lm, layout)}"
+        )
+    profile = Profile(
+        lm.facts.fingerprint,
+        lm.facts.tokenizer_fingerprint,
+        layout.template_fingerprint,
+        layout.prefix_ids,
+        model.dtype,
+        codec.kv_quant(settings.kv_dtype, model.dtype),
+    )
+    report = IngestReport(
+        str(store), model=lm.facts.name, dtype=model.dtype, device=model.device, engine=engine, skipped=found.skipped
+    )
     try:
         with open_writer(store, wait=wait) as writer:
             report.kv_adopted = len(writer.adopt_orphans())
@@ -181,18 +196,32 @@ def _check_chunks_fit(pending: list[PendingChunk], lm: LoadedModel, layout: Prom
     room = _chunk_room(lm, layout)
     longest = max((len(p.token_ids) for p in pending), default=0)
     if longest > room:
-        raise InputError(f"a stored chunk is {longest} tokens for model {lm.facts.name}, more than its context leaves "
-                         f"room for ({room}); re-chunk with a smaller --chunk-tokens")
+        raise InputError(
+            f"a stored chunk is {longest} tokens for model {lm.facts.name}, more than its context leaves "
+            f"room for ({room}); re-chunk with a smaller --chunk-tokens"
+        )
 
 
-def _write(writer: StoreWriter, documents: list[Document], lm: LoadedModel, embedder: Embedder,
-           layout: PromptLayout, profile: Profile, settings: IngestSettings, reporter: Reporter,
-           report: IngestReport, prune: bool, job: "RayJob | None") -> None:
+def _write(
+    writer: StoreWriter,
+    documents: list[Document],
+    lm: LoadedModel,
+    embedder: Embedder,
+    layout: PromptLayout,
+    profile: Profile,
+    settings: IngestSettings,
+    reporter: Reporter,
+    report: IngestReport,
+    prune: bool,
+    job: RayJob | None,
+) -> None:
     catalog = writer.catalog
     meta = catalog.meta()
     if meta.get("embedder_fingerprint", embedder.fingerprint) != embedder.fingerprint:
-        raise ModelError(f"store {writer.root} was built with embedder {meta.get('embedder')}; "
-                         f"ingest with --embedder {meta.get('embedder')} or use a new store")
+        raise ModelError(
+            f"store {writer.root} was built with embedder {meta.get('embedder')}; "
+            f"ingest with --embedder {meta.get('embedder')} or use a new store"
+        )
     chunking = chunking_id(settings.chunk_tokens) + (f";span={settings.span_tokens}" if settings.span_tokens else "")
     plan = plan_documents(documents, catalog.documents(), chunking, prune)
     report.skipped += plan.conflicts
@@ -209,7 +238,8 @@ def _write(writer: StoreWriter, documents: list[Document], lm: LoadedModel, embe
     if settings.span_tokens:  # a span's keys chain through its chunks: take whole documents
         candidates = new_chunks + [c for c in stored_chunks if c.doc_id in unlinked_docs]
         report.kv_reused, report.tokens_skipped = catalog.linked_totals(
-            profile.profile_id, [d for d in unchanged_ids if d not in unlinked_docs])
+            profile.profile_id, [d for d in unchanged_ids if d not in unlinked_docs]
+        )
         pending = _pending_spans(candidates, lm.tokenizer, profile, layout.separator_ids, settings.span_tokens)
     else:
         candidates = new_chunks + [c for c in stored_chunks if c.chunk_id not in linked]
@@ -221,8 +251,9 @@ def _write(writer: StoreWriter, documents: list[Document], lm: LoadedModel, embe
     report.kv_budget = limit
     if limit is not None or settings.precompute is not None:
         if settings.span_tokens:
-            raise InputError(f"store {writer.root} has a KV budget, which keeps chunks' KV one by one; ingest "
-                             "without --span-tokens")
+            raise InputError(
+                f"store {writer.root} has a KV budget, which keeps chunks' KV one by one; ingest without --span-tokens"
+            )
         pending = _within_budget(writer, pending, lm, profile, limit, settings.precompute, report)
     work, prefix_key = _todo(catalog, pending, profile, report)
     if job:
@@ -238,15 +269,24 @@ def _write(writer: StoreWriter, documents: list[Document], lm: LoadedModel, embe
     if limit is not None:  # estimates planned the work; the bytes written decide
         report.kv_evicted += len(budget.enforce(writer, profile.profile_id, limit))
         catalog.set_meta({"kv_budget": str(limit)})
-    catalog.set_meta({
-        "embedder": embedder.name,
-        "embedder_fingerprint": embedder.fingerprint,
-        "last_profile": profile.profile_id,
-    })
+    catalog.set_meta(
+        {
+            "embedder": embedder.name,
+            "embedder_fingerprint": embedder.fingerprint,
+            "last_profile": profile.profile_id,
+        }
+    )
 
 
-def _within_budget(writer: StoreWriter, pending: list[PendingChunk], lm: LoadedModel, profile: Profile,
-                   limit: int | None, precompute: int | None, report: IngestReport) -> list[PendingChunk]:
+def _within_budget(
+    writer: StoreWriter,
+    pending: list[PendingChunk],
+    lm: LoadedModel,
+    profile: Profile,
+    limit: int | None,
+    precompute: int | None,
+    report: IngestReport,
+) -> list[PendingChunk]:
     """The chunks whose KV to compute now: the most popular that fit the budget `limit` (and,
     of new KV, at most `precompute` bytes), chunks whose KV is stored already always. Stored
     KV colder than what is chosen is evicted. The rest stay without KV (computed on a miss)."""
@@ -259,17 +299,28 @@ def _within_budget(writer: StoreWriter, pending: list[PendingChunk], lm: LoadedM
     stored_keys = catalog.existing_keys(p.key for p in pending)
     fresh = [p for p in pending if p.key not in stored_keys]
     writes_prefix = not catalog.existing_keys([KVKey.for_prefix(profile).to_string()])
-    decision = budget.admit(writer, profile.profile_id,
-                            [(p.key, math.ceil(len(p.token_ids) * per_token), p.chunk_id) for p in fresh],
-                            limit, precompute, reserved=prefix_bytes if writes_prefix else 0)
+    decision = budget.admit(
+        writer,
+        profile.profile_id,
+        [(p.key, math.ceil(len(p.token_ids) * per_token), p.chunk_id) for p in fresh],
+        limit,
+        precompute,
+        reserved=prefix_bytes if writes_prefix else 0,
+    )
     report.kv_evicted += len(decision.evict)
     chosen = set(decision.compute)
     report.kv_deferred = len(fresh) - len(chosen)
     return [p for p in pending if p.key in stored_keys or p.key in chosen]
 
 
-def _replace_documents(writer: StoreWriter, plan: DocumentPlan, chunking: str, lm: LoadedModel,
-                       settings: IngestSettings, reporter: Reporter) -> list[ChunkRow]:
+def _replace_documents(
+    writer: StoreWriter,
+    plan: DocumentPlan,
+    chunking: str,
+    lm: LoadedModel,
+    settings: IngestSettings,
+    reporter: Reporter,
+) -> list[ChunkRow]:
     """Retire the chunks (and vectors) of changed and removed documents; chunk new and changed
     ones. Returns the new chunks, still to be embedded."""
     catalog, vectors = writer.catalog, writer.vectors
@@ -284,8 +335,9 @@ def _replace_documents(writer: StoreWriter, plan: DocumentPlan, chunking: str, l
     return new_chunks
 
 
-def _chunk_documents(documents: list[Document], tokenizer, chunk_tokens: int, first_id: int,
-                     reporter: Reporter) -> list[ChunkRow]:
+def _chunk_documents(
+    documents: list[Document], tokenizer, chunk_tokens: int, first_id: int, reporter: Reporter
+) -> list[ChunkRow]:
     rows: list[ChunkRow] = []
     reporter.stage("chunking", len(documents), "docs")
     for doc in documents:
@@ -298,7 +350,7 @@ def _chunk_documents(documents: list[Document], tokenizer, chunk_tokens: int, fi
 def _embed(chunks: list[ChunkRow], embedder: Embedder, vectors, reporter: Reporter, batch: int = 64) -> None:
     reporter.stage("embedding", len(chunks))
     for start in range(0, len(chunks), batch):
-        part = chunks[start:start + batch]
+        part = chunks[start : start + batch]
         vectors.add([c.chunk_id for c in part], embedder.embed([c.text for c in part]))
         reporter.advance(len(part))
 
@@ -308,8 +360,9 @@ def _pending(chunk: ChunkRow, tokenizer, profile: Profile) -> PendingChunk:
     return PendingChunk(chunk.chunk_id, chunk.text, ids, KVKey.for_chunk(profile, ids).to_string())
 
 
-def _pending_spans(chunks: list[ChunkRow], tokenizer, profile: Profile, separator: Sequence[int],
-                   span_tokens: int) -> list[PendingChunk]:
+def _pending_spans(
+    chunks: list[ChunkRow], tokenizer, profile: Profile, separator: Sequence[int], span_tokens: int
+) -> list[PendingChunk]:
     """Chunks of each document, in order, cut into spans of at most `span_tokens` tokens (a
     new span starts where the next chunk would pass it; a longer chunk is a span of its own).
     A span's first chunk is keyed and computed as if alone; every later one continues it:
@@ -331,8 +384,9 @@ def _pending_spans(chunks: list[ChunkRow], tokenizer, profile: Profile, separato
     return pending
 
 
-def _todo(catalog, pending: list[PendingChunk], profile: Profile, report: IngestReport
-          ) -> tuple[list[Unit], str | None]:
+def _todo(
+    catalog, pending: list[PendingChunk], profile: Profile, report: IngestReport
+) -> tuple[list[Unit], str | None]:
     """What to compute: a unit per chunk alone, or per span, holding a key not stored yet
     (each distinct key written once), and the prefix key if the store lacks the prefix entry."""
     prefix_key = KVKey.for_prefix(profile).to_string()
@@ -354,12 +408,24 @@ def _todo(catalog, pending: list[PendingChunk], profile: Profile, report: Ingest
 
 def _units_of(pending: list[PendingChunk]) -> list[list[PendingChunk]]:
     """Chunks alone, and spans (consecutive chunks sharing a span start), in order."""
-    return spans.runs(pending, lambda previous, p: p.span_start is not None and p.segment != p.token_ids
-                      and previous.span_start == p.span_start)
+    return spans.runs(
+        pending,
+        lambda previous, p: (
+            p.span_start is not None and p.segment != p.token_ids and previous.span_start == p.span_start
+        ),
+    )
 
 
-def _compute_and_store(writer: StoreWriter, work: list[Unit], prefix_key: str | None, lm: LoadedModel,
-                       profile: Profile, settings: IngestSettings, reporter: Reporter, report: IngestReport) -> None:
+def _compute_and_store(
+    writer: StoreWriter,
+    work: list[Unit],
+    prefix_key: str | None,
+    lm: LoadedModel,
+    profile: Profile,
+    settings: IngestSettings,
+    reporter: Reporter,
+    report: IngestReport,
+) -> None:
     catalog = writer.catalog
     shards = writer.shard_writer(settings.shard_bytes, shard_metadata(profile.profile_id, lm.facts.name, profile.dtype))
     reporter.stage("KV", sum(len(u.chunks) for u in work))
@@ -371,7 +437,9 @@ def _compute_and_store(writer: StoreWriter, work: list[Unit], prefix_key: str | 
     batch_tokens = settings.batch_tokens_for(lm.device)
     for result in compute_chunks(lm.model, prefix_kv, [u.ids for u in work], batch_tokens, lm.pad_id):
         unit = work[result.index]
-        for chunk, new, part in zip(unit.chunks, unit.store, split_segments(result.kv, [len(c.ids) for c in unit.chunks])):
+        for chunk, new, part in zip(
+            unit.chunks, unit.store, split_segments(result.kv, [len(c.ids) for c in unit.chunks]), strict=False
+        ):
             if new:
                 sealed = shards.add(chunk.key, codec.encode(part, profile.kv_quant))
                 if sealed:
@@ -384,6 +452,17 @@ def _compute_and_store(writer: StoreWriter, work: list[Unit], prefix_key: str | 
 
 
 def _profile_row(profile: Profile, lm: LoadedModel, system_prompt: str) -> ProfileRow:
-    return ProfileRow(profile.profile_id, lm.facts.name, profile.model_fingerprint, profile.tokenizer_fingerprint,
-                      profile.template_fingerprint, system_prompt, tuple(profile.prefix_ids), profile.dtype,
-                      profile.kv_quant, lm.facts.num_layers, lm.facts.num_kv_heads, lm.facts.head_dim)
+    return ProfileRow(
+        profile.profile_id,
+        lm.facts.name,
+        profile.model_fingerprint,
+        profile.tokenizer_fingerprint,
+        profile.template_fingerprint,
+        system_prompt,
+        tuple(profile.prefix_ids),
+        profile.dtype,
+        profile.kv_quant,
+        lm.facts.num_layers,
+        lm.facts.num_kv_heads,
+        lm.facts.head_dim,
+    )

@@ -12,9 +12,9 @@ locked, 6 model, 7 store not writable). The JSON report holds every step's numbe
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from pipelines.ingest import ingest
 from pipelines.progress import Reporter
@@ -40,17 +40,40 @@ class NightlyReport:
         return 0 if self.ok else EXIT_PROBLEMS
 
     def to_dict(self) -> dict:
-        return {"ok": self.ok, "ingest": self.ingest, "gc": self.gc, "verify": self.verify,
-                "seconds": round(self.seconds, 3)}
+        return {
+            "ok": self.ok,
+            "ingest": self.ingest,
+            "gc": self.gc,
+            "verify": self.verify,
+            "seconds": round(self.seconds, 3),
+        }
 
 
-def run_nightly(paths: Sequence[Path | str], store: Path | str, model: ModelSettings | None = None,
-                settings: IngestSettings | None = None, gc: bool = True, check: bool = True, wait: bool = False,
-                reporter: Reporter | None = None, engine: str = "local", workers: int = 0) -> NightlyReport:
+def run_nightly(
+    paths: Sequence[Path | str],
+    store: Path | str,
+    model: ModelSettings | None = None,
+    settings: IngestSettings | None = None,
+    gc: bool = True,
+    check: bool = True,
+    wait: bool = False,
+    reporter: Reporter | None = None,
+    engine: str = "local",
+    workers: int = 0,
+) -> NightlyReport:
     started = time.perf_counter()
     report = NightlyReport()
-    report.ingest = ingest(paths, store, model=model, settings=settings, reporter=reporter, wait=wait,
-                           prune=True, engine=engine, workers=workers).to_dict()
+    report.ingest = ingest(
+        paths,
+        store,
+        model=model,
+        settings=settings,
+        reporter=reporter,
+        wait=wait,
+        prune=True,
+        engine=engine,
+        workers=workers,
+    ).to_dict()
     if gc:
         report.gc = collect_garbage(store, wait=wait).to_dict()
     if check:
@@ -58,4 +81,3 @@ def run_nightly(paths: Sequence[Path | str], store: Path | str, model: ModelSett
             report.verify = verify(snapshot).to_dict()
     report.seconds = time.perf_counter() - started
     return report
-

@@ -34,12 +34,17 @@ class DocumentPlan:
         return [d.doc_id for d in self.changed] + self.removed
 
     def counts(self) -> dict[str, int]:
-        return {"added": len(self.added), "changed": len(self.changed), "unchanged": len(self.unchanged),
-                "removed": len(self.removed)}
+        return {
+            "added": len(self.added),
+            "changed": len(self.changed),
+            "unchanged": len(self.unchanged),
+            "removed": len(self.removed),
+        }
 
 
-def plan_documents(documents: list[Document], stored: dict[str, DocumentRow], chunking: str,
-                   prune: bool) -> DocumentPlan:
+def plan_documents(
+    documents: list[Document], stored: dict[str, DocumentRow], chunking: str, prune: bool
+) -> DocumentPlan:
     """Compare documents read now with those stored. With `prune`, stored documents not read
     now are removed (the paths given are the whole corpus). Without it, a changed document
     whose id is stored from another file that still exists (two trees both holding
@@ -52,9 +57,14 @@ def plan_documents(documents: list[Document], stored: dict[str, DocumentRow], ch
             plan.added.append(doc)
         elif old.content_hash != content_hash(doc) or old.chunking != chunking:
             if not prune and is_other_file(old.source, doc.source):
-                plan.conflicts.append(Skipped(doc.source, f"document id {doc.doc_id!r} is stored from {old.source}, "
-                                              "which still exists and differs: give this one another id, or reindex "
-                                              "to make the store hold exactly these paths"))
+                plan.conflicts.append(
+                    Skipped(
+                        doc.source,
+                        f"document id {doc.doc_id!r} is stored from {old.source}, "
+                        "which still exists and differs: give this one another id, or reindex "
+                        "to make the store hold exactly these paths",
+                    )
+                )
             else:
                 plan.changed.append(doc)
         else:

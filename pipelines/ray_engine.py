@@ -18,8 +18,8 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -59,8 +59,13 @@ def connect(workers: int) -> tuple[int, float, float]:
     except ImportError as exc:
         raise MissingExtraError("--engine ray", "ray", "ray") from exc
     if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=False,
-                 logging_level=logging.WARNING, configure_logging=False)
+        ray.init(
+            address=os.environ.get("RAY_ADDRESS") or None,
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level=logging.WARNING,
+            configure_logging=False,
+        )
     resources = ray.cluster_resources()
     cpus, gpus = float(resources.get("CPU", 1)), int(resources.get("GPU", 0))
     if workers < 0:
@@ -79,23 +84,27 @@ class KVWorker:
     def __init__(self, spec: WorkerSpec):
         import torch
 
-        from ragkv.forward import compute_prefix
         from ragkv.embed import Embedder
+        from ragkv.forward import compute_prefix
         from ragkv.model import load_model
 
         torch.set_num_threads(spec.threads)
         self.spec = spec
         self.lm = load_model(spec.model, spec.device, spec.dtype)
-        if (self.lm.facts.fingerprint, self.lm.facts.tokenizer_fingerprint) != (spec.model_fingerprint,
-                                                                                 spec.tokenizer_fingerprint):
-            raise ModelError(f"worker on {os.uname().nodename} loaded a different {spec.model} "
-                             f"(weights or tokenizer differ from the driver's): its KV would not match the keys")
+        if (self.lm.facts.fingerprint, self.lm.facts.tokenizer_fingerprint) != (
+            spec.model_fingerprint,
+            spec.tokenizer_fingerprint,
+        ):
+            raise ModelError(
+                f"worker on {os.uname().nodename} loaded a different {spec.model} "
+                f"(weights or tokenizer differ from the driver's): its KV would not match the keys"
+            )
         self.embedder = Embedder.load(spec.embedder, spec.device)
         self.prefix_kv = compute_prefix(self.lm.model, spec.prefix_ids)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        from ragkv.forward import compute_chunks
         from ragkv import codec
+        from ragkv.forward import compute_chunks
         from store.remote_shards import ShardSink
 
         n = len(batch["chunk_id"])
@@ -109,8 +118,7 @@ class KVWorker:
         for i in np.flatnonzero(batch["prefix"]):
             sink.add(str(batch["key"][i]), codec.encode(self.prefix_kv, self.spec.kv_quant))
         token_ids = [[int(t) for t in batch["token_ids"][i]] for i in kv_rows]
-        for result in compute_chunks(self.lm.model, self.prefix_kv, token_ids, self.spec.batch_tokens,
-                                     self.lm.pad_id):
+        for result in compute_chunks(self.lm.model, self.prefix_kv, token_ids, self.spec.batch_tokens, self.lm.pad_id):
             sink.add(str(batch["key"][kv_rows[result.index]]), codec.encode(result.kv, self.spec.kv_quant))
         sealed = {e.name: e for e in sink.seal()}
         if self.spec.after_seal is not None and sealed:
@@ -153,13 +161,18 @@ def run_job(rows: list[dict], spec: WorkerSpec, workers: int, cpus: float, gpus:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # ray_remote_args_fn: no named max_restarts yet
         mapped = dataset.map_batches(
-            KVWorker, fn_constructor_kwargs={"spec": spec}, batch_size=batch_rows, batch_format="numpy",
-            compute=ray.data.ActorPoolStrategy(size=workers), num_cpus=cpus, num_gpus=gpus,
-            ray_remote_args_fn=_retry_args, runtime_env={"env_vars": aws} if aws else None,
+            KVWorker,
+            fn_constructor_kwargs={"spec": spec},
+            batch_size=batch_rows,
+            batch_format="numpy",
+            compute=ray.data.ActorPoolStrategy(size=workers),
+            num_cpus=cpus,
+            num_gpus=gpus,
+            ray_remote_args_fn=_retry_args,
+            runtime_env={"env_vars": aws} if aws else None,
         )
     try:
         yield from mapped.iter_batches(batch_size=None, batch_format="numpy")
     except ray.exceptions.RayError as exc:  # retries exhausted, or a worker refused to start
         cause = next((line for line in str(exc).splitlines() if "Error:" in line), str(exc).splitlines()[0])
         raise ModelError(f"the Ray job failed: {cause.strip()[:300]}") from exc
-

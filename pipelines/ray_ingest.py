@@ -9,14 +9,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipelines.progress import Reporter
 from pipelines import ray_engine
+from pipelines.progress import Reporter
 from ragkv.config import IngestSettings, ModelSettings
 from ragkv.forward import shard_metadata
 from ragkv.keys import Profile
 from ragkv.model import LoadedModel
 from store import ChunkRow, SealedEntry, StoreWriter
-
 
 AFTER_SEAL = None  # a hook each worker runs after sealing a shard (see WorkerSpec.after_seal): tests set it
 
@@ -36,14 +35,25 @@ class RayJob:
     model: ModelSettings  # what the workers load and where (the driver plans on the CPU)
 
 
-def run_ray_job(job: RayJob, writer: StoreWriter, to_embed: list[ChunkRow], work: list,
-                prefix_key: str | None, lm: LoadedModel, profile: Profile, settings: IngestSettings, vectors,
-                reporter: Reporter) -> RayOutcome:
+def run_ray_job(
+    job: RayJob,
+    writer: StoreWriter,
+    to_embed: list[ChunkRow],
+    work: list,
+    prefix_key: str | None,
+    lm: LoadedModel,
+    profile: Profile,
+    settings: IngestSettings,
+    vectors,
+    reporter: Reporter,
+) -> RayOutcome:
     """Embed `to_embed` and compute `work` (ingest's pending chunks, and the prefix when
     `prefix_key`) on Ray; commit what comes back to `writer`'s catalog and `vectors`."""
     outcome = RayOutcome()
-    rows: dict[int, dict] = {c.chunk_id: {"chunk_id": c.chunk_id, "text": c.text, "embed": True, "key": "",
-                                          "token_ids": [], "prefix": False} for c in to_embed}
+    rows: dict[int, dict] = {
+        c.chunk_id: {"chunk_id": c.chunk_id, "text": c.text, "embed": True, "key": "", "token_ids": [], "prefix": False}
+        for c in to_embed
+    }
     for p in work:
         row = rows.setdefault(p.chunk_id, {"chunk_id": p.chunk_id, "text": p.text, "embed": False, "prefix": False})
         row.update(key=p.key, token_ids=list(p.token_ids))
@@ -52,9 +62,14 @@ def run_ray_job(job: RayJob, writer: StoreWriter, to_embed: list[ChunkRow], work
     if not rows:
         return outcome
     spec = ray_engine.WorkerSpec(
-        model=job.model.model, embedder=job.model.embedder, device=job.model.device, dtype=job.model.dtype,
-        model_fingerprint=profile.model_fingerprint, tokenizer_fingerprint=profile.tokenizer_fingerprint,
-        prefix_ids=tuple(profile.prefix_ids), kv_quant=profile.kv_quant,
+        model=job.model.model,
+        embedder=job.model.embedder,
+        device=job.model.device,
+        dtype=job.model.dtype,
+        model_fingerprint=profile.model_fingerprint,
+        tokenizer_fingerprint=profile.tokenizer_fingerprint,
+        prefix_ids=tuple(profile.prefix_ids),
+        kv_quant=profile.kv_quant,
         batch_tokens=settings.batch_tokens_for(job.model.device),
         shard_metadata=shard_metadata(profile.profile_id, lm.facts.name, profile.dtype),
         shard_target=writer.location,
@@ -64,14 +79,24 @@ def run_ray_job(job: RayJob, writer: StoreWriter, to_embed: list[ChunkRow], work
     tokens = {p.key: len(p.token_ids) for p in work}
     reporter.stage("embed + KV", len(rows))
     started = time.perf_counter()
-    for batch in ray_engine.run_job(list(rows.values()), spec, job.workers, job.cpus, job.gpus,
-                                    ray_engine.DEFAULT_BATCH_ROWS):
+    for batch in ray_engine.run_job(
+        list(rows.values()), spec, job.workers, job.cpus, job.gpus, ray_engine.DEFAULT_BATCH_ROWS
+    ):
         embedded = np.flatnonzero(batch["embed"])
         if len(embedded):
             vectors.add([int(batch["chunk_id"][i]) for i in embedded], batch["vector"][embedded])
-        entries = [SealedEntry(str(batch["key"][i]), str(batch["shard"][i]), int(batch["num_tokens"][i]),
-                               str(batch["dtype"][i]), int(batch["nbytes"][i]), str(batch["checksum"][i]))
-                   for i in range(len(batch["key"])) if batch["shard"][i]]
+        entries = [
+            SealedEntry(
+                str(batch["key"][i]),
+                str(batch["shard"][i]),
+                int(batch["num_tokens"][i]),
+                str(batch["dtype"][i]),
+                int(batch["nbytes"][i]),
+                str(batch["checksum"][i]),
+            )
+            for i in range(len(batch["key"]))
+            if batch["shard"][i]
+        ]
         writer.catalog.add_entries(profile.profile_id, entries, {prefix_key} if prefix_key else set())
         computed = [tokens[e.name] for e in entries if e.name in tokens]
         outcome.kv_computed += len(computed)

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
 
 from ragkv.config import DEFAULT_MAX_DOCUMENT_BYTES as MAX_DOCUMENT_BYTES  # a jsonl file is not capped; each record is
 from ragkv.errors import InputError
@@ -88,7 +88,9 @@ def _read_file(path: Path, doc_id: str, max_document_bytes: int) -> Iterator[Doc
         yield Skipped(str(path), "a broken symbolic link" if path.is_symlink() else "not a regular file")
         return
     if suffix not in SUPPORTED:
-        yield Skipped(str(path), f"unsupported file type {suffix or '(none)'}; ragkv reads {', '.join(sorted(SUPPORTED))}")
+        yield Skipped(
+            str(path), f"unsupported file type {suffix or '(none)'}; ragkv reads {', '.join(sorted(SUPPORTED))}"
+        )
         return
     try:
         size = path.stat().st_size

@@ -6,12 +6,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-
-from ragkv.forward import compute_chunks, compute_prefix, shard_metadata, split_segments
 from ragkv import codec, spans
 from ragkv.config import IngestSettings
 from ragkv.embed import Embedder
 from ragkv.errors import ModelError
+from ragkv.forward import compute_chunks, compute_prefix, shard_metadata, split_segments
 from ragkv.keys import KVKey
 from ragkv.model import load_model
 from ragkv.prompt import PromptLayout
@@ -84,7 +83,7 @@ def _recompute(writer: StoreWriter, profile_id: str, keys: list[str], device: st
     sequences = [[t for segment in segments for t in segment] for _, segments in to_compute]
     for result in compute_chunks(lm.model, prefix_kv, sequences, IngestSettings().batch_tokens_for(device), lm.pad_id):
         span_keys, segments = to_compute[result.index]
-        for key, part in zip(span_keys, split_segments(result.kv, [len(s) for s in segments])):
+        for key, part in zip(span_keys, split_segments(result.kv, [len(s) for s in segments]), strict=False):
             if key in chunk_keys:
                 sealed += shards.add(key, codec.encode(part, quant))
     sealed += shards.flush()
@@ -118,6 +117,7 @@ def _reindex_vectors(writer: StoreWriter, device: str, report: RepairReport) -> 
         embedder = Embedder.load(catalog.meta()["embedder"], device)
         writer.ensure_vectors(embedder.dim).num_changes += 1
     vectors = writer.vectors
+    assert vectors is not None  # a writer that repairs has opened (or just made) its index
     indexed = set(vectors.ids().tolist())
     chunks = catalog.chunk_ids()
     vectors.remove(sorted(indexed - chunks))

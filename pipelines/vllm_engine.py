@@ -36,24 +36,34 @@ def check(store, settings) -> None:
     if settings.span_tokens:
         raise InputError("--engine vllm computes chunks one by one; --span-tokens runs with --engine local")
     if settings.is_selective:
-        raise InputError("--engine vllm computes every chunk's KV; --kv-budget and --precompute run with "
-                         "--engine local")
+        raise InputError(
+            "--engine vllm computes every chunk's KV; --kv-budget and --precompute run with --engine local"
+        )
     found = subprocess.run([python(), "-c", "import vllm"], capture_output=True, text=True)
     if found.returncode != 0:
-        raise InputError(f"--engine vllm: {python()} has no vllm (set {VLLM_PYTHON_ENV} or --vllm-python to a python "
-                         "that has it; bash tests/vllm_env.sh .venv-vllm makes one)")
+        raise InputError(
+            f"--engine vllm: {python()} has no vllm (set {VLLM_PYTHON_ENV} or --vllm-python to a python "
+            "that has it; bash tests/vllm_env.sh .venv-vllm makes one)"
+        )
 
 
 def fill(store, model_folder: str | Path, dtype: str, report) -> None:
     """Compute the store's deferred chunk KV with vLLM; updates `report`'s counts."""
     root = import_path()  # so vLLM's python imports this ragkv
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([python(), "-m", "ragkv.integrations.vllm_fill", str(Path(store).resolve()),
-                           str(model_folder), dtype], stdout=subprocess.PIPE, stderr=None, text=True, env=env)
+    proc = subprocess.run(
+        [python(), "-m", "ragkv.integrations.vllm_fill", str(Path(store).resolve()), str(model_folder), dtype],
+        stdout=subprocess.PIPE,
+        stderr=None,
+        text=True,
+        env=env,
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        raise ModelError(f"vLLM did not compute the chunks' KV (exit {proc.returncode}; its log is above); the store "
-                         "is published with their KV deferred: it is computed on each chunk's first miss")
+        raise ModelError(
+            f"vLLM did not compute the chunks' KV (exit {proc.returncode}; its log is above); the store "
+            "is published with their KV deferred: it is computed on each chunk's first miss"
+        )
     result = json.loads(lines[-1].removeprefix("RESULT "))
     report.kv_computed += result["stored"]
     report.kv_deferred = max(report.kv_deferred - result["stored"], 0)

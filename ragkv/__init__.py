@@ -13,16 +13,33 @@ Heavy imports (torch, transformers) happen on first use, so `store` (which impor
 """
 
 from ragkv.errors import (
-    InputError, ModelError, RagkvError, StoreCorruptError, StoreEmptyError, StoreFormatError,
-    StoreLockedError, StoreNotFoundError,
+    InputError,
+    ModelError,
+    RagkvError,
+    StoreCorruptError,
+    StoreEmptyError,
+    StoreFormatError,
+    StoreLockedError,
+    StoreNotFoundError,
 )
-
-from ragkv.formats import __version__
+from ragkv.formats import __version__ as __version__  # re-exported: ragkv.__version__
 
 __all__ = [
-    "open", "ingest", "QueryEngine", "Answer", "AskSettings", "IngestSettings", "ModelSettings",
-    "RagkvError", "InputError", "ModelError", "StoreCorruptError", "StoreEmptyError", "StoreFormatError",
-    "StoreLockedError", "StoreNotFoundError",
+    "open",
+    "ingest",
+    "QueryEngine",
+    "Answer",
+    "AskSettings",
+    "IngestSettings",
+    "ModelSettings",
+    "RagkvError",
+    "InputError",
+    "ModelError",
+    "StoreCorruptError",
+    "StoreEmptyError",
+    "StoreFormatError",
+    "StoreLockedError",
+    "StoreNotFoundError",
 ]
 
 
@@ -42,8 +59,17 @@ def ingest(paths, store, model=None, settings=None, reporter=None, wait=False, p
 
     if isinstance(paths, (str, bytes)) or hasattr(paths, "__fspath__"):
         paths = [paths]
-    return run(paths, store, model=model, settings=settings, reporter=reporter, wait=wait, prune=prune, engine=engine,
-               workers=workers)
+    return run(
+        paths,
+        store,
+        model=model,
+        settings=settings,
+        reporter=reporter,
+        wait=wait,
+        prune=prune,
+        engine=engine,
+        workers=workers,
+    )
 
 
 def __getattr__(name):

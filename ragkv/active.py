@@ -24,8 +24,14 @@ class ActiveProfile:
     system_prompt: str
 
 
-def open_model(snapshot: StoreSnapshot, name: str | None, device: str, dtype: str | None, kv_dtype: str | None,
-               weights: bool = True) -> tuple[LoadedModel, ActiveProfile]:
+def open_model(
+    snapshot: StoreSnapshot,
+    name: str | None,
+    device: str,
+    dtype: str | None,
+    kv_dtype: str | None,
+    weights: bool = True,
+) -> tuple[LoadedModel, ActiveProfile]:
     """Load the model `name` (default: the one the store was last ingested with) in `dtype`
     and pick its stored profile (KV stored as `kv_dtype`, when given). Raises StoreEmptyError
     or ModelError, naming what the store holds, when there is none to answer with."""
@@ -39,11 +45,18 @@ def open_model(snapshot: StoreSnapshot, name: str | None, device: str, dtype: st
     dtype = resolve_dtype(dtype, device) if dtype else (same_name[0].dtype if same_name else default.dtype)
     if kv_dtype is not None and not any(r.kv_quant == codec.kv_quant(kv_dtype, dtype) for r in same_name or rows):
         held = ", ".join(sorted({r.kv_quant for r in same_name or rows}))
-        raise ModelError(f"store {snapshot.location} holds no KV stored as {kv_dtype} for {name} (it holds: "
-                         f"{held}; 'none' is lossless); omit --kv-dtype, or ingest with --kv-dtype {kv_dtype}")
+        raise ModelError(
+            f"store {snapshot.location} holds no KV stored as {kv_dtype} for {name} (it holds: "
+            f"{held}; 'none' is lossless); omit --kv-dtype, or ingest with --kv-dtype {kv_dtype}"
+        )
     lm = load_model(name, device, dtype, weights)
-    candidates = [r for r in rows if r.model_fingerprint == lm.facts.fingerprint and r.dtype == dtype
-                  and (kv_dtype is None or r.kv_quant == codec.kv_quant(kv_dtype, dtype))]
+    candidates = [
+        r
+        for r in rows
+        if r.model_fingerprint == lm.facts.fingerprint
+        and r.dtype == dtype
+        and (kv_dtype is None or r.kv_quant == codec.kv_quant(kv_dtype, dtype))
+    ]
     if not candidates:
         held = ", ".join(sorted({f"{r.model_name} ({r.dtype}, KV {r.kv_quant})" for r in rows}))
         raise ModelError(

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Generator, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Generator, Iterator
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,9 @@ class Stats:
     computed_tokens: int = 0  # prompt tokens prefilled now
     recomputed_tokens: int = 0  # blend: context tokens whose stored KV was recomputed
     prefix_cache_tokens: int = 0  # of the reused, those found in the in-process prefix cache
-    kv_quant: str = "none"  # how the reused KV was stored: "none" (lossless) or bfloat16/float16/int8/int4/int2 (approximate)
+    kv_quant: str = (
+        "none"  # how the reused KV was stored: "none" (lossless) or bfloat16/float16/int8/int4/int2 (approximate)
+    )
     ram_hits: int = 0  # chunk KV found in the engine's RAM tier
     ram_misses: int = 0  # chunk KV read (and verified) from the store
     generated_tokens: int = 0
@@ -66,8 +68,13 @@ class Stats:
 
     def to_dict(self) -> dict:
         """The fields, and what they imply: kv_source, prompt_tokens, approximate (JSON-ready)."""
-        return {**asdict(self), "kv_sources": {str(k): v for k, v in self.kv_sources.items()},
-                "kv_source": self.kv_source, "prompt_tokens": self.prompt_tokens, "approximate": self.is_approximate}
+        return {
+            **asdict(self),
+            "kv_sources": {str(k): v for k, v in self.kv_sources.items()},
+            "kv_source": self.kv_source,
+            "prompt_tokens": self.prompt_tokens,
+            "approximate": self.is_approximate,
+        }
 
     def record(self, done, start: float) -> None:
         """Take the timings of a finished `ragkv.generate.Generated` started at `start`."""
@@ -129,3 +136,9 @@ class AnswerStream:
 
     def __iter__(self) -> Iterator[str]:
         self.answer = yield from self._steps
+
+    def result(self) -> Answer:
+        """The `Answer` of a stream iterated to its end (a stream still going has none)."""
+        if self.answer is None:
+            raise RuntimeError("the answer stream has not finished: iterate it to its end first")
+        return self.answer

@@ -53,13 +53,14 @@ def _attention(module, query, key, value, attention_mask, scaling: float, dropou
     active, sdpa otherwise. query (B, H, q, D); key/value (B, Hkv, k, D)."""
     active = _ACTIVE.get()
     if active is None or query.shape[2] == key.shape[2]:  # not scaled, or a prefill from empty (no passages yet)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
     key = repeat_kv(key, module.num_key_value_groups)  # (B, H, k, D)
     value = repeat_kv(value, module.num_key_value_groups)
     logits = (query @ key.transpose(2, 3)).float() * scaling  # (B, H, q, k)
     in_passages = torch.zeros(key.shape[2], dtype=torch.bool, device=query.device)
-    in_passages[active.start:active.stop] = True
+    in_passages[active.start : active.stop] = True
     logits = torch.where(in_passages, logits / active.temperature + math.log(active.scale), logits)
     allowed = _allowed(attention_mask, query.shape[2], key.shape[2], query.device)  # (B or 1, 1 or H, q, k)
     weights = logits.masked_fill(~allowed, float("-inf")).softmax(-1)

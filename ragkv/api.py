@@ -111,8 +111,10 @@ _STATUS = {InputError: 400, StoreEmptyError: 404, ModelError: 409}
 
 def models_listing(llm_name: str) -> dict:
     """What /v1/models answers: the RAG service's one id, the LLM behind it as its root."""
-    return {"object": "list", "data": [{"id": SERVED_MODEL_ID, "object": "model", "created": 0, "owned_by": "ragkv",
-                                        "root": llm_name}]}
+    return {
+        "object": "list",
+        "data": [{"id": SERVED_MODEL_ID, "object": "model", "created": 0, "owned_by": "ragkv", "root": llm_name}],
+    }
 
 
 def install_errors(app: FastAPI, settings: ServeSettings, llm_name: str):
@@ -154,8 +156,11 @@ def install_errors(app: FastAPI, settings: ServeSettings, llm_name: str):
 
     @app.exception_handler(UnknownModel)
     async def unknown_model(request, exc):
-        return json_error(404, f"the model {exc.args[0]!r} does not exist; this service serves {SERVED_MODEL_ID!r} "
-                           f"(the LLM {llm_name})", "model_not_found")
+        return json_error(
+            404,
+            f"the model {exc.args[0]!r} does not exist; this service serves {SERVED_MODEL_ID!r} (the LLM {llm_name})",
+            "model_not_found",
+        )
 
     return authorised
 
@@ -203,19 +208,31 @@ def max_tokens(body: ChatRequest, settings: ServeSettings, warnings: list[str]) 
     return min(requested, settings.max_tokens_cap)
 
 
-def completion(reply_id: str, created: int, model_id: str, text: str, finish_reason: str, usage: dict | None,
-               ragkv: dict) -> dict:
+def completion(
+    reply_id: str, created: int, model_id: str, text: str, finish_reason: str, usage: dict | None, ragkv: dict
+) -> dict:
     """A whole chat completion reply."""
-    return {"id": reply_id, "object": "chat.completion", "created": created, "model": model_id,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "finish_reason": finish_reason}],
-            "usage": usage, "ragkv": ragkv}
+    return {
+        "id": reply_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model_id,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}],
+        "usage": usage,
+        "ragkv": ragkv,
+    }
 
 
 def chunk_event(reply_id: str, created: int, model_id: str, delta: dict, finish: str | None = None, **extra) -> str:
     """One server-sent event in OpenAI's chat completion chunk format."""
-    body = {"id": reply_id, "object": "chat.completion.chunk", "created": created, "model": model_id,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
+    body = {
+        "id": reply_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model_id,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        **extra,
+    }
     return f"data: {json.dumps(body)}\n\n"
 
 

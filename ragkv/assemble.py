@@ -20,8 +20,9 @@ Every function returns an `Assembly`: a cache holding the KV of the prompt's fir
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -35,7 +36,7 @@ from ragkv.rope import check_supported, shift_positions
 
 @dataclass
 class Assembly:
-    cache: object  # transformers cache holding the prompt's first `num_cached` tokens (batch 1)
+    cache: Any  # transformers cache holding the prompt's first `num_cached` tokens (batch 1)
     reused_tokens: int = 0  # of those, KV taken from the store or the prefix cache
     recomputed_tokens: int = 0  # context tokens whose approximate KV was recomputed (blend)
     prefix_cache_tokens: int = 0  # of the reused, those that came from the in-process prefix cache
@@ -51,8 +52,9 @@ class Assembly:
         return kv.num_cached(self.cache)
 
 
-def exact(model, stored: list[torch.Tensor], segments: Sequence[Sequence[int]], prefix_cache: PrefixCache,
-          root: KVKey) -> Assembly:
+def exact(
+    model, stored: list[torch.Tensor], segments: Sequence[Sequence[int]], prefix_cache: PrefixCache, root: KVKey
+) -> Assembly:
     """`stored`: the prefix and first chunk KV from the store. `segments`: the token ids that
     follow the first chunk (whose entry `root` names), one per further chunk (separator +
     chunk). Matched segments come
@@ -60,7 +62,7 @@ def exact(model, stored: list[torch.Tensor], segments: Sequence[Sequence[int]], 
     match = prefix_cache.match(root, segments)
     cache = kv.to_cache([*stored, *match.kvs], model.config)
     reused = sum(kv.num_tokens(t) for t in stored) + match.num_tokens
-    missing = segments[match.num_segments:]
+    missing = segments[match.num_segments :]
 
     def remember(filled_cache) -> None:
         start, kvs = reused, []
@@ -86,8 +88,9 @@ def concat(model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor]) -> Assem
     return Assembly(cache, reused_tokens=start)
 
 
-def blended(model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor], context_ids: Sequence[int],
-            ratio: float) -> Assembly:
+def blended(
+    model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor], context_ids: Sequence[int], ratio: float
+) -> Assembly:
     """`concat`, then recompute `ratio` of the tokens after the first chunk (the most deviating
     ones, layer by layer). The first chunk sits where it was computed, after the prefix only:
     its KV is exact."""
@@ -95,8 +98,9 @@ def blended(model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor], context
     return _recomputed(assembly, blend(model, assembly.cache, context_ids, _after_first(prefix, pieces), ratio))
 
 
-def epic(model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor], context_ids: Sequence[int],
-         ratio: float) -> Assembly:
+def epic(
+    model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor], context_ids: Sequence[int], ratio: float
+) -> Assembly:
     """`concat`, then recompute the first `ratio` of every passage after the first: pieces
     come as [passage, separator, passage, separator, passage...]; a separator starts the
     passage after it."""
@@ -110,13 +114,21 @@ def epic(model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor], context_id
     return _recomputed(assembly, recompute_starts(model, assembly.cache, context_ids, starts, lengths, ratio))
 
 
-def attended(model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor], context_ids: Sequence[int],
-             question_ids: Sequence[int], ratio: float) -> Assembly:
+def attended(
+    model,
+    prefix: torch.Tensor,
+    pieces: Sequence[torch.Tensor],
+    context_ids: Sequence[int],
+    question_ids: Sequence[int],
+    ratio: float,
+) -> Assembly:
     """`concat`, then recompute the `ratio` share of the tokens after the first chunk that the
     question attends to most (`query` mode)."""
     assembly = concat(model, prefix, pieces)
-    return _recomputed(assembly, recompute_attended(model, assembly.cache, context_ids, question_ids,
-                                                    _after_first(prefix, pieces), ratio))
+    return _recomputed(
+        assembly,
+        recompute_attended(model, assembly.cache, context_ids, question_ids, _after_first(prefix, pieces), ratio),
+    )
 
 
 def ape(model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor], temperature: float, scale: float) -> Assembly:

@@ -35,7 +35,7 @@ def _attention(module, query, key, value, attention_mask, scaling: float, dropou
     out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     probe = _ACTIVE.get()
     if probe is not None and key.shape[2] >= probe.num_keys:
-        keys = repeat_kv(key[:, :, :probe.num_keys], module.num_key_value_groups)  # (B, H, C, D)
+        keys = repeat_kv(key[:, :, : probe.num_keys], module.num_key_value_groups)  # (B, H, C, D)
         weights = ((query @ keys.transpose(2, 3)).float() * scaling).softmax(-1)  # (B, H, q, C)
         mass = weights.sum(dim=(0, 1, 2))  # (C,)
         probe.mass = mass if probe.mass is None else probe.mass + mass

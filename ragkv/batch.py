@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from ragkv.answer import Answer
 from ragkv.config import AskSettings
@@ -37,6 +37,7 @@ class BatchOutcome:
     def to_dict(self) -> dict:
         if self.error is not None:
             return {"id": self.question.id, "line": self.question.line, "error": self.error}
+        assert self.answer is not None  # an outcome holds an answer or an error
         return {"id": self.question.id, **self.answer.to_dict()}
 
 
@@ -75,8 +76,9 @@ def read_questions(path: Path) -> tuple[list[Question], list[BatchOutcome]]:
     return questions, errors
 
 
-def answer_all(engine, questions: list[Question], settings: AskSettings, max_batch: int = 16,
-               on_done=None) -> Iterator[BatchOutcome]:
+def answer_all(
+    engine, questions: list[Question], settings: AskSettings, max_batch: int = 16, on_done=None
+) -> Iterator[BatchOutcome]:
     """Yield an outcome for every question, as each finishes (not in input order). At most
     twice `max_batch` questions are submitted ahead, so a long file holds little memory."""
     settings.check_batchable("ragkv batch")
@@ -100,8 +102,9 @@ def answer_all(engine, questions: list[Question], settings: AskSettings, max_bat
 
 def _submit(batcher, runtime, question: Question, settings: AskSettings) -> Ticket:
     pinned = dataclasses.replace(settings, doc_ids=(question.doc,)) if question.doc else settings
-    return batcher.submit(lambda: Conversation(runtime, pinned), question.question, pinned.max_new_tokens,
-                          pinned.decoding)
+    return batcher.submit(
+        lambda: Conversation(runtime, pinned), question.question, pinned.max_new_tokens, pinned.decoding
+    )
 
 
 def _outcome(question: Question, future) -> BatchOutcome:

@@ -1,7 +1,7 @@
 """Selective recompute (approximate), CacheBlend-style (`blend`), EPIC-style
-(`recompute_starts`) and question-aware (`recompute_attended`, after ProphetKV). CacheBlend: after chunks' stored KV are placed one after another
-(`concat`), recompute the KV of the share of context tokens that deviate most from a full
-prefill, so that cross-chunk attention is partly restored.
+(`recompute_starts`) and question-aware (`recompute_attended`, after ProphetKV). CacheBlend:
+after chunks' stored KV are placed one after another (`concat`), recompute the KV of the share
+of context tokens that deviate most from a full prefill, so that cross-chunk attention is partly restored.
 
 Selection follows CacheBlend's gradual filtering. The first layers are cheap to compute exactly
 for every token (2 of L layers): the tokens whose layer-1 values differ most from the
@@ -17,8 +17,8 @@ With ratio 1.0 every layer recomputes every token: a full recompute of the conte
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -43,8 +43,14 @@ def _first_layers_exact(model, ids: torch.Tensor):
     hidden = inner.embed_tokens(ids)
     rotation = inner.rotary_emb(hidden, position_ids=position_ids)
     for layer in inner.layers[:SELECTION_LAYERS]:
-        hidden = layer(hidden, attention_mask=causal, position_ids=position_ids, position_embeddings=rotation,
-                       cache=cache, use_cache=True)
+        hidden = layer(
+            hidden,
+            attention_mask=causal,
+            position_ids=position_ids,
+            position_embeddings=rotation,
+            cache=cache,
+            use_cache=True,
+        )
     return cache, hidden
 
 
@@ -84,17 +90,23 @@ def _narrowing(count: int, available: int, num_layers: int) -> list[int]:
     return [round(first + (count - first) * layer / (num_layers - 1)) for layer in range(num_layers)]
 
 
-def _recompute_narrowing(model, cache, total: int, positions: torch.Tensor, hidden: torch.Tensor,
-                         counts: Sequence[int]) -> None:
+def _recompute_narrowing(
+    model, cache, total: int, positions: torch.Tensor, hidden: torch.Tensor, counts: Sequence[int]
+) -> None:
     """Run layers SELECTION_LAYERS.. one at a time over the tokens at `positions`, starting
     from their exact input `hidden` (1, S, hidden); after each layer keep those whose fresh
     values moved most from the stale ones, `counts[i]` at layer i (past the selection layers)."""
     inner = model.model
     for offset, layer in enumerate(inner.layers[SELECTION_LAYERS:]):
         position_ids = positions[None]  # (1, S)
-        hidden = layer(hidden, attention_mask=_recompute_mask(positions, total), position_ids=position_ids,
-                       position_embeddings=inner.rotary_emb(hidden, position_ids=position_ids), cache=cache,
-                       use_cache=True)
+        hidden = layer(
+            hidden,
+            attention_mask=_recompute_mask(positions, total),
+            position_ids=position_ids,
+            position_embeddings=inner.rotary_emb(hidden, position_ids=position_ids),
+            cache=cache,
+            use_cache=True,
+        )
         values = cache.layers[SELECTION_LAYERS + offset].values[0]  # (H, T + S, D)
         moved = (values[:, total:].float() - values[:, positions].float()).norm(dim=(0, 2))  # (S,)
         kv.move_appended_layer(cache.layers[SELECTION_LAYERS + offset], total, positions)
@@ -104,8 +116,9 @@ def _recompute_narrowing(model, cache, total: int, positions: torch.Tensor, hidd
 
 
 @torch.inference_mode()
-def recompute_starts(model, cache, context_ids: Sequence[int], starts: Sequence[int], lengths: Sequence[int],
-                     ratio: float) -> BlendResult:
+def recompute_starts(
+    model, cache, context_ids: Sequence[int], starts: Sequence[int], lengths: Sequence[int], ratio: float
+) -> BlendResult:
     """EPIC/LegoLink-style (approximate): recompute, in place, the first `ratio` share of each
     passage that starts at `starts[i]` and runs `lengths[i]` tokens (at least one token each
     when ratio > 0). A passage computed on its own learned to treat its own first tokens as the
@@ -113,15 +126,18 @@ def recompute_starts(model, cache, context_ids: Sequence[int], starts: Sequence[
     stop drawing attention the full prefill would not give them."""
     if ratio <= 0 or not starts:
         return BlendResult(0)
-    chosen = [p for start, length in zip(starts, lengths) for p in range(start, start + _share(ratio, length))]
+    chosen = [
+        p for start, length in zip(starts, lengths, strict=False) for p in range(start, start + _share(ratio, length))
+    ]
     ids = torch.tensor([list(context_ids)], dtype=torch.long, device=model.device)  # (1, T)
     _recompute(model, cache, ids, torch.tensor(chosen, dtype=torch.long, device=model.device))
     return BlendResult(len(chosen))
 
 
 @torch.inference_mode()
-def recompute_attended(model, cache, context_ids: Sequence[int], question_ids: Sequence[int], start: int,
-                       ratio: float) -> BlendResult:
+def recompute_attended(
+    model, cache, context_ids: Sequence[int], question_ids: Sequence[int], start: int, ratio: float
+) -> BlendResult:
     """Question-aware (approximate, after ProphetKV): run the question over the concatenated
     cache, measure the attention it pays each context token after `start` (summed over layers,
     heads and question tokens), and recompute, in place, the `ratio` share it attends to most.
@@ -134,6 +150,7 @@ def recompute_attended(model, cache, context_ids: Sequence[int], question_ids: S
     question = torch.tensor([list(question_ids)], dtype=torch.long, device=model.device)  # (1, Q)
     probed_forward(model, probe, input_ids=question, cache=cache, use_cache=True, logits_to_keep=1)
     kv.crop(cache, total)
+    assert probe.mass is not None  # the forward above ran the probe
     chosen = (probe.mass[start:].topk(count).indices + start).sort().values  # (S,) context positions
     ids = torch.tensor([list(context_ids)], dtype=torch.long, device=model.device)  # (1, T)
     _recompute(model, cache, ids, chosen)
@@ -144,8 +161,14 @@ def _recompute(model, cache, ids: torch.Tensor, positions: torch.Tensor) -> None
     """Run the tokens at `positions` through the model at those positions, attending to the
     cache (less their own stale slots) and to each other causally; keep their fresh KV."""
     total = ids.shape[1]
-    model(input_ids=ids[:, positions], position_ids=positions[None], attention_mask=_recompute_mask(positions, total),
-          cache=cache, use_cache=True, logits_to_keep=1)
+    model(
+        input_ids=ids[:, positions],
+        position_ids=positions[None],
+        attention_mask=_recompute_mask(positions, total),
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
     kv.move_appended(cache, total, positions)
 
 

@@ -47,20 +47,30 @@ class Calibration:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "Calibration":
+    def from_json(cls, text: str) -> Calibration:
         data = json.loads(text)
         chosen = Measured(**data["chosen"]) if data.get("chosen") else None
-        return cls(data["target"], data["top_k"], data["num_questions"], data["exact_ttft_ratio"], chosen,
-                   [Measured(**m) for m in data.get("measured", [])])
+        return cls(
+            data["target"],
+            data["top_k"],
+            data["num_questions"],
+            data["exact_ttft_ratio"],
+            chosen,
+            [Measured(**m) for m in data.get("measured", [])],
+        )
 
     def describe(self) -> str:
         if self.chosen is None:
-            return (f"no approximate mode reached {self.target:.0%} first-token agreement (best "
-                    f"{self.best_first_token:.0%}) faster than exact")
+            return (
+                f"no approximate mode reached {self.target:.0%} first-token agreement (best "
+                f"{self.best_first_token:.0%}) faster than exact"
+            )
         c = self.chosen
-        return (f"{c.mode} {c.share:.0%}: {c.first_token:.0%} first-token and {c.teacher_forced:.0%} teacher-forced "
-                f"agreement, {c.ttft_ratio:.2f}x the full prefill's TTFT, on {self.num_questions} held-in questions "
-                f"at top-{self.top_k}")
+        return (
+            f"{c.mode} {c.share:.0%}: {c.first_token:.0%} first-token and {c.teacher_forced:.0%} teacher-forced "
+            f"agreement, {c.ttft_ratio:.2f}x the full prefill's TTFT, on {self.num_questions} held-in questions "
+            f"at top-{self.top_k}"
+        )
 
 
 def meta_key(profile_id: str) -> str:
@@ -89,14 +99,21 @@ def resolve(settings: AskSettings, calibration: Calibration | None) -> Resolved:
         return Resolved(settings, "")
     if calibration is None:
         share = settings.blend_ratio if settings.blend_ratio is not None else DEFAULT_BLEND_RATIOS[APPROXIMATE]
-        return Resolved(dataclasses.replace(settings, mode=APPROXIMATE, blend_ratio=share),
-                        f"{APPROXIMATE} {share:.0%}, uncalibrated",
-                        f"--mode approximate is not calibrated for this store and model: {APPROXIMATE} {share:.0%} "
-                        "was used unmeasured; run ragkv calibrate")
+        return Resolved(
+            dataclasses.replace(settings, mode=APPROXIMATE, blend_ratio=share),
+            f"{APPROXIMATE} {share:.0%}, uncalibrated",
+            f"--mode approximate is not calibrated for this store and model: {APPROXIMATE} {share:.0%} "
+            "was used unmeasured; run ragkv calibrate",
+        )
     if calibration.chosen is None:
-        return Resolved(dataclasses.replace(settings, mode="exact", blend_ratio=0.0), "exact (gated)",
-                        f"--mode approximate answered exactly: on this store {calibration.describe()}")
+        return Resolved(
+            dataclasses.replace(settings, mode="exact", blend_ratio=0.0),
+            "exact (gated)",
+            f"--mode approximate answered exactly: on this store {calibration.describe()}",
+        )
     chosen = calibration.chosen
     share = settings.blend_ratio if settings.blend_ratio is not None else chosen.share
-    return Resolved(dataclasses.replace(settings, mode=chosen.mode, blend_ratio=share),
-                    f"{chosen.mode} {share:.0%}, calibrated: {calibration.describe()}")
+    return Resolved(
+        dataclasses.replace(settings, mode=chosen.mode, blend_ratio=share),
+        f"{chosen.mode} {share:.0%}, calibrated: {calibration.describe()}",
+    )

@@ -58,9 +58,11 @@ def decode(parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
 def _encode_packed(data: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
     """data: float `(L, 2, H, T, D)`, D a multiple of 8 / bits."""
     if data.shape[-1] % (8 // bits):
-        raise InputError(f"--kv-dtype int{bits} packs {8 // bits} values to a byte; this model's head dimension "
-                         f"{data.shape[-1]} does not divide by {8 // bits}: use int8")
-    levels = 2 ** bits - 1
+        raise InputError(
+            f"--kv-dtype int{bits} packs {8 // bits} values to a byte; this model's head dimension "
+            f"{data.shape[-1]} does not divide by {8 // bits}: use int8"
+        )
+    levels = 2**bits - 1
     keys, values = data[:, 0], data[:, 1]  # each (L, H, T, D)
     key_min, key_step = _range(keys, dim=2, levels=levels)  # (L, H, 1, D): per channel
     value_min, value_step = _range(values, dim=3, levels=levels)  # (L, H, T, 1): per token
@@ -70,8 +72,13 @@ def _encode_packed(data: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
     grouped = codes.reshape(*codes.shape[:-1], -1, per_byte)  # (L, 2, H, T, D / per_byte, per_byte)
     shifts = torch.arange(per_byte, dtype=torch.uint8) * bits  # code i sits at bits [i*bits, (i+1)*bits)
     packed = (grouped << shifts).sum(dim=-1, dtype=torch.uint8)  # disjoint bits: the sum is an OR
-    return {"": packed, "kmin": key_min.half(), "kstep": key_step.half(), "vmin": value_min.half(),
-            "vstep": value_step.half()}
+    return {
+        "": packed,
+        "kmin": key_min.half(),
+        "kstep": key_step.half(),
+        "vmin": value_min.half(),
+        "vstep": value_step.half(),
+    }
 
 
 def _range(x: torch.Tensor, dim: int, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,7 +92,7 @@ def _decode_packed(parts: dict[str, torch.Tensor]) -> torch.Tensor:
     packed, dim = parts[""], parts["kmin"].shape[-1]
     bits = 8 * packed.shape[-1] // dim
     shifts = torch.arange(8 // bits, dtype=torch.uint8) * bits
-    codes = ((packed[..., None] >> shifts) & (2 ** bits - 1)).reshape(*packed.shape[:-1], dim).float()  # (L, 2, H, T, D)
+    codes = ((packed[..., None] >> shifts) & (2**bits - 1)).reshape(*packed.shape[:-1], dim).float()  # (L, 2, H, T, D)
     keys = codes[:, 0] * parts["kstep"].float() + parts["kmin"].float()
     values = codes[:, 1] * parts["vstep"].float() + parts["vmin"].float()
     return torch.stack([keys, values], dim=1)  # (L, 2, H, T, D) float32

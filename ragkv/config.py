@@ -7,11 +7,13 @@ Facts read off a loaded model (layers, heads, fingerprint) are not settings; the
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from ragkv.errors import InputError
 from ragkv.formats import __version__
@@ -44,8 +46,18 @@ DEVICES = ("auto", "cpu", "cuda")
 
 MAX_SIZE = 1 << 62  # bytes: sizes are kept in 64-bit integers (the catalog's BIGINT)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
-               "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "m": 1000**2,
+    "g": 1000**3,
+    "t": 1000**4,
+    "ki": 1024,
+    "mi": 1024**2,
+    "gi": 1024**3,
+    "ti": 1024**4,
+}
 
 
 def parse_size(text: str, what: str = "size") -> int:
@@ -77,7 +89,8 @@ def import_path() -> str:
     here = Path(__file__).resolve().parent.parent
     if (here / "pyproject.toml").exists():  # a checkout (or an editable install of one)
         return str(here)
-    folder = cache_dir() / f"import-path-{__version__}"
+    where = hashlib.blake2b(str(here).encode(), digest_size=4).hexdigest()  # one folder per install
+    folder = cache_dir() / f"import-path-{__version__}-{where}"
     for name in ("ragkv", "store", "pipelines"):
         link = folder / name
         if link.resolve() != (here / name):
@@ -144,8 +157,9 @@ class DecodeSettings:
             raise InputError(f"--temperature must be between 0 (greedy) and 5, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise InputError(f"--top-p must be in (0, 1], got {self.top_p}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not 0 <= self.seed <= MAX_SEED):
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED
+        ):
             raise InputError(f"--seed must be a whole number from 0 to 2**64-1, got {self.seed!r}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
@@ -162,7 +176,7 @@ class _Settings:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]):
         """Build from a mapping; unknown keys are an error, never silently dropped."""
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type] # subclasses are dataclasses
         unknown = sorted(set(values) - known)
         if unknown:
             raise InputError(f"unknown {cls.__name__} setting(s): {', '.join(unknown)}")
@@ -192,16 +206,21 @@ class IngestSettings(_Settings):
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     batch_tokens: int = 0  # padded tokens per forward; 0 picks by device
     shard_bytes: int = 256 << 20  # seal a shard once it holds this many bytes
-    kv_dtype: str = "auto"  # how KV is stored: auto (as computed, lossless) or bfloat16/float16/int8/int4/int2 (approximate)
-    span_tokens: int = DEFAULT_SPAN_TOKENS  # a document's chunks computed as one sequence, restarting past this many tokens; 0: each chunk alone
+    kv_dtype: str = (
+        "auto"  # how KV is stored: auto (as computed, lossless) or bfloat16/float16/int8/int4/int2 (approximate)
+    )
+    # A document's chunks computed as one sequence, restarting past this many tokens; 0: each chunk alone.
+    span_tokens: int = DEFAULT_SPAN_TOKENS
     kv_budget: int | None = None  # bytes of KV the store may hold, kept by popularity (None: the store's, else none)
     precompute: int | None = None  # bytes of chunk KV to compute now (None: all the budget allows; 0: none)
     max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES  # larger documents are skipped (listed with the reason)
 
     def __post_init__(self):
         if self.span_tokens and self.span_tokens < self.chunk_tokens:
-            raise InputError(f"--span-tokens must be 0 (each chunk alone) or at least --chunk-tokens "
-                             f"({self.chunk_tokens}), got {self.span_tokens}")
+            raise InputError(
+                f"--span-tokens must be 0 (each chunk alone) or at least --chunk-tokens "
+                f"({self.chunk_tokens}), got {self.span_tokens}"
+            )
         check_text(self.system_prompt, "--system-prompt")
         if self.chunk_tokens < 16:
             raise InputError(f"--chunk-tokens must be at least 16, got {self.chunk_tokens}")
@@ -212,8 +231,10 @@ class IngestSettings(_Settings):
         if self.shard_bytes < 1:
             raise InputError(f"shard_bytes must be positive, got {self.shard_bytes}")
         if self.span_tokens and (self.kv_budget is not None or self.precompute is not None):
-            raise InputError("--kv-budget and --precompute keep chunks' KV one by one; they do not combine with "
-                             "--span-tokens (a span's KV is computed and kept whole)")
+            raise InputError(
+                "--kv-budget and --precompute keep chunks' KV one by one; they do not combine with "
+                "--span-tokens (a span's KV is computed and kept whole)"
+            )
         if self.max_document_bytes < 1:
             raise InputError(f"--max-doc-bytes must be a positive size, got {self.max_document_bytes}")
         if (self.kv_budget or 0) < 0 or (self.precompute or 0) < 0:
@@ -245,7 +266,9 @@ class AskSettings(_Settings):
     ape_temperature: float = 1.0  # ape: the passages' attention logits are divided by it (1: none)
     ape_scale: float = 0.7  # ape: the passages' attention weights are multiplied by it (1: none)
     doc_ids: tuple[str, ...] | None = None  # retrieve only from these documents
-    context: str = "span"  # chunk: the hits only; span: each hit with its span's chunks before it; document: its whole span
+    context: str = (
+        "span"  # chunk: the hits only; span: each hit with its span's chunks before it; document: its whole span
+    )
     decoding: DecodeSettings = field(default_factory=DecodeSettings)
     chunks: tuple[tuple[int, float], ...] | None = None  # (chunk id, score): answer from these, not a retrieval
     passages: tuple[str, ...] = ()  # texts with no stored KV (another retriever's), after the chunks, prefilled live
@@ -261,28 +284,38 @@ class AskSettings(_Settings):
     def check_batchable(self, where: str) -> None:
         """Raise InputError if `where` (rows decoded together) cannot run this mode."""
         if self.use_cache and self.mode in SINGLE_ONLY_MODES:
-            raise InputError(f"--mode {self.mode} attends differently per request, which {where} does not do; "
-                             "use ragkv ask or chat (or another --mode)")
+            raise InputError(
+                f"--mode {self.mode} attends differently per request, which {where} does not do; "
+                "use ragkv ask or chat (or another --mode)"
+            )
 
     def __post_init__(self):
         if self.mode not in MODES and self.mode != "approximate":  # approximate: resolved per store (ragkv.calibration)
-            raise InputError(f"unknown --mode {self.mode!r}; use exact (equals a full prefill), or approximate "
-                             "(faster with several chunks: what ragkv calibrate measured best on the store), concat, "
-                             "blend, epic, query or ape")
+            raise InputError(
+                f"unknown --mode {self.mode!r}; use exact (equals a full prefill), or approximate "
+                "(faster with several chunks: what ragkv calibrate measured best on the store), concat, "
+                "blend, epic, query or ape"
+            )
         if self.blend_ratio is None and self.mode != "approximate":
             object.__setattr__(self, "blend_ratio", DEFAULT_BLEND_RATIOS.get(self.mode, 0.0))
         if not (0.0 < self.ape_temperature <= 4.0 and 0.0 < self.ape_scale <= 4.0):
-            raise InputError("ape_temperature and --ape-scale must be above 0 and at most 4, got "
-                             f"{self.ape_temperature} and {self.ape_scale}")
+            raise InputError(
+                "ape_temperature and --ape-scale must be above 0 and at most 4, got "
+                f"{self.ape_temperature} and {self.ape_scale}"
+            )
         if self.context not in CONTEXTS:
-            raise InputError(f"unknown --context {self.context!r}; use chunk (the retrieved chunks only), span (each "
-                             "with the chunks of its span before it) or document (each with its whole span)")
+            raise InputError(
+                f"unknown --context {self.context!r}; use chunk (the retrieved chunks only), span (each "
+                "with the chunks of its span before it) or document (each with its whole span)"
+            )
         if self.blend_ratio is not None and not 0.0 <= self.blend_ratio <= 1.0:
             raise InputError(f"--blend-ratio must be between 0 and 1, got {self.blend_ratio}")
         if self.top_k < 1:
             raise InputError(f"--top-k must be at least 1, got {self.top_k}")
         if self.doc_ids is not None:
-            if isinstance(self.doc_ids, str) or not all(isinstance(d, str) and 0 < len(d) <= 1024 for d in self.doc_ids):
+            if isinstance(self.doc_ids, str) or not all(
+                isinstance(d, str) and 0 < len(d) <= 1024 for d in self.doc_ids
+            ):
                 raise InputError("doc_ids must be a list of document id strings")
             object.__setattr__(self, "doc_ids", tuple(self.doc_ids))
         if self.max_new_tokens < 1:
@@ -292,4 +325,3 @@ class AskSettings(_Settings):
         object.__setattr__(self, "passages", tuple(check_text(p, "a passage") for p in self.passages))
         if self.chunks is not None and not (self.chunks or self.passages):
             raise InputError("chunks is empty: give chunks or passages to answer from, or None to retrieve")
-

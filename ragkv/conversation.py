@@ -9,8 +9,9 @@ answer equals a full prefill of the whole conversation so far (float32).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import Callable, Generator
+from typing import Any
 
 from ragkv import kv
 from ragkv.answer import Answer, AnswerStream, Source, Stats
@@ -28,7 +29,7 @@ class TurnPlan:
     """One turn's generation: prefill `live_ids` on top of `cache`, decode up to `budget`."""
 
     message: str
-    cache: object  # the conversation's cache (batch 1), holding prompt_ids[:num_cached]
+    cache: Any  # the conversation's cache (batch 1), holding prompt_ids[:num_cached]
     live_ids: list[int]
     budget: int
     after_prefill: Callable[[object], None] | None
@@ -50,12 +51,7 @@ class Conversation:
     def __init__(self, runtime: Runtime, settings: AskSettings):
         self.runtime = runtime
         self.settings = settings
-        self.turns: list[Turn] = []
-        self.context_ids: list[int] = []  # prefix + retrieved chunks
-        self.sources: list[Source] = []
-        self.cache = None  # holds the KV of ids()[:cached length]
-        self.attention: Scaling | None = None  # ape: how the turns attend to the context
-        self._stored_context: int = 0  # leading context tokens whose KV came from the store
+        self.reset()
 
     def ids(self) -> list[int]:
         """The whole conversation so far, as the model sees it."""
@@ -68,16 +64,18 @@ class Conversation:
         stream = self.stream(message, max_new_tokens, decoding)
         for _ in stream:
             pass
-        return stream.answer
+        return stream.result()
 
-    def stream(self, message: str, max_new_tokens: int | None = None, decoding: DecodeSettings | None = None
-               ) -> AnswerStream:
+    def stream(
+        self, message: str, max_new_tokens: int | None = None, decoding: DecodeSettings | None = None
+    ) -> AnswerStream:
         """This turn's answer as it is generated; `max_new_tokens` and `decoding` default to
         the conversation's settings."""
         if not message.strip():
             raise InputError("the message is empty; say something")
-        return AnswerStream(self._turn(message, max_new_tokens or self.settings.max_new_tokens,
-                                       decoding or self.settings.decoding))
+        return AnswerStream(
+            self._turn(message, max_new_tokens or self.settings.max_new_tokens, decoding or self.settings.decoding)
+        )
 
     def replay(self, message: str, answer: str) -> None:
         """Add an earlier turn as a client remembers it (its answer as text; nothing is
@@ -93,16 +91,30 @@ class Conversation:
 
     def reset(self) -> None:
         """Forget everything: the next message retrieves again."""
-        self.__init__(self.runtime, self.settings)
+        self.turns: list[Turn] = []
+        self.context_ids: list[int] = []  # prefix + retrieved chunks
+        self.sources: list[Source] = []
+        self.cache: Any = None  # holds the KV of ids()[:cached length]
+        self.attention: Scaling | None = None  # ape: how the turns attend to the context
+        self._stored_context: int = 0  # leading context tokens whose KV came from the store
 
     def _turn(self, message: str, max_new_tokens: int, decoding: DecodeSettings) -> Generator[str, None, Answer]:
         plan = self.begin_turn(message, max_new_tokens)
         lm = self.runtime.lm
-        done = yield from generate(attending(lm.model, self.attention), lm.tokenizer, plan.cache, plan.live_ids,
-                                   lm.facts.eos_ids, plan.budget, plan.start, plan.after_prefill, decoding)
+        done = yield from generate(
+            attending(lm.model, self.attention),
+            lm.tokenizer,
+            plan.cache,
+            plan.live_ids,
+            lm.facts.eos_ids,
+            plan.budget,
+            plan.start,
+            plan.after_prefill,
+            decoding,
+        )
         return self.end_turn(plan, done)
 
-    def begin_turn(self, message: str, max_new_tokens: int) -> "TurnPlan":
+    def begin_turn(self, message: str, max_new_tokens: int) -> TurnPlan:
         """Add `message` as the next turn and say what generating its answer takes: prefill
         `live_ids` on top of `cache` (this conversation's cache, which the caller grows), then
         decode up to `budget` tokens. The first turn retrieves and assembles the context.
@@ -127,7 +139,7 @@ class Conversation:
         budget = runtime.fit_budget(len(conversation), max_new_tokens, stats)
         return TurnPlan(message, self.cache, live_ids, budget, after_prefill, stats, start, conversation)
 
-    def end_turn(self, plan: "TurnPlan", done: Generated, cache=None) -> Answer:
+    def end_turn(self, plan: TurnPlan, done: Generated, cache=None) -> Answer:
         """Record the turn's answer (`done`); `cache`, when given, replaces the conversation's
         cache (it must hold the conversation's KV so far, as `plan.cache` would)."""
         if cache is not None:
@@ -162,10 +174,12 @@ class Conversation:
         if self.turns:  # the oldest kept turn now follows the context: it opens with the question head
             first = self.turns[0]
             layout = self.runtime.active.layout
-            question = first.ids[len(layout.turn_head_ids):]
+            question = first.ids[len(layout.turn_head_ids or ()) :]
             first.ids = [*layout.question_head_ids, *question]
         if len(self.ids()) + needed > room:
             raise InputError("the context and this message do not fit the model's context; start a new conversation")
         kv.crop(self.cache, self._stored_context)
-        stats.warnings.append(f"dropped the {dropped} oldest turn(s) to fit the model's context; "
-                              "re-prefilled the rest of the conversation")
+        stats.warnings.append(
+            f"dropped the {dropped} oldest turn(s) to fit the model's context; "
+            "re-prefilled the rest of the conversation"
+        )

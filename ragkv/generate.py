@@ -5,12 +5,12 @@ token is chosen by a `ragkv.decoding.Decoder`."""
 from __future__ import annotations
 
 import time
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
-from typing import Generator, Sequence
 
 import torch
 
-from ragkv.decoding import DecodeSettings, Decoder, held_back, stop_at
+from ragkv.decoding import Decoder, DecodeSettings, held_back, stop_at
 
 
 @torch.inference_mode()
@@ -54,7 +54,7 @@ class TextStream:
             if cut is not None:
                 self.stopped = True
                 return self._show(text[:cut])
-            text = text[:len(text) - held_back(text, self.stops)]
+            text = text[: len(text) - held_back(text, self.stops)]
         return self._show(text)
 
     def finish(self) -> str:
@@ -65,7 +65,7 @@ class TextStream:
         return self._show(text if cut is None else text[:cut])
 
     def _show(self, text: str) -> str:
-        delta, self.text = text[len(self.text):], text
+        delta, self.text = text[len(self.text) :], text
         return delta
 
 
@@ -127,13 +127,27 @@ class DecodeState:
 
     def result(self) -> Generated:
         now = time.perf_counter()
-        return Generated(self.text.token_ids, self.text.text, self.finish_reason, self.prefill_s,
-                         self.first_token_s or now - self.started, now - (self.decode_start or now))
+        return Generated(
+            self.text.token_ids,
+            self.text.text,
+            self.finish_reason,
+            self.prefill_s,
+            self.first_token_s or now - self.started,
+            now - (self.decode_start or now),
+        )
 
 
-def generate(model, tokenizer, cache, live_ids: Sequence[int], eos_ids: Sequence[int], max_new_tokens: int,
-             started: float, after_prefill=None, decoding: DecodeSettings | None = None
-             ) -> Generator[str, None, Generated]:
+def generate(
+    model,
+    tokenizer,
+    cache,
+    live_ids: Sequence[int],
+    eos_ids: Sequence[int],
+    max_new_tokens: int,
+    started: float,
+    after_prefill=None,
+    decoding: DecodeSettings | None = None,
+) -> Generator[str, None, Generated]:
     """Prefill `live_ids` on top of `cache`, then decode (`decoding`, default greedy with the
     default repetition controls), yielding text deltas; returns what was generated and when.
     `after_prefill(cache)` runs between the two (it may read the prompt's KV before decoding

@@ -11,7 +11,7 @@ it arrives and the route that matched):
 from __future__ import annotations
 
 import json
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from starlette.exceptions import HTTPException
 
@@ -84,9 +84,18 @@ class RequestGuard:
         return capped_receive
 
     async def _refuse(self, send) -> None:
-        body = json.dumps({"error": {"message": too_large_message(self.max_body_bytes),
-                                     "type": "request_too_large"}}).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
+        body = json.dumps(
+            {"error": {"message": too_large_message(self.max_body_bytes), "type": "request_too_large"}}
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})

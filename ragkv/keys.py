@@ -11,14 +11,15 @@ processes and machines.
 from __future__ import annotations
 
 import hashlib
+import os
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import numpy as np
 
 from ragkv.errors import StoreFormatError
-
 from ragkv.formats import KEY_FORMAT
+
 _DIGEST_SIZE = 32
 
 
@@ -37,7 +38,7 @@ def digest(*fields: bytes | str) -> str:
     return h.hexdigest()
 
 
-def file_digest(paths: Iterable[str], chunk_bytes: int = 1 << 22) -> str:
+def file_digest(paths: Iterable[str | os.PathLike], chunk_bytes: int = 1 << 22) -> str:
     """blake2b-256 over the names and bytes of files, in the order given."""
     h = hashlib.blake2b(digest_size=_DIGEST_SIZE)
     for path in paths:
@@ -77,12 +78,18 @@ class Profile:
         return len(self.prefix_ids)
 
     @classmethod
-    def from_row(cls, row, model_fingerprint: str, tokenizer_fingerprint: str, layout) -> "Profile | None":
+    def from_row(cls, row, model_fingerprint: str, tokenizer_fingerprint: str, layout) -> Profile | None:
         """The profile a loaded model (its fingerprints, and `layout`: the prompt layout its
         tokenizer builds from `row.system_prompt`) computes for a stored profile `row`; None
         when it is not that profile (other weights, tokenizer or template)."""
-        profile = cls(model_fingerprint, tokenizer_fingerprint, layout.template_fingerprint,
-                      tuple(layout.prefix_ids), row.dtype, row.kv_quant)
+        profile = cls(
+            model_fingerprint,
+            tokenizer_fingerprint,
+            layout.template_fingerprint,
+            tuple(layout.prefix_ids),
+            row.dtype,
+            row.kv_quant,
+        )
         return profile if profile.profile_id == row.profile_id else None
 
 
@@ -94,12 +101,12 @@ class KVKey:
     entry_digest: str
 
     @classmethod
-    def for_prefix(cls, profile: Profile) -> "KVKey":
+    def for_prefix(cls, profile: Profile) -> KVKey:
         """Key of the shared prefix (system prompt and template head) KV."""
         return cls.prefix_of(profile.profile_id)
 
     @classmethod
-    def prefix_of(cls, profile_id: str) -> "KVKey":
+    def prefix_of(cls, profile_id: str) -> KVKey:
         """Key of the prefix KV of the profile whose root is `profile_id`."""
         return cls(profile_id, digest(profile_id, "prefix"))
 
@@ -108,12 +115,12 @@ class KVKey:
         return self == KVKey.prefix_of(self.profile_id)
 
     @classmethod
-    def for_chunk(cls, profile: Profile, chunk_ids: Sequence[int]) -> "KVKey":
+    def for_chunk(cls, profile: Profile, chunk_ids: Sequence[int]) -> KVKey:
         """Key of a chunk's KV, computed right after the profile's prefix."""
         root = profile.profile_id
         return cls(root, digest(root, "chunk", token_bytes(chunk_ids)))
 
-    def then(self, segment_ids: Sequence[int]) -> "KVKey":
+    def then(self, segment_ids: Sequence[int]) -> KVKey:
         """Key of the KV of `segment_ids` computed right after the entry this key names (and
         all that came before it): a document's next chunk in a span, separator included.
         The chain covers every token before the segment, so an edit anywhere earlier in the
@@ -124,9 +131,11 @@ class KVKey:
         return f"kv{KEY_FORMAT}:{self.profile_id}:{self.entry_digest}"
 
     @classmethod
-    def from_string(cls, text: str) -> "KVKey":
+    def from_string(cls, text: str) -> KVKey:
         parts = text.split(":")
         if len(parts) != 3 or parts[0] != f"kv{KEY_FORMAT}":
-            raise StoreFormatError(f"not a ragkv KV key: {text[:80]!r} (a store written by another ragkv version, "
-                                   "or a damaged catalog: run ragkv verify)")
+            raise StoreFormatError(
+                f"not a ragkv KV key: {text[:80]!r} (a store written by another ragkv version, "
+                "or a damaged catalog: run ragkv verify)"
+            )
         return cls(parts[1], parts[2])

@@ -7,7 +7,8 @@ other in a prompt concatenate along dim 3 (tokens).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -74,7 +75,7 @@ def from_cache(cache: DynamicCache, row: int = 0, start: int = 0, stop: int | No
     """
     keys = [layer.keys[row, :, start:stop] for layer in cache.layers]  # each (H, T, D)
     values = [layer.values[row, :, start:stop] for layer in cache.layers]
-    stacked = torch.stack([torch.stack(kv) for kv in zip(keys, values)])  # (L, 2, H, T, D)
+    stacked = torch.stack([torch.stack(kv) for kv in zip(keys, values, strict=False)])  # (L, 2, H, T, D)
     return stacked.contiguous()
 
 
@@ -155,17 +156,20 @@ class GrowingLayer(DynamicLayer):
     def _reserve(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
         """Hold copies of `keys`/`values` in new buffers of `capacity` tokens."""
         batch, heads, length, dim = keys.shape
-        buffers = tuple(t.new_empty((batch, heads, capacity, dim)) for t in (keys, values))
-        buffers[0][:, :, :length] = keys
-        buffers[1][:, :, :length] = values
-        self.hold(*buffers, length)
+        new_keys, new_values = (t.new_empty((batch, heads, capacity, dim)) for t in (keys, values))
+        new_keys[:, :, :length] = keys
+        new_values[:, :, :length] = values
+        self.hold(new_keys, new_values, length)
 
     def _is_view(self) -> bool:
         """Whether `keys`/`values` still view the buffers (crop or batch selection reassign them)."""
-        return (self._buffers is not None and self.keys.data_ptr() == self._buffers[0].data_ptr()
-                and self.keys.shape[0] == self._buffers[0].shape[0]
-                and self.values.data_ptr() == self._buffers[1].data_ptr()
-                and self.keys.stride() == self._buffers[0].stride())
+        return (
+            self._buffers is not None
+            and self.keys.data_ptr() == self._buffers[0].data_ptr()
+            and self.keys.shape[0] == self._buffers[0].shape[0]
+            and self.values.data_ptr() == self._buffers[1].data_ptr()
+            and self.keys.stride() == self._buffers[0].stride()
+        )
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -173,12 +177,13 @@ class GrowingLayer(DynamicLayer):
             self._reserve(key_states, value_states, key_states.shape[2] + _spare(key_states.shape[2]))
             return self.keys, self.values
         length, new = self.keys.shape[2], key_states.shape[2]
-        if not self._is_view() or length + new > self._buffers[0].shape[2]:
+        if self._buffers is None or not self._is_view() or length + new > self._buffers[0].shape[2]:
             self._reserve(self.keys, self.values, length + new + _spare(length + new))
+        assert self._buffers is not None  # _reserve holds new ones
         keys, values = self._buffers
-        keys[:, :, length:length + new] = key_states
-        values[:, :, length:length + new] = value_states
-        self.keys, self.values = keys[:, :, :length + new], values[:, :, :length + new]
+        keys[:, :, length : length + new] = key_states
+        values[:, :, length : length + new] = value_states
+        self.keys, self.values = keys[:, :, : length + new], values[:, :, : length + new]
         return self.keys, self.values
 
 
@@ -207,11 +212,13 @@ class SlotLayer(DynamicLayer):
 
     def show(self, rows: int, width: int) -> None:
         """Point `keys`/`values` at the first `rows` rows and `width` columns of the buffers."""
+        assert self.buffers is not None  # RaggedBatch reserves them before any row is shown
         self.keys, self.values = (b[:rows, :, :width] for b in self.buffers)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         rows = key_states.shape[0]
         index = torch.arange(rows, device=key_states.device)
+        assert self.buffers is not None  # RaggedBatch reserves them before any row decodes
         keys, values = self.buffers
         keys[index, :, self.write_at] = key_states[:, :, 0]  # (B, H, D) one token per row
         values[index, :, self.write_at] = value_states[:, :, 0]
@@ -234,7 +241,7 @@ class RaggedBatch:
 
     def __init__(self, config):
         self.config = config
-        self.cache: DynamicCache | None = None
+        self.cache: Any = None  # a DynamicCache of SlotLayers, made by the first `add`
         self.lengths: list[int] = []  # real tokens per row
 
     @property
@@ -261,12 +268,12 @@ class RaggedBatch:
         if self.cache is None:
             self.cache = DynamicCache(config=self.config)
             self.cache.layers = [SlotLayer() for _ in self.cache.layers]
-        for layer, model in zip(self.cache.layers, like.layers):
+        for layer, model in zip(self.cache.layers, like.layers, strict=False):
             _, heads, _, dim = model.keys.shape
             fresh = tuple(model.keys.new_zeros((rows, heads, columns, dim)) for _ in range(2))  # pads stay finite
             if layer.buffers is not None:
-                for old, new in zip(layer.buffers, fresh):
-                    new[:self.num_rows, :, :self.width] = old[:self.num_rows, :, :self.width]
+                for old, new in zip(layer.buffers, fresh, strict=False):
+                    new[: self.num_rows, :, : self.width] = old[: self.num_rows, :, : self.width]
             else:
                 DynamicLayer.lazy_initialization(layer, model.keys, model.values)
             layer.buffers = fresh
@@ -283,7 +290,7 @@ class RaggedBatch:
         length = single.get_seq_length()
         row = self.num_rows
         self._reserve(row + 1, max(self.width, length) + 1, single)
-        for layer, source in zip(self.cache.layers, single.layers):
+        for layer, source in zip(self.cache.layers, single.layers, strict=False):
             layer.buffers[0][row, :, :length] = source.keys[0]
             layer.buffers[1][row, :, :length] = source.values[0]
         self.lengths.append(length)
@@ -320,8 +327,10 @@ class RaggedBatch:
     def extract(self, row: int) -> DynamicCache:
         """Row `row`'s real tokens as a batch-1 cache of its own (new memory)."""
         length = self.lengths[row]
-        parts = [torch.stack([layer.buffers[0][row, :, :length], layer.buffers[1][row, :, :length]])  # (2, H, T, D)
-                 for layer in self.cache.layers]
+        parts = [
+            torch.stack([layer.buffers[0][row, :, :length], layer.buffers[1][row, :, :length]])  # (2, H, T, D)
+            for layer in self.cache.layers
+        ]
         return to_cache([torch.stack(parts)], self.config)  # (L, 2, H, T, D) copied into a new cache
 
     @torch.inference_mode()
@@ -338,9 +347,13 @@ class RaggedBatch:
         for layer in self.cache.layers:
             layer.write_at = write_at
         ids = torch.tensor(list(tokens), dtype=torch.long)[:, None]  # (B, 1)
-        out = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=lengths[:, None].to(device),
-                    cache=self.cache, use_cache=True, logits_to_keep=1)
+        out = model(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            position_ids=lengths[:, None].to(device),
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         self.lengths = [n + 1 for n in self.lengths]
         return out.logits[:, -1]
-
-

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 import torch
 
@@ -48,8 +48,17 @@ class Loaded:
 class KVLoader:
     """Loads one profile's stored KV from one open generation (`switch` moves it)."""
 
-    def __init__(self, snapshot: StoreSnapshot, lm: LoadedModel, active: ActiveProfile, device: str,
-                 prefix_cache_bytes: int, ram_bytes: int, write_back: bool, log_uses: bool = True):
+    def __init__(
+        self,
+        snapshot: StoreSnapshot,
+        lm: LoadedModel,
+        active: ActiveProfile,
+        device: str,
+        prefix_cache_bytes: int,
+        ram_bytes: int,
+        write_back: bool,
+        log_uses: bool = True,
+    ):
         self.snapshot = snapshot
         self.lm = lm
         self.active = active
@@ -70,8 +79,13 @@ class KVLoader:
         """No stored KV: the whole prompt is prefilled."""
         return Assembly(kv.to_cache_empty(self.lm.model.config))
 
-    def load(self, rows: list[ContextRow], chunk_ids: list[tuple[int, ...]], settings: AskSettings,
-             question_ids: Sequence[int] = ()) -> Loaded:
+    def load(
+        self,
+        rows: list[ContextRow],
+        chunk_ids: list[tuple[int, ...]],
+        settings: AskSettings,
+        question_ids: Sequence[int] = (),
+    ) -> Loaded:
         """The cache a prompt over `rows` (their token ids: `chunk_ids`; then `question_ids`,
         which the `query` mode selects by) starts from, per `settings.mode`: what the store
         holds of it, loaded and verified."""
@@ -87,8 +101,9 @@ class KVLoader:
             loaded.fallback = refused[1]
             return loaded
         read_start = time.perf_counter()
-        stored = self._load_stored([[rows[i] for i in run] for run in (runs[:1] if settings.mode == "exact" else runs)],
-                                   loaded)
+        stored = self._load_stored(
+            [[rows[i] for i in run] for run in (runs[:1] if settings.mode == "exact" else runs)], loaded
+        )
         loaded.kv_read_ms = _ms(read_start)
         if stored is not None:
             assemble_start = time.perf_counter()
@@ -100,18 +115,34 @@ class KVLoader:
         """Why the prompt cannot start from stored KV in `mode` (and whether that is a
         fallback from an approximate mode), or None."""
         if mode != "exact" and any(row.live for row in rows):
-            return (f"--mode {mode} composes stored KV; passages given as text have none, so the prompt was "
-                    "answered with a full prefill instead", True)
+            return (
+                f"--mode {mode} composes stored KV; passages given as text have none, so the prompt was "
+                "answered with a full prefill instead",
+                True,
+            )
         if not rows[runs[0][0]].starts_span:
-            return (f"chunk {rows[0].chunk_index} of {rows[0].doc_id} continues a span: its KV holds the chunks "
-                    "before it, so it is prefilled live (ask with --context span)", False)
+            return (
+                f"chunk {rows[0].chunk_index} of {rows[0].doc_id} continues a span: its KV holds the chunks "
+                "before it, so it is prefilled live (ask with --context span)",
+                False,
+            )
         if mode != "exact" and not all(rows[run[0]].starts_span for run in runs):
-            return (f"--mode {mode} needs every chunk's span from its start; answered with a full prefill instead "
-                    "(ask with --context span)", True)
+            return (
+                f"--mode {mode} needs every chunk's span from its start; answered with a full prefill instead "
+                "(ask with --context span)",
+                True,
+            )
         return None
 
-    def _assemble_mode(self, stored: list[torch.Tensor], rows: list[ContextRow], runs: list[list[int]],
-                       chunk_ids: list[tuple[int, ...]], settings: AskSettings, question_ids: Sequence[int]) -> Assembly:
+    def _assemble_mode(
+        self,
+        stored: list[torch.Tensor],
+        rows: list[ContextRow],
+        runs: list[list[int]],
+        chunk_ids: list[tuple[int, ...]],
+        settings: AskSettings,
+        question_ids: Sequence[int],
+    ) -> Assembly:
         """`stored`: the prefix KV, then one KV per loaded run (its chunks' entries joined)."""
         model = self.lm.model
         prefix, pieces_kv = stored[0], stored[1:]
@@ -120,22 +151,27 @@ class KVLoader:
             after = len(runs[0])
             segments = [(*layout.separator_ids, *ids) for ids in chunk_ids[after:]]
             last = rows[after - 1]
-            root = KVKey.from_string(last.entry.kv_key) if last.entry else \
-                KVKey.for_chunk(self.active.profile, chunk_ids[after - 1])
+            root = (
+                KVKey.from_string(last.entry.kv_key)
+                if last.entry
+                else KVKey.for_chunk(self.active.profile, chunk_ids[after - 1])
+            )
             return assemble.exact(model, stored, segments, self.prefix_cache, root)
         pieces = [pieces_kv[0]]
         for piece in pieces_kv[1:]:
             pieces += [self._separator_kv(), piece]
         if settings.mode == "concat":
             return assemble.concat(model, prefix, pieces)
-        context_ids = [*layout.prefix_ids, *layout.context_ids(chunk_ids)]
-        if settings.mode == "epic":
-            return assemble.epic(model, prefix, pieces, context_ids, settings.blend_ratio)
-        if settings.mode == "query":
-            return assemble.attended(model, prefix, pieces, context_ids, question_ids, settings.blend_ratio)
         if settings.mode == "ape":
             return assemble.ape(model, prefix, pieces, settings.ape_temperature, settings.ape_scale)
-        return assemble.blended(model, prefix, pieces, context_ids, settings.blend_ratio)
+        context_ids = [*layout.prefix_ids, *layout.context_ids(chunk_ids)]
+        ratio = settings.blend_ratio
+        assert ratio is not None  # every recomputing mode has its share (AskSettings sets the default)
+        if settings.mode == "epic":
+            return assemble.epic(model, prefix, pieces, context_ids, ratio)
+        if settings.mode == "query":
+            return assemble.attended(model, prefix, pieces, context_ids, question_ids, ratio)
+        return assemble.blended(model, prefix, pieces, context_ids, ratio)
 
     def _load_stored(self, runs: list[list[ContextRow]], loaded: Loaded) -> list[torch.Tensor] | None:
         """The prefix KV and each run's KV (its chunks' entries joined along the tokens),
@@ -153,9 +189,11 @@ class KVLoader:
                         continue
                     if row.entry is None or row.token_ids is None:
                         raise StoreCorruptError(f"chunk {row.chunk_id} has no stored KV for this model")
-                    key = spans.next_key(self.active.profile, key,
-                                         spans.segment(0 if key is None else 1, row.token_ids,
-                                                       self.active.layout.separator_ids))
+                    key = spans.next_key(
+                        self.active.profile,
+                        key,
+                        spans.segment(0 if key is None else 1, row.token_ids, self.active.layout.separator_ids),
+                    )
                     if key.to_string() != row.entry.kv_key:
                         raise StoreCorruptError(f"chunk {row.chunk_id}'s stored KV key does not match its tokens")
                     hits = loaded.ram_hits
@@ -212,8 +250,16 @@ class KVLoader:
         self.ram.put(key, kv_tensor)
         writer = self._background_writer()
         if writer is not None:
-            writer.submit(ComputedKV(profile.profile_id, key, row.chunk_id, token_ids, parts,
-                                     shard_metadata(profile.profile_id, self.lm.facts.name, profile.dtype)))
+            writer.submit(
+                ComputedKV(
+                    profile.profile_id,
+                    key,
+                    row.chunk_id,
+                    token_ids,
+                    parts,
+                    shard_metadata(profile.profile_id, self.lm.facts.name, profile.dtype),
+                )
+            )
         return kv_tensor
 
     def _text_ids(self, row: ContextRow) -> tuple[int, ...]:
@@ -231,11 +277,15 @@ class KVLoader:
         if self._hit_log is None:
             return
         try:
-            self._hit_log.record(Use(row.doc_id, row.chunk_index, kv_sources.get(row.chunk_id, "live"))
-                                 for row in rows if not row.live)
+            self._hit_log.record(
+                Use(row.doc_id, row.chunk_index, kv_sources.get(row.chunk_id, "live")) for row in rows if not row.live
+            )
         except OSError as exc:  # a read-only store still answers; it only stops counting
-            log.warning("cannot log chunk uses in %s (%s); popularity is not counted for this engine",
-                        self.snapshot.location, exc.strerror or exc)
+            log.warning(
+                "cannot log chunk uses in %s (%s); popularity is not counted for this engine",
+                self.snapshot.location,
+                exc.strerror or exc,
+            )
             self._hit_log = None
 
     def _read_buffer(self, slot: int, size: int) -> torch.Tensor:
@@ -282,8 +332,13 @@ class KVLoader:
 def continues_span(previous: ContextRow, row: ContextRow) -> bool:
     """Whether `row` is the chunk right after `previous` in the same stored span (so their KV
     loads as one sequence)."""
-    return (not row.starts_span and row.span_start is not None and previous.doc_id == row.doc_id
-            and previous.span_start == row.span_start and row.chunk_index == previous.chunk_index + 1)
+    return (
+        not row.starts_span
+        and row.span_start is not None
+        and previous.doc_id == row.doc_id
+        and previous.span_start == row.span_start
+        and row.chunk_index == previous.chunk_index + 1
+    )
 
 
 def _ms(since: float) -> float:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Generic, Hashable, TypeVar
+from collections.abc import Hashable
+from typing import Generic, TypeVar
 
 import torch
 
@@ -66,5 +67,10 @@ class ByteLRU(Generic[V]):
         return len(self._items)
 
     def stats(self) -> dict:
-        return {"entries": len(self), "bytes": self.bytes, "max_bytes": self.max_bytes,
-                "hits": self.hits, "misses": self.misses}
+        return {
+            "entries": len(self),
+            "bytes": self.bytes,
+            "max_bytes": self.max_bytes,
+            "hits": self.hits,
+            "misses": self.misses,
+        }

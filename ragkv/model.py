@@ -13,6 +13,7 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ragkv.config import DEFAULT_MODEL, cache_dir
 from ragkv.errors import ModelError
@@ -64,8 +65,8 @@ class ModelFacts:
 
 @dataclass
 class LoadedModel:
-    model: object  # transformers PreTrainedModel, in eval mode on `device`
-    tokenizer: object
+    model: Any  # transformers PreTrainedModel, in eval mode on `device`
+    tokenizer: Any
     facts: ModelFacts
     device: str
 
@@ -105,7 +106,9 @@ def _hub_snapshot(repo_id: str) -> Path:
     except Exception:
         pass
     if os.environ.get("HF_HUB_OFFLINE"):
-        raise ModelError(f"model {repo_id!r} is not a local folder and not in the Hugging Face cache (HF_HUB_OFFLINE is set)")
+        raise ModelError(
+            f"model {repo_id!r} is not a local folder and not in the Hugging Face cache (HF_HUB_OFFLINE is set)"
+        )
     try:
         return Path(snapshot_download(repo_id))
     except Exception as exc:
@@ -182,7 +185,9 @@ def load_model(name: str, device: str, dtype: str, weights: bool = True) -> Load
             tokenizer = AutoTokenizer.from_pretrained(folder)
             if weights:
                 model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
-            config = model.config if weights else AutoConfig.from_pretrained(folder)
+                config = model.config
+            else:
+                config = AutoConfig.from_pretrained(folder)
     except Exception as exc:  # transformers raises many types; name the folder and the cause
         raise ModelError(f"could not load model from {folder}: {exc}".splitlines()[0]) from exc
     if model is not None:

@@ -10,14 +10,14 @@ Bounded in bytes; least recently used segments go first.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
 from ragkv.keys import KVKey
-from ragkv.spans import chain
 from ragkv.lru import ByteLRU
+from ragkv.spans import chain
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class PrefixCache:
     def match(self, root: KVKey, segments: Sequence[Sequence[int]]) -> PrefixMatch:
         """The KV of the longest run of leading `segments` this cache holds (after `root`)."""
         kvs = []
-        for key, ids in zip(_names(root, segments), segments):
+        for key, ids in zip(_names(root, segments), segments, strict=False):
             found = self._lru.get(key)
             if found is None or found[0] != tuple(ids):
                 break
@@ -62,7 +62,7 @@ class PrefixCache:
     def insert(self, root: KVKey, segments: Sequence[Sequence[int]], kvs: Sequence[torch.Tensor]) -> None:
         """Remember `kvs[i]`, the KV of `segments[i]` computed after `root` and the segments
         before it. May evict least recently used entries."""
-        for key, ids, kv in zip(_names(root, segments), segments, kvs):
+        for key, ids, kv in zip(_names(root, segments), segments, kvs, strict=False):
             if key not in self._lru:
                 self._lru.put(key, (tuple(ids), kv))
 

@@ -12,8 +12,8 @@ tokenised with special tokens split, so text cannot inject control tokens.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from ragkv.errors import ModelError
 from ragkv.keys import digest
@@ -30,8 +30,12 @@ _NEXT_MARK = "\x00RAGKV_NEXT\x00"
 def _turn_head(tokenizer, system_prompt: str, user: str, question_tail: str) -> tuple[int, ...] | None:
     """The template text between an assistant answer and the next user message, provided
     every user turn ends the same way (so turns can be appended by ids)."""
-    messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": user},
-                {"role": "assistant", "content": _ANSWER_MARK}, {"role": "user", "content": _NEXT_MARK}]
+    messages = [
+        {"role": "system", "content": system_prompt},
+        {"role": "user", "content": user},
+        {"role": "assistant", "content": _ANSWER_MARK},
+        {"role": "user", "content": _NEXT_MARK},
+    ]
     rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     if rendered.count(_ANSWER_MARK) != 1 or rendered.count(_NEXT_MARK) != 1:
         return None
@@ -62,7 +66,7 @@ class PromptLayout:
     turn_head_ids: tuple[int, ...] | None = None  # after an answer, before the next user message
 
     @classmethod
-    def build(cls, tokenizer, system_prompt: str) -> "PromptLayout":
+    def build(cls, tokenizer, system_prompt: str) -> PromptLayout:
         template = getattr(tokenizer, "chat_template", None)
         user = CONTEXT_TEMPLATE.format(context=_CONTEXT_MARK, question=_QUESTION_MARK)
         if template:
@@ -71,7 +75,9 @@ class PromptLayout:
         else:
             rendered = FALLBACK_TEMPLATE.format(system=system_prompt, user=user)
         if rendered.count(_CONTEXT_MARK) != 1 or rendered.count(_QUESTION_MARK) != 1:
-            raise ModelError("the model's chat template does not place the user message verbatim; ragkv cannot split it")
+            raise ModelError(
+                "the model's chat template does not place the user message verbatim; ragkv cannot split it"
+            )
         head, rest = rendered.split(_CONTEXT_MARK)
         middle, tail = rest.split(_QUESTION_MARK)
         return cls(
@@ -79,7 +85,9 @@ class PromptLayout:
             separator_ids=tuple(encode_text(tokenizer, CHUNK_SEPARATOR)),
             question_head_ids=tuple(_encode_template(tokenizer, middle)),
             question_tail_ids=tuple(_encode_template(tokenizer, tail)),
-            template_fingerprint=digest(template or FALLBACK_TEMPLATE, CONTEXT_TEMPLATE, CHUNK_SEPARATOR, system_prompt),
+            template_fingerprint=digest(
+                template or FALLBACK_TEMPLATE, CONTEXT_TEMPLATE, CHUNK_SEPARATOR, system_prompt
+            ),
             turn_head_ids=_turn_head(tokenizer, system_prompt, user, tail) if template else None,
         )
 

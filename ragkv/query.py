@@ -5,8 +5,8 @@ the work is done by the `Runtime` it holds (ragkv.retrieval, ragkv.loader)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Generator, Sequence
 from pathlib import Path
-from typing import Generator, Sequence
 
 import torch
 
@@ -22,7 +22,7 @@ from ragkv.lru import ByteLRU
 from ragkv.prefix_cache import PrefixCache
 from ragkv.retrieval import Prompt, Retrieved, Retriever
 from ragkv.runtime import Prepared, Runtime
-from ragkv.scheduler import BatchSettings, Batcher
+from ragkv.scheduler import Batcher, BatchSettings
 from store import ContextRow, StoreSnapshot, open_snapshot
 
 __all__ = ["ActiveProfile", "Prepared", "Prompt", "QueryEngine"]
@@ -32,10 +32,20 @@ class QueryEngine:
     """Answers questions from a store. Loads the model and embedder once; holds one published
     generation open (and leased) until `refresh()` moves it to a newer one or `close()`."""
 
-    def __init__(self, store: Path | str, model: str | None = None, embedder: str | None = None,
-                 device: str = "auto", dtype: str | None = None, kv_dtype: str | None = None,
-                 prefix_cache_bytes: int = 512 << 20, ram_bytes: int = 1 << 30, write_back: bool = True,
-                 weights: bool = True, log_uses: bool = True):
+    def __init__(
+        self,
+        store: Path | str,
+        model: str | None = None,
+        embedder: str | None = None,
+        device: str = "auto",
+        dtype: str | None = None,
+        kv_dtype: str | None = None,
+        prefix_cache_bytes: int = 512 << 20,
+        ram_bytes: int = 1 << 30,
+        write_back: bool = True,
+        weights: bool = True,
+        log_uses: bool = True,
+    ):
         if kv_dtype is not None and kv_dtype not in KV_DTYPES:
             raise InputError(f"unknown --kv-dtype {kv_dtype!r}; use one of {', '.join(KV_DTYPES)}")
         snapshot = open_snapshot(store)
@@ -46,8 +56,9 @@ class QueryEngine:
         except BaseException:
             snapshot.close()
             raise
-        retriever = Retriever(snapshot, self.embedder, lm.tokenizer, active.layout, active.profile.profile_id,
-                              lm.facts.max_context)
+        retriever = Retriever(
+            snapshot, self.embedder, lm.tokenizer, active.layout, active.profile.profile_id, lm.facts.max_context
+        )
         loader = KVLoader(snapshot, lm, active, self.device, prefix_cache_bytes, ram_bytes, write_back, log_uses)
         self.runtime = Runtime(lm, active, retriever, loader)
         self.lm, self.active, self.loader = lm, active, loader
@@ -93,8 +104,9 @@ class QueryEngine:
         return True
 
     # -- the query path -------------------------------------------------------------------
-    def retrieve(self, question: str, top_k: int = 1, doc_ids: Sequence[str] | None = None,
-                 context: str = "chunk") -> Retrieved:
+    def retrieve(
+        self, question: str, top_k: int = 1, doc_ids: Sequence[str] | None = None, context: str = "chunk"
+    ) -> Retrieved:
         """The `top_k` chunks nearest to `question`, best first, with their cosine scores
         (see `ragkv.retrieval.Retriever.retrieve`)."""
         return self.runtime.retriever.retrieve(question, top_k, doc_ids, context)
@@ -121,7 +133,7 @@ class QueryEngine:
         stream = self.stream(question, settings, **options)
         for _ in stream:
             pass
-        return stream.answer
+        return stream.result()
 
     def stream(self, question: str, settings: AskSettings | None = None, **options) -> AnswerStream:
         """Like `ask`, but iterate the result for text as it is generated."""
@@ -153,10 +165,17 @@ class QueryEngine:
         prepared = self.prepare(question, settings)
         stats = prepared.stats
         max_new_tokens = self.runtime.fit_budget(len(prepared.prompt_ids), settings.max_new_tokens, stats)
-        done = yield from generate(prepared.assembly.attending(self.lm.model), self.lm.tokenizer,
-                                   prepared.assembly.cache, prepared.live_ids,
-                                   self.lm.facts.eos_ids, max_new_tokens, start, prepared.assembly.after_prefill,
-                                   settings.decoding)
+        done = yield from generate(
+            prepared.assembly.attending(self.lm.model),
+            self.lm.tokenizer,
+            prepared.assembly.cache,
+            prepared.live_ids,
+            self.lm.facts.eos_ids,
+            max_new_tokens,
+            start,
+            prepared.assembly.after_prefill,
+            settings.decoding,
+        )
         stats.record(done, start)
         self.savings.add(stats)
         return Answer(question, done.text, done.token_ids, prepared.sources(), stats, prepared.prompt_ids)

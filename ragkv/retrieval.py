@@ -5,8 +5,8 @@ or documents -> cut to fit the model's context -> the prompt's ids. One implemen
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from ragkv.config import AskSettings
 from ragkv.embed import Embedder
@@ -37,8 +37,15 @@ class Prompt:
 class Retriever:
     """Searches one open generation (`switch` moves it to another) for one profile's prompts."""
 
-    def __init__(self, snapshot: StoreSnapshot, embedder: Embedder, tokenizer, layout: PromptLayout, profile_id: str,
-                 max_context: int):
+    def __init__(
+        self,
+        snapshot: StoreSnapshot,
+        embedder: Embedder,
+        tokenizer,
+        layout: PromptLayout,
+        profile_id: str,
+        max_context: int,
+    ):
         self.snapshot = snapshot
         self.embedder = embedder
         self.tokenizer = tokenizer
@@ -54,8 +61,9 @@ class Retriever:
         self._row_cache.clear()
         self._span_cache.clear()
 
-    def retrieve(self, question: str, top_k: int = 1, doc_ids: Sequence[str] | None = None,
-                 context: str = "chunk") -> Retrieved:
+    def retrieve(
+        self, question: str, top_k: int = 1, doc_ids: Sequence[str] | None = None, context: str = "chunk"
+    ) -> Retrieved:
         """The `top_k` chunks nearest to `question`, best first, with their cosine scores;
         only chunks of the documents `doc_ids` when given. With `context` "span" or
         "document", the prompt's chunks around them instead (see `widen`)."""
@@ -70,15 +78,20 @@ class Retriever:
         given = settings.chunks is not None  # the caller retrieved (a framework's retriever): no search
         if given:
             check_text(question)
-        hits = [Hit(*chunk) for chunk in settings.chunks] if given else self.search(question, settings.top_k,
-                                                                                  settings.doc_ids)
+        hits = (
+            [Hit(*chunk) for chunk in settings.chunks or ()]
+            if given
+            else self.search(question, settings.top_k, settings.doc_ids)
+        )
         retrieval_ms = _ms(start)
         catalog_start = time.perf_counter()
         retrieved = self.rows(hits)
         catalog_ms = _ms(catalog_start)
         if given and len(retrieved) < len(hits):
-            raise InputError(f"{len(hits) - len(retrieved)} of the given chunks are not in store "
-                             f"{self.snapshot.location} (generation {self.snapshot.generation}): retrieve again")
+            raise InputError(
+                f"{len(hits) - len(retrieved)} of the given chunks are not in store "
+                f"{self.snapshot.location} (generation {self.snapshot.generation}): retrieve again"
+            )
         if not retrieved and not settings.passages:
             raise StoreEmptyError(f"store {self.snapshot.location} returned no chunks for the question")
         if not given and len(retrieved) < settings.top_k:
@@ -91,8 +104,15 @@ class Retriever:
         if cut:
             warnings.append(cut)
         chunk_ids = [self.chunk_token_ids(row) for row, _ in retrieved]
-        return Prompt(retrieved, self.layout.prompt_ids(chunk_ids, question_ids), question_ids, chunk_ids,
-                      retrieval_ms, catalog_ms, warnings)
+        return Prompt(
+            retrieved,
+            self.layout.prompt_ids(chunk_ids, question_ids),
+            question_ids,
+            chunk_ids,
+            retrieval_ms,
+            catalog_ms,
+            warnings,
+        )
 
     def widen(self, hits: Retrieved, context: str) -> Retrieved:
         """The chunks a prompt holds for `hits`. "chunk": the hits themselves. "span": each hit
@@ -124,8 +144,10 @@ class Retriever:
         none was dropped)."""
         room = self.max_context - MIN_ANSWER_TOKENS
         before = len(retrieved)
-        while len(retrieved) > 1 and len(self.layout.prompt_ids(
-                [self.chunk_token_ids(r) for r, _ in retrieved], question_ids)) > room:
+        while (
+            len(retrieved) > 1
+            and len(self.layout.prompt_ids([self.chunk_token_ids(r) for r, _ in retrieved], question_ids)) > room
+        ):
             retrieved = retrieved[:-1]
         if len(retrieved) == before:
             return retrieved, ""
@@ -161,6 +183,7 @@ class Retriever:
         return [(self._row_cache[h.chunk_id], h.score) for h in hits if h.chunk_id in self._row_cache]
 
     def _span_ids(self, row: ContextRow) -> list[int]:
+        assert row.span_start is not None  # asked only of a row inside a span
         key = (row.doc_id, row.span_start)
         if key not in self._span_cache:
             self._span_cache[key] = self.snapshot.catalog.span_chunk_ids(self.profile_id, row.doc_id, row.span_start)
@@ -171,8 +194,10 @@ def live_rows(passages: Sequence[str]) -> Retrieved:
     """Passages given as text (no ragkv identity: another retriever's) as prompt chunks that are
     always prefilled, never looked up or stored. Their chunk ids are -1, -2, ... for passage 0,
     1, ... (stored chunks' ids are never negative), so a Source names the passage it was."""
-    return [(ContextRow(-1 - i, f"passage-{i}", f"(passage {i}, given as text)", 0, text, None, None, live=True), 0.0)
-            for i, text in enumerate(passages)]
+    return [
+        (ContextRow(-1 - i, f"passage-{i}", f"(passage {i}, given as text)", 0, text, None, None, live=True), 0.0)
+        for i, text in enumerate(passages)
+    ]
 
 
 def _ms(since: float) -> float:

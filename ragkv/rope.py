@@ -28,8 +28,10 @@ def check_supported(model) -> None:
     kind = rope_type(model)
     rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
     if kind not in SUPPORTED_ROPE_TYPES or rotary is None or getattr(rotary, "attention_scaling", 1.0) != 1.0:
-        raise ModelError(f"the concat and blend modes need rotary embeddings of type {', '.join(SUPPORTED_ROPE_TYPES)}; "
-                         f"this model uses {kind!r}. Use --mode exact")
+        raise ModelError(
+            f"the concat and blend modes need rotary embeddings of type {', '.join(SUPPORTED_ROPE_TYPES)}; "
+            f"this model uses {kind!r}. Use --mode exact"
+        )
     config = model.config.get_text_config()
     if getattr(config, "partial_rotary_factor", 1.0) != 1.0:
         raise ModelError("the concat and blend modes do not support partial rotary embeddings; use --mode exact")

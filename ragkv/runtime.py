@@ -72,9 +72,12 @@ class Runtime:
         stats.kv_load_ms = (time.perf_counter() - load_start) * 1000.0
         self.loader.record_uses([row for row, _ in prompt.retrieved], loaded.kv_sources)
         assembly = loaded.assembly
-        live_ids = prompt.prompt_ids[assembly.num_cached:]
-        computed = sum(len(ids) for (row, _), ids in zip(prompt.retrieved, prompt.chunk_ids)
-                       if loaded.kv_sources.get(row.chunk_id) == "computed")  # prefilled now, as a miss
+        live_ids = prompt.prompt_ids[assembly.num_cached :]
+        computed = sum(
+            len(ids)
+            for (row, _), ids in zip(prompt.retrieved, prompt.chunk_ids, strict=False)
+            if loaded.kv_sources.get(row.chunk_id) == "computed"
+        )  # prefilled now, as a miss
         stats.reused_tokens = assembly.reused_tokens - computed
         stats.recomputed_tokens = assembly.recomputed_tokens
         stats.prefix_cache_tokens = assembly.prefix_cache_tokens
@@ -89,8 +92,11 @@ class Runtime:
             stats.mode = "fallback"
         stats.kv_sources = dict(loaded.kv_sources)
         stats.ram_hits, stats.ram_misses = loaded.ram_hits, loaded.ram_misses
-        stats.kv_read_ms, stats.assemble_ms, stats.kv_compute_ms = loaded.kv_read_ms, loaded.assemble_ms, \
-            loaded.kv_compute_ms
+        stats.kv_read_ms, stats.assemble_ms, stats.kv_compute_ms = (
+            loaded.kv_read_ms,
+            loaded.assemble_ms,
+            loaded.kv_compute_ms,
+        )
         stats.warnings = [*prompt.warnings, *loaded.warnings]
         return stats
 

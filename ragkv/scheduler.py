@@ -25,9 +25,9 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -114,8 +114,9 @@ class Batcher:
     """Runs every turn submitted to it on one model thread, decoding them together. Owns the
     runtime's model while open: do not call the engine's own ask/stream meanwhile."""
 
-    def __init__(self, runtime: Runtime, settings: BatchSettings | None = None,
-                 before_admit: Callable[[], None] | None = None):
+    def __init__(
+        self, runtime: Runtime, settings: BatchSettings | None = None, before_admit: Callable[[], None] | None = None
+    ):
         self.runtime = runtime
         self.settings = settings or BatchSettings()
         self.before_admit = before_admit  # e.g. move the engine to a newer store generation
@@ -147,8 +148,14 @@ class Batcher:
             return 0.0
         return (rate[-1][1] - rate[0][1]) / (rate[-1][0] - rate[0][0])
 
-    def submit(self, conversation: Conversation | Callable[[], Conversation], message: str, max_new_tokens: int,
-               decoding: DecodeSettings, on_text: Callable[[str], None] | None = None) -> Ticket:
+    def submit(
+        self,
+        conversation: Conversation | Callable[[], Conversation],
+        message: str,
+        max_new_tokens: int,
+        decoding: DecodeSettings,
+        on_text: Callable[[str], None] | None = None,
+    ) -> Ticket:
         """Queue the next turn of `conversation` (or of the one a factory returns, called on the
         model thread when the turn is admitted: opening one may retrieve and load KV).
         `on_text(delta)` is called on the model thread as text is generated. Raises Busy when
@@ -171,8 +178,9 @@ class Batcher:
         """Answer `question` (options as in `AskSettings`), batched with whatever else runs."""
         settings = settings or AskSettings.from_dict(options)
         settings.check_batchable("batched decoding")
-        return self.submit(lambda: Conversation(self.runtime, settings), question, settings.max_new_tokens,
-                           settings.decoding).result()
+        return self.submit(
+            lambda: Conversation(self.runtime, settings), question, settings.max_new_tokens, settings.decoding
+        ).result()
 
     def call(self, fn: Callable, *args) -> Future:
         """Run `fn(*args)` on the model thread between two steps (work that shares the engine:
@@ -241,8 +249,13 @@ class Batcher:
                     turn.conversation = turn.conversation()
                 turn.plan = turn.conversation.begin_turn(turn.message, turn.max_new_tokens)
                 turn.pending = list(turn.plan.live_ids)
-                turn.state = DecodeState(self.runtime.lm.tokenizer, self.runtime.lm.facts.eos_ids, turn.plan.budget,
-                                         turn.decoding, turn.plan.start)
+                turn.state = DecodeState(
+                    self.runtime.lm.tokenizer,
+                    self.runtime.lm.facts.eos_ids,
+                    turn.plan.budget,
+                    turn.decoding,
+                    turn.plan.start,
+                )
             except Exception as exc:
                 if not isinstance(exc, RagkvError):
                     log.exception("a request failed as it joined the batch")
@@ -265,7 +278,10 @@ class Batcher:
         A failure before the row joins the batch touches only this turn's own cache: it fails alone."""
         try:
             started = time.perf_counter()
-            chunk, turn.pending = turn.pending[:self.settings.prefill_chunk], turn.pending[self.settings.prefill_chunk:]
+            chunk, turn.pending = (
+                turn.pending[: self.settings.prefill_chunk],
+                turn.pending[self.settings.prefill_chunk :],
+            )
             logits = prefill(self.runtime.lm.model, chunk, turn.plan.cache)
             turn.state.prefill_s += time.perf_counter() - started
             if turn.pending:

@@ -25,15 +25,27 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ragkv.api import (
-    DONE_EVENT, SERVED_MODEL_ID, ChatRequest, RetrieveRequest, ServeSettings, UnknownModel, chunk_event, completion,
-    error_event, install_errors, json_error, max_tokens, models_listing, split_messages,
+    DONE_EVENT,
+    SERVED_MODEL_ID,
+    ChatRequest,
+    RetrieveRequest,
+    ServeSettings,
+    UnknownModel,
+    chunk_event,
+    completion,
+    error_event,
+    install_errors,
+    json_error,
+    max_tokens,
+    models_listing,
+    split_messages,
 )
 from ragkv.config import AskSettings, DecodeSettings
 from ragkv.errors import RagkvError
 from ragkv.guard import RequestGuard
 from ragkv.keys import digest
 from ragkv.lru import ByteLRU
-from ragkv.scheduler import BatchSettings, Batcher, Busy
+from ragkv.scheduler import Batcher, BatchSettings, Busy
 
 log = logging.getLogger("ragkv")
 
@@ -73,25 +85,36 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("ragkv_requests", "HTTP requests", ["endpoint", "status"], registry=r)
-        self.ttft = Histogram("ragkv_ttft_seconds", "Time to first token", registry=r,
-                              buckets=(0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8))
+        self.ttft = Histogram(
+            "ragkv_ttft_seconds",
+            "Time to first token",
+            registry=r,
+            buckets=(0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8),
+        )
         self.reused = Counter("ragkv_tokens_reused", "Prompt tokens whose KV came from the store", registry=r)
         self.computed = Counter("ragkv_tokens_computed", "Prompt tokens prefilled", registry=r)
         self.generated = Counter("ragkv_tokens_generated", "Answer tokens", registry=r)
-        self.cancelled = Counter("ragkv_requests_cancelled", "Requests whose client went away before the answer ended "
-                                 "(their rows leave the batch at the next step)", registry=r)
+        self.cancelled = Counter(
+            "ragkv_requests_cancelled",
+            "Requests whose client went away before the answer ended (their rows leave the batch at the next step)",
+            registry=r,
+        )
         tier = engine.ram
         Gauge("ragkv_ram_tier_bytes", "Bytes of chunk KV in the RAM tier", registry=r).set_function(lambda: tier.bytes)
         Gauge("ragkv_ram_tier_hits", "RAM tier hits", registry=r).set_function(lambda: tier.hits)
         Gauge("ragkv_ram_tier_misses", "RAM tier misses", registry=r).set_function(lambda: tier.misses)
         Gauge("ragkv_store_generation", "Store generation being served", registry=r).set_function(
-            lambda: engine.snapshot.generation)
-        Gauge("ragkv_batch_running", "Requests in the running batch (decoding or prefilling)",
-              registry=r).set_function(lambda: batcher.num_running)
+            lambda: engine.snapshot.generation
+        )
+        Gauge("ragkv_batch_running", "Requests in the running batch (decoding or prefilling)", registry=r).set_function(
+            lambda: batcher.num_running
+        )
         Gauge("ragkv_requests_waiting", "Requests waiting to join the batch", registry=r).set_function(
-            lambda: batcher.num_waiting)
-        Gauge("ragkv_tokens_per_second", "Answer tokens generated per second over the last 10 s",
-              registry=r).set_function(batcher.tokens_per_s)
+            lambda: batcher.num_waiting
+        )
+        Gauge(
+            "ragkv_tokens_per_second", "Answer tokens generated per second over the last 10 s", registry=r
+        ).set_function(batcher.tokens_per_s)
 
     def record(self, stats) -> None:
         self.ttft.observe(stats.ttft_s)
@@ -109,9 +132,16 @@ def build_app(engine, settings: ServeSettings) -> FastAPI:
         except RagkvError as exc:  # keep serving the generation we have
             log.warning("not switching store generation: %s", exc)
 
-    batcher = Batcher(engine.runtime, BatchSettings(max_batch=settings.max_batch, max_batch_tokens=settings.max_batch_tokens,
-                                            prefill_chunk=settings.prefill_chunk, max_queue=settings.max_queue),
-                      before_admit=refresh)
+    batcher = Batcher(
+        engine.runtime,
+        BatchSettings(
+            max_batch=settings.max_batch,
+            max_batch_tokens=settings.max_batch_tokens,
+            prefill_chunk=settings.prefill_chunk,
+            max_queue=settings.max_queue,
+        ),
+        before_admit=refresh,
+    )
 
     @asynccontextmanager
     async def lifespan(app):
@@ -124,8 +154,11 @@ def build_app(engine, settings: ServeSettings) -> FastAPI:
     accepted_ids = {SERVED_MODEL_ID, engine.lm.facts.name}
     app.state.batcher = batcher
 
-    app.add_middleware(RequestGuard, max_body_bytes=settings.max_body_bytes,
-                       count=lambda route, status: metrics.requests.labels(route, str(status)).inc())
+    app.add_middleware(
+        RequestGuard,
+        max_body_bytes=settings.max_body_bytes,
+        count=lambda route, status: metrics.requests.labels(route, str(status)).inc(),
+    )
 
     authorised = install_errors(app, settings, engine.lm.facts.name)
 
@@ -153,11 +186,20 @@ def build_app(engine, settings: ServeSettings) -> FastAPI:
             metrics.record(answer.stats)
             return _completion(reply_id, created, model_id, answer, warnings, opened["reused"])
         # Queued before the response starts, so a full queue is a 503 with Retry-After, not an event in a 200.
-        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        ticket, opened = _submit(batcher, conversations, history, question, ask,
-                                 on_text=lambda text: loop.call_soon_threadsafe(queue.put_nowait, text))
-        return StreamingResponse(_stream(ticket, opened, queue, reply_id, created, model_id, warnings, metrics),
-                                 media_type="text/event-stream")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[object] = asyncio.Queue()
+        ticket, opened = _submit(
+            batcher,
+            conversations,
+            history,
+            question,
+            ask,
+            on_text=lambda text: loop.call_soon_threadsafe(queue.put_nowait, text),
+        )
+        return StreamingResponse(
+            _stream(ticket, opened, queue, reply_id, created, model_id, warnings, metrics),
+            media_type="text/event-stream",
+        )
 
     return app
 
@@ -165,8 +207,13 @@ def build_app(engine, settings: ServeSettings) -> FastAPI:
 def _add_info_routes(app: FastAPI, engine, batcher: Batcher, metrics: Metrics, authorised) -> None:
     @app.get("/healthz")
     async def healthz():
-        return {"status": "ok", "generation": engine.snapshot.generation, "model": SERVED_MODEL_ID,
-                "running": batcher.num_running, "waiting": batcher.num_waiting}
+        return {
+            "status": "ok",
+            "generation": engine.snapshot.generation,
+            "model": SERVED_MODEL_ID,
+            "running": batcher.num_running,
+            "waiting": batcher.num_waiting,
+        }
 
     @app.get("/metrics")
     async def prometheus():
@@ -179,19 +226,41 @@ def _add_info_routes(app: FastAPI, engine, batcher: Batcher, metrics: Metrics, a
     @app.post("/v1/retrieve", dependencies=[Depends(authorised)])
     async def retrieve(body: RetrieveRequest):
         hits = await asyncio.wrap_future(batcher.call(engine.retrieve, body.query, body.top_k, body.doc_ids))
-        return {"object": "list", "data": [
-            {"chunk_id": row.chunk_id, "doc_id": row.doc_id, "source": row.source, "chunk_index": row.chunk_index,
-             "score": score, "text": row.text} for row, score in hits]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "chunk_id": row.chunk_id,
+                    "doc_id": row.doc_id,
+                    "source": row.source,
+                    "chunk_index": row.chunk_index,
+                    "score": score,
+                    "text": row.text,
+                }
+                for row, score in hits
+            ],
+        }
 
 
 def _ask_settings(body: ChatRequest, max_new_tokens: int) -> AskSettings:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    decoding = DecodeSettings(repetition_penalty=body.ragkv.repetition_penalty, no_repeat_ngram=body.ragkv.no_repeat_ngram,
-                              temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=stop)
-    return AskSettings(top_k=body.ragkv.top_k, mode=body.ragkv.mode, context=body.ragkv.context,
-                       use_cache=not body.ragkv.no_cache, max_new_tokens=max_new_tokens,
-                       doc_ids=tuple(body.ragkv.doc_ids) if body.ragkv.doc_ids is not None else None,
-                       decoding=decoding)
+    decoding = DecodeSettings(
+        repetition_penalty=body.ragkv.repetition_penalty,
+        no_repeat_ngram=body.ragkv.no_repeat_ngram,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        seed=body.seed,
+        stop=stop,
+    )
+    return AskSettings(
+        top_k=body.ragkv.top_k,
+        mode=body.ragkv.mode,
+        context=body.ragkv.context,
+        use_cache=not body.ragkv.no_cache,
+        max_new_tokens=max_new_tokens,
+        doc_ids=tuple(body.ragkv.doc_ids) if body.ragkv.doc_ids is not None else None,
+        decoding=decoding,
+    )
 
 
 async def _unless_disconnected(request: Request, ticket):
@@ -214,8 +283,9 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _submit(batcher: Batcher, conversations: Conversations, history, question: str, settings: AskSettings,
-            on_text=None):
+def _submit(
+    batcher: Batcher, conversations: Conversations, history, question: str, settings: AskSettings, on_text=None
+):
     """Queue a turn: the kept conversation holding `history` (or a new one replaying it) is
     opened on the model thread when the turn is admitted, and kept again once answered.
     Returns the Ticket and a dict whose "reused" says whether a kept conversation served."""
@@ -236,21 +306,33 @@ def _submit(batcher: Batcher, conversations: Conversations, history, question: s
 
 
 def _ragkv_block(answer, warnings: list[str], reused_history: bool) -> dict:
-    return {"sources": [asdict(s) for s in answer.sources],
-            "stats": {**answer.stats.to_dict(), "warnings": answer.stats.warnings + warnings},
-            "token_ids": answer.token_ids,
-            "conversation_reused": reused_history}
+    return {
+        "sources": [asdict(s) for s in answer.sources],
+        "stats": {**answer.stats.to_dict(), "warnings": answer.stats.warnings + warnings},
+        "token_ids": answer.token_ids,
+        "conversation_reused": reused_history,
+    }
 
 
 def _usage(answer) -> dict:
     prompt = answer.stats.prompt_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": len(answer.token_ids),
-            "total_tokens": prompt + len(answer.token_ids)}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": len(answer.token_ids),
+        "total_tokens": prompt + len(answer.token_ids),
+    }
 
 
 def _completion(reply_id, created, model_id, answer, warnings, reused_history) -> dict:
-    return completion(reply_id, created, model_id, answer.text, answer.stats.finish_reason or "stop", _usage(answer),
-                      _ragkv_block(answer, warnings, reused_history))
+    return completion(
+        reply_id,
+        created,
+        model_id,
+        answer.text,
+        answer.stats.finish_reason or "stop",
+        _usage(answer),
+        _ragkv_block(answer, warnings, reused_history),
+    )
 
 
 async def _stream(ticket, opened, queue: asyncio.Queue, reply_id, created, model_id, warnings, metrics):
@@ -281,8 +363,12 @@ async def _stream(ticket, opened, queue: asyncio.Queue, reply_id, created, model
             yield error_event(f"internal error: {exc!r}", "internal_error")
             return
         metrics.record(answer.stats)
-        yield chunk({}, answer.stats.finish_reason or "stop", usage=_usage(answer),
-                    ragkv=_ragkv_block(answer, warnings, opened["reused"]))
+        yield chunk(
+            {},
+            answer.stats.finish_reason or "stop",
+            usage=_usage(answer),
+            ragkv=_ragkv_block(answer, warnings, opened["reused"]),
+        )
         yield DONE_EVENT
     finally:
         if not job.done():

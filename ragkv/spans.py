@@ -10,7 +10,8 @@ that follow a stored chunk the same way.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence, TypeVar
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
 
 from ragkv.keys import KVKey, Profile
 

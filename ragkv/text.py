@@ -14,6 +14,7 @@ def check_text(text: str, what: str = "the question") -> str:
     except UnicodeEncodeError as exc:
         code = ord(text[exc.start])
         what_char = f"the byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"a lone surrogate U+{code:04X}"
-        raise InputError(f"{what} is not valid UTF-8 text: character {exc.start} is {what_char}; "
-                         "send UTF-8 text") from None
+        raise InputError(
+            f"{what} is not valid UTF-8 text: character {exc.start} is {what_char}; send UTF-8 text"
+        ) from None
     return text

@@ -30,13 +30,22 @@ from fastapi import Depends, FastAPI
 from fastapi.responses import StreamingResponse
 
 from ragkv.answer import Source, Stats
+from ragkv.api import (
+    DONE_EVENT,
+    SERVED_MODEL_ID,
+    ChatRequest,
+    ServeSettings,
+    UnknownModel,
+    chunk_event,
+    completion,
+    install_errors,
+    max_tokens,
+    models_listing,
+    split_messages,
+)
 from ragkv.config import AskSettings, import_path
 from ragkv.errors import InputError, ModelError
 from ragkv.guard import RequestGuard
-from ragkv.api import (
-    DONE_EVENT, SERVED_MODEL_ID, ChatRequest, ServeSettings, UnknownModel, chunk_event, completion, install_errors,
-    max_tokens, models_listing, split_messages,
-)
 
 log = logging.getLogger("ragkv")
 VLLM_MODEL_ID = "ragkv-llm"  # the name the front's vLLM serves the model under
@@ -46,28 +55,61 @@ class VllmServer:
     """A vLLM OpenAI server, started with the ragkv connector on `store`, in `python` (vLLM
     pins its own torch: it may live in another environment). `start` waits until it answers."""
 
-    def __init__(self, python: str, model_folder: str, dtype: str, store: str, port: int, args: tuple[str, ...] = (),
-                 write_back: bool = True):
+    def __init__(
+        self,
+        python: str,
+        model_folder: str,
+        dtype: str,
+        store: str,
+        port: int,
+        args: tuple[str, ...] = (),
+        write_back: bool = True,
+    ):
         self.url = f"http://127.0.0.1:{port}"
-        connector = {"kv_connector": "RagkvConnector", "kv_connector_module_path": "ragkv.integrations.vllm",
-                     "kv_role": "kv_both" if write_back else "kv_consumer",
-                     "kv_connector_extra_config": {"store": str(Path(store).resolve())}}
-        self.command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_folder,
-                        "--served-model-name", VLLM_MODEL_ID, "--dtype", dtype, "--host", "127.0.0.1",
-                        "--port", str(port), "--kv-transfer-config", json.dumps(connector), *args]
+        connector = {
+            "kv_connector": "RagkvConnector",
+            "kv_connector_module_path": "ragkv.integrations.vllm",
+            "kv_role": "kv_both" if write_back else "kv_consumer",
+            "kv_connector_extra_config": {"store": str(Path(store).resolve())},
+        }
+        self.command = [
+            python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model_folder,
+            "--served-model-name",
+            VLLM_MODEL_ID,
+            "--dtype",
+            dtype,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--kv-transfer-config",
+            json.dumps(connector),
+            *args,
+        ]
         root = import_path()  # so vLLM's python imports this ragkv
         self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
         self.process: subprocess.Popen | None = None
 
     def start(self, timeout_s: float) -> None:
-        self.process = subprocess.Popen(self.command, env=self.env, stdout=sys.stderr, stderr=subprocess.PIPE,
-                                        text=True, preexec_fn=_die_with_parent)
+        self.process = subprocess.Popen(
+            self.command,
+            env=self.env,
+            stdout=sys.stderr,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=_die_with_parent,
+        )
         deadline = time.monotonic() + timeout_s  # a first start compiles kernels: minutes on a CPU
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                tail = self.process.stderr.read()[-2000:].strip().splitlines()
-                raise ModelError(f"vLLM exited while starting ({self.process.returncode}): "
-                                 f"{tail[-1] if tail else 'no output'}")
+                tail = (self.process.stderr.read() if self.process.stderr else "")[-2000:].strip().splitlines()
+                raise ModelError(
+                    f"vLLM exited while starting ({self.process.returncode}): {tail[-1] if tail else 'no output'}"
+                )
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return
@@ -115,8 +157,12 @@ def build_front_app(engine, vllm_url: str, settings: ServeSettings) -> FastAPI:
     @app.get("/healthz")
     async def healthz():
         vllm_ok = (await client.get("/health")).status_code == 200
-        return {"status": "ok" if vllm_ok else "vllm down", "generation": engine.snapshot.generation,
-                "model": SERVED_MODEL_ID, "engine": "vllm"}
+        return {
+            "status": "ok" if vllm_ok else "vllm down",
+            "generation": engine.snapshot.generation,
+            "model": SERVED_MODEL_ID,
+            "engine": "vllm",
+        }
 
     @app.get("/v1/models", dependencies=[Depends(authorised)])
     async def models():
@@ -130,28 +176,52 @@ def build_front_app(engine, vllm_url: str, settings: ServeSettings) -> FastAPI:
         if history:
             raise InputError("--engine vllm answers one question per request; send only the last user message")
         budget = max_tokens(body, settings, warnings)
-        ask = AskSettings(top_k=body.ragkv.top_k, context=body.ragkv.context,
-                          doc_ids=tuple(body.ragkv.doc_ids) if body.ragkv.doc_ids is not None else None)
+        ask = AskSettings(
+            top_k=body.ragkv.top_k,
+            context=body.ragkv.context,
+            doc_ids=tuple(body.ragkv.doc_ids) if body.ragkv.doc_ids is not None else None,
+        )
         async with lock:
             engine.refresh()
             prompt = await asyncio.to_thread(engine.prompt_for, question, ask)
-        stats = Stats(mode="exact", retrieval_ms=prompt.retrieval_ms, catalog_ms=prompt.catalog_ms,
-                      warnings=list(prompt.warnings))  # vLLM loads the stored KV at its own positions: exact
-        payload = {"model": VLLM_MODEL_ID, "prompt": prompt.prompt_ids, "max_tokens": budget,
-                   "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed,
-                   "stop": body.stop, "stream": body.stream, "kv_transfer_params": _layout_params(prompt, settings),
-                   **({"stream_options": {"include_usage": True}} if body.stream else {})}
-        sources = [asdict(Source(r.doc_id, r.source, r.chunk_index, r.chunk_id, score)) for r, score in prompt.retrieved]
-        block = {"sources": sources, "stats": {**stats.to_dict(), "warnings": stats.warnings + warnings},
-                 "prompt_tokens": len(prompt.prompt_ids)}
+        stats = Stats(
+            mode="exact", retrieval_ms=prompt.retrieval_ms, catalog_ms=prompt.catalog_ms, warnings=list(prompt.warnings)
+        )  # vLLM loads the stored KV at its own positions: exact
+        payload = {
+            "model": VLLM_MODEL_ID,
+            "prompt": prompt.prompt_ids,
+            "max_tokens": budget,
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "seed": body.seed,
+            "stop": body.stop,
+            "stream": body.stream,
+            "kv_transfer_params": _layout_params(prompt, settings),
+            **({"stream_options": {"include_usage": True}} if body.stream else {}),
+        }
+        sources = [
+            asdict(Source(r.doc_id, r.source, r.chunk_index, r.chunk_id, score)) for r, score in prompt.retrieved
+        ]
+        block = {
+            "sources": sources,
+            "stats": {**stats.to_dict(), "warnings": stats.warnings + warnings},
+            "prompt_tokens": len(prompt.prompt_ids),
+        }
         created, reply_id = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
         if not body.stream:
             reply = await client.post("/v1/completions", json=payload)
             reply.raise_for_status()
             data = reply.json()
             choice = data["choices"][0]
-            return completion(reply_id, created, SERVED_MODEL_ID, choice["text"], choice.get("finish_reason") or "stop",
-                              data.get("usage"), block)
+            return completion(
+                reply_id,
+                created,
+                SERVED_MODEL_ID,
+                choice["text"],
+                choice.get("finish_reason") or "stop",
+                data.get("usage"),
+                block,
+            )
         return StreamingResponse(_relay(client, payload, reply_id, created, block), media_type="text/event-stream")
 
     return app
@@ -163,8 +233,14 @@ def _layout_params(prompt, settings: ServeSettings) -> dict:
     store lacks it (as ragkv's own engine does on a miss: a chunk stored on its own)."""
     first = prompt.retrieved[0][0] if prompt.retrieved else None
     miss = first is not None and not first.live and first.entry is None and first.span_start is None
-    return {"ragkv": {"chunks": [[row.chunk_id, len(ids)] for (row, _), ids in zip(prompt.retrieved, prompt.chunk_ids)],
-                      "write_back": bool(settings.write_back and miss)}}
+    return {
+        "ragkv": {
+            "chunks": [
+                [row.chunk_id, len(ids)] for (row, _), ids in zip(prompt.retrieved, prompt.chunk_ids, strict=False)
+            ],
+            "write_back": bool(settings.write_back and miss),
+        }
+    }
 
 
 async def _relay(client: httpx.AsyncClient, payload: dict, reply_id: str, created: int, block: dict):

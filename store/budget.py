@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
 
 from ragkv.errors import InputError
 from store.catalog import Catalog
@@ -63,8 +63,11 @@ def fold_hits(writer: StoreWriter) -> int:
     catalog = writer.catalog
     pending = read_pending(writer.root, catalog.folded_offsets())
     if pending.unusable:  # said once: the offsets move past these lines
-        log.warning("hit logs: skipped %d lines that record no use (%s); popularity counts the rest",
-                    sum(pending.unusable.values()), ", ".join(f"{HITS_DIR}/{name}" for name in sorted(pending.unusable)))
+        log.warning(
+            "hit logs: skipped %d lines that record no use (%s); popularity counts the rest",
+            sum(pending.unusable.values()),
+            ", ".join(f"{HITS_DIR}/{name}" for name in sorted(pending.unusable)),
+        )
     folded = catalog.fold_uses(pending, catalog.half_life_s())
     remove_finished(writer.root, pending.finished)
     return folded
@@ -74,8 +77,7 @@ def stored_candidates(catalog: Catalog, profile_id: str, now: float | None = Non
     """The chunk KV of `profile_id` the budget may evict, scored (a key shared by several
     chunks takes the best of their scores)."""
     stored = catalog.stored_chunks(profile_id)
-    scores = catalog.chunk_scores([i for _, _, ids in stored for i in ids], now or time.time(),
-                                  catalog.half_life_s())
+    scores = catalog.chunk_scores([i for _, _, ids in stored for i in ids], now or time.time(), catalog.half_life_s())
     return [Candidate(key, nbytes, max(scores[i] for i in ids), True, min(ids)) for key, nbytes, ids in stored]
 
 
@@ -87,8 +89,14 @@ def room_for_chunks(catalog: Catalog, budget: int | None, stored: Sequence[Candi
     return budget - fixed
 
 
-def admit(writer: StoreWriter, profile_id: str, fresh: Sequence[tuple[str, int, int]], limit: int | None,
-          compute_limit: int | None = None, reserved: int = 0) -> BudgetPlan:
+def admit(
+    writer: StoreWriter,
+    profile_id: str,
+    fresh: Sequence[tuple[str, int, int]],
+    limit: int | None,
+    compute_limit: int | None = None,
+    reserved: int = 0,
+) -> BudgetPlan:
     """Which of `fresh` KV, `(kv_key, nbytes, chunk_id)` not stored yet, earns a place beside
     the stored chunk KV of `profile_id` within `limit` bytes (less `reserved`: entries about to
     be written outside the plan); the stored KV it outranks is unlinked now (see `drop_dead`)."""
@@ -153,8 +161,10 @@ def set_budget(root, size: int | None, wait: bool = False) -> BudgetReport:
 
 def check_budget(budget: int, prefix_bytes: int) -> None:
     if budget < prefix_bytes:
-        raise InputError(f"KV budget {format_bytes(budget)} is smaller than the system prompt's KV "
-                         f"({format_bytes(prefix_bytes)}); give at least {format_bytes(prefix_bytes)}")
+        raise InputError(
+            f"KV budget {format_bytes(budget)} is smaller than the system prompt's KV "
+            f"({format_bytes(prefix_bytes)}); give at least {format_bytes(prefix_bytes)}"
+        )
 
 
 def format_bytes(size: float) -> str:

@@ -5,10 +5,10 @@ tombstones) into one, an IVF one retrained for a large store. Never touches a ge
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 from ragkv.errors import StoreCorruptError, StoreNotFoundError
 from store.store import StoreWriter, open_writer
@@ -34,8 +34,9 @@ class GcReport:
         return asdict(self)
 
 
-def collect_garbage(root: Path | str, other_models: bool = False, wait: bool = False,
-                    rewrite_below: float = REWRITE_BELOW) -> GcReport:
+def collect_garbage(
+    root: Path | str, other_models: bool = False, wait: bool = False, rewrite_below: float = REWRITE_BELOW
+) -> GcReport:
     """Publish a generation without dead entries, then reclaim the space they held.
 
     other_models: also drop every model profile except the one last ingested with.
@@ -91,8 +92,11 @@ def rewrite_sparse_shards(writer: StoreWriter, rewrite_below: float) -> int:
     The old files are deleted once no generation references them."""
     catalog = writer.catalog
     sizes = writer.shard_sizes()
-    sparse = [shard for shard, live in catalog.live_bytes_by_shard().items()
-              if shard in sizes and live < rewrite_below * sizes[shard]]
+    sparse = [
+        shard
+        for shard, live in catalog.live_bytes_by_shard().items()
+        if shard in sizes and live < rewrite_below * sizes[shard]
+    ]
     reader = writer.shard_reader()
     shards = writer.shard_writer(max_bytes=max(sizes.values(), default=1), metadata={"rewritten_by": "gc"})
     sealed = []

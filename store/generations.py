@@ -34,6 +34,7 @@ import os
 import re
 import time
 import uuid
+from collections.abc import Set
 from pathlib import Path
 
 from ragkv.errors import StoreFormatError, StoreLockedError, StoreNotFoundError
@@ -72,7 +73,9 @@ def base_name(generation: int) -> str:
 def lease_path(root: Path, generation: int) -> Path:
     """The file a generation's readers hold: its manifest, or a format-1 generation's index."""
     manifest = manifest_path(root, generation)
-    return manifest if manifest.exists() or not vectors_path(root, generation).exists() else vectors_path(root, generation)
+    return (
+        manifest if manifest.exists() or not vectors_path(root, generation).exists() else vectors_path(root, generation)
+    )
 
 
 def is_legacy(root: Path, generation: int) -> bool:
@@ -89,14 +92,17 @@ def read_manifest(root: Path, generation: int) -> dict:
     except FileNotFoundError:
         raise
     except (OSError, ValueError) as exc:
-        raise StoreFormatError(f"store {root}: {path.name} is unreadable ({exc}); run "
-                               f"`ragkv verify --repair --store {root}`") from None
+        raise StoreFormatError(
+            f"store {root}: {path.name} is unreadable ({exc}); run `ragkv verify --repair --store {root}`"
+        ) from None
     found = manifest.get("format") if isinstance(manifest, dict) else None
     if found != MANIFEST_FORMAT:
         writer = manifest.get("written_by") if isinstance(manifest, dict) else None
-        raise StoreFormatError(f"store {root} was written by {'ragkv ' + writer if writer else 'another ragkv'} "
-                               f"(store format {found}); this is ragkv {__version__}, which reads format "
-                               f"{MANIFEST_FORMAT}: upgrade ragkv")
+        raise StoreFormatError(
+            f"store {root} was written by {'ragkv ' + writer if writer else 'another ragkv'} "
+            f"(store format {found}); this is ragkv {__version__}, which reads format "
+            f"{MANIFEST_FORMAT}: upgrade ragkv"
+        )
     return manifest
 
 
@@ -121,7 +127,7 @@ def shared_files(root: Path, generations: set[int]) -> set[str]:
     return names
 
 
-def remove_unshared(root: Path, keep: set[str] = frozenset()) -> int:
+def remove_unshared(root: Path, keep: Set[str] = frozenset()) -> int:
     """Delete bases and segments no generation on disk names (and not in `keep`): those of
     retired generations, or a killed writer's. Returns bytes freed. Call only while holding
     the write lock."""
@@ -130,8 +136,11 @@ def remove_unshared(root: Path, keep: set[str] = frozenset()) -> int:
     candidates = [p for p in root.iterdir() if _BASE_FILE.match(p.name)]
     if (root / SEGMENT_DIR).is_dir():
         now = time.time()
-        candidates += [p for p in (root / SEGMENT_DIR).iterdir() if p.suffix == ".faiss" or (
-            p.name.endswith(".tmp") and now - _mtime(p) > _STALE_TMP_S)]  # a killed build's, not a live download's
+        candidates += [
+            p
+            for p in (root / SEGMENT_DIR).iterdir()
+            if p.suffix == ".faiss" or (p.name.endswith(".tmp") and now - _mtime(p) > _STALE_TMP_S)
+        ]  # a killed build's, not a live download's
     for path in candidates:
         name = path.name if path.parent == root else f"{SEGMENT_DIR}/{path.name}"
         if name.removesuffix(".wal") not in wanted:
@@ -160,8 +169,10 @@ def read_current(root: Path) -> int | None:
         raise StoreNotFoundError(f"cannot read store {root}: {exc.strerror or exc}") from None
     text = data.decode("ascii", errors="replace").strip()
     if not (text.isdigit() and len(text) <= 12):  # digits 0-9 only, no sign; writers write six
-        raise StoreFormatError(f"store {root}: CURRENT holds {data[:40]!r}, not a generation number; run "
-                               "`ragkv verify --repair` to point it at the newest complete generation")
+        raise StoreFormatError(
+            f"store {root}: CURRENT holds {data[:40]!r}, not a generation number; run "
+            "`ragkv verify --repair` to point it at the newest complete generation"
+        )
     return int(text)
 
 
@@ -184,7 +195,8 @@ def write_atomic(path: Path, data: bytes) -> None:
 def is_store_file(name: str) -> bool:
     """A name a store writer creates at the top of a store."""
     return name in (CURRENT, LOCK, ".remote-CURRENT") or bool(
-        _GENERATION_FILE.match(name) or _POINTER_TMP.match(name) or _BASE_FILE.match(name))
+        _GENERATION_FILE.match(name) or _POINTER_TMP.match(name) or _BASE_FILE.match(name)
+    )
 
 
 def generations_on_disk(root: Path) -> set[int]:
@@ -198,8 +210,7 @@ def generations_on_disk(root: Path) -> set[int]:
 
 
 def _files_of(root: Path, generation: int) -> list[Path]:
-    return [p for p in root.iterdir()
-            if (m := _GENERATION_FILE.match(p.name)) and int(m.group(2)) == generation]
+    return [p for p in root.iterdir() if (m := _GENERATION_FILE.match(p.name)) and int(m.group(2)) == generation]
 
 
 def complete_generations(root: Path) -> set[int]:
@@ -216,11 +227,15 @@ def check_base(root: Path, current: int | None) -> None:
         return
     complete = complete_generations(root)
     if current not in complete:
-        raise StoreFormatError(f"store {root}: CURRENT names generation {current} but its catalog or manifest is "
-                               "missing; run `ragkv verify --repair` to point it at the newest complete generation")
+        raise StoreFormatError(
+            f"store {root}: CURRENT names generation {current} but its catalog or manifest is "
+            "missing; run `ragkv verify --repair` to point it at the newest complete generation"
+        )
     if newer := sorted(g for g in complete if g > current + 1):
-        raise StoreFormatError(f"store {root}: CURRENT names generation {current}, but generation {newer[-1]} is newer "
-                               "(CURRENT may be damaged); run `ragkv verify --repair` to point it at the newest")
+        raise StoreFormatError(
+            f"store {root}: CURRENT names generation {current}, but generation {newer[-1]} is newer "
+            "(CURRENT may be damaged); run `ragkv verify --repair` to point it at the newest"
+        )
 
 
 def remove_unpublished(root: Path, current: int | None) -> None:
@@ -228,8 +243,13 @@ def remove_unpublished(root: Path, current: int | None) -> None:
     published, so no reader can have it). Call only while holding the write lock, after
     `check_base`."""
     for path in root.iterdir():
-        number = m.group(2) if (m := _GENERATION_FILE.match(path.name)) else \
-            m.group(1) if (m := _BASE_FILE.match(path.name)) else None
+        number = (
+            m.group(2)
+            if (m := _GENERATION_FILE.match(path.name))
+            else m.group(1)
+            if (m := _BASE_FILE.match(path.name))
+            else None
+        )
         if number is not None and int(number) > (current or 0):
             path.unlink(missing_ok=True)
     remove_unshared(root)
@@ -292,11 +312,12 @@ class ReaderLease:
 
     def __init__(self, root: Path, generation: int):
         try:
-            self._fd = os.open(lease_path(root, generation), os.O_RDONLY)
+            fd = os.open(lease_path(root, generation), os.O_RDONLY)
         except FileNotFoundError:
             raise RetiredError(generation) from None
-        fcntl.flock(self._fd, fcntl.LOCK_SH)
-        if os.fstat(self._fd).st_nlink == 0:  # removed after we opened it, before we locked it
+        self._fd: int | None = fd
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        if os.fstat(fd).st_nlink == 0:  # removed after we opened it, before we locked it
             self.release()
             raise RetiredError(generation)
 
@@ -311,21 +332,22 @@ class WriteLock:
 
     def __init__(self, root: Path, wait: bool):
         self.path = root / LOCK
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._fd: int | None = fd
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             if not wait:
-                os.close(self._fd)
+                os.close(fd)
                 raise StoreLockedError(
                     f"store {root} is being written by another process (pid {holder}); "
                     "wait for it to finish, or pass --wait to queue behind it"
                 ) from None
             log.info("store %s is being written by another process (pid %s); waiting for it", root, holder)
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
 
     def release(self) -> None:
         if self._fd is not None:

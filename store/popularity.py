@@ -26,9 +26,9 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
 
 HITS_DIR = "hits"
 HALF_LIFE_S = 7 * 86400.0
@@ -61,19 +61,21 @@ class HitLog:
     def record(self, uses: Iterable[Use]) -> None:
         """Append `uses` (one write: lines of one call are never interleaved with another's)."""
         now = time.time()
-        lines = "".join(json.dumps({"t": u.time or now, "doc": u.doc_id, "i": u.chunk_index, "src": u.source}) + "\n"
-                        for u in uses)
+        lines = "".join(
+            json.dumps({"t": u.time or now, "doc": u.doc_id, "i": u.chunk_index, "src": u.source}) + "\n" for u in uses
+        )
         if not lines:
             return
         if self._fd is None:
-            self._open()
+            self._fd = self._open()
         os.write(self._fd, lines.encode())
 
-    def _open(self) -> None:
+    def _open(self) -> int:
         self.dir.mkdir(exist_ok=True)
         path = self.dir / f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}.jsonl"
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        fcntl.flock(self._fd, fcntl.LOCK_SH)  # held while open: the writer deletes the file only after
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_SH)  # held while open: the writer deletes the file only after folding it
+        return fd
 
     def close(self) -> None:
         if self._fd is not None:
@@ -139,9 +141,17 @@ def parse_use(line: bytes, now: float) -> Use | None:
         doc, index, source, when = row["doc"], row["i"], row["src"], row["t"]
     except Exception:  # not JSON, not an object, a field missing
         return None
-    if not (isinstance(doc, str) and 0 < len(doc) <= 4096 and isinstance(index, int) and not isinstance(index, bool)
-            and 0 <= index <= MAX_CHUNK_INDEX and source in SOURCES and isinstance(when, (int, float))
-            and not isinstance(when, bool) and 0 < when <= now + MAX_CLOCK_SKEW_S):  # NaN fails the comparison
+    if not (
+        isinstance(doc, str)
+        and 0 < len(doc) <= 4096
+        and isinstance(index, int)
+        and not isinstance(index, bool)
+        and 0 <= index <= MAX_CHUNK_INDEX
+        and source in SOURCES
+        and isinstance(when, (int, float))
+        and not isinstance(when, bool)
+        and 0 < when <= now + MAX_CLOCK_SKEW_S
+    ):  # NaN fails the comparison
         return None
     return Use(doc, index, source, float(when))
 

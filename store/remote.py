@@ -6,14 +6,15 @@ machine keeps a local mirror under the ragkv cache (`$RAGKV_HOME/s3/BUCKET/PREFI
 itself a local store: DuckDB and FAISS only ever open local files (DuckDB's httpfs is not
 needed). A reader moving to a new generation downloads its delta and manifest and only the
 bases and segments it does not have yet: those are immutable and uniquely named, so what a
-change costs to fetch is what changed. A shard's first read fetches just the entry's bytes (ranged GETs) while the whole shard
-is copied down in the background for later reads, and copies are evicted least-recently-used
-beyond `$RAGKV_S3_CACHE_BYTES` (default 8 GiB).
+change costs to fetch is what changed. A shard's first read fetches just the entry's bytes
+(ranged GETs) while the whole shard is copied down in the background for later reads, and
+copies are evicted least-recently-used beyond `$RAGKV_S3_CACHE_BYTES` (default 8 GiB).
 
 Writing: `RemoteStoreWriter` takes the store's `LOCK` object, builds the next generation in
 the mirror, uploads each shard as it is sealed, and publishes by uploading the new base and
-segments (if any), the delta and manifest, and then `CURRENT` (one PUT, atomic on S3). A writer killed at any moment leaves the
-published objects as they were; shards it uploaded are unreferenced until `gc` deletes them.
+segments (if any), the delta and manifest, and then `CURRENT` (one PUT, atomic on S3). A writer
+killed at any moment leaves the published objects as they were; shards it uploaded are
+unreferenced until `gc` deletes them.
 The last KEEP_GENERATIONS published generations stay on the bucket for readers that open
 one while a writer publishes the next.
 
@@ -42,8 +43,20 @@ from pathlib import Path
 from ragkv.config import cache_dir
 from ragkv.errors import InputError, StoreCorruptError, StoreLockedError, StoreNotFoundError, StoreWriteError
 from store.generations import (
-    CURRENT, LOCK, SEGMENT_DIR, WriteLock, catalog_path, manifest_path, named_files, publish, read_current, read_manifest,
-    remove_retired, remove_unshared, vectors_path, write_atomic,
+    CURRENT,
+    LOCK,
+    SEGMENT_DIR,
+    WriteLock,
+    catalog_path,
+    manifest_path,
+    named_files,
+    publish,
+    read_current,
+    read_manifest,
+    remove_retired,
+    remove_unshared,
+    vectors_path,
+    write_atomic,
 )
 from store.shards import SHARD_SUFFIX, is_shard_name
 
@@ -81,8 +94,8 @@ class Location:
     prefix: str  # no leading or trailing slash; may be empty
 
     @classmethod
-    def parse(cls, uri: str) -> "Location":
-        rest = uri[len(SCHEME):].strip("/")
+    def parse(cls, uri: str) -> Location:
+        rest = uri[len(SCHEME) :].strip("/")
         bucket, _, prefix = rest.partition("/")
         parts = [p for p in prefix.split("/") if p]
         if not bucket or any(p in (".", "..") for p in parts):
@@ -188,13 +201,15 @@ class RemoteStore:
         have been rebuilt with the same numbers), and the bases and segments it names that the
         mirror lacks (never again: their names are unique). A format-1 generation: its catalog
         and index."""
+
         def need(name: str, path: Path, again: bool) -> None:
             if again or not path.exists():
                 try:
                     self._download(name, path)
                 except FileNotFoundError:
-                    raise StoreCorruptError(f"store {self.location.uri}: CURRENT names generation "
-                                            f"{generation} but {name} is missing") from None
+                    raise StoreCorruptError(
+                        f"store {self.location.uri}: CURRENT names generation {generation} but {name} is missing"
+                    ) from None
 
         manifest = manifest_path(self.mirror, generation)
         try:
@@ -257,8 +272,11 @@ class RemoteStore:
         names = self._list()
         old = sorted(g for g in self.remote_generations() if g <= current - KEEP_GENERATIONS)
         for generation in old:
-            for path in (catalog_path(self.mirror, generation), vectors_path(self.mirror, generation),
-                         manifest_path(self.mirror, generation)):
+            for path in (
+                catalog_path(self.mirror, generation),
+                vectors_path(self.mirror, generation),
+                manifest_path(self.mirror, generation),
+            ):
                 if path.name in names:
                     self.fs.delete_file(self.location.key(path.name))
         wanted: set[str] = set()
@@ -308,7 +326,8 @@ class RemoteStore:
             if shard in self._fetching:
                 return
             self._fetching[shard] = thread = threading.Thread(
-                target=self._fetch_quietly, args=(shard,), daemon=True, name=f"ragkv-fetch-{shard[:8]}")
+                target=self._fetch_quietly, args=(shard,), daemon=True, name=f"ragkv-fetch-{shard[:8]}"
+            )
         thread.start()
 
     def _fetch_quietly(self, shard: str) -> None:
@@ -362,8 +381,12 @@ class RemoteStore:
     # -- the writer's lock --------------------------------------------------------------------
     def lock(self, wait: bool) -> str:
         token = uuid.uuid4().hex
-        holder = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                                                          time.gmtime()), "token": token}
+        holder = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "token": token,
+        }
         while (data := self._read("LOCK")) is not None:
             other = _parse_lock(data)
             if other.get("host") == socket.gethostname() and not _alive(other.get("pid")):
@@ -372,7 +395,8 @@ class RemoteStore:
                 raise StoreLockedError(
                     f"store {self.location.uri} is being written by {other.get('host')} pid {other.get('pid')} "
                     f"since {other.get('since')}; wait for it, pass --wait, or delete {self.location.uri}/LOCK "
-                    "if that writer is gone")
+                    "if that writer is gone"
+                )
             time.sleep(1.0)
         self._put("LOCK", json.dumps(holder).encode())
         return token
@@ -418,4 +442,3 @@ def referenced_shards(remote: RemoteStore, generations: set[int]) -> set[str]:
         with Catalog(path, read_only=True) as catalog:
             referenced |= catalog.shards()
     return referenced
-

@@ -14,9 +14,10 @@ import json
 import os
 import re
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Protocol
 
 import torch
 import xxhash
@@ -24,8 +25,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ragkv.errors import StoreCorruptError
-
 from ragkv.formats import SHARD_FORMAT
+
 SHARD_SUFFIX = ".safetensors"
 _SHARD_NAME = re.compile(r"^[0-9a-f]{32}\.safetensors$")
 
@@ -82,8 +83,14 @@ def fsync_dir(path: Path) -> None:
 
 def _entry(name: str, shard: str, parts: dict[str, torch.Tensor], digest: str) -> SealedEntry:
     data = parts[""]
-    return SealedEntry(name=name, shard=shard, num_tokens=data.shape[3], dtype=str(data.dtype).removeprefix("torch."),
-                       nbytes=sum(t.numel() * t.element_size() for t in parts.values()), checksum=digest)
+    return SealedEntry(
+        name=name,
+        shard=shard,
+        num_tokens=data.shape[3],
+        dtype=str(data.dtype).removeprefix("torch."),
+        nbytes=sum(t.numel() * t.element_size() for t in parts.values()),
+        checksum=digest,
+    )
 
 
 class ShardWriter:
@@ -135,8 +142,16 @@ class ShardWriter:
         return entries
 
 
-_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I8": torch.int8,
-           "U8": torch.uint8, "F64": torch.float64, "I32": torch.int32, "I64": torch.int64}
+_DTYPES = {
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "F64": torch.float64,
+    "I32": torch.int32,
+    "I64": torch.int64,
+}
 
 
 class RemoteShards(Protocol):
@@ -175,7 +190,7 @@ class _RemoteFile:
 
     def read_into(self, view: memoryview, offset: int) -> int:
         data = self.handle.read_at(len(view), offset)
-        view[:len(data)] = data
+        view[: len(data)] = data
         return len(data)
 
     def close(self) -> None:
@@ -221,15 +236,19 @@ class ShardReader:
         """The entry's `(L, 2, H, T, D)` data tensor (see `read_parts` for encoded entries)."""
         return self.read_parts(shard, name, expected_checksum, out)[""]
 
-    def read_parts(self, shard: str, name: str, expected_checksum: str, out: torch.Tensor | None = None
-                   ) -> dict[str, torch.Tensor]:
+    def read_parts(
+        self, shard: str, name: str, expected_checksum: str, out: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
         """The entry's stored parts ("" the data, others e.g. int8 scales); raises
         StoreCorruptError if it is missing, truncated, or its bytes do not match
         `expected_checksum`. With `out` (a uint8 tensor with room for every part, 8-byte aligned), the
         parts are views of `out`."""
         opened = self._shard(shard)
-        names = {part: opened.tensors[stored] for part in opened.parts.get(name, ())
-                 if (stored := _stored_name(name, part)) in opened.tensors}
+        names = {
+            part: opened.tensors[stored]
+            for part in opened.parts.get(name, ())
+            if (stored := _stored_name(name, part)) in opened.tensors
+        }
         if "" not in names:
             raise StoreCorruptError(f"KV entry {name[:24]}… is not in shard {shard}")
         size = _aligned_size(names)
@@ -237,17 +256,19 @@ class ShardReader:
         parts, offset, digest = {}, 0, xxhash.xxh3_64()
         for part in sorted(names):
             dtype, shape, begin, end = names[part]
-            view = buffer[offset:offset + end - begin]
+            view = buffer[offset : offset + end - begin]
             try:
-                got = opened.file.read_into(memoryview(view.numpy()), opened.data_start + begin) if end > begin else 0
+                target = memoryview(view.numpy())  # type: ignore[arg-type] # a uint8 array is a buffer
+                got = opened.file.read_into(target, opened.data_start + begin) if end > begin else 0
             except OSError as exc:  # a remote read that failed
                 self.close_shard(shard)
-                raise StoreCorruptError(f"KV entry {name[:24]}… in shard {shard} could not be read: "
-                                        f"{str(exc).splitlines()[0]}") from None
+                raise StoreCorruptError(
+                    f"KV entry {name[:24]}… in shard {shard} could not be read: {str(exc).splitlines()[0]}"
+                ) from None
             if got != end - begin:
                 self.close_shard(shard)
                 raise StoreCorruptError(f"KV entry {name[:24]}… in shard {shard} is truncated")
-            digest.update(view.numpy())
+            digest.update(view.numpy())  # type: ignore[arg-type] # a uint8 array is a buffer
             parts[part] = view.view(dtype).reshape(shape) if end > begin else torch.empty(shape, dtype=dtype)
             offset += _align(end - begin)
         if digest.hexdigest() != expected_checksum:
@@ -256,7 +277,7 @@ class ShardReader:
 
     def _shard(self, shard: str) -> _Shard:
         opened = self._open.get(shard)
-        if opened is not None and not (opened.remote and self.remote.local(shard)):
+        if opened is not None and not (opened.remote and self.remote is not None and self.remote.local(shard)):
             return opened
         if opened is not None:  # the background copy has arrived: read locally from now on
             self.close_shard(shard)
@@ -271,7 +292,7 @@ class ShardReader:
     def _open_shard(self, shard: str) -> _Shard:
         path = self.remote.local(shard) if self.remote else self.shard_dir / shard
         try:
-            file = _LocalFile(path) if path else _RemoteFile(self.remote.open(shard))
+            file = _LocalFile(path) if path else _RemoteFile(self.remote.open(shard))  # type: ignore[union-attr]
         except FileNotFoundError:
             where = self.shard_dir if path else "the bucket"
             raise StoreCorruptError(f"shard {shard} is missing from {where}") from None
@@ -300,8 +321,11 @@ def _parse_header(file: _LocalFile | _RemoteFile, shard: str) -> tuple[int, dict
         if not 0 < length < 100 << 20:
             raise ValueError("header length")
         header = json.loads(file.read(length, 8))
-        tensors = {name: (_DTYPES[info["dtype"]], tuple(info["shape"]), *info["data_offsets"])
-                   for name, info in header.items() if name != "__metadata__"}
+        tensors = {
+            name: (_DTYPES[info["dtype"]], tuple(info["shape"]), *info["data_offsets"])
+            for name, info in header.items()
+            if name != "__metadata__"
+        }
     except (ValueError, KeyError, TypeError, OverflowError, MemoryError, OSError) as exc:
         raise StoreCorruptError(f"shard {shard} has an unreadable header ({type(exc).__name__})") from None
     parts: dict[str, list[str]] = {}

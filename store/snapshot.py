@@ -8,7 +8,14 @@ from pathlib import Path
 from ragkv.errors import StoreCorruptError, StoreEmptyError, StoreFormatError, StoreNotFoundError
 from store.catalog import Catalog
 from store.generations import (
-    SEGMENT_DIR, ReaderLease, RetiredError, catalog_path, is_legacy, read_current, read_manifest, vectors_path,
+    SEGMENT_DIR,
+    ReaderLease,
+    RetiredError,
+    catalog_path,
+    is_legacy,
+    read_current,
+    read_manifest,
+    vectors_path,
 )
 from store.remote import RemoteStore, is_remote
 from store.shards import ShardReader
@@ -50,9 +57,13 @@ class StoreSnapshot:
         if manifest is None:  # format 1: one index file
             path = vectors_path(self.root, self.generation)
             segment = open_flat_file(path, path.name, self.root)
-            return VectorIndex(segment.index.d, self.root, [segment.info], loaded={path.name: segment})
-        vectors = VectorIndex(int(manifest.get("dim", 0)), self.root / SEGMENT_DIR,
-                              [SegmentInfo.from_dict(s) for s in manifest["segments"]], self.catalog.gone_vectors())
+            return VectorIndex(segment.index.d, self.root, (segment.info,), loaded={path.name: segment})
+        vectors = VectorIndex(
+            int(manifest.get("dim", 0)),
+            self.root / SEGMENT_DIR,
+            [SegmentInfo.from_dict(s) for s in manifest["segments"]],
+            self.catalog.gone_vectors(),
+        )
         vectors.load_all()
         return vectors
 
@@ -103,8 +114,9 @@ def open_snapshot(location: Path | str, require_documents: bool = True, lenient:
     for _ in range(5):  # the generation may be retired between reading CURRENT and leasing it
         generation = remote.sync() if remote else read_current(root)
         if generation is None:
-            raise StoreNotFoundError(f"no ragkv store at {location}; create one with: "
-                                     f"ragkv ingest DOCS --store {location}")
+            raise StoreNotFoundError(
+                f"no ragkv store at {location}; create one with: ragkv ingest DOCS --store {location}"
+            )
         try:
             snapshot = StoreSnapshot(root, generation, remote, lenient)
             break
@@ -114,6 +126,7 @@ def open_snapshot(location: Path | str, require_documents: bool = True, lenient:
         raise StoreFormatError(f"store {root}: CURRENT names generation {generation} but its files are missing")
     if require_documents and len(snapshot.vectors) == 0:
         snapshot.close()
-        raise StoreEmptyError(f"store {location} holds no documents; add some with: "
-                              f"ragkv ingest DOCS --store {location}")
+        raise StoreEmptyError(
+            f"store {location} holds no documents; add some with: ragkv ingest DOCS --store {location}"
+        )
     return snapshot

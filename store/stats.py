@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from store.popularity import decay, read_pending, tally
 from store.shards import shard_files
@@ -26,12 +27,23 @@ def store_stats(snapshot: StoreSnapshot) -> dict:
         **catalog.counts(),
         "vectors": len(snapshot.vectors),
         "index": snapshot.vectors.describe(),
-        "catalog": {"base": catalog.base_name() if catalog.delta else None, "base_rows": catalog.base_rows(),
-                    "delta_rows": catalog.delta_rows()},
+        "catalog": {
+            "base": catalog.base_name() if catalog.delta else None,
+            "base_rows": catalog.base_rows(),
+            "delta_rows": catalog.delta_rows(),
+        },
         "embedder": catalog.meta().get("embedder"),
         "profiles": [
-            {"model": p.model_name, "dtype": p.dtype, "kv_quant": p.kv_quant, "profile_id": p.profile_id,
-             "entries": p.entries, "chunks": p.chunks, "tokens": p.tokens, "kv_bytes": p.kv_bytes}
+            {
+                "model": p.model_name,
+                "dtype": p.dtype,
+                "kv_quant": p.kv_quant,
+                "profile_id": p.profile_id,
+                "entries": p.entries,
+                "chunks": p.chunks,
+                "tokens": p.tokens,
+                "kv_bytes": p.kv_bytes,
+            }
             for p in catalog.profile_totals()
         ],
         "shards": len(files),
@@ -55,7 +67,7 @@ def popularity(snapshot: StoreSnapshot) -> dict:
     now = time.time()
     hits = sum(r.hits for r in rows.values())
     misses = sum(r.misses for r in rows.values())
-    docs = {d: {"doc_id": d, "uses": 0, "score": 0.0} for d in catalog.documents()}
+    docs: dict[str, dict[str, Any]] = {d: {"doc_id": d, "uses": 0, "score": 0.0} for d in catalog.documents()}
     for (doc_id, _), row in rows.items():
         if doc_id in docs:
             docs[doc_id]["uses"] += row.uses

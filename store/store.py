@@ -14,18 +14,39 @@ import numpy as np
 from ragkv.errors import InputError, RagkvError, StoreFormatError, StoreWriteError
 from ragkv.keys import KVKey
 from store.catalog import Catalog
+from store.catalog.overlay import Overlay
 from store.generations import (
-    SEGMENT_DIR, WriteLock, base_name, catalog_path, check_base, generations_on_disk, is_legacy, is_store_file,
-    publish, read_current, read_manifest, remove_retired, remove_unpublished, remove_unshared, vectors_path,
+    SEGMENT_DIR,
+    WriteLock,
+    base_name,
+    catalog_path,
+    check_base,
+    generations_on_disk,
+    is_legacy,
+    is_store_file,
+    publish,
+    read_current,
+    read_manifest,
+    remove_retired,
+    remove_unpublished,
+    remove_unshared,
+    vectors_path,
     write_manifest,
 )
 from store.remote import RemoteStore, is_remote, referenced_shards, write_error
 from store.remote_shards import UploadingShardWriter
 from store.shards import SealedEntry, ShardReader, ShardWriter, fsync_dir, remove_temporary, sealed_entries, shard_files
 from store.snapshot import SHARD_DIR, StoreSnapshot, open_snapshot
-from store.catalog.overlay import Overlay
 from store.vectors import (
-    FLAT_SHARE, GONE_SHARE, MAX_FLAT, MAX_SEGMENTS, SegmentInfo, VectorIndex, build_segment, open_flat_file,
+    FLAT_SHARE,
+    GONE_SHARE,
+    MAX_FLAT,
+    MAX_SEGMENTS,
+    Segment,
+    SegmentInfo,
+    VectorIndex,
+    build_segment,
+    open_flat_file,
     segment_vectors,
 )
 
@@ -43,8 +64,9 @@ def _is_foreign(root: Path) -> bool:
     """A path that holds something other than a ragkv store (never write into it)."""
     if not root.is_dir():
         return True
-    return not is_store(root) and any(not (is_store_file(p.name) or p.name in (SHARD_DIR, SEGMENT_DIR))
-                                      for p in root.iterdir())
+    return not is_store(root) and any(
+        not (is_store_file(p.name) or p.name in (SHARD_DIR, SEGMENT_DIR)) for p in root.iterdir()
+    )
 
 
 def _write_error(root: Path, exc: BaseException) -> StoreWriteError:
@@ -76,8 +98,10 @@ class StoreWriter:
         if not self._created_root and _is_foreign(self.root):
             raise InputError(f"{self.root} exists and is not a ragkv store; pass an empty or new directory as --store")
         if (self.root / SHARD_DIR).exists() and not (self.root / SHARD_DIR).is_dir():
-            raise StoreFormatError(f"store {self.root}: {SHARD_DIR} is not a folder (the store keeps its KV shards "
-                                   f"there); move it aside, then run: ragkv verify --repair --store {self.root}")
+            raise StoreFormatError(
+                f"store {self.root}: {SHARD_DIR} is not a folder (the store keeps its KV shards "
+                f"there); move it aside, then run: ragkv verify --repair --store {self.root}"
+            )
         self._lock = None
         try:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -93,12 +117,16 @@ class StoreWriter:
             self.migrated_format = False  # this writer brought a format-1 store forward
             infos, dim = self._open_catalog()
             if dim and not rebuild_vectors:
-                self.vectors = VectorIndex(dim, self.root / SEGMENT_DIR, infos, self.catalog.gone_vectors(),
-                                           loaded=self._legacy_loaded)
+                self.vectors = VectorIndex(
+                    dim, self.root / SEGMENT_DIR, infos, self.catalog.gone_vectors(), loaded=self._legacy_loaded
+                )
             self._base_segments = [i.name for i in infos]
             # What the published generation holds; publishing the same again would be a no-op.
-            self._base_rows = (self.catalog.fingerprint() if self.base_generation is not None and not
-                               (self.catalog.migrated or self.migrated_format) else None)
+            self._base_rows = (
+                self.catalog.fingerprint()
+                if self.base_generation is not None and not (self.catalog.migrated or self.migrated_format)
+                else None
+            )
             if self.catalog.needs_compaction:  # its base is of an older schema: migrate by compacting
                 log.info("store %s: migrating the catalog's schema (writes a new base)", self.root)
                 self.compact()
@@ -119,7 +147,7 @@ class StoreWriter:
     def _open_catalog(self) -> tuple[list[SegmentInfo], int]:
         """Open this writer's delta: a copy of the published one, a new one over a format-1
         catalog (migrating it), or over a new empty base. Returns the segments and dimension."""
-        self._legacy_loaded = {}
+        self._legacy_loaded: dict[str, Segment] = {}
         if self.base_generation is None:
             base = base_name(self.generation)
             Catalog(self.root / base, read_only=False).close()
@@ -136,8 +164,9 @@ class StoreWriter:
         try:
             return Catalog(self._partial, read_only=False)
         except StoreFormatError as exc:  # name the published file, not our copy of it
-            raise StoreFormatError(str(exc).replace(str(self._partial), str(catalog_path(
-                self.root, self.base_generation or 0)))) from None
+            raise StoreFormatError(
+                str(exc).replace(str(self._partial), str(catalog_path(self.root, self.base_generation or 0)))
+            ) from None
 
     def _new_delta(self, base: str) -> None:
         con = duckdb.connect(str(self._partial))
@@ -152,9 +181,15 @@ class StoreWriter:
         """Bring a format-1 generation forward, once: its whole catalog becomes the first base
         and its index the first segment (hard links: nothing is copied), unless the catalog's
         schema is older, when a migrated copy becomes the base."""
-        old_catalog, old_vectors = catalog_path(self.root, self.base_generation), vectors_path(self.root, self.base_generation)
-        log.warning("store %s: migrating from format 1 (one whole catalog and index per generation) to "
-                    "segments (a delta per generation); this happens once", self.root)
+        old_catalog, old_vectors = (
+            catalog_path(self.root, self.base_generation),
+            vectors_path(self.root, self.base_generation),
+        )
+        log.warning(
+            "store %s: migrating from format 1 (one whole catalog and index per generation) to "
+            "segments (a delta per generation); this happens once",
+            self.root,
+        )
         base = base_name(self.generation)
         if _current_schema(old_catalog):
             _link_or_copy(old_catalog, self.root / base)
@@ -239,15 +274,21 @@ class StoreWriter:
         current generation number is returned (`unchanged`)."""
         if self._published:
             return self.generation
-        vectors_changed = self.vectors is not None and (self.vectors.num_changes > 0 or
-                                                         [s.name for s in self.vectors.segments] != self._base_segments)
-        if (self._base_rows is not None and not vectors_changed and not self.compacted
-                and self.catalog.fingerprint() == self._base_rows):
+        vectors_changed = self.vectors is not None and (
+            self.vectors.num_changes > 0 or [s.name for s in self.vectors.segments] != self._base_segments
+        )
+        if (
+            self._base_rows is not None
+            and not vectors_changed
+            and not self.compacted
+            and self.catalog.fingerprint() == self._base_rows
+        ):
             return self._keep_current()
         try:
             manifest = self._write_vectors()
-            if not self.compacted and self.catalog.delta_rows() > max(COMPACT_MIN_ROWS,
-                                                                      COMPACT_SHARE * self.catalog.base_rows()):
+            if not self.compacted and self.catalog.delta_rows() > max(
+                COMPACT_MIN_ROWS, COMPACT_SHARE * self.catalog.base_rows()
+            ):
                 self.compact()
             manifest["base"] = self.catalog.base_name()
             self.catalog.close()
@@ -280,8 +321,11 @@ class StoreWriter:
             stored += len(ids)
         flat = [s for s in vectors.segments if s.kind == "flat"]
         large = stored - sum(s.count for s in flat)
-        if vectors.segments and (len(vectors.gone) > GONE_SHARE * stored or len(vectors.segments) > MAX_SEGMENTS or
-                                 (large and sum(s.count for s in flat) > FLAT_SHARE * stored)):
+        if vectors.segments and (
+            len(vectors.gone) > GONE_SHARE * stored
+            or len(vectors.segments) > MAX_SEGMENTS
+            or (large and sum(s.count for s in flat) > FLAT_SHARE * stored)
+        ):
             self.compact_vectors()
         elif len(flat) > MAX_FLAT:
             self._merge(flat)
@@ -296,8 +340,7 @@ class StoreWriter:
         data = np.concatenate([p[1] for p in parts])
         keep = ~np.isin(ids, vectors.gone)
         vectors.gone = vectors.gone[~np.isin(vectors.gone, ids)]
-        merged = build_segment(self.root / SEGMENT_DIR, ids[keep], data[keep], f"{self.generation:06d}",
-                                        ivf=False)
+        merged = build_segment(self.root / SEGMENT_DIR, ids[keep], data[keep], f"{self.generation:06d}", ivf=False)
         names = {s.name for s in chosen}
         vectors.segments = [s for s in vectors.segments if s.name not in names] + [merged]
         vectors.num_changes += 1
@@ -308,8 +351,9 @@ class StoreWriter:
         their share, `gc` whenever there is more than one segment or any tombstone."""
         vectors = self.vectors
         ids, data = vectors.live_vectors()
-        vectors.segments = [build_segment(self.root / SEGMENT_DIR, ids, data, f"{self.generation:06d}")] \
-            if len(ids) else []
+        vectors.segments = (
+            [build_segment(self.root / SEGMENT_DIR, ids, data, f"{self.generation:06d}")] if len(ids) else []
+        )
         vectors.gone = np.empty(0, np.int64)
         vectors._loaded.clear()
         vectors.num_changes += 1
@@ -385,7 +429,7 @@ def _current_schema(path: Path) -> bool:
         row = None
     finally:
         con.close()
-    return bool(row) and json.loads(row[0]) == [name for name, _ in schema.MIGRATIONS]
+    return row is not None and json.loads(row[0]) == [name for name, _ in schema.MIGRATIONS]
 
 
 def _link_or_copy(source: Path, target: Path) -> None:
@@ -453,8 +497,10 @@ class RemoteStoreWriter(StoreWriter):
             missing = self.catalog.shards() - set(self.remote.shards())
             for shard in sorted(missing):
                 if not (self.shard_dir / shard).exists():
-                    raise StoreWriteError(f"cannot publish {self.location}: shard {shard} is neither on the bucket "
-                                          "nor in the local mirror")
+                    raise StoreWriteError(
+                        f"cannot publish {self.location}: shard {shard} is neither on the bucket "
+                        "nor in the local mirror"
+                    )
                 self.remote.upload_shard(shard)
         except OSError as exc:
             self.abort()

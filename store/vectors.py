@@ -23,14 +23,17 @@ import os
 import threading
 import uuid
 import weakref
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import faiss
 import numpy as np
 
 from ragkv.errors import StoreCorruptError
 from store.generations import SEGMENT_DIR
+
 IVF_MIN = 50_000  # a segment with fewer vectors is searched exactly
 MAX_FLAT = 8  # flat segments a writer lets accumulate before it merges them
 MAX_SEGMENTS = 12  # segments of any kind before a writer compacts them all into one
@@ -50,6 +53,7 @@ class Hit:
 @dataclass(frozen=True)
 class SegmentInfo:
     """One segment file as the generation manifest records it."""
+
     name: str
     kind: str  # "flat" | "ivf"
     count: int
@@ -62,14 +66,14 @@ class SegmentInfo:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "SegmentInfo":
+    def from_dict(cls, data: dict) -> SegmentInfo:
         return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
 
 
 class Segment:
     """A loaded segment file (shared by every snapshot of this process that lists it)."""
 
-    def __init__(self, info: SegmentInfo, index: "faiss.Index"):
+    def __init__(self, info: SegmentInfo, index: faiss.Index):
         self.info = info
         self.index = index
         self._ids: np.ndarray | None = None
@@ -83,8 +87,9 @@ class Segment:
         return search_index(self.index, query, k, selector, self.info.nprobe if self.info.kind == "ivf" else 0)
 
 
-def search_index(index: "faiss.Index", query: np.ndarray, k: int, selector=None,
-                 nprobe: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def search_index(
+    index: faiss.Index, query: np.ndarray, k: int, selector=None, nprobe: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
     """(scores, ids), each `(1, <= k)`, of `query` `(1, dim)` in `index`; only ids `selector`
     admits when given; `nprobe` lists of an IVF index (0: a flat one)."""
     k = min(k, index.ntotal)
@@ -102,7 +107,7 @@ def open_flat_file(path: Path, name: str, store: Path) -> Segment:
     return Segment(SegmentInfo(name, "flat", index.ntotal, path.stat().st_size), index)
 
 
-_loaded: "weakref.WeakValueDictionary[tuple, Segment]" = weakref.WeakValueDictionary()
+_loaded: weakref.WeakValueDictionary[tuple, Segment] = weakref.WeakValueDictionary()
 _loaded_lock = threading.Lock()
 
 
@@ -114,48 +119,57 @@ def load_segment(folder: Path, info: SegmentInfo) -> Segment:
     try:
         stat = path.stat()
     except FileNotFoundError:
-        raise StoreCorruptError(f"the vector segment {SEGMENT_DIR}/{info.name} is missing; rebuild the index with: "
-                                f"ragkv verify --repair --store {folder.parent}") from None
+        raise StoreCorruptError(
+            f"the vector segment {SEGMENT_DIR}/{info.name} is missing; rebuild the index with: "
+            f"ragkv verify --repair --store {folder.parent}"
+        ) from None
     key = (str(path.resolve()), stat.st_ino, stat.st_size)
     with _loaded_lock:
         if (segment := _loaded.get(key)) is not None:
             return segment
     if stat.st_size != info.nbytes:
-        raise StoreCorruptError(f"the vector segment {SEGMENT_DIR}/{info.name} is damaged (truncated: {stat.st_size} "
-                                f"of {info.nbytes} bytes); rebuild it with: ragkv verify --repair --store {folder.parent}")
+        raise StoreCorruptError(
+            f"the vector segment {SEGMENT_DIR}/{info.name} is damaged (truncated: {stat.st_size} "
+            f"of {info.nbytes} bytes); rebuild it with: ragkv verify --repair --store {folder.parent}"
+        )
     index = read_index(path, folder.parent)
     if index.ntotal != info.count:
-        raise StoreCorruptError(f"the vector segment {SEGMENT_DIR}/{info.name} is damaged (holds {index.ntotal} vectors, "
-                                f"not {info.count}); rebuild it with: ragkv verify --repair --store {folder.parent}")
+        raise StoreCorruptError(
+            f"the vector segment {SEGMENT_DIR}/{info.name} is damaged (holds {index.ntotal} vectors, "
+            f"not {info.count}); rebuild it with: ragkv verify --repair --store {folder.parent}"
+        )
     segment = Segment(info, index)
     with _loaded_lock:
         _loaded[key] = segment
     return segment
 
 
-def read_index(path: Path, store: Path) -> "faiss.Index":
+def read_index(path: Path, store: Path) -> faiss.Index:
     try:
         return faiss.read_index(str(path))
     except RuntimeError as exc:  # FAISS reports every read failure so
         # FAISS says "Error in <function> at <file:line>: <what>"; a short read is a truncated file.
         message = str(exc).splitlines()[0] if str(exc) else ""
         reason = "truncated" if "read error" in message else message.rpartition(": ")[2][:120] or "unreadable"
-        raise StoreCorruptError(f"the vector index {path.name} is damaged ({reason}); rebuild it with: "
-                                f"ragkv verify --repair --store {store}") from None
+        raise StoreCorruptError(
+            f"the vector index {path.name} is damaged ({reason}); rebuild it with: "
+            f"ragkv verify --repair --store {store}"
+        ) from None
 
 
-def segment_ids(index: "faiss.Index") -> np.ndarray:
+def segment_ids(index: faiss.Index) -> np.ndarray:
     """Every id a flat-with-id-map or IVF index holds."""
     if isinstance(index, faiss.IndexIDMap):
         return faiss.vector_to_array(index.id_map).astype(np.int64)
     ivf = faiss.extract_index_ivf(index)
     lists = ivf.invlists
-    parts = [faiss.rev_swig_ptr(lists.get_ids(i), lists.list_size(i)).copy()
-             for i in range(ivf.nlist) if lists.list_size(i)]
+    parts = [
+        faiss.rev_swig_ptr(lists.get_ids(i), lists.list_size(i)).copy() for i in range(ivf.nlist) if lists.list_size(i)
+    ]
     return np.concatenate(parts).astype(np.int64) if parts else np.empty(0, np.int64)
 
 
-def segment_vectors(index: "faiss.Index") -> tuple[np.ndarray, np.ndarray]:
+def segment_vectors(index: faiss.Index) -> tuple[np.ndarray, np.ndarray]:
     """(ids, vectors) of every vector an index holds (both kinds store them uncompressed)."""
     if isinstance(index, faiss.IndexIDMap):
         ids = faiss.vector_to_array(index.id_map).astype(np.int64)
@@ -174,8 +188,9 @@ def segment_vectors(index: "faiss.Index") -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(ids).astype(np.int64), np.concatenate(vectors)
 
 
-def build_segment(folder: Path, ids: np.ndarray, vectors: np.ndarray, tag: str, ivf: bool | None = None,
-                  seed: int = 0) -> SegmentInfo:
+def build_segment(
+    folder: Path, ids: np.ndarray, vectors: np.ndarray, tag: str, ivf: bool | None = None, seed: int = 0
+) -> SegmentInfo:
     """Write `vectors` (normalised float32) under `ids` as a new segment file; an IVF segment
     when there are at least IVF_MIN of them (or `ivf`), its nprobe tuned here."""
     dim = vectors.shape[1]
@@ -215,7 +230,7 @@ def ivf_lists(n: int) -> int:
     return int(max(64, min(65536, round(np.sqrt(n)))))
 
 
-def tune_nprobe(index: "faiss.IndexIVF", ids: np.ndarray, vectors: np.ndarray, rng) -> tuple[int, float]:
+def tune_nprobe(index: faiss.IndexIVF, ids: np.ndarray, vectors: np.ndarray, rng) -> tuple[int, float]:
     """The smallest nprobe whose recall@10 against exact search reaches RECALL_TARGET, on
     queries near stored vectors (a stored vector plus noise, renormalised: the query is not
     one of the vectors). Returns (nprobe, the recall measured)."""
@@ -240,7 +255,7 @@ def tune_nprobe(index: "faiss.IndexIVF", ids: np.ndarray, vectors: np.ndarray, r
 def recall_at(found: np.ndarray, truth: np.ndarray) -> float:
     """The share of the ids in `truth`'s rows that the same rows of `found` hold."""
     hits = total = 0
-    for got, want in zip(found, truth):
+    for got, want in zip(found, truth, strict=False):
         want = want[want >= 0]
         hits += len(set(got.tolist()) & set(want.tolist()))
         total += len(want)
@@ -252,24 +267,32 @@ class VectorIndex:
     added since it was opened. Segments load on first use, so a writer that only adds and
     removes never reads them."""
 
-    def __init__(self, dim: int, folder: Path | None = None, segments: tuple[SegmentInfo, ...] = (),
-                 gone: np.ndarray | None = None, loaded: dict[str, Segment] | None = None):
+    def __init__(
+        self,
+        dim: int,
+        folder: Path | None = None,
+        segments: Sequence[SegmentInfo] = (),
+        gone: np.ndarray | None = None,
+        loaded: dict[str, Segment] | None = None,
+    ):
         self.dim = dim
         self.folder = folder
         self.segments = list(segments)
         self.gone = np.unique(np.asarray(gone if gone is not None else [], dtype=np.int64))
         self._loaded: dict[str, Segment] = dict(loaded or {})
-        self._pending = faiss.IndexIDMap2(faiss.IndexFlatIP(dim)) if dim else None
+        # Vectors added since the last segment was written (None while the dimension is unknown).
+        self._pending: Any = faiss.IndexIDMap2(faiss.IndexFlatIP(dim)) if dim else None
         self._selector = None
         self.num_changes = 0  # add/remove calls that changed the index since it was opened
 
     @classmethod
-    def empty(cls, dim: int) -> "VectorIndex":
+    def empty(cls, dim: int) -> VectorIndex:
         return cls(dim)
 
     # -- reading --------------------------------------------------------------------------------
     def segment(self, info: SegmentInfo) -> Segment:
         if info.name not in self._loaded:
+            assert self.folder is not None  # an index without a folder holds only loaded segments
             self._loaded[info.name] = load_segment(self.folder, info)
         return self._loaded[info.name]
 
@@ -338,8 +361,9 @@ class VectorIndex:
         """vectors: `(N, dim)` float32, already normalised."""
         if len(chunk_ids):
             self.num_changes += 1
-            self._pending.add_with_ids(np.ascontiguousarray(vectors, dtype=np.float32),
-                                       np.asarray(chunk_ids, dtype=np.int64))
+            self._pending.add_with_ids(
+                np.ascontiguousarray(vectors, dtype=np.float32), np.asarray(chunk_ids, dtype=np.int64)
+            )
 
     def remove(self, chunk_ids: list[int]) -> int:
         """Drop `chunk_ids`: from the vectors added since opening, or by tombstone from the
@@ -393,7 +417,14 @@ class VectorIndex:
         """For `ragkv stats`: the index type and its parameters."""
         ivf = [s for s in self.segments if s.kind == "ivf"]
         kind = "ivf-flat" if ivf else "flat"
-        return {"type": kind, "vectors": len(self), "dim": self.dim, "segments": len(self.segments),
-                "flat_segments": len(self.segments) - len(ivf), "tombstones": int(len(self.gone)),
-                "nlist": max((s.nlist for s in ivf), default=0), "nprobe": max((s.nprobe for s in ivf), default=0),
-                "tuned_recall_at_10": min((s.recall for s in ivf), default=1.0)}
+        return {
+            "type": kind,
+            "vectors": len(self),
+            "dim": self.dim,
+            "segments": len(self.segments),
+            "flat_segments": len(self.segments) - len(ivf),
+            "tombstones": int(len(self.gone)),
+            "nlist": max((s.nlist for s in ivf), default=0),
+            "nprobe": max((s.nprobe for s in ivf), default=0),
+            "tuned_recall_at_10": min((s.recall for s in ivf), default=1.0),
+        }

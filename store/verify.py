@@ -52,7 +52,9 @@ def verify(snapshot: StoreSnapshot) -> VerifyReport:
             report.problems.append(Problem("entry", str(exc), entry.kv_key))
         report.entries_checked += 1
     for chunk_id, _, kv_key in catalog.links_without_entries():
-        report.problems.append(Problem("link", f"chunk {chunk_id} points at a KV entry that is not in the catalog", kv_key))
+        report.problems.append(
+            Problem("link", f"chunk {chunk_id} points at a KV entry that is not in the catalog", kv_key)
+        )
     for profile_id in catalog.linked_profiles():
         key = KVKey.prefix_of(profile_id).to_string()
         if catalog.entry(key) is None:
@@ -63,11 +65,18 @@ def verify(snapshot: StoreSnapshot) -> VerifyReport:
         indexed = set(snapshot.vectors.ids().tolist())
         chunks = catalog.chunk_ids()
         if indexed != chunks:
-            report.problems.append(Problem("vectors", f"{len(chunks - indexed)} chunks missing from the vector index, "
-                                                      f"{len(indexed - chunks)} stray vectors"))
+            report.problems.append(
+                Problem(
+                    "vectors",
+                    f"{len(chunks - indexed)} chunks missing from the vector index, "
+                    f"{len(indexed - chunks)} stray vectors",
+                )
+            )
     if not snapshot.remote:
         unusable = read_pending(snapshot.root, catalog.folded_offsets()).unusable
-        report.warnings += [f"{HITS_DIR}/{name}: {count} lines record no use (popularity skips them)"
-                            for name, count in sorted(unusable.items())]
+        report.warnings += [
+            f"{HITS_DIR}/{name}: {count} lines record no use (popularity skips them)"
+            for name, count in sorted(unusable.items())
+        ]
     report.seconds = time.perf_counter() - start
     return report

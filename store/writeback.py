@@ -112,8 +112,12 @@ class WriteBack:
                 self.report.dropped += len(work)
                 if not self._warned:
                     self._warned = True
-                    log.warning("could not store computed KV in %s: %s; answering goes on, the KV is computed "
-                                "again on the next miss", self.root, str(exc).splitlines()[0])
+                    log.warning(
+                        "could not store computed KV in %s: %s; answering goes on, the KV is computed "
+                        "again on the next miss",
+                        self.root,
+                        str(exc).splitlines()[0],
+                    )
             except Exception:  # a bug must not end the thread: later submits would wait forever
                 log.exception("write-back to %s failed", self.root)
             finally:
@@ -139,8 +143,9 @@ class WriteBack:
             writer = self._open_writer()
         except StoreLockedError:
             self.report.dropped += len(batch)
-            log.info("store %s stayed locked by another writer; %d computed KV entries not stored", self.root,
-                     len(batch))
+            log.info(
+                "store %s stayed locked by another writer; %d computed KV entries not stored", self.root, len(batch)
+            )
             return
         with writer:
             catalog = writer.catalog
@@ -153,14 +158,17 @@ class WriteBack:
             profile_id = batch[0].profile_id
             if limit is not None and new:
                 new = self._within_budget(writer, profile_id, new, limit)
-            shards = writer.shard_writer(SHARD_BYTES, new[0].shard_metadata) if new else None
-            for item in new:
-                catalog.add_entries(item.profile_id, shards.add(item.kv_key, item.parts))
-            if shards:
+            if new:
+                shards = writer.shard_writer(SHARD_BYTES, new[0].shard_metadata)
+                for item in new:
+                    catalog.add_entries(item.profile_id, shards.add(item.kv_key, item.parts))
                 catalog.add_entries(profile_id, shards.flush())
             written = {b.kv_key for b in new} | stored
-            links = {b.chunk_id: ChunkLink(b.chunk_id, b.kv_key, b.token_ids) for b in batch
-                     if b.chunk_id in alive and b.kv_key in written}  # one per chunk: it may have missed twice
+            links = {
+                b.chunk_id: ChunkLink(b.chunk_id, b.kv_key, b.token_ids)
+                for b in batch
+                if b.chunk_id in alive and b.kv_key in written
+            }  # one per chunk: it may have missed twice
             catalog.link_chunks(profile_id, list(links.values()))
             self.report.stored += len(new)
             self.report.linked += sum(1 for b in by_key.values() if b.kv_key in stored)

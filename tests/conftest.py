@@ -23,15 +23,15 @@ SAMPLE_DATA = ROOT / "data"
 
 CORPUS = {
     "keys.md": "# API keys\n\nRotate the API key every 90 days. Open the admin console, create a new key, "
-               "store it in the vault, then revoke the old key after ten minutes of clean traffic.",
+    "store it in the vault, then revoke the old key after ten minutes of clean traffic.",
     "leave.txt": "Annual leave is 25 days per year. Your manager approves leave requests in the HR portal. "
-                 "Up to five unused days carry over until the end of March.",
+    "Up to five unused days carry over until the end of March.",
     "db.rst": "Database failover\n=================\n\nPatroni fails over automatically after 30 seconds. "
-              "For planned maintenance, run a switchover to a replica whose lag is under 1 MB.",
+    "For planned maintenance, run a switchover to a replica whose lag is under 1 MB.",
     "faq.jsonl": '{"id": "wifi", "text": "Guests use the LumenGuest network; the password is at reception."}\n'
-                 '{"id": "payroll", "text": "Salaries are paid on the 25th of each month.", "team": "people"}\n',
+    '{"id": "payroll", "text": "Salaries are paid on the 25th of each month.", "team": "people"}\n',
     "page.html": "<html><head><title>x</title><script>var a=1;</script></head><body><h1>Deploys</h1>"
-                 "<p>Production deploys are canaries: 10% of traffic for ten minutes, then all.</p></body></html>",
+    "<p>Production deploys are canaries: 10% of traffic for ten minutes, then all.</p></body></html>",
 }
 
 QUESTIONS = [
@@ -48,8 +48,16 @@ def _build_tiny(kind: str, folder: Path) -> Path:
     from ragkv.model import bundled_smollm2_path
 
     common = dict(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
         tie_word_embeddings=True,
     )
     torch.manual_seed(0)
@@ -94,9 +102,25 @@ def running_server(store: Path, *args: str, env: dict | None = None):
     Waits for the events themselves (the server says it binds, then answers), not for a time."""
     port = free_port()
     server = subprocess.Popen(
-        [sys.executable, "-c", "import cli; cli.main()", "serve", "--store", str(store), "--port", str(port),
-         "--device", "cpu", *args],
-        cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import cli; cli.main()",
+            "serve",
+            "--store",
+            str(store),
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            *args,
+        ],
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     base = f"http://127.0.0.1:{port}"
     said = []
     while not (said and "ragkv serving" in said[-1]):
@@ -138,8 +162,13 @@ def sample_store(tmp_path_factory):
 
 
 def build_store(docs: Path, store: Path, model: str, dtype: str = "float32", prune: bool = False, **settings):
-    return ragkv.ingest([docs], store, model=ModelSettings(model=model, device="cpu", dtype=dtype),
-                        settings=IngestSettings(**settings), prune=prune)
+    return ragkv.ingest(
+        [docs],
+        store,
+        model=ModelSettings(model=model, device="cpu", dtype=dtype),
+        settings=IngestSettings(**settings),
+        prune=prune,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -156,12 +185,18 @@ def flip_bit_of_entry(shard: Path, name: str) -> None:
 
     data = bytearray(shard.read_bytes())
     header_len = int.from_bytes(data[:8], "little")
-    begin, end = json.loads(data[8:8 + header_len])[name]["data_offsets"]
+    begin, end = json.loads(data[8 : 8 + header_len])[name]["data_offsets"]
     data[8 + header_len + (begin + end) // 2] ^= 0x04
     shard.write_bytes(bytes(data))
 
 
-SLOW_MODULES = {"test_scaleout", "test_service", "test_service_hostile", "test_crash", "test_concurrency"}  # Ray, S3, servers, kill trials
+SLOW_MODULES = {
+    "test_scaleout",
+    "test_service",
+    "test_service_hostile",
+    "test_crash",
+    "test_concurrency",
+}  # Ray, S3, servers, kill trials
 
 
 def pytest_collection_modifyitems(config, items):

@@ -35,8 +35,12 @@ def client(endpoint: str):
 
 def environment(endpoint: str) -> dict[str, str]:
     """The AWS settings a user would export to reach this server."""
-    return {"AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_ENDPOINT_URL": endpoint,
-            "AWS_REGION": "us-east-1"}
+    return {
+        "AWS_ACCESS_KEY_ID": KEY,
+        "AWS_SECRET_ACCESS_KEY": SECRET,
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_REGION": "us-east-1",
+    }
 
 
 @contextmanager
@@ -47,15 +51,30 @@ def s3_server(folder: Path, timeout: float = 60.0):
     (folder / "data").mkdir(parents=True, exist_ok=True)
     (folder / "log").mkdir(exist_ok=True)
     port = _free_port()
-    ports = [f"-{name}={_free_port()}" for name in ("master.port", "volume.port", "filer.port", "webdav.port",
-                                                     "admin.port")]
+    ports = [
+        f"-{name}={_free_port()}" for name in ("master.port", "volume.port", "filer.port", "webdav.port", "admin.port")
+    ]
     env = {**os.environ, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET}
     log = open(folder / "out.log", "wb")
     process = subprocess.Popen(
-        [WEED, f"-logdir={folder / 'log'}", "mini", f"-dir={folder / 'data'}", "-master.telemetry=false",
-         "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-s3.port={port}", "-s3.port.iceberg=0", "-s3.port.lance=0",
-         "-admin.ui=false", f"-bucket={BUCKET}", *ports],
-        env=env, stdout=log, stderr=subprocess.STDOUT,
+        [
+            WEED,
+            f"-logdir={folder / 'log'}",
+            "mini",
+            f"-dir={folder / 'data'}",
+            "-master.telemetry=false",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            f"-s3.port={port}",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            "-admin.ui=false",
+            f"-bucket={BUCKET}",
+            *ports,
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     endpoint = f"http://127.0.0.1:{port}"
     try:
@@ -66,7 +85,9 @@ def s3_server(folder: Path, timeout: float = 60.0):
                 break
             except OSError:
                 if time.time() > deadline or process.poll() is not None:
-                    raise RuntimeError(f"weed mini did not serve S3: {(folder / 'out.log').read_text()[-2000:]}")
+                    raise RuntimeError(
+                        f"weed mini did not serve S3: {(folder / 'out.log').read_text()[-2000:]}"
+                    ) from None
                 time.sleep(0.5)
         yield endpoint
     finally:

@@ -12,8 +12,12 @@ from ragkv.config import AskSettings
 from tests.conftest import QUESTIONS, run_cli
 
 BATCH = [
-    "How do I rotate the API key?", "When should I rotate the API key?", "Who revokes the old API key?",
-    "How many days of annual leave do I get?", "When are salaries paid?", "What is the guest wifi?",
+    "How do I rotate the API key?",
+    "When should I rotate the API key?",
+    "Who revokes the old API key?",
+    "How many days of annual leave do I get?",
+    "When are salaries paid?",
+    "What is the guest wifi?",
 ]
 
 
@@ -50,7 +54,9 @@ def test_a_batch_decodes_together_and_counts_like_ask(tiny_store):
             stats = outcome.answer.stats
             assert stats.prompt_tokens == alone.prompt_tokens
             # what the batch prefilled first, asking again finds in the prefix cache
-            assert stats.computed_tokens - alone.computed_tokens == alone.prefix_cache_tokens - stats.prefix_cache_tokens
+            assert (
+                stats.computed_tokens - alone.computed_tokens == alone.prefix_cache_tokens - stats.prefix_cache_tokens
+            )
             assert stats.recomputed_tokens == alone.recomputed_tokens
             assert set(stats.kv_sources) == set(alone.kv_sources) and stats.kv_load_ms > 0
 
@@ -59,8 +65,19 @@ def test_batch_uses_reach_the_stores_popularity(tiny_store, tmp_path):
     questions = tmp_path / "q.jsonl"
     questions.write_text("\n".join(json.dumps({"id": str(i), "question": q}) for i, q in enumerate(BATCH)))
     before = json.loads(run_cli("stats", "--store", tiny_store, "--json").stdout)["uses"]
-    result = run_cli("batch", questions, "--out", tmp_path / "a.jsonl", "--store", tiny_store, "--top-k", "2",
-                     "--max-new-tokens", "2", "--json")
+    result = run_cli(
+        "batch",
+        questions,
+        "--out",
+        tmp_path / "a.jsonl",
+        "--store",
+        tiny_store,
+        "--top-k",
+        "2",
+        "--max-new-tokens",
+        "2",
+        "--json",
+    )
     assert result.exit_code == 0, result.output
     after = json.loads(run_cli("stats", "--store", tiny_store, "--json").stdout)["uses"]
     assert after - before == 2 * len(BATCH)
@@ -75,24 +92,34 @@ def test_a_batch_question_over_the_context_fails_alone(tiny_llama, tmp_path):
     build_store(docs, tmp_path / "s", str(tiny_llama))
     long_question = "Why " + "really " * 1200 + "?"
     with ragkv.open(tmp_path / "s", device="cpu") as engine:
-        outcomes = {o.question.id: o for o in answer_all(
-            engine, [Question("long", long_question), Question("short", "How do I open the valve?")],
-            AskSettings(max_new_tokens=2))}
+        outcomes = {
+            o.question.id: o
+            for o in answer_all(
+                engine,
+                [Question("long", long_question), Question("short", "How do I open the valve?")],
+                AskSettings(max_new_tokens=2),
+            )
+        }
     assert "over the model's context" in outcomes["long"].error
     assert outcomes["short"].error is None and outcomes["short"].answer.token_ids
 
 
 def test_the_batch_command_reports_bad_lines_and_answers_the_rest(tiny_store, tmp_path):
     questions = tmp_path / "q.jsonl"
-    questions.write_text("\n".join([
-        json.dumps({"id": "a", "question": QUESTIONS[0]}),
-        "{not json",
-        json.dumps({"id": "b", "question": "   "}),
-        json.dumps({"id": "c", "question": "How long is leave?", "doc": "leave.txt"}),
-        json.dumps({"id": "d", "question": "Anything?", "doc": "no-such-doc"}),
-    ]))
-    result = run_cli("batch", questions, "--out", tmp_path / "a.jsonl", "--store", tiny_store,
-                     "--max-new-tokens", "4", "--json")
+    questions.write_text(
+        "\n".join(
+            [
+                json.dumps({"id": "a", "question": QUESTIONS[0]}),
+                "{not json",
+                json.dumps({"id": "b", "question": "   "}),
+                json.dumps({"id": "c", "question": "How long is leave?", "doc": "leave.txt"}),
+                json.dumps({"id": "d", "question": "Anything?", "doc": "no-such-doc"}),
+            ]
+        )
+    )
+    result = run_cli(
+        "batch", questions, "--out", tmp_path / "a.jsonl", "--store", tiny_store, "--max-new-tokens", "4", "--json"
+    )
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
     assert summary["answered"] == 2 and summary["questions"] == 5

@@ -18,16 +18,20 @@ import ragkv
 from ragkv.errors import InputError
 from store import open_snapshot, verify
 from store.budget import Candidate, plan
-from store.popularity import HITS_DIR, HitLog, Use, decay, read_pending
 from store.catalog import Catalog
+from store.popularity import HITS_DIR, HitLog, Use, decay, read_pending
 from store.shards import ShardWriter, shard_files
 from tests.conftest import QUESTIONS, ROOT, build_store, run_cli
 
 
 # -- the budget's choice ---------------------------------------------------------------------
 def test_plan_keeps_the_most_popular_and_prefers_what_is_stored_on_ties():
-    candidates = [Candidate("cold-stored", 10, 0.0, True, 0), Candidate("hot-new", 10, 5.0, False, 1),
-                  Candidate("warm-stored", 10, 2.0, True, 2), Candidate("cold-new", 10, 0.0, False, 3)]
+    candidates = [
+        Candidate("cold-stored", 10, 0.0, True, 0),
+        Candidate("hot-new", 10, 5.0, False, 1),
+        Candidate("warm-stored", 10, 2.0, True, 2),
+        Candidate("cold-new", 10, 0.0, False, 3),
+    ]
     decision = plan(candidates, room=20)
     assert decision.keep == ["warm-stored"] and decision.compute == ["hot-new"] and decision.evict == ["cold-stored"]
     tie = plan([Candidate("new", 10, 1.0, False, 0), Candidate("stored", 10, 1.0, True, 1)], room=10)
@@ -86,13 +90,17 @@ def test_a_miss_computes_the_kv_token_identical_then_the_store_serves_it(stores)
             assert got.token_ids == want.token_ids and want.stats.kv_source == "store"
             assert got.stats.kv_source == "computed" and got.stats.mode == "exact"
             assert got.stats.computed_tokens == len(got.prompt_ids) - len(engine.active.layout.prefix_ids)
-            torch.testing.assert_close(engine.first_token_logits(question), stored.first_token_logits(question),
-                                       rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(
+                engine.first_token_logits(question), stored.first_token_logits(question), rtol=1e-4, atol=1e-4
+            )
         engine.flush()
         assert engine.loader.writer.report.stored == 4
         assert engine.refresh()
         again = engine.ask(QUESTIONS[0], max_new_tokens=12)
-        assert again.stats.kv_source == "store" and again.token_ids == stored.ask(QUESTIONS[0], max_new_tokens=12).token_ids
+        assert (
+            again.stats.kv_source == "store"
+            and again.token_ids == stored.ask(QUESTIONS[0], max_new_tokens=12).token_ids
+        )
     with open_snapshot(lazy) as snapshot:
         assert verify(snapshot).ok
         assert snapshot.catalog.counts()["kv_entries"] == 5  # the prefix and the four chunks asked about
@@ -145,7 +153,7 @@ def test_a_budget_keeps_the_most_asked_chunks_within_its_bytes(stores, tiny_llam
         assert engine.ask(hot, max_new_tokens=1).stats.kv_source == "store"
         with_kv = engine.snapshot.catalog.kv_bytes()
         assert with_kv <= limit
-        (row, _), = engine.retrieve(hot)
+        ((row, _),) = engine.retrieve(hot)
         assert row.entry is not None  # the hot chunk holds a place
     # A smaller budget evicts down to the hot chunk; below the prefix it is refused.
     result = run_cli("budget", prefix + largest, "--store", tmp_path / "b", "--json")
@@ -191,9 +199,9 @@ def test_reingest_recomputes_a_changed_hot_document_before_cold_ones(stores, tin
     report = build_store(docs, tmp_path / "b", str(tiny_llama), prune=True)  # the nightly job's ingest
     assert report.documents["changed"] == 2 and report.kv_computed == 1 and report.kv_budget == limit
     with ragkv.open(tmp_path / "b", device="cpu") as engine:
-        (row, _), = engine.retrieve("How many days of annual leave do I get?")
+        ((row, _),) = engine.retrieve("How many days of annual leave do I get?")
         assert row.doc_id == "leave.txt" and row.entry is not None  # inherited its old chunk's popularity
-        (row, _), = engine.retrieve("Who rotates API keys?")
+        ((row, _),) = engine.retrieve("Who rotates API keys?")
         assert row.doc_id == "keys.md" and row.entry is None
 
 

@@ -86,7 +86,7 @@ def test_calibrate_measures_stops_at_the_target_and_records_what_approximate_use
     assert result.num_questions == 3 and result.measured
     for mode in settings.modes:
         mine = [m for m in result.measured if m.mode == mode]
-        assert [m.share for m in mine] == list(settings.shares[:len(mine)])
+        assert [m.share for m in mine] == list(settings.shares[: len(mine)])
         assert all(m.first_token < 0.6 for m in mine[:-1])  # it stopped at the first share that reached it
         assert mine[-1].first_token >= 0.6  # at the latest at 100% recomputed, which is a full prefill
     if result.chosen is not None:

@@ -7,6 +7,7 @@ import json
 import shutil
 
 import pytest
+
 from tests.conftest import SAMPLE_DATA, run_cli
 
 
@@ -116,13 +117,16 @@ def test_skipped_files_are_listed_in_the_summary(tiny_llama, corpus, tmp_path):
     assert "Skipped 1 file(s):" in result.stdout and "blob.txt: binary file" in result.stdout
 
 
-@pytest.mark.parametrize("command, expected", [
-    ([], ["ingest", "ask", "stats", "reindex", "gc", "verify"]),
-    (["reindex"], ["--report", "--no-gc", "--no-verify", "--json", "Exit code"]),
-    (["verify"], ["--repair", "--json"]),
-    (["ingest"], ["--chunk-tokens", "--model", "--dtype", "--json", "--store", "--system-prompt"]),
-    (["ask"], ["--top-k", "--max-new-tokens", "--no-cache", "--json", "--store"]),
-])
+@pytest.mark.parametrize(
+    "command, expected",
+    [
+        ([], ["ingest", "ask", "stats", "reindex", "gc", "verify"]),
+        (["reindex"], ["--report", "--no-gc", "--no-verify", "--json", "Exit code"]),
+        (["verify"], ["--repair", "--json"]),
+        (["ingest"], ["--chunk-tokens", "--model", "--dtype", "--json", "--store", "--system-prompt"]),
+        (["ask"], ["--top-k", "--max-new-tokens", "--no-cache", "--json", "--store"]),
+    ],
+)
 def test_help_teaches_the_options(command, expected):
     result = run(*command, "--help")
     assert result.exit_code == 0

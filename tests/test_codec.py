@@ -23,7 +23,11 @@ def realistic_kv(seed=0) -> torch.Tensor:
 def test_int8_round_trip_stays_within_half_a_step_of_its_scales():
     kv = realistic_kv()
     parts = codec.encode(kv, "int8")
-    assert parts[""].dtype == torch.int8 and parts["kscale"].shape == (4, 3, 1, 16) and parts["vscale"].shape == (4, 3, 50, 1)
+    assert (
+        parts[""].dtype == torch.int8
+        and parts["kscale"].shape == (4, 3, 1, 16)
+        and parts["vscale"].shape == (4, 3, 50, 1)
+    )
     back = codec.decode(parts, torch.float32)
     key_error = (back[:, 0] - kv[:, 0]).abs()
     value_error = (back[:, 1] - kv[:, 1]).abs()
@@ -48,7 +52,7 @@ def test_packed_round_trip_stays_within_half_a_step_and_is_small(quant, bits, mo
     normal, outlier = key_error[..., 0].max(), key_error[..., 3].max()
     assert normal < outlier / 10  # a normal channel keeps its own resolution beside the outlier
     codes = {int(v) for v in ((kv[:, 1] - parts["vmin"].float()) / parts["vstep"].float()).round().unique()}
-    assert min(codes) == 0 and max(codes) == 2 ** bits - 1  # the full code range is used
+    assert min(codes) == 0 and max(codes) == 2**bits - 1  # the full code range is used
     stored = sum(t.numel() * t.element_size() for t in parts.values())
     assert stored < most_bytes * kv.numel() * kv.element_size()  # (D = 16 here; D = 64 gives 0.13x and 0.07x)
 
@@ -60,7 +64,7 @@ def test_packing_needs_a_head_dimension_it_divides():
         codec.encode(torch.randn(1, 2, 1, 3, 6), "int2")
 
 
-@pytest.mark.parametrize("quant, tolerance", [("bfloat16", 2 ** -8), ("float16", 2 ** -11)])
+@pytest.mark.parametrize("quant, tolerance", [("bfloat16", 2**-8), ("float16", 2**-11)])
 def test_float_storage_rounds_to_its_precision(quant, tolerance):
     kv = realistic_kv()
     back = codec.decode(codec.encode(kv, quant), torch.float32)
@@ -73,7 +77,9 @@ def test_lossless_is_the_default_and_identity():
     assert codec.decode(codec.encode(kv, "none"), torch.float32) is kv
 
 
-@pytest.mark.parametrize("quant, most_bytes, most_gap", [("int8", 0.3, 0.05), ("int4", 0.2, 0.5)])  # head dim 16 here: scales weigh more than at 64
+@pytest.mark.parametrize(
+    "quant, most_bytes, most_gap", [("int8", 0.3, 0.05), ("int4", 0.2, 0.5)]
+)  # head dim 16 here: scales weigh more than at 64
 def test_an_integer_store_is_smaller_named_and_close(tiny_llama, corpus, tmp_path, quant, most_bytes, most_gap):
     build_store(corpus, tmp_path / "full", str(tiny_llama))
     build_store(corpus, tmp_path / quant, str(tiny_llama), kv_dtype=quant)
@@ -82,7 +88,7 @@ def test_an_integer_store_is_smaller_named_and_close(tiny_llama, corpus, tmp_pat
     with ragkv.open(tmp_path / quant, device="cpu") as engine:
         answer = engine.ask(QUESTIONS[0], max_new_tokens=4)
         assert answer.stats.kv_quant == quant and answer.stats.reused_tokens > 0
-        gap = (engine.first_token_logits(QUESTIONS[0]) - engine.first_token_logits(QUESTIONS[0], use_cache=False))
+        gap = engine.first_token_logits(QUESTIONS[0]) - engine.first_token_logits(QUESTIONS[0], use_cache=False)
         assert 0 < gap.abs().max().item() < most_gap  # approximate, and close
     with ragkv.open(tmp_path / "full", device="cpu") as engine:
         assert engine.ask(QUESTIONS[0], max_new_tokens=4).stats.kv_quant == "none"

@@ -38,7 +38,8 @@ READER = textwrap.dedent("""
 def write_docs(folder, version: int) -> None:
     for i in range(6):
         (folder / f"service-{i}.md").write_text(
-            f"Release train version {version}: service {i} deploys at {i}:00 and is owned by team {i % 2}.")
+            f"Release train version {version}: service {i} deploys at {i}:00 and is owned by team {i % 2}."
+        )
 
 
 def test_reader_sees_whole_generations_while_the_store_is_reindexed(tiny_llama, tmp_path):

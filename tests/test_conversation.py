@@ -15,8 +15,15 @@ from tests.conftest import QUESTIONS
 
 
 def full_prefill_answer(engine, ids, max_new_tokens):
-    run = generate(engine.lm.model, engine.lm.tokenizer, kv.to_cache_empty(engine.lm.model.config), ids,
-                   engine.lm.facts.eos_ids, max_new_tokens, time.perf_counter())
+    run = generate(
+        engine.lm.model,
+        engine.lm.tokenizer,
+        kv.to_cache_empty(engine.lm.model.config),
+        ids,
+        engine.lm.facts.eos_ids,
+        max_new_tokens,
+        time.perf_counter(),
+    )
     while True:
         try:
             next(run)

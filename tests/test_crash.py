@@ -45,14 +45,19 @@ INGEST = textwrap.dedent("""
 def write_corpus(folder: Path, num_docs: int, first: int = 0) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     for i in range(first, first + num_docs):
-        sentences = " ".join(f"Fact {j} about system {i}: component {i}-{j} restarts after {i + j} seconds."
-                             for j in range(14))
+        sentences = " ".join(
+            f"Fact {j} about system {i}: component {i}-{j} restarts after {i + j} seconds." for j in range(14)
+        )
         (folder / f"doc-{i:03d}.md").write_text(f"# System {i}\n\n{sentences}")
 
 
 def ingest(docs: Path, store: Path, model: Path):
-    return ragkv.ingest([docs], store, model=ModelSettings(model=str(model), device="cpu", dtype="float32"),
-                        settings=IngestSettings(**SETTINGS))
+    return ragkv.ingest(
+        [docs],
+        store,
+        model=ModelSettings(model=str(model), device="cpu", dtype="float32"),
+        settings=IngestSettings(**SETTINGS),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +97,9 @@ def kill_trial(trial: int, crash_setup, tiny_llama, tmp_path) -> str:
     store = tmp_path / f"trial-{trial}"
     if not fresh:
         shutil.copytree(root / "base", store)
-    script = INGEST.format(root=str(ROOT), docs=str(root / "docs"), store=str(store), model=str(tiny_llama),
-                           settings=SETTINGS)
+    script = INGEST.format(
+        root=str(ROOT), docs=str(root / "docs"), store=str(store), model=str(tiny_llama), settings=SETTINGS
+    )
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     # After the models load, chunking and embedding take ~1.2 s and KV compute with ~100
     # shard seals and catalog commits ~0.7 s here. Aim most kills at the writing phase.
@@ -126,8 +132,10 @@ def kill_trial(trial: int, crash_setup, tiny_llama, tmp_path) -> str:
     else:
         chunk_keys = {k for k in reference_keys if not KVKey.from_string(k).is_prefix}
         assert rerun.kv_computed == len(chunk_keys - already - sealed), trial
-    print(f"trial {trial}: {outcome} after {wait_for!r}; {'published' if published else 'not published'}, "
-          f"{len(sealed)} sealed entries adopted, {rerun.kv_computed} computed on re-run")
+    print(
+        f"trial {trial}: {outcome} after {wait_for!r}; {'published' if published else 'not published'}, "
+        f"{len(sealed)} sealed entries adopted, {rerun.kv_computed} computed on re-run"
+    )
     return outcome
 
 

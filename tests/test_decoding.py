@@ -19,11 +19,13 @@ PLAIN = dict(repetition_penalty=1.0, no_repeat_ngram=0)  # the old behaviour: gr
 
 
 def _ngrams(ids, n):
-    return [tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)]
+    return [tuple(ids[i : i + n]) for i in range(len(ids) - n + 1)]
 
 
-@pytest.mark.parametrize("bad", [dict(repetition_penalty=0.9), dict(no_repeat_ngram=-1), dict(temperature=-0.1),
-                                 dict(top_p=0.0), dict(stop=("",))])
+@pytest.mark.parametrize(
+    "bad",
+    [dict(repetition_penalty=0.9), dict(no_repeat_ngram=-1), dict(temperature=-0.1), dict(top_p=0.0), dict(stop=("",))],
+)
 def test_bad_decoding_settings_are_named(bad):
     with pytest.raises(InputError, match=next(iter(bad)).replace("_", "-")):
         DecodeSettings(**bad)
@@ -72,9 +74,15 @@ def test_a_text_stream_never_shows_a_stop_string(tiny_llama):
     assert shown == stream.text == "Rotate the key. Then " and stream.stopped
 
 
-@pytest.mark.parametrize("options", [
-    {}, PLAIN, dict(no_repeat_ngram=3, repetition_penalty=1.3), dict(temperature=0.8, top_p=0.9, seed=11),
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        PLAIN,
+        dict(no_repeat_ngram=3, repetition_penalty=1.3),
+        dict(temperature=0.8, top_p=0.9, seed=11),
+    ],
+)
 def test_cached_and_full_prefill_decode_alike(tiny_store, options):
     with ragkv.open(tiny_store, device="cpu") as engine:
         for question in QUESTIONS[:2]:
@@ -98,7 +106,7 @@ def test_a_stop_string_ends_the_answer_on_every_path(tiny_store):
         words = free.text.split()
         assert len(words) > 3, free.text
         stop = words[len(words) // 2]
-        cut = free.text[:free.text.index(stop)]
+        cut = free.text[: free.text.index(stop)]
         streamed = engine.stream(QUESTIONS[2], max_new_tokens=24, stop=[stop])
         assert "".join(streamed) == cut == streamed.answer.text
         assert streamed.answer.stats.finish_reason == "stop"

@@ -15,9 +15,13 @@ from store.generations import read_current
 
 from .conftest import QUESTIONS, ROOT, run_cli
 
-DOCUMENTED_EXIT_CODES = {0, 2, 3, 4, 5, 6, 7}  # the README's list; 1 is only ever a bug or Ctrl-C
+DOCUMENTED_EXIT_CODES = {0, 2, 3, 4, 5, 6, 7}  # docs/cli.md lists them; 1 is only ever a bug or Ctrl-C
 READERS = {
-    "ask": ["ask", "hi"], "stats": ["stats"], "verify": ["verify"], "chat": ["chat"], "serve": ["serve"],
+    "ask": ["ask", "hi"],
+    "stats": ["stats"],
+    "verify": ["verify"],
+    "chat": ["chat"],
+    "serve": ["serve"],
     "batch": ["batch", "{questions}", "--out", "{out}"],
 }
 WRITERS = {"ingest": ["ingest", "{docs}"], "reindex": ["reindex", "{docs}"], "gc": ["gc"]}
@@ -66,11 +70,21 @@ def test_every_writer_refuses_a_bad_store_in_one_line_and_leaves_it_alone(bad_st
     assert sorted(p.name for p in bad_stores.rglob("*")) == before
 
 
-@pytest.mark.parametrize("option", [
-    ["--top-k", "0"], ["--max-new-tokens", "-1"], ["--mode", "fastest"], ["--temperature", "-1"],
-    ["--top-p", "0"], ["--repetition-penalty", "0.5"], ["--no-repeat-ngram", "-2"], ["--device", "tpu"],
-    ["--dtype", "float8"], ["--kv-dtype", "int3"],
-])
+@pytest.mark.parametrize(
+    "option",
+    [
+        ["--top-k", "0"],
+        ["--max-new-tokens", "-1"],
+        ["--mode", "fastest"],
+        ["--temperature", "-1"],
+        ["--top-p", "0"],
+        ["--repetition-penalty", "0.5"],
+        ["--no-repeat-ngram", "-2"],
+        ["--device", "tpu"],
+        ["--dtype", "float8"],
+        ["--kv-dtype", "int3"],
+    ],
+)
 def test_ask_checks_its_options_before_loading_a_model(tiny_store, monkeypatch, option):
     def no_loading(*args, **kwargs):
         raise AssertionError("a model was loaded before the options were checked")
@@ -85,12 +99,13 @@ def test_chat_and_batch_check_their_options_before_opening_the_store(tmp_path):
     (tmp_path / "q.jsonl").write_text('{"question": "hi"}\n')
     missing = tmp_path / "no-store"  # checked first: the error names the option, not the store
     _assert_one_line_error(run_cli("chat", "--store", missing, "--top-k", "0"), 2)
-    _assert_one_line_error(run_cli("batch", tmp_path / "q.jsonl", "--out", tmp_path / "a.jsonl", "--store", missing,
-                                   "--max-batch", "0"), 2)
+    _assert_one_line_error(
+        run_cli("batch", tmp_path / "q.jsonl", "--out", tmp_path / "a.jsonl", "--store", missing, "--max-batch", "0"), 2
+    )
 
 
 def test_every_exit_code_the_cli_returns_is_documented(tiny_store, corpus, tmp_path):
-    section = (ROOT / "README.md").read_text().split("## Exit codes")[1].split("\n## ")[0]
+    section = (ROOT / "docs" / "cli.md").read_text().split("## Exit codes")[1].split("\n## ")[0]
     listed = {int(code) for code in re.findall(r"^\| `(\d)` \|", section, flags=re.M)}
     assert listed == DOCUMENTED_EXIT_CODES | {1}
     assert run_cli("stats", "--store", tiny_store).exit_code == 0

@@ -30,8 +30,15 @@ def assert_cached_equals_full(store, questions, max_new_tokens=16, top_k=1):
             assert cached.stats.prompt_tokens == full.stats.computed_tokens == len(full.prompt_ids)
             assert cached.token_ids == full.token_ids, question
             assert cached.text == full.text
-            diff = (engine.first_token_logits(question, top_k=top_k)
-                    - engine.first_token_logits(question, top_k=top_k, use_cache=False)).abs().max().item()
+            diff = (
+                (
+                    engine.first_token_logits(question, top_k=top_k)
+                    - engine.first_token_logits(question, top_k=top_k, use_cache=False)
+                )
+                .abs()
+                .max()
+                .item()
+            )
             assert diff < FP32_LOGIT_TOLERANCE, (question, diff)
 
 
@@ -95,7 +102,7 @@ def test_bfloat16_store_is_lossless_and_logits_agree(model, captured_kv, corpus,
         # grows like a random walk over layers. Measured (bf16 eps = 2^-8, relative to the
         # largest logit): tiny 2-layer model ~1 eps, SmolLM2 (30 layers) ~4 eps; a chunk
         # computed one position off moves them by 4 and 27 eps. Tolerance: 1.5 eps * sqrt(L).
-        bound = 1.5 * 2.0 ** -8 * engine.lm.facts.num_layers ** 0.5
+        bound = 1.5 * 2.0**-8 * engine.lm.facts.num_layers**0.5
         for question in QUESTIONS:
             cached = engine.first_token_logits(question)
             full = engine.first_token_logits(question, use_cache=False)

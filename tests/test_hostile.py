@@ -14,7 +14,7 @@ import pytest
 
 import ragkv
 from pipelines.read import read_documents
-from tests.conftest import QUESTIONS, run_cli
+from tests.conftest import QUESTIONS
 
 
 @pytest.fixture()
@@ -117,10 +117,12 @@ def test_a_damaged_vector_index_is_reported_and_rebuilt(store):
 def test_a_poisoned_hit_log_blocks_no_writer(store, corpus, tiny_llama):
     hits = store / "hits"
     hits.mkdir(exist_ok=True)
-    (hits / "poison.jsonl").write_text('{"doc": "keys.md", "i": Infinity, "src": "store", "t": 1.0}\n'
-                                       '{"doc": "keys.md", "i": 99999999999, "src": "store", "t": 1.0}\n'
-                                       '{"doc": "keys.md", "i": 0, "src": "store", "t": NaN}\n'
-                                       '[1, 2]\n\xff\n{"doc": "keys.md", "i": 0, "src": "store", "t": 2.0}\n')
+    (hits / "poison.jsonl").write_text(
+        '{"doc": "keys.md", "i": Infinity, "src": "store", "t": 1.0}\n'
+        '{"doc": "keys.md", "i": 99999999999, "src": "store", "t": 1.0}\n'
+        '{"doc": "keys.md", "i": 0, "src": "store", "t": NaN}\n'
+        '[1, 2]\n\xff\n{"doc": "keys.md", "i": 0, "src": "store", "t": 2.0}\n'
+    )
     code, output = cli("verify", "--store", store)
     assert code == 0 and "hits/poison.jsonl: 5 lines record no use" in output
     code, output = cli("ingest", corpus, "--store", store, "--model", tiny_llama, "--device", "cpu")
@@ -195,17 +197,28 @@ def test_unreadable_and_odd_files_are_listed_not_fatal(tmp_path, monkeypatch):
     os.mkfifo(tmp_path / "pipe.md")
     (tmp_path / "dangling.md").symlink_to(tmp_path / "nowhere")
     (tmp_path / "big.txt").write_text("a" * 2048)
-    (tmp_path / "records.jsonl").write_text('{"id": "s", "text": "bad \\ud800"}\n{"id": "", "text": "t"}\n'
-                                            '{"id": true, "text": "t"}\n{"id": "big", "text": "' + "b" * 2048 + '"}\n')
+    (tmp_path / "records.jsonl").write_text(
+        '{"id": "s", "text": "bad \\ud800"}\n{"id": "", "text": "t"}\n'
+        '{"id": true, "text": "t"}\n{"id": "big", "text": "' + "b" * 2048 + '"}\n'
+    )
     real = Path.read_bytes
-    monkeypatch.setattr(Path, "read_bytes", lambda self: (_ for _ in ()).throw(
-        PermissionError(errno.EACCES, "Permission denied")) if self.name == "locked.md" else real(self))
+    monkeypatch.setattr(
+        Path,
+        "read_bytes",
+        lambda self: (
+            (_ for _ in ()).throw(PermissionError(errno.EACCES, "Permission denied"))
+            if self.name == "locked.md"
+            else real(self)
+        ),
+    )
     found = read_documents([tmp_path], max_document_bytes=1024)
     reasons = {s.source.rsplit("/", 1)[-1]: s.reason for s in found.skipped}
     assert [d.doc_id for d in found.documents] == ["ok.md"]
     assert reasons["locked.md"] == "cannot be read: Permission denied"
     assert reasons["pipe.md"] == "not a regular file" and reasons["dangling.md"] == "a broken symbolic link"
-    assert "over the 1,024-byte limit" in reasons["big.txt"] and "over the 1,024-byte limit" in reasons["records.jsonl:4"]
+    assert (
+        "over the 1,024-byte limit" in reasons["big.txt"] and "over the 1,024-byte limit" in reasons["records.jsonl:4"]
+    )
     assert "lone surrogate" in reasons["records.jsonl:1"]
     assert reasons["records.jsonl:2"].startswith('no "id"') and reasons["records.jsonl:3"].startswith('no "id"')
 
@@ -213,15 +226,16 @@ def test_unreadable_and_odd_files_are_listed_not_fatal(tmp_path, monkeypatch):
 def test_the_same_ids_from_another_tree_replace_nothing(store, corpus, tiny_llama, tmp_path):
     other = tmp_path / "other"
     other.mkdir()
-    (other / "faq.jsonl").write_text('{"id": "wifi", "text": "The wifi is down for good."}\n'
-                                     '{"id": "fresh", "text": "A new record."}\n')
+    (other / "faq.jsonl").write_text(
+        '{"id": "wifi", "text": "The wifi is down for good."}\n{"id": "fresh", "text": "A new record."}\n'
+    )
     shutil.copy(corpus / "keys.md", other / "keys.md")  # the same text from another file: unchanged
     code, output = cli("ingest", other, "--store", store, "--model", tiny_llama, "--device", "cpu", "--json")
     report = json.loads(output)
     assert code == 0 and report["documents"] == {"added": 1, "changed": 0, "unchanged": 1, "removed": 0}
     assert any("document id 'wifi' is stored from" in s["reason"] for s in report["skipped"])
     with ragkv.open(store, device="cpu") as engine:
-        (row, _), = engine.retrieve("guest wifi password", doc_ids=["wifi"])
+        ((row, _),) = engine.retrieve("guest wifi password", doc_ids=["wifi"])
     assert "LumenGuest" in row.text  # the first tree's record is intact
 
 
@@ -242,9 +256,13 @@ def test_options_are_checked_before_the_model_loads(store, monkeypatch):
     import ragkv.active
 
     monkeypatch.setattr(ragkv.active, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
-    for args, fragment in ((("serve", "--port", 70000), "--port"), (("serve", "--port", -1), "--port"),
-                           (("ask", "x", "--device", "cuda"), "CUDA"), (("ask", "x", "--kv-dtype", "int4"), "int4"),
-                           (("budget", "9" * 30 + "TB"), "largest size")):
+    for args, fragment in (
+        (("serve", "--port", 70000), "--port"),
+        (("serve", "--port", -1), "--port"),
+        (("ask", "x", "--device", "cuda"), "CUDA"),
+        (("ask", "x", "--kv-dtype", "int4"), "int4"),
+        (("budget", "9" * 30 + "TB"), "largest size"),
+    ):
         if fragment == "CUDA" and __import__("torch").cuda.is_available():
             continue
         code, output = cli(*args, "--store", store)

@@ -32,7 +32,7 @@ def test_a_changed_document_is_recomputed_and_its_old_chunks_retired(tiny_llama,
     assert report.kv_computed == 1 and report.chunks_embedded == 1
     with ragkv.open(tmp_path / "s", device="cpu") as engine:
         assert engine.snapshot.catalog.counts()["chunks"] == 6 == len(engine.snapshot.vectors)
-        (row, _), = engine.retrieve("Who rotates API keys?")
+        ((row, _),) = engine.retrieve("Who rotates API keys?")
         assert row.text.startswith("API keys are rotated by the platform team")
 
 
@@ -68,7 +68,7 @@ def test_a_corrupt_entry_falls_back_to_a_full_prefill(tiny_store, tmp_path):
     shutil.copytree(tiny_store, store)
     with ragkv.open(store, device="cpu") as engine:
         expected = engine.ask(QUESTIONS[0], max_new_tokens=8, use_cache=False)
-        (row, _), = engine.retrieve(QUESTIONS[0])
+        ((row, _),) = engine.retrieve(QUESTIONS[0])
     flip_bit_of_entry(store / "shards" / row.entry.shard, row.entry.tensor)
     with ragkv.open(store, device="cpu") as engine:
         answer = engine.ask(QUESTIONS[0], max_new_tokens=8)

@@ -9,12 +9,19 @@ import torch
 from safetensors import safe_open
 
 import ragkv
-from ragkv.errors import InputError, ModelError
-from ragkv.integrations.paged import LayoutError, PagedLayout, block_dim_of
 from ragkv import codec, kv
 from ragkv.config import AskSettings
+from ragkv.errors import InputError, ModelError
+from ragkv.integrations.paged import LayoutError, PagedLayout, block_dim_of
 from ragkv.integrations.store_match import (
-    KVSaver, ModelIdentity, RequestLayout, StoreMatcher, chunk_layout, load_kv, profile_for, slot_mapping,
+    KVSaver,
+    ModelIdentity,
+    RequestLayout,
+    StoreMatcher,
+    chunk_layout,
+    load_kv,
+    profile_for,
+    slot_mapping,
 )
 from ragkv.keys import KVKey
 from store import open_snapshot, verify
@@ -39,7 +46,7 @@ def test_a_ragkv_prompt_matches_its_prefix_and_chunk_with_their_kv(tiny_store, i
     matcher = StoreMatcher(tiny_store, profile)
     with ragkv.open(tiny_store, device="cpu") as engine:
         answer = engine.ask(QUESTIONS[0], max_new_tokens=1, context="chunk")
-        (row, _), = engine.retrieve(QUESTIONS[0])
+        ((row, _),) = engine.retrieve(QUESTIONS[0])
         prompt = answer.prompt_ids
         match = matcher.match(prompt)
         assert match.num_tokens == len(profile.prefix_ids) + len(row.token_ids)
@@ -59,15 +66,17 @@ def test_a_ragkv_prompt_matches_its_prefix_and_chunk_with_their_kv(tiny_store, i
 def test_a_span_matches_through_its_continuations(tiny_llama, corpus, tmp_path, identity):
     docs = tmp_path / "docs"
     docs.mkdir()
-    (docs / "long.md").write_text(" ".join(f"Paragraph {i} explains the deploy step number {i} in detail."
-                                           for i in range(40)))
+    (docs / "long.md").write_text(
+        " ".join(f"Paragraph {i} explains the deploy step number {i} in detail." for i in range(40))
+    )
     build_store(docs, tmp_path / "s", str(tiny_llama), chunk_tokens=64, span_tokens=400)
     profile = profile_for(tmp_path / "s", identity)
     with ragkv.open(tmp_path / "s", device="cpu") as engine:
         answer = engine.ask("What is deploy step number 3?", max_new_tokens=1, context="document")
         separator = engine.active.layout.separator_ids
-        num_context = len(answer.prompt_ids) - len(engine.active.layout.question_ids(engine.lm.tokenizer,
-                                                                                       "What is deploy step number 3?"))
+        num_context = len(answer.prompt_ids) - len(
+            engine.active.layout.question_ids(engine.lm.tokenizer, "What is deploy step number 3?")
+        )
     match = StoreMatcher(tmp_path / "s", profile, separator).match(answer.prompt_ids)
     assert len(match.entries) > 2 and match.num_tokens == num_context
 
@@ -101,17 +110,20 @@ def test_params_lay_out_chunks_after_the_prefix_joined_by_the_separator():
         assert chunk_layout(nothing, 30, 10, 2) == RequestLayout()
 
 
-@pytest.mark.parametrize("block, problem", [
-    ("yes", "must be an object"),
-    ({"chunks": [[1, 5]], "extra": 1}, "unknown fields: extra"),
-    ({"chunks": [[1, 0]]}, r"\[0\] must be \[chunk_id, num_tokens\]"),
-    ({"chunks": [["1", 5]]}, r"\[0\] must be"),
-    ({"chunks": [[True, 5]]}, r"\[0\] must be"),
-    ({"chunks": [[1, 5, 6]]}, r"\[0\] must be"),
-    ({"chunks": {"a": 1}}, "must be a list"),
-    ({"chunks": [], "write_back": "yes"}, "a boolean"),
-    ({"chunks": [[1, 25]]}, "lays out 35 tokens, more than the prompt's 30"),
-])
+@pytest.mark.parametrize(
+    "block, problem",
+    [
+        ("yes", "must be an object"),
+        ({"chunks": [[1, 5]], "extra": 1}, "unknown fields: extra"),
+        ({"chunks": [[1, 0]]}, r"\[0\] must be \[chunk_id, num_tokens\]"),
+        ({"chunks": [["1", 5]]}, r"\[0\] must be"),
+        ({"chunks": [[True, 5]]}, r"\[0\] must be"),
+        ({"chunks": [[1, 5, 6]]}, r"\[0\] must be"),
+        ({"chunks": {"a": 1}}, "must be a list"),
+        ({"chunks": [], "write_back": "yes"}, "a boolean"),
+        ({"chunks": [[1, 25]]}, "lays out 35 tokens, more than the prompt's 30"),
+    ],
+)
 def test_malformed_params_are_one_line_input_errors(block, problem):
     with pytest.raises(InputError, match=problem) as err:
         chunk_layout({"ragkv": block}, 30, 10, 2)
@@ -120,8 +132,7 @@ def test_malformed_params_are_one_line_input_errors(block, problem):
         chunk_layout(["ragkv"], 30, 10, 2)
 
 
-def test_a_missing_chunk_is_saved_under_ingest_key_and_uses_are_what_ragkv_logs(tiny_llama, corpus, tmp_path,
-                                                                              identity):
+def test_a_missing_chunk_is_saved_under_ingest_key_and_uses_are_what_ragkv_logs(tiny_llama, corpus, tmp_path, identity):
     """The plan for a lazy store (no chunk KV): the first chunk is saved under the key ingest
     gives it, only when its ids are its text's; each chunk's use is logged with its source."""
     from ragkv.config import AskSettings
@@ -135,8 +146,12 @@ def test_a_missing_chunk_is_saved_under_ingest_key_and_uses_are_what_ragkv_logs(
     with ragkv.open(store, device="cpu", weights=False) as engine:
         prompt = engine.prompt_for(QUESTIONS[0], AskSettings(top_k=2, context="chunk"))
     rows = [row for row, _ in prompt.retrieved]
-    params = {"ragkv": {"chunks": [[row.chunk_id, len(ids)] for row, ids in zip(rows, prompt.chunk_ids)],
-                        "write_back": True}}
+    params = {
+        "ragkv": {
+            "chunks": [[row.chunk_id, len(ids)] for row, ids in zip(rows, prompt.chunk_ids, strict=False)],
+            "write_back": True,
+        }
+    }
     layout = chunk_layout(params, len(prompt.prompt_ids), len(profile.prefix_ids), len(separator))
     chunks, write_back = layout.chunks, layout.write_back
     match = matcher.match(prompt.prompt_ids)
@@ -145,8 +160,10 @@ def test_a_missing_chunk_is_saved_under_ingest_key_and_uses_are_what_ragkv_logs(
     first = prompt.chunk_ids[0]
     assert plan.save.kv_key == KVKey.for_chunk(profile, first).to_string() and plan.save.token_ids == tuple(first)
     assert (plan.save.start, plan.save.end) == (len(profile.prefix_ids), len(profile.prefix_ids) + len(first))
-    assert [(u.doc_id, u.chunk_index, u.source) for u in plan.uses] == \
-        [(rows[0].doc_id, rows[0].chunk_index, "computed"), (rows[1].doc_id, rows[1].chunk_index, "live")]
+    assert [(u.doc_id, u.chunk_index, u.source) for u in plan.uses] == [
+        (rows[0].doc_id, rows[0].chunk_index, "computed"),
+        (rows[1].doc_id, rows[1].chunk_index, "live"),
+    ]
     assert matcher.plan(prompt.prompt_ids, chunks, False, match).save is None  # not asked to save
     # Ids that are not the chunk's text (a client naming the wrong chunk) are never saved as it.
     forged = list(prompt.prompt_ids)
@@ -186,10 +203,15 @@ def _shuffled(key, value, cache, slots):
         flat[block] = both.view(-1)[order]
 
 
-@pytest.mark.parametrize("write, shape", [(_cpu_like, (BLOCKS, HEADS, BLOCK, 2 * DIM)),
-                                          (_flash_like, (2, BLOCKS, BLOCK, HEADS, DIM)),
-                                          (_shuffled, (BLOCKS, 2 * BLOCK * HEADS * DIM))],
-                         ids=["cpu", "flash", "scrambled"])
+@pytest.mark.parametrize(
+    "write, shape",
+    [
+        (_cpu_like, (BLOCKS, HEADS, BLOCK, 2 * DIM)),
+        (_flash_like, (2, BLOCKS, BLOCK, HEADS, DIM)),
+        (_shuffled, (BLOCKS, 2 * BLOCK * HEADS * DIM)),
+    ],
+    ids=["cpu", "flash", "scrambled"],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_probed_layout_reads_back_exactly_what_the_backend_wrote(write, shape, dtype):
     cache = torch.zeros(shape, dtype=dtype)
@@ -242,12 +264,17 @@ def saves_for(full: str, lazy: str, model: str):
         for question in QUESTIONS:
             prompt = engine.prompt_for(question, AskSettings(top_k=1, context="chunk"))
             (row, _), ids = prompt.retrieved[0], prompt.chunk_ids[0]
-            chunks = chunk_layout({"ragkv": {"chunks": [[row.chunk_id, len(ids)]]}}, len(prompt.prompt_ids),
-                                  len(profile.prefix_ids), len(separator)).chunks
+            chunks = chunk_layout(
+                {"ragkv": {"chunks": [[row.chunk_id, len(ids)]]}},
+                len(prompt.prompt_ids),
+                len(profile.prefix_ids),
+                len(separator),
+            ).chunks
             target = matcher.plan(prompt.prompt_ids, chunks, True, matcher.match(prompt.prompt_ids)).save
             entry = reference.catalog.entry(target.kv_key)
-            kvs.append(codec.decode(reference.shards.read_parts(entry.shard, entry.tensor, entry.checksum),
-                                    torch.float32))
+            kvs.append(
+                codec.decode(reference.shards.read_parts(entry.shard, entry.tensor, entry.checksum), torch.float32)
+            )
             targets.append(target)
     matcher.close()
     return targets, kvs, profile
@@ -264,7 +291,7 @@ def test_saved_kv_is_served_token_identically_and_counted_once(full_and_lazy, ti
     full, lazy = full_and_lazy
     targets, kvs, profile = saves_for(str(full), str(lazy), str(tiny_llama))
     saver = KVSaver(lazy, profile, "tiny", "test")
-    for target, kv_tensor in zip(targets + targets, kvs + kvs):  # each twice: one entry each
+    for target, kv_tensor in zip(targets + targets, kvs + kvs, strict=False):  # each twice: one entry each
         saver.submit(target, kv_tensor)
     saver.flush()
     saver.close()
@@ -281,14 +308,15 @@ def test_saved_kv_is_served_token_identically_and_counted_once(full_and_lazy, ti
             assert got.token_ids == reference.ask(question, max_new_tokens=8, context="chunk").token_ids
 
 
-def test_a_save_behind_another_writer_waits_then_gives_up_and_a_full_disk_warns_once(full_and_lazy, tiny_llama,
-                                                                                  monkeypatch, caplog):
+def test_a_save_behind_another_writer_waits_then_gives_up_and_a_full_disk_warns_once(
+    full_and_lazy, tiny_llama, monkeypatch, caplog
+):
     import errno
     import logging
 
-    from store.store import open_writer
     from store import writeback
     from store.shards import ShardWriter
+    from store.store import open_writer
 
     full, lazy = full_and_lazy
     targets, kvs, profile = saves_for(str(full), str(lazy), str(tiny_llama))
@@ -300,9 +328,11 @@ def test_a_save_behind_another_writer_waits_then_gives_up_and_a_full_disk_warns_
         saver.submit(targets[0], kvs[0])
         saver.flush()
     assert saver.write_back.report.dropped == 1
-    monkeypatch.setattr(ShardWriter, "flush", lambda self: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left")))
+    monkeypatch.setattr(
+        ShardWriter, "flush", lambda self: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left"))
+    )
     with caplog.at_level(logging.WARNING, logger="ragkv"):
-        for target, kv_tensor in zip(targets, kvs):
+        for target, kv_tensor in zip(targets, kvs, strict=False):
             saver.submit(target, kv_tensor)
             saver.flush()
     saver.close()
@@ -336,7 +366,9 @@ def test_ingest_on_vllm_without_vllm_is_one_line_and_writes_nothing(tmp_path):
     result = run_cli("ingest", SAMPLE_DATA, "--store", store, "--engine", "vllm", "--vllm-python", sys.executable)
     assert result.exit_code == 2 and "has no vllm" in result.output and "tests/vllm_env.sh" in result.output
     assert not store.exists()
-    for refused, reason in ((["--span-tokens", "512"], "--span-tokens runs with --engine local"),
-                            (["--precompute", "none"], "--kv-budget and --precompute run with --engine local")):
+    for refused, reason in (
+        (["--span-tokens", "512"], "--span-tokens runs with --engine local"),
+        (["--precompute", "none"], "--kv-budget and --precompute run with --engine local"),
+    ):
         result = run_cli("ingest", SAMPLE_DATA, "--store", store, "--engine", "vllm", *refused)
         assert result.exit_code == 2 and reason in result.output and not store.exists()

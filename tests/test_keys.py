@@ -16,21 +16,27 @@ from ragkv.model import tokenizer_fingerprint
 from ragkv.prompt import PromptLayout
 
 BASE = Profile(
-    model_fingerprint="m" * 64, tokenizer_fingerprint="t" * 64, template_fingerprint="p" * 64,
-    prefix_ids=(1, 9690, 198, 2683), dtype="float32",
+    model_fingerprint="m" * 64,
+    tokenizer_fingerprint="t" * 64,
+    template_fingerprint="p" * 64,
+    prefix_ids=(1, 9690, 198, 2683),
+    dtype="float32",
 )
 CHUNK = [504, 3458, 314, 18208, 30]
 
 
-@pytest.mark.parametrize("field, value", [
-    ("model_fingerprint", "M" * 64),
-    ("tokenizer_fingerprint", "T" * 64),
-    ("template_fingerprint", "P" * 64),
-    ("prefix_ids", (1, 9690, 198, 2684)),  # another system prompt, or the chunk at another position
-    ("prefix_ids", (1, 9690, 198)),
-    ("dtype", "bfloat16"),
-    ("kv_quant", "int8"),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("model_fingerprint", "M" * 64),
+        ("tokenizer_fingerprint", "T" * 64),
+        ("template_fingerprint", "P" * 64),
+        ("prefix_ids", (1, 9690, 198, 2684)),  # another system prompt, or the chunk at another position
+        ("prefix_ids", (1, 9690, 198)),
+        ("dtype", "bfloat16"),
+        ("kv_quant", "int8"),
+    ],
+)
 def test_every_profile_field_changes_every_key(field, value):
     changed = dataclasses.replace(BASE, **{field: value})
     assert changed.profile_id != BASE.profile_id
@@ -64,8 +70,10 @@ def test_keys_are_stable_across_processes_and_releases():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True, cwd=root)
     assert other.stdout.strip() == key
-    assert key == ("kv1:a276c41c96c80003145e3c2e12eff11eb92e2dd816f14cb25a51fa4d6ce3cc1b:"
-                   "3d8ed3af72ccf11d9b3f6b8117892b2dd4908b2ebb05ed389cf47f613a1c4daf")
+    assert key == (
+        "kv1:a276c41c96c80003145e3c2e12eff11eb92e2dd816f14cb25a51fa4d6ce3cc1b:"
+        "3d8ed3af72ccf11d9b3f6b8117892b2dd4908b2ebb05ed389cf47f613a1c4daf"
+    )
 
 
 def test_weights_and_config_change_the_model_fingerprint(tiny_llama, tmp_path):

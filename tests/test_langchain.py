@@ -44,8 +44,11 @@ def test_the_retriever_keeps_chunk_identity(rag):
 def test_a_chain_answers_as_ask_does_from_the_stored_kv(rag):
     for question in QUESTIONS[:3]:
         alone = rag.ask(question, top_k=2, max_new_tokens=16)
-        chain = ({"documents": RagkvRetriever(engine=rag, top_k=2), "question": RunnablePassthrough()}
-                 | rag_prompt | ChatRagkv(engine=rag, max_tokens=16))
+        chain = (
+            {"documents": RagkvRetriever(engine=rag, top_k=2), "question": RunnablePassthrough()}
+            | rag_prompt
+            | ChatRagkv(engine=rag, max_tokens=16)
+        )
         reply = chain.invoke(question)
         assert _ragkv(reply)["token_ids"] == alone.token_ids and reply.content == alone.text
         # At least the stored chunks' tokens (the engine's prefix cache, warmed by `ask`, may add more).
@@ -87,7 +90,7 @@ def test_threads_share_one_engine(rag):
 
 
 def test_a_document_without_identity_is_prefilled_live_exactly(rag):
-    (row, _), = rag.retrieve(QUESTIONS[0])
+    ((row, _),) = rag.retrieve(QUESTIONS[0])
     foreign = [Document(page_content=row.text, metadata={"source": "another retriever"})]
     reply = ChatRagkv(engine=rag, max_tokens=16).invoke(QUESTIONS[0], documents=foreign)
     full = rag.ask(QUESTIONS[0], max_new_tokens=16, use_cache=False)  # the same prompt, fully prefilled
@@ -101,14 +104,15 @@ def test_stop_max_tokens_and_history_map_to_ragkv(rag):
     llm = ChatRagkv(engine=rag, max_tokens=30)
     assert len(_ragkv(llm.invoke(QUESTIONS[0], max_tokens=3))["token_ids"]) == 3
     whole = llm.invoke(QUESTIONS[0]).content
-    cut = whole[len(whole) // 2:len(whole) // 2 + 3]
+    cut = whole[len(whole) // 2 : len(whole) // 2 + 3]
     if cut.strip():
-        assert llm.invoke(QUESTIONS[0], stop=[cut]).content == whole[:whole.index(cut)]
+        assert llm.invoke(QUESTIONS[0], stop=[cut]).content == whole[: whole.index(cut)]
     conversation = rag.conversation(max_new_tokens=8)
     first = conversation.ask(QUESTIONS[0])
     second = conversation.ask("And how often?")
-    reply = llm.invoke([HumanMessage(QUESTIONS[0]), AIMessage(first.text), HumanMessage("And how often?")],
-                       max_tokens=8)
+    reply = llm.invoke(
+        [HumanMessage(QUESTIONS[0]), AIMessage(first.text), HumanMessage("And how often?")], max_tokens=8
+    )
     assert _ragkv(reply)["token_ids"] == second.token_ids
 
 
@@ -119,8 +123,21 @@ def test_bad_input_gets_one_line(rag):
         ChatRagkv(engine=rag).invoke([AIMessage("hello")])
     assert isinstance(raised.value, InputError) and len(str(raised.value).splitlines()) == 1
     with pytest.raises(InputError, match="not in store"):  # an identity the store does not hold (any more)
-        ChatRagkv(engine=rag).invoke(QUESTIONS[0], documents=[Document(page_content="x", metadata={"ragkv": {
-            "store": rag.snapshot.location, "generation": rag.snapshot.generation, "chunk_id": 10**9}})])
+        ChatRagkv(engine=rag).invoke(
+            QUESTIONS[0],
+            documents=[
+                Document(
+                    page_content="x",
+                    metadata={
+                        "ragkv": {
+                            "store": rag.snapshot.location,
+                            "generation": rag.snapshot.generation,
+                            "chunk_id": 10**9,
+                        }
+                    },
+                )
+            ],
+        )
 
 
 @pytest.mark.slow
@@ -131,8 +148,15 @@ def test_chat_openai_against_ragkv_serve_streams_and_passes_options(tmp_path, ti
     with ragkv.open(store, device="cpu") as engine:
         alone = engine.ask(QUESTIONS[0], top_k=2, max_new_tokens=12)
     with running_server(store) as (base, _):
-        llm = langchain_openai.ChatOpenAI(base_url=f"{base}/v1", api_key="unused", model="ragkv", max_tokens=12,
-                                          temperature=0, extra_body={"ragkv": {"top_k": 2}}, max_retries=0)
+        llm = langchain_openai.ChatOpenAI(
+            base_url=f"{base}/v1",
+            api_key="unused",
+            model="ragkv",
+            max_tokens=12,
+            temperature=0,
+            extra_body={"ragkv": {"top_k": 2}},
+            max_retries=0,
+        )
         assert llm.invoke(QUESTIONS[0]).content == alone.text
         assert "".join(c.content for c in llm.stream(QUESTIONS[0])) == alone.text
 

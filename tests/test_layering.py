@@ -19,17 +19,47 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CORE = {"ragkv.errors", "ragkv.formats", "ragkv.keys", "ragkv.config", "ragkv.cpu", "ragkv.text"}
-MODEL_CODE = {f"ragkv.{m}" for m in ("answer", "ape", "assemble", "attention_probe", "blend", "codec", "decoding", "embed", "fingerprint",
-                                     "forward", "generate", "guard", "kv", "lru", "model", "prefix_cache", "prompt",
-                                     "rope", "spans")}
+MODEL_CODE = {
+    f"ragkv.{m}"
+    for m in (
+        "answer",
+        "ape",
+        "assemble",
+        "attention_probe",
+        "blend",
+        "codec",
+        "decoding",
+        "embed",
+        "fingerprint",
+        "forward",
+        "generate",
+        "guard",
+        "kv",
+        "lru",
+        "model",
+        "prefix_cache",
+        "prompt",
+        "rope",
+        "spans",
+    )
+}
 ONLINE_LAYERS = [  # bottom up; a module may import its own layer and those below
     {"ragkv.active", "ragkv.calibration", "ragkv.retrieval", "ragkv.loader", "ragkv.integrations.paged"},
     {"ragkv.runtime", "ragkv.integrations.store_match"},
     {"ragkv.conversation"},
     {"ragkv.scheduler", "ragkv.api"},
-    {"ragkv.query", "ragkv.batch", "ragkv.service", "ragkv.vllm_front", "ragkv.integrations",
-     "ragkv.integrations.adapter", "ragkv.integrations.langchain", "ragkv.integrations.llama_index",
-     "ragkv.integrations.vllm", "ragkv.integrations.vllm_fill"},
+    {
+        "ragkv.query",
+        "ragkv.batch",
+        "ragkv.service",
+        "ragkv.vllm_front",
+        "ragkv.integrations",
+        "ragkv.integrations.adapter",
+        "ragkv.integrations.langchain",
+        "ragkv.integrations.llama_index",
+        "ragkv.integrations.vllm",
+        "ragkv.integrations.vllm_fill",
+    },
 ]
 FACADE = ROOT / "ragkv" / "__init__.py"
 
@@ -60,15 +90,16 @@ def top(module: str) -> str:
 
 def test_store_imports_no_model_code_and_only_the_core():
     modules = imported_modules("store")
-    assert not offenders(modules, lambda m: top(m) in ("transformers", "sentence_transformers", "pipelines",
-                                                       "cli"))
+    assert not offenders(modules, lambda m: top(m) in ("transformers", "sentence_transformers", "pipelines", "cli"))
     assert not offenders(modules, lambda m: top(m) == "ragkv" and m not in CORE and m != "ragkv")
 
 
 def test_the_core_imports_nothing_above_it():
     modules = {f"ragkv/{m.split('.')[1]}.py": imports_of(ROOT / "ragkv" / f"{m.split('.')[1]}.py") for m in CORE}
-    assert not offenders(modules, lambda m: top(m) in ("store", "pipelines", "cli", "transformers")
-                         or (top(m) == "ragkv" and m not in CORE))
+    assert not offenders(
+        modules,
+        lambda m: top(m) in ("store", "pipelines", "cli", "transformers") or (top(m) == "ragkv" and m not in CORE),
+    )
 
 
 def test_the_online_path_never_imports_pipelines_or_the_cli():
@@ -93,8 +124,12 @@ def test_importing_the_store_loads_no_transformers():
 
 
 def test_only_ragkv_kv_touches_the_transformers_cache():
-    users = [p.relative_to(ROOT).as_posix() for folder in ("ragkv", "pipelines", "store")
-             for p in (ROOT / folder).rglob("*.py") if "DynamicCache" in p.read_text()]
+    users = [
+        p.relative_to(ROOT).as_posix()
+        for folder in ("ragkv", "pipelines", "store")
+        for p in (ROOT / folder).rglob("*.py")
+        if "DynamicCache" in p.read_text()
+    ]
     assert users == ["ragkv/kv.py"]
 
 
@@ -106,8 +141,12 @@ def module_name(path: Path) -> str:
 def own_imports() -> dict[str, set[str]]:
     """Every module of ragkv (but the facade), store and pipelines, and the modules of those
     three it imports (at the top or inside a function)."""
-    paths = {module_name(p): p for folder in ("ragkv", "store", "pipelines") for p in (ROOT / folder).rglob("*.py")
-             if p != FACADE}
+    paths = {
+        module_name(p): p
+        for folder in ("ragkv", "store", "pipelines")
+        for p in (ROOT / folder).rglob("*.py")
+        if p != FACADE
+    }
     return {name: {m for m in imports_of(path) if m in paths and m != name} for name, path in paths.items()}
 
 

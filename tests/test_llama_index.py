@@ -42,7 +42,9 @@ def test_the_query_engine_answers_as_ask_does(rag):
         meta = response.metadata["ragkv"]
         assert meta["token_ids"] == alone.token_ids and response.response == alone.text
         assert meta["stats"]["reused_tokens"] >= alone.stats.reused_tokens > 0
-        assert [n.node.metadata["ragkv"]["chunk_id"] for n in response.source_nodes] == [s.chunk_id for s in alone.sources]
+        assert [n.node.metadata["ragkv"]["chunk_id"] for n in response.source_nodes] == [
+            s.chunk_id for s in alone.sources
+        ]
 
 
 def test_streaming_and_async(rag):
@@ -70,7 +72,7 @@ class _Given(BaseRetriever):
 
 
 def test_a_node_without_identity_is_prefilled_live_exactly(rag):
-    (row, _), = rag.retrieve(QUESTIONS[0])
+    ((row, _),) = rag.retrieve(QUESTIONS[0])
     foreign = _Given([NodeWithScore(node=TextNode(text=row.text), score=0.5)])
     response = RagkvQueryEngine(engine=rag, retriever=foreign, max_tokens=16).query(QUESTIONS[0])
     full = rag.ask(QUESTIONS[0], max_new_tokens=16, use_cache=False)
@@ -89,9 +91,16 @@ def test_openai_like_against_ragkv_serve_streams_and_passes_options(tmp_path, ti
     with ragkv.open(store, device="cpu") as engine:
         alone = engine.ask(QUESTIONS[0], top_k=2, max_new_tokens=12)
     with running_server(store) as (base, _):
-        llm = openai_like.OpenAILike(api_base=f"{base}/v1", api_key="unused", model="ragkv", is_chat_model=True,
-                                     max_tokens=12, temperature=0, max_retries=0,
-                                     additional_kwargs={"extra_body": {"ragkv": {"top_k": 2}}})
+        llm = openai_like.OpenAILike(
+            api_base=f"{base}/v1",
+            api_key="unused",
+            model="ragkv",
+            is_chat_model=True,
+            max_tokens=12,
+            temperature=0,
+            max_retries=0,
+            additional_kwargs={"extra_body": {"ragkv": {"top_k": 2}}},
+        )
         messages = [ChatMessage(role="user", content=QUESTIONS[0])]
         assert llm.chat(messages).message.content == alone.text
         assert "".join(part.delta or "" for part in llm.stream_chat(messages)) == alone.text

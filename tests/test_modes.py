@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import ragkv
-from ragkv.forward import compute_chunks, compute_prefix
 from ragkv.errors import InputError, ModelError
+from ragkv.forward import compute_chunks, compute_prefix
 from ragkv.keys import KVKey
 from ragkv.prefix_cache import PrefixCache
 from ragkv.rope import check_supported, shift_positions
@@ -83,8 +83,19 @@ def test_ape_attends_the_same_in_a_conversation_and_is_refused_where_rows_decode
                 batcher.ask(QUESTIONS[0], mode="ape", top_k=3)
     questions = tmp_path / "q.jsonl"
     questions.write_text('{"id": "1", "question": "hi"}\n')
-    result = CliRunner().invoke(app, ["batch", str(questions), "--out", str(tmp_path / "a.jsonl"), "--store",
-                                      str(tmp_path / "no-store"), "--mode", "ape"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "batch",
+            str(questions),
+            "--out",
+            str(tmp_path / "a.jsonl"),
+            "--store",
+            str(tmp_path / "no-store"),
+            "--mode",
+            "ape",
+        ],
+    )
     assert result.exit_code != 0 and "--mode ape attends differently per request" in result.output
 
 
@@ -103,8 +114,15 @@ def test_blend_repairs_the_tokens_it_selects_and_everything_at_ratio_one():
     from ragkv.blend import blend
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     model = LlamaForCausalLM(config).eval()
     ids, start = list(range(3, 63)), 20  # 60 tokens; the first 20 stay as they are
 
@@ -149,18 +167,23 @@ def test_approximate_modes_answer_and_say_what_they_did(tiny_store, mode):
     assert engine.ask(QUESTIONS[0], top_k=3, max_new_tokens=1).to_dict()["stats"]["approximate"] is False
     assert stats.reused_tokens + stats.recomputed_tokens + stats.computed_tokens == len(answer.prompt_ids)
     context = len(answer.prompt_ids) - stats.computed_tokens
-    first_chunk = len(engine.snapshot.catalog.context_rows(engine.active.profile.profile_id,
-                                                            [answer.sources[0].chunk_id])[0].token_ids)
+    first_chunk = len(
+        engine.snapshot.catalog.context_rows(engine.active.profile.profile_id, [answer.sources[0].chunk_id])[
+            0
+        ].token_ids
+    )
     if mode == "blend":  # this model has only the 2 selection layers, computed exactly for every token
         assert stats.recomputed_tokens == context - len(engine.active.layout.prefix_ids) - first_chunk
     elif mode == "epic":  # the first 5% by default (at least one token) of each later chunk, its separator included
-        rows = engine.snapshot.catalog.context_rows(engine.active.profile.profile_id,
-                                                    [s.chunk_id for s in answer.sources[1:]])
+        rows = engine.snapshot.catalog.context_rows(
+            engine.active.profile.profile_id, [s.chunk_id for s in answer.sources[1:]]
+        )
         separator = len(engine.active.layout.separator_ids)
         assert stats.recomputed_tokens == sum(max(1, round(0.05 * (separator + len(r.token_ids)))) for r in rows)
     elif mode == "query":  # 20% by default of the tokens after the first chunk
-        assert stats.recomputed_tokens == max(1, round(0.2 * (context - len(engine.active.layout.prefix_ids)
-                                                               - first_chunk)))
+        assert stats.recomputed_tokens == max(
+            1, round(0.2 * (context - len(engine.active.layout.prefix_ids) - first_chunk))
+        )
     else:
         assert stats.recomputed_tokens == 0
     engine.close()
@@ -181,8 +204,9 @@ def test_the_attention_probe_measures_without_changing_the_forward(tiny_store):
         probe = Probe(len(context))
         ids = torch.tensor([question])
         with torch.inference_mode():
-            got = probed_forward(model, probe, input_ids=ids, cache=probed, use_cache=True,
-                                 logits_to_keep=1).logits[0, -1]
+            got = probed_forward(model, probe, input_ids=ids, cache=probed, use_cache=True, logits_to_keep=1).logits[
+                0, -1
+            ]
     assert torch.allclose(got, want, atol=1e-5)
     # every layer, head and question token spreads one unit of attention over the context
     heads = config.num_attention_heads * config.num_hidden_layers

@@ -53,8 +53,18 @@ def test_chinese_chunks_end_at_sentence_ends_and_keep_numbers_whole(smollm2_toke
 
 
 def test_a_run_on_chinese_sentence_is_cut_after_a_comma_not_mid_word(smollm2_tokenizer):
-    sentence = "，".join(["第一步打开管理控制台并进入设置页面", "第二步在要替换的密钥旁边点击创建新密钥",
-                          "第三步把新密钥复制到保险库中", "第四步观察错误率面板十分钟"] * 3) + "。"
+    sentence = (
+        "，".join(
+            [
+                "第一步打开管理控制台并进入设置页面",
+                "第二步在要替换的密钥旁边点击创建新密钥",
+                "第三步把新密钥复制到保险库中",
+                "第四步观察错误率面板十分钟",
+            ]
+            * 3
+        )
+        + "。"
+    )
     chunks = chunk_text(sentence, smollm2_tokenizer, 40)
     assert len(chunks) > 2
     assert all(c.endswith(("，", "。")) for c in chunks), chunks
@@ -79,17 +89,35 @@ def _multilingual_model(folder: Path) -> Path:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tokenizer.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=600, special_tokens=special,
-                                                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                   pad_token="<|im_end|>", unk_token="<|endoftext|>")
+    tokenizer.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=600, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+    )
     fast.chat_template = (bundled_smollm2_path() / "chat_template.jinja").read_text()
     fast.save_pretrained(folder)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-                         tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=True,
+    )
     LlamaForCausalLM(config).save_pretrained(folder)
     return folder
 
@@ -99,8 +127,9 @@ def test_a_multilingual_model_by_path_ingests_and_answers_chinese_exactly(tmp_pa
     docs = tmp_path / "docs"
     shutil.copytree(ZH_DOCS, docs)
     store = tmp_path / "store"
-    report = ragkv.ingest([docs], store, model=ModelSettings(model=str(model), device="cpu"),
-                          settings=IngestSettings(chunk_tokens=128))
+    report = ragkv.ingest(
+        [docs], store, model=ModelSettings(model=str(model), device="cpu"), settings=IngestSettings(chunk_tokens=128)
+    )
     assert report.documents["added"] == 2 and report.kv_computed > 2
     question = "旧密钥什么时候吊销？"
     with ragkv.open(store, device="cpu") as engine:

@@ -17,9 +17,11 @@ from tests.conftest import ROOT, run_cli
 
 
 def test_version_is_the_packages_and_loads_no_model_or_store():
-    code = ("import sys; sys.argv = ['ragkv', '--version']; import cli\n"
-            "try:\n    cli.main()\nexcept SystemExit:\n    pass\n"
-            "print(sorted(m for m in ('torch', 'transformers', 'duckdb', 'store') if m in sys.modules))")
+    code = (
+        "import sys; sys.argv = ['ragkv', '--version']; import cli\n"
+        "try:\n    cli.main()\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'duckdb', 'store') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
     assert out.splitlines() == [f"ragkv {ragkv.__version__} (store format {STORE_FORMAT})", "[]"]
 
@@ -51,25 +53,34 @@ def test_a_newer_ragkvs_store_is_refused_naming_both_versions(tiny_store, tmp_pa
         open_snapshot(store)
 
 
-@pytest.mark.parametrize(("module", "hidden", "extra"), [
-    ("ragkv.integrations.langchain", "langchain_core", "langchain"),
-    ("ragkv.integrations.llama_index", "llama_index", "llama-index"),
-])
+@pytest.mark.parametrize(
+    ("module", "hidden", "extra"),
+    [
+        ("ragkv.integrations.langchain", "langchain_core", "langchain"),
+        ("ragkv.integrations.llama_index", "llama_index", "llama-index"),
+    ],
+)
 def test_an_adapter_without_its_extra_names_the_install(module, hidden, extra):
     # The extra's package made unimportable, as on a machine without it.
-    code = (f"import sys; sys.modules[{hidden!r}] = None\n"
-            f"try:\n    import {module}\nexcept ImportError as exc:\n"
-            "    from ragkv.errors import InputError\n"
-            "    print(isinstance(exc, InputError), exc)\n")
+    code = (
+        f"import sys; sys.modules[{hidden!r}] = None\n"
+        f"try:\n    import {module}\nexcept ImportError as exc:\n"
+        "    from ragkv.errors import InputError\n"
+        "    print(isinstance(exc, InputError), exc)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
-    assert out.strip() == f"True {module} needs ragkv's '{extra}' extra ({hidden} is not installed): " \
-                          f"pip install 'ragkv[{extra}]'"
+    assert (
+        out.strip() == f"True {module} needs ragkv's '{extra}' extra ({hidden} is not installed): "
+        f"pip install 'ragkv[{extra}]'"
+    )
 
 
 def test_ingest_with_ray_missing_says_which_extra(tiny_llama, corpus, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)
     result = run_cli("ingest", corpus, "--store", tmp_path / "store", "--model", tiny_llama, "--engine", "ray")
     assert result.exit_code == 2
-    assert result.stderr.strip() == "error: --engine ray needs ragkv's 'ray' extra (ray is not installed): " \
-                                    "pip install 'ragkv[ray]'"
+    assert (
+        result.stderr.strip() == "error: --engine ray needs ragkv's 'ray' extra (ray is not installed): "
+        "pip install 'ragkv[ray]'"
+    )
     assert not (tmp_path / "store" / "CURRENT").exists()

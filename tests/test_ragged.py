@@ -69,7 +69,7 @@ def test_rows_that_join_leave_and_outgrow_the_buffers_each_decode_as_alone(model
     _step_all(model, batch, rows)
 
     for i, row in enumerate(rows):  # a row taken out holds its own tokens (the batched projections
-        out = batch.extract(i)       # may differ from lone ones in the last float bits)
+        out = batch.extract(i)  # may differ from lone ones in the last float bits)
         assert out.get_seq_length() == row.cache.get_seq_length()
         torch.testing.assert_close(kv.from_cache(out), kv.from_cache(row.cache), rtol=1e-5, atol=1e-5)
     assert batch.remove(list(range(len(rows)))) == []

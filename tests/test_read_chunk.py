@@ -34,7 +34,9 @@ def test_unusable_files_are_listed_with_a_reason(tmp_path):
     (tmp_path / "blob.txt").write_bytes(b"\x00\x01\x02binary")
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     (tmp_path / "image.png").write_bytes(b"\x89PNG")
-    (tmp_path / "bad.jsonl").write_text('{"id": 1, "text": "one"}\nnot json\n{"text": "no id"}\n{"id": 1, "text": "dup"}\n')
+    (tmp_path / "bad.jsonl").write_text(
+        '{"id": 1, "text": "one"}\nnot json\n{"text": "no id"}\n{"id": 1, "text": "dup"}\n'
+    )
     (tmp_path / ".hidden.md").write_text("hidden files are not documents")
     result = read_documents([tmp_path])
     assert sorted(d.doc_id for d in result.documents) == ["1", "ok.md"]

@@ -66,8 +66,20 @@ def test_reindex_adds_changes_removes_and_reports(docs, store, tiny_llama):
 @pytest.mark.slow  # a subprocess loads the models
 def test_the_nightly_command_writes_its_report_and_exit_code(docs, store, tiny_llama, tmp_path):
     report_file = tmp_path / "report.json"
-    cmd = [sys.executable, "-c", "import cli; cli.main()", "reindex", str(docs), "--store", str(store), "--model", str(tiny_llama),
-           "--report", str(report_file), "--quiet"]
+    cmd = [
+        sys.executable,
+        "-c",
+        "import cli; cli.main()",
+        "reindex",
+        str(docs),
+        "--store",
+        str(store),
+        "--model",
+        str(tiny_llama),
+        "--report",
+        str(report_file),
+        "--quiet",
+    ]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     report = json.loads(report_file.read_text())
@@ -109,8 +121,9 @@ def test_gc_reclaims_space_and_keeps_everything_live_exact(tiny_llama, tmp_path)
     with open_snapshot(tmp_path / "s") as snap:
         assert verify(snap).ok
         assert snap.catalog.counts()["documents"] == 3
-    assert_cached_equals_full(tmp_path / "s", ["When does service 10 restart?", "Which team does service 11 page?"],
-                              max_new_tokens=8)
+    assert_cached_equals_full(
+        tmp_path / "s", ["When does service 10 restart?", "Which team does service 11 page?"], max_new_tokens=8
+    )
     assert collect_garbage(tmp_path / "s").bytes_reclaimed == 0  # nothing left to reclaim
 
 
@@ -141,8 +154,8 @@ def test_verify_finds_damage_and_repair_fixes_it(store, damage):
     elif damage == "truncate":  # cut the file in the middle of this entry's bytes
         data = shard.read_bytes()
         header = int.from_bytes(data[:8], "little")
-        begin, end = json.loads(data[8:8 + header])[entry.tensor]["data_offsets"]
-        shard.write_bytes(data[:8 + header + (begin + end) // 2])
+        begin, end = json.loads(data[8 : 8 + header])[entry.tensor]["data_offsets"]
+        shard.write_bytes(data[: 8 + header + (begin + end) // 2])
     else:
         shard.unlink()
     result = run_cli("verify", "--store", store, "--json")
@@ -170,8 +183,13 @@ def test_a_second_writer_fails_fast_or_waits(store):
     holder = StoreWriter(store)
     result = run_cli("gc", "--store", store)
     assert result.exit_code == 5 and f"pid {os.getpid()}" in result.stderr
-    waiter = subprocess.Popen([sys.executable, "-c", "import cli; cli.main()", "gc", "--store", str(store), "--wait"],
-                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    waiter = subprocess.Popen(
+        [sys.executable, "-c", "import cli; cli.main()", "gc", "--store", str(store), "--wait"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     said = waiter.stderr.readline()  # queued behind the holder, and says so
     assert f"pid {os.getpid()}" in said and "waiting" in said and waiter.poll() is None
     holder.abort()
@@ -182,8 +200,9 @@ def test_hostile_ids_and_catalog_rows_cannot_escape(tiny_llama, tmp_path):
     docs = tmp_path / "docs"
     docs.mkdir()
     hostile = ["../../etc/passwd", "x'); DROP TABLE chunks; --", "/abs/path", "null\\u0000byte"]
-    (docs / "h.jsonl").write_text("\n".join(json.dumps({"id": i, "text": f"Record {n} text.", "meta": i})
-                                            for n, i in enumerate(hostile)))
+    (docs / "h.jsonl").write_text(
+        "\n".join(json.dumps({"id": i, "text": f"Record {n} text.", "meta": i}) for n, i in enumerate(hostile))
+    )
     build_store(docs, tmp_path / "s", str(tiny_llama))
     with open_snapshot(tmp_path / "s") as snap:
         assert sorted(snap.catalog.documents()) == sorted(hostile)
@@ -192,8 +211,12 @@ def test_hostile_ids_and_catalog_rows_cannot_escape(tiny_llama, tmp_path):
     # A catalog row naming a path outside the shard folder is refused, and the query falls back.
     with StoreWriter(tmp_path / "s") as writer:
         chunk_entries = [e for e in writer.catalog.all_entries() if not KVKey.from_string(e.kv_key).is_prefix]
-        writer.catalog.move_entries([SealedEntry(e.kv_key, "../../../etc/passwd", e.num_tokens, e.dtype, e.nbytes,
-                                                 e.checksum) for e in chunk_entries])
+        writer.catalog.move_entries(
+            [
+                SealedEntry(e.kv_key, "../../../etc/passwd", e.num_tokens, e.dtype, e.nbytes, e.checksum)
+                for e in chunk_entries
+            ]
+        )
     with ragkv.open(tmp_path / "s", device="cpu") as engine:
         answer = engine.ask("Record 1", max_new_tokens=2)
     assert answer.stats.mode == "fallback" and "invalid shard file" in answer.stats.warnings[0]
@@ -212,8 +235,12 @@ INGEST_MORE = textwrap.dedent("""
 @contextmanager
 def tmpfs(path, size_bytes: int):
     path.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(path)],
-                      capture_output=True).returncode != 0:
+    if (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(path)], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("mounting a tmpfs needs privileges this machine does not give")
     try:
         yield path
@@ -259,8 +286,15 @@ def test_a_full_disk_gets_one_line_and_keeps_serving(docs, tiny_store, tiny_llam
 def test_a_file_size_limit_mid_write_gets_one_line_and_keeps_serving(docs, store, tiny_llama):
     catalog_bytes = max(p.stat().st_size for p in store.glob("catalog-*.duckdb"))
     limit = catalog_bytes + 4096  # the catalog copy fits; growing it, or a shard, does not
-    ingest_more_and_check(docs, store, tiny_llama, limit=(
-        f"signal.signal(signal.SIGXFSZ, signal.SIG_IGN); resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))"))
+    ingest_more_and_check(
+        docs,
+        store,
+        tiny_llama,
+        limit=(
+            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+            f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))"
+        ),
+    )
 
 
 @pytest.mark.parametrize("change", [{"system_prompt": "You answer in one short sentence."}, {"dtype": "bfloat16"}])

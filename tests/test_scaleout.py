@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import ragkv
+import store.snapshot as snapshot_module
 from ragkv.config import IngestSettings, ModelSettings, cache_dir
 from ragkv.errors import StoreNotFoundError
-import store.snapshot as snapshot_module
 from store import open_snapshot, verify
 from tests import s3server
 from tests.conftest import QUESTIONS, run_cli
@@ -54,15 +54,20 @@ def _contents(store) -> dict:
     with open_snapshot(store) as snapshot:
         con = snapshot.catalog.con
         docs = con.execute("SELECT doc_id, content_hash, num_chunks FROM documents ORDER BY doc_id").fetchall()
-        chunks = con.execute("SELECT d.doc_id, c.chunk_index, c.text FROM chunks c JOIN documents d USING (doc_id) "
-                             "ORDER BY 1, 2").fetchall()
-        links = con.execute("SELECT c.doc_id, c.chunk_index, k.kv_key FROM chunk_kv k JOIN chunks c USING (chunk_id) "
-                            "ORDER BY 1, 2").fetchall()
+        chunks = con.execute(
+            "SELECT d.doc_id, c.chunk_index, c.text FROM chunks c JOIN documents d USING (doc_id) ORDER BY 1, 2"
+        ).fetchall()
+        links = con.execute(
+            "SELECT c.doc_id, c.chunk_index, k.kv_key FROM chunk_kv k JOIN chunks c USING (chunk_id) ORDER BY 1, 2"
+        ).fetchall()
         rows = con.execute("SELECT kv_key, kind, shard, tensor, checksum FROM kv_entries").fetchall()
-        kv = {key: (kind, snapshot.shards.read(shard, tensor, digest).clone()) for key, kind, shard, tensor, digest in rows}
+        kv = {
+            key: (kind, snapshot.shards.read(shard, tensor, digest).clone())
+            for key, kind, shard, tensor, digest in rows
+        }
         ids = {cid: text for cid, text in con.execute("SELECT chunk_id, text FROM chunks").fetchall()}
         stored, matrix = snapshot.vectors.live_vectors()
-        vectors = {ids[cid]: vector for cid, vector in zip(stored.tolist(), matrix)}
+        vectors = {ids[cid]: vector for cid, vector in zip(stored.tolist(), matrix, strict=False)}
     return {"docs": docs, "chunks": chunks, "links": links, "kv": kv, "vectors": vectors, "entries": len(rows)}
 
 
@@ -156,8 +161,9 @@ def _objects(s3, prefix: str) -> dict[str, int]:
 
 def test_s3_store_round_trip(s3_env, local_store, corpus, tmp_path, monkeypatch):
     uri = "s3://ragkv/roundtrip"
-    result = run_cli("ingest", corpus, "--store", uri, "--chunk-tokens", SETTINGS.chunk_tokens, "--device", "cpu",
-                     "--json")
+    result = run_cli(
+        "ingest", corpus, "--store", uri, "--chunk-tokens", SETTINGS.chunk_tokens, "--device", "cpu", "--json"
+    )
     assert result.exit_code == 0, result.output
     objects = _objects(s3_env, "roundtrip")
     assert objects.get("CURRENT") and "catalog-000001.duckdb" in objects and "manifest-000001.json" in objects
@@ -187,7 +193,11 @@ def test_s3_store_round_trip(s3_env, local_store, corpus, tmp_path, monkeypatch)
     stats = run_cli("stats", "--store", uri, "--json")
     assert stats.exit_code == 0 and '"generation": 1' in stats.output
     unchanged = run_cli("ingest", corpus, "--store", uri, "--chunk-tokens", SETTINGS.chunk_tokens, "--json")
-    assert unchanged.exit_code == 0 and '"tokens_computed": 0' in unchanged.output and '"generation": 1' in unchanged.output
+    assert (
+        unchanged.exit_code == 0
+        and '"tokens_computed": 0' in unchanged.output
+        and '"generation": 1' in unchanged.output
+    )
     assert "catalog-000002.duckdb" not in _objects(s3_env, "roundtrip")  # nothing changed: nothing published
     # The reader's clock is driven, not waited on: first the poll interval has not passed, then it has.
     monkeypatch.setattr(snapshot_module, "REMOTE_POLL_S", float("inf"))
@@ -212,7 +222,8 @@ def test_s3_store_round_trip(s3_env, local_store, corpus, tmp_path, monkeypatch)
     objects = _objects(s3_env, "roundtrip")
     after = json.loads((elsewhere.mirror / "manifest-000002.json").read_text())
     new = {"catalog-000002.duckdb", "manifest-000002.json"} | (
-        {f"segments/{s['name']}" for s in after["segments"]} - {f"segments/{s['name']}" for s in before["segments"]})
+        {f"segments/{s['name']}" for s in after["segments"]} - {f"segments/{s['name']}" for s in before["segments"]}
+    )
     assert after["base"] == before["base"] and len(new) == 3
     assert elsewhere.downloaded == sum(objects[n] for n in new) < sum(objects.values()) / 2
 
@@ -238,7 +249,9 @@ def test_s3_reindex_gc_and_verify(s3_env, corpus, tmp_path):
     result = run_cli("reindex", docs, "--store", uri, "--chunk-tokens", SETTINGS.chunk_tokens, "--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
-    assert report["ok"] and report["ingest"]["documents"]["changed"] == 1 and report["ingest"]["documents"]["removed"] == 1
+    assert (
+        report["ok"] and report["ingest"]["documents"]["changed"] == 1 and report["ingest"]["documents"]["removed"] == 1
+    )
     assert report["gc"]["entries_removed"] >= 2 and report["gc"]["shards_deleted"] >= 1
     objects = _objects(s3_env, "nightly")
     assert leftover not in objects
@@ -278,7 +291,8 @@ def test_a_killed_s3_writer_leaves_the_published_store_intact(s3_env, tiny_llama
     import signal
     import subprocess
 
-    from tests.test_crash import INGEST, ROOT, SETTINGS as SMALL_SHARDS, write_corpus
+    from tests.test_crash import INGEST, ROOT, write_corpus
+    from tests.test_crash import SETTINGS as SMALL_SHARDS
 
     model = ModelSettings(model=str(tiny_llama), device="cpu", dtype="float32")
     write_corpus(tmp_path / "base", 4)
@@ -293,10 +307,12 @@ def test_a_killed_s3_writer_leaves_the_published_store_intact(s3_env, tiny_llama
     rng = random.Random(7)
     killed, unpublished = 0, []
     for _ in range(3):
-        code = INGEST.format(root=str(ROOT), docs=str(tmp_path / "docs"), store=uri, model=str(tiny_llama),
-                             settings=SMALL_SHARDS)
-        process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                   text=True)
+        code = INGEST.format(
+            root=str(ROOT), docs=str(tmp_path / "docs"), store=uri, model=str(tiny_llama), settings=SMALL_SHARDS
+        )
+        process = subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
         for line in process.stdout:
             if line.startswith("STAGE KV"):
                 time.sleep(rng.uniform(0.05, 0.3))
@@ -340,9 +356,19 @@ def test_a_worker_with_other_weights_fails_the_job_in_one_line(ray_cluster, tiny
     from ragkv.errors import ModelError
 
     spec = ray_engine.WorkerSpec(
-        model=str(tiny_llama), embedder="all-MiniLM-L6-v2", device="cpu", dtype="float32",
-        model_fingerprint="not-this-model", tokenizer_fingerprint="nor-this-tokenizer", prefix_ids=(1, 2, 3),
-        kv_quant="none", batch_tokens=256, shard_metadata={}, shard_target=str(tmp_path), threads=1)
+        model=str(tiny_llama),
+        embedder="all-MiniLM-L6-v2",
+        device="cpu",
+        dtype="float32",
+        model_fingerprint="not-this-model",
+        tokenizer_fingerprint="nor-this-tokenizer",
+        prefix_ids=(1, 2, 3),
+        kv_quant="none",
+        batch_tokens=256,
+        shard_metadata={},
+        shard_target=str(tmp_path),
+        threads=1,
+    )
     rows = [{"chunk_id": 0, "text": "x", "embed": True, "key": "", "token_ids": [], "prefix": False}]
     with pytest.raises(ModelError, match="the Ray job failed: .*different") as failed:
         list(ray_engine.run_job(rows, spec, workers=1, cpus=0.5, gpus=0.0, batch_rows=1))

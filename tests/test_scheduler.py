@@ -14,7 +14,7 @@ import ragkv
 from ragkv import kv
 from ragkv.config import AskSettings, DecodeSettings
 from ragkv.errors import InputError
-from ragkv.scheduler import BatchSettings, Batcher, Busy
+from ragkv.scheduler import Batcher, BatchSettings, Busy
 from tests.conftest import QUESTIONS, flip_bit_of_entry
 
 MIXED = [  # different contexts, prompt lengths, answer lengths and paths
@@ -44,11 +44,15 @@ def engine(tiny_store):
 def test_answers_decoded_together_equal_answers_alone(engine):
     alone = [_alone(engine, q, o) for q, o in MIXED]
     with Batcher(engine.runtime, BatchSettings(prefill_chunk=8)) as batcher:  # small chunks: prefills interleave
-        tickets = [batcher.submit(lambda o=o: engine.conversation(_settings(o)), q, _settings(o).max_new_tokens,
-                                  _settings(o).decoding) for q, o in MIXED]
+        tickets = [
+            batcher.submit(
+                lambda o=o: engine.conversation(_settings(o)), q, _settings(o).max_new_tokens, _settings(o).decoding
+            )
+            for q, o in MIXED
+        ]
         batched = [t.result() for t in tickets]
     assert max(a.stats.batch_size for a in batched) >= 3  # they really decoded together
-    for (question, _), one, many in zip(MIXED, alone, batched):
+    for (question, _), one, many in zip(MIXED, alone, batched, strict=False):
         assert many.token_ids == one.token_ids, question
         assert many.text == one.text and many.stats.finish_reason == one.stats.finish_reason
         assert many.stats.mode == one.stats.mode  # (reused counts differ: the lone runs warmed the prefix cache)
@@ -95,8 +99,13 @@ def test_a_cancelled_turn_leaves_at_once_and_the_others_finish(engine):
     expected = engine.ask(QUESTIONS[2], max_new_tokens=12).token_ids
     begun = threading.Event()
     with Batcher(engine.runtime) as batcher:
-        doomed = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[0], 200, DecodeSettings(),
-                                on_text=lambda _: begun.set())
+        doomed = batcher.submit(
+            lambda: engine.conversation(AskSettings()),
+            QUESTIONS[0],
+            200,
+            DecodeSettings(),
+            on_text=lambda _: begun.set(),
+        )
         other = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[2], 12, DecodeSettings())
         begun.wait()
         doomed.cancel()
@@ -108,7 +117,9 @@ def test_a_cancelled_turn_leaves_at_once_and_the_others_finish(engine):
 def test_admission_keeps_the_batch_within_its_token_budget(engine):
     alone = [engine.ask(q, max_new_tokens=8).token_ids for q in QUESTIONS]
     with Batcher(engine.runtime, BatchSettings(max_batch_tokens=1)) as batcher:  # room for one row at a time
-        tickets = [batcher.submit(lambda: engine.conversation(AskSettings()), q, 8, DecodeSettings()) for q in QUESTIONS]
+        tickets = [
+            batcher.submit(lambda: engine.conversation(AskSettings()), q, 8, DecodeSettings()) for q in QUESTIONS
+        ]
         answers = [t.result() for t in tickets]
     assert [a.token_ids for a in answers] == alone
     assert all(a.stats.batch_size == 1 for a in answers)
@@ -120,8 +131,9 @@ def test_a_full_queue_is_busy_and_bad_turns_fail_alone(engine):
     with Batcher(engine.runtime, BatchSettings(max_queue=3)) as batcher:
         blocker = batcher.call(gate.wait)  # holds the model thread: the next two wait
         good = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[0], 4, DecodeSettings())
-        bad = batcher.submit(lambda: engine.conversation(AskSettings(doc_ids=("no-such-doc",))), QUESTIONS[1], 4,
-                             DecodeSettings())
+        bad = batcher.submit(
+            lambda: engine.conversation(AskSettings(doc_ids=("no-such-doc",))), QUESTIONS[1], 4, DecodeSettings()
+        )
         with pytest.raises(Busy):
             batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[1], 4, DecodeSettings())
         gate.set()
@@ -201,12 +213,14 @@ def test_a_corrupt_entry_falls_back_inside_the_batch_and_the_others_are_unaffect
     store = tmp_path / "s"
     shutil.copytree(tiny_store, store)
     with ragkv.open(store, device="cpu") as engine:
-        (row, _), = engine.retrieve(QUESTIONS[0])
+        ((row, _),) = engine.retrieve(QUESTIONS[0])
         full = engine.ask(QUESTIONS[0], max_new_tokens=10, use_cache=False).token_ids
         others = [engine.ask(q, max_new_tokens=10) for q in QUESTIONS[1:]]
     flip_bit_of_entry(store / "shards" / row.entry.shard, row.entry.tensor)
     with ragkv.open(store, device="cpu") as engine, Batcher(engine.runtime) as batcher:
-        tickets = [batcher.submit(lambda: engine.conversation(AskSettings()), q, 10, DecodeSettings()) for q in QUESTIONS]
+        tickets = [
+            batcher.submit(lambda: engine.conversation(AskSettings()), q, 10, DecodeSettings()) for q in QUESTIONS
+        ]
         answers = [t.result() for t in tickets]
     assert answers[0].stats.mode == "fallback" and answers[0].token_ids == full
     assert [a.token_ids for a in answers[1:]] == [o.token_ids for o in others]
@@ -222,13 +236,14 @@ def test_threads_asking_through_the_python_api_share_the_batch(engine):
 
 
 def test_the_bundled_model_batched_equals_alone(sample_store):
-    questions = (QUESTIONS + ["What is a SEV1 incident?", "How long are database backups kept?"])
+    questions = QUESTIONS + ["What is a SEV1 incident?", "How long are database backups kept?"]
     with ragkv.open(sample_store[0], device="cpu") as engine:
         alone = [engine.ask(q, max_new_tokens=24).token_ids for q in questions]
         with Batcher(engine.runtime, BatchSettings(prefill_chunk=64)) as batcher:
             answers = [batcher.ask(q, max_new_tokens=24) for q in questions[:1]]  # warm, alone
-            tickets = [batcher.submit(lambda: engine.conversation(AskSettings()), q, 24, DecodeSettings())
-                       for q in questions]
+            tickets = [
+                batcher.submit(lambda: engine.conversation(AskSettings()), q, 24, DecodeSettings()) for q in questions
+            ]
             answers = [t.result() for t in tickets]
     assert [a.token_ids for a in answers] == alone
     assert max(a.stats.batch_size for a in answers) > 1

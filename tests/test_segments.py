@@ -33,11 +33,13 @@ def unit(rng, n: int, dim: int = DIM) -> np.ndarray:
 def add_docs(writer: StoreWriter, names: list[str], rng, per_doc: int = 10) -> dict[int, np.ndarray]:
     catalog = writer.catalog
     first = catalog.next_chunk_id()
-    chunks = [ChunkRow(first + i * per_doc + j, d, j, f"{d} part {j}") for i, d in enumerate(names) for j in range(per_doc)]
+    chunks = [
+        ChunkRow(first + i * per_doc + j, d, j, f"{d} part {j}") for i, d in enumerate(names) for j in range(per_doc)
+    ]
     catalog.add_documents([DocumentRow(d, d, f"h-{d}-{first}", "t", per_doc) for d in names], [{}] * len(names), chunks)
     vectors = unit(rng, len(chunks))
     writer.ensure_vectors(DIM).add([c.chunk_id for c in chunks], vectors)
-    return {c.chunk_id: v for c, v in zip(chunks, vectors)}
+    return {c.chunk_id: v for c, v in zip(chunks, vectors, strict=False)}
 
 
 def near(rng, vectors: np.ndarray, n: int) -> np.ndarray:
@@ -147,16 +149,22 @@ def test_a_store_of_format_1_is_read_as_it_is_and_migrated_once(tmp_path, caplog
         ids, vectors = snap.vectors.live_vectors()
         before = [[h.chunk_id for h in snap.vectors.search(v, 5)] for v in vectors]
         rows = snap.catalog.context_rows("p-format1", ids.tolist())
-    assert sorted(p.name for p in root.iterdir() if p.is_file()) == ["CURRENT", "catalog-000002.duckdb",
-                                                                     "vectors-000002.faiss"]
+    assert sorted(p.name for p in root.iterdir() if p.is_file()) == [
+        "CURRENT",
+        "catalog-000002.duckdb",
+        "vectors-000002.faiss",
+    ]
     with caplog.at_level(logging.WARNING, logger="ragkv"):
         with StoreWriter(root) as writer:
             assert writer.migrated_format
     assert sum("migrating from format 1" in r.message for r in caplog.records) == 1
     assert not writer.unchanged and writer.generation == 3
     names = sorted(p.name for p in root.iterdir() if p.is_file() and p.name != "LOCK")
-    assert names[0] == "CURRENT" and names[1].startswith("base-000003-") and names[2:] == [
-        "catalog-000003.duckdb", "manifest-000003.json"]  # generation 2's files retired
+    assert (
+        names[0] == "CURRENT"
+        and names[1].startswith("base-000003-")
+        and names[2:] == ["catalog-000003.duckdb", "manifest-000003.json"]
+    )  # generation 2's files retired
     with open_snapshot(root) as snap:
         assert verify(snap).ok and snap.catalog.context_rows("p-format1", ids.tolist()) == rows
         assert [[h.chunk_id for h in snap.vectors.search(v, 5)] for v in vectors] == before
@@ -188,8 +196,11 @@ def test_a_kill_during_compaction_leaves_the_published_generation(tmp_path):
         add_docs(writer, [f"d{i}" for i in range(5)], rng)
     with open_snapshot(root) as snap:
         generation, counts, bases = snap.generation, snap.catalog.counts(), sorted(root.glob("base-*"))
-    result = subprocess.run([sys.executable, "-c", KILL_MID_COMPACTION.format(root=str(ROOT), store=str(root))],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-c", KILL_MID_COMPACTION.format(root=str(ROOT), store=str(root))],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == -9 and "not killed" not in result.stdout, result.stderr
     assert len(list(root.glob("base-*"))) > len(bases)  # the half-written base is there ...
     with open_snapshot(root) as snap:  # ... and nothing reads it
@@ -228,6 +239,9 @@ def test_a_delta_reads_like_the_whole_catalog(tmp_path):
     from store.catalog import Catalog
 
     with Catalog(plain, read_only=True) as whole, open_snapshot(root) as snap:
-        for query in ("SELECT doc_id, source, content_hash, num_chunks, metadata FROM documents ORDER BY ALL",
-                      "SELECT * FROM chunks ORDER BY ALL", "SELECT * FROM meta ORDER BY ALL"):
+        for query in (
+            "SELECT doc_id, source, content_hash, num_chunks, metadata FROM documents ORDER BY ALL",
+            "SELECT * FROM chunks ORDER BY ALL",
+            "SELECT * FROM meta ORDER BY ALL",
+        ):
             assert whole.con.execute(query).fetchall() == snap.catalog.con.execute(query).fetchall()

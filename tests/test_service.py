@@ -37,8 +37,13 @@ def client(base: str) -> OpenAI:
 
 def post(base, body, key=KEY, **kwargs):
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-    return httpx.post(f"{base}/v1/chat/completions", headers=headers, timeout=60, **kwargs,
-                      **({"json": body} if not isinstance(body, (bytes, str)) else {"content": body}))
+    return httpx.post(
+        f"{base}/v1/chat/completions",
+        headers=headers,
+        timeout=60,
+        **kwargs,
+        **({"json": body} if not isinstance(body, (bytes, str)) else {"content": body}),
+    )
 
 
 def test_answers_equal_ask_streaming_or_not(served, tiny_store):
@@ -46,7 +51,8 @@ def test_answers_equal_ask_streaming_or_not(served, tiny_store):
     with ragkv.open(tiny_store, device="cpu") as engine:
         expected = engine.ask(QUESTIONS[0], max_new_tokens=12)
     reply = client(base).chat.completions.create(
-        model="ragkv", messages=[{"role": "user", "content": QUESTIONS[0]}], max_tokens=12)
+        model="ragkv", messages=[{"role": "user", "content": QUESTIONS[0]}], max_tokens=12
+    )
     assert reply.choices[0].message.content == expected.text
     extra = reply.model_extra["ragkv"]
     assert extra["token_ids"] == expected.token_ids and extra["stats"]["reused_tokens"] > 0
@@ -55,7 +61,8 @@ def test_answers_equal_ask_streaming_or_not(served, tiny_store):
 
     pieces, last = [], None
     for event in client(base).chat.completions.create(
-            model="ragkv", messages=[{"role": "user", "content": QUESTIONS[0]}], max_tokens=12, stream=True):
+        model="ragkv", messages=[{"role": "user", "content": QUESTIONS[0]}], max_tokens=12, stream=True
+    ):
         pieces.append(event.choices[0].delta.content or "")
         last = event
     assert "".join(pieces) == expected.text
@@ -65,10 +72,13 @@ def test_answers_equal_ask_streaming_or_not(served, tiny_store):
 def test_a_follow_up_reuses_the_conversation(served):
     base, _, _ = served
     first = client(base).chat.completions.create(
-        model="ragkv", messages=[{"role": "user", "content": QUESTIONS[1]}], max_tokens=8)
-    history = [{"role": "user", "content": QUESTIONS[1]},
-               {"role": "assistant", "content": first.choices[0].message.content},
-               {"role": "user", "content": "And who approves it?"}]
+        model="ragkv", messages=[{"role": "user", "content": QUESTIONS[1]}], max_tokens=8
+    )
+    history = [
+        {"role": "user", "content": QUESTIONS[1]},
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And who approves it?"},
+    ]
     follow = client(base).chat.completions.create(model="ragkv", messages=history, max_tokens=8)
     stats = follow.model_extra["ragkv"]
     assert stats["conversation_reused"] and stats["stats"]["computed_tokens"] < 30
@@ -83,8 +93,13 @@ def test_other_endpoints(served):
     found = httpx.post(f"{base}/v1/retrieve", json={"query": QUESTIONS[2], "top_k": 2}, headers=auth).json()["data"]
     assert len(found) == 2 and found[0]["doc_id"] == "payroll" and found[0]["score"] >= found[1]["score"]
     metrics = httpx.get(f"{base}/metrics").text
-    for name in ("ragkv_requests_total", "ragkv_ttft_seconds_bucket", "ragkv_tokens_reused_total",
-                 "ragkv_ram_tier_hits", "ragkv_store_generation"):
+    for name in (
+        "ragkv_requests_total",
+        "ragkv_ttft_seconds_bucket",
+        "ragkv_tokens_reused_total",
+        "ragkv_ram_tier_hits",
+        "ragkv_store_generation",
+    ):
         assert name in metrics
 
 
@@ -96,18 +111,21 @@ def test_requests_without_the_key_are_refused(served, key, status):
     assert httpx.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {key}"} if key else {}).status_code == 401
 
 
-@pytest.mark.parametrize("body, status, fragment", [
-    (b"{not json", 400, "not valid JSON"),
-    ({"model": "x"}, 400, "messages"),
-    ({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404, "does not exist"),
-    ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
-    ({"messages": []}, 400, "messages"),
-    ({"messages": [{"role": "assistant", "content": "hi"}]}, 400, "last message must be a user message"),
-    ({"messages": [{"role": "user", "content": "hi"}], "ragkv": {"mode": "fast"}}, 400, "mode"),
-    ({"messages": [{"role": "user", "content": "hi"}], "ragkv": {"doc_ids": ["no-such-doc"]}}, 400, "no-such-doc"),
-    ({"messages": [{"role": "user", "content": "hi"}], "ragkv": {"doc_ids": ["d"] * 101}}, 400, "doc_ids"),
-    ({"messages": [{"role": "user", "content": "x" * (2 << 20)}]}, 413, "over"),
-])
+@pytest.mark.parametrize(
+    "body, status, fragment",
+    [
+        (b"{not json", 400, "not valid JSON"),
+        ({"model": "x"}, 400, "messages"),
+        ({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404, "does not exist"),
+        ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
+        ({"messages": []}, 400, "messages"),
+        ({"messages": [{"role": "assistant", "content": "hi"}]}, 400, "last message must be a user message"),
+        ({"messages": [{"role": "user", "content": "hi"}], "ragkv": {"mode": "fast"}}, 400, "mode"),
+        ({"messages": [{"role": "user", "content": "hi"}], "ragkv": {"doc_ids": ["no-such-doc"]}}, 400, "no-such-doc"),
+        ({"messages": [{"role": "user", "content": "hi"}], "ragkv": {"doc_ids": ["d"] * 101}}, 400, "doc_ids"),
+        ({"messages": [{"role": "user", "content": "x" * (2 << 20)}]}, 413, "over"),
+    ],
+)
 def test_bad_requests_get_json_errors_and_the_server_stays_healthy(served, body, status, fragment):
     base, _, _ = served
     response = post(base, body)
@@ -132,8 +150,9 @@ def test_requests_join_a_running_stream_and_equal_their_lone_answers(served):
     assert alone["ragkv"]["stats"]["batch_size"] == 1
     busy = {"messages": [{"role": "user", "content": QUESTIONS[2]}], "max_tokens": 64, "stream": True}
     for _ in range(5):  # the two must arrive while the streamed answer still runs
-        with httpx.stream("POST", f"{base}/v1/chat/completions", json=busy, timeout=60,
-                          headers={"Authorization": f"Bearer {KEY}"}) as stream:
+        with httpx.stream(
+            "POST", f"{base}/v1/chat/completions", json=busy, timeout=60, headers={"Authorization": f"Bearer {KEY}"}
+        ) as stream:
             lines = stream.iter_lines()
             next(line for line in lines if '"content": "' in line and '"content": ""' not in line)
             with ThreadPoolExecutor(2) as pool:
@@ -173,8 +192,9 @@ def test_clients_that_disconnect_mid_stream_leave_no_sequence_behind(served):
     base, _, _ = served
     body = {"messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 64, "stream": True}
     for _ in range(3):
-        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60,
-                          headers={"Authorization": f"Bearer {KEY}"}) as stream:
+        with httpx.stream(
+            "POST", f"{base}/v1/chat/completions", json=body, timeout=60, headers={"Authorization": f"Bearer {KEY}"}
+        ) as stream:
             next(line for line in stream.iter_lines() if '"content": "' in line and '"content": ""' not in line)
         # leaving the block closed the connection mid-answer
     while True:  # the server notices at its next write and frees the row at the next step
@@ -192,15 +212,17 @@ def test_a_reindex_published_while_a_client_loops_fails_no_request(served, tiny_
 
     def loop():
         while not stop.is_set():
-            response = post(base, {"messages": [{"role": "user", "content": "When are salaries paid?"}],
-                                   "max_tokens": 4})
+            response = post(
+                base, {"messages": [{"role": "user", "content": "When are salaries paid?"}], "max_tokens": 4}
+            )
             with answered:
                 results.append((response.status_code, response.json()))
                 answered.notify_all()
 
     def answered_from(generation: int) -> bool:
-        return any(body.get("ragkv", {}).get("stats", {}).get("store_generation", 0) >= generation
-                   for _, body in results)
+        return any(
+            body.get("ragkv", {}).get("stats", {}).get("store_generation", 0) >= generation for _, body in results
+        )
 
     thread = threading.Thread(target=loop)
     thread.start()
@@ -209,7 +231,8 @@ def test_a_reindex_published_while_a_client_loops_fails_no_request(served, tiny_
             (docs / "payroll-extra.md").write_text(f"Payroll notice {version}: salaries are paid on the 25th.")
             report = ragkv.ingest([docs], store, model=ModelSettings(model=str(tiny_llama), device="cpu"), prune=True)
             with answered:  # the client has been answered from the new generation (a hang guard, not a timing)
-                assert answered.wait_for(lambda: answered_from(report.generation), timeout=600)
+                generation = report.generation
+                assert answered.wait_for(lambda g=generation: answered_from(g), timeout=600)
     finally:
         stop.set()
         thread.join()
@@ -225,8 +248,10 @@ def test_a_chunk_without_kv_is_computed_then_kept_in_ram(served):
     with open_snapshot(store) as snapshot:
         prefix_bytes = snapshot.catalog.prefix_bytes()
     assert run_cli("budget", prefix_bytes, "--store", store).exit_code == 0
-    body = {"messages": [{"role": "user", "content": "Which network do guests use, and where is its password?"}],
-            "max_tokens": 4}
+    body = {
+        "messages": [{"role": "user", "content": "Which network do guests use, and where is its password?"}],
+        "max_tokens": 4,
+    }
     first, second = post(base, body).json(), post(base, body).json()
     assert first["ragkv"]["sources"][0]["doc_id"] == "wifi"
     assert (first["ragkv"]["stats"]["kv_source"], second["ragkv"]["stats"]["kv_source"]) == ("computed", "ram")

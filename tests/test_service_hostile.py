@@ -39,8 +39,11 @@ def _chat(base: str, body: dict, **kwargs) -> httpx.Response:
 
 def _metric(base: str, name: str) -> float:
     text = httpx.get(f"{base}/metrics").text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")
-               or line.startswith(name + "{"))
+    return sum(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith(name + " ") or line.startswith(name + "{")
+    )
 
 
 def _question(i: int = 0, **extra) -> dict:
@@ -63,8 +66,9 @@ def test_a_huge_seed_is_a_400_and_the_running_stream_finishes(served):
     events = []
 
     def stream():
-        with httpx.stream("POST", f"{base}/v1/chat/completions", json=_question(0, stream=True, max_tokens=64),
-                          timeout=600) as reply:
+        with httpx.stream(
+            "POST", f"{base}/v1/chat/completions", json=_question(0, stream=True, max_tokens=64), timeout=600
+        ) as reply:
             events.extend(line for line in reply.iter_lines() if line.startswith("data: "))
 
     reader = threading.Thread(target=stream)
@@ -106,8 +110,12 @@ def test_a_chunked_body_past_the_cap_is_refused_as_it_arrives(served):
 
 def test_a_lone_surrogate_gets_the_json_error_shape(served):
     base = served[0]
-    reply = httpx.post(f"{base}/v1/chat/completions", content=b'{"messages": [{"role": "user", "content": "x \\ud800"}]}',
-                       headers={"Content-Type": "application/json"}, timeout=600)
+    reply = httpx.post(
+        f"{base}/v1/chat/completions",
+        content=b'{"messages": [{"role": "user", "content": "x \\ud800"}]}',
+        headers={"Content-Type": "application/json"},
+        timeout=600,
+    )
     assert reply.status_code == 400 and "UTF-8" in reply.json()["error"]["message"]
 
 
@@ -115,29 +123,36 @@ def test_streams_beyond_the_queue_get_503_with_retry_after(served):
     base = served[0]
 
     def stream(i: int) -> tuple[int, str, str]:
-        with httpx.stream("POST", f"{base}/v1/chat/completions", json=_question(i, stream=True, max_tokens=48),
-                          timeout=600) as reply:
+        with httpx.stream(
+            "POST", f"{base}/v1/chat/completions", json=_question(i, stream=True, max_tokens=48), timeout=600
+        ) as reply:
             return reply.status_code, reply.headers.get("retry-after", ""), "".join(reply.iter_text())
 
     with ThreadPoolExecutor(24) as pool:
         outcomes = list(pool.map(stream, range(24)))
     assert {status for status, _, _ in outcomes} == {200, 503}
     assert all(retry == "1" for status, retry, _ in outcomes if status == 503)
-    assert all(text.endswith("data: [DONE]\n\n") and "server_busy" not in text
-               for status, _, text in outcomes if status == 200)
+    assert all(
+        text.endswith("data: [DONE]\n\n") and "server_busy" not in text for status, _, text in outcomes if status == 200
+    )
 
 
 def test_a_non_streaming_request_ends_with_its_client(served):
     base = served[0]
-    cancelled, generated = _metric(base, "ragkv_requests_cancelled_total"), _metric(base, "ragkv_tokens_generated_total")
+    cancelled, generated = (
+        _metric(base, "ragkv_requests_cancelled_total"),
+        _metric(base, "ragkv_tokens_generated_total"),
+    )
     body = json.dumps(_question(0, max_tokens=LONG, no_repeat_ngram=0)).encode()
     sock = _send_raw(base, _post_head("/v1/chat/completions", f"Content-Length: {len(body)}\r\n"), body)
     while _metric(base, "ragkv_batch_running") < 1:  # decoding now (a client gone before that costs nothing)
         pass
     sock.close()  # gone before the answer
     # Until the server has noticed (cancelled) or, if it never does, the whole answer was made.
-    while not (_metric(base, "ragkv_requests_cancelled_total") > cancelled
-               or _metric(base, "ragkv_tokens_generated_total") >= generated + LONG // 2):
+    while not (
+        _metric(base, "ragkv_requests_cancelled_total") > cancelled
+        or _metric(base, "ragkv_tokens_generated_total") >= generated + LONG // 2
+    ):
         pass
     assert _metric(base, "ragkv_requests_cancelled_total") == cancelled + 1
     while _metric(base, "ragkv_batch_running") != 0:  # its row leaves at the next step
@@ -151,8 +166,9 @@ def test_64_clients_with_disconnects_during_a_reindex_fail_nothing_but_busy(serv
 
     def client(i: int) -> tuple[int, str]:
         if i in leavers:  # leaves after its first token
-            with httpx.stream("POST", f"{base}/v1/chat/completions", json=_question(i, stream=True, max_tokens=200),
-                              timeout=600) as reply:
+            with httpx.stream(
+                "POST", f"{base}/v1/chat/completions", json=_question(i, stream=True, max_tokens=200), timeout=600
+            ) as reply:
                 if reply.status_code != 200:
                     return reply.status_code, reply.headers.get("retry-after", "")
                 next(line for line in reply.iter_lines() if '"content": "' in line and '"content": ""' not in line)
@@ -161,8 +177,9 @@ def test_64_clients_with_disconnects_during_a_reindex_fail_nothing_but_busy(serv
         return reply.status_code, reply.headers.get("retry-after", "") if reply.status_code == 503 else reply.text
 
     (docs / "notice.md").write_text("Notice: the office is closed on Friday.")
-    indexer = threading.Thread(target=lambda: ragkv.ingest([docs], store, prune=True,
-                                                           model=ModelSettings(model=str(tiny_llama), device="cpu")))
+    indexer = threading.Thread(
+        target=lambda: ragkv.ingest([docs], store, prune=True, model=ModelSettings(model=str(tiny_llama), device="cpu"))
+    )
     with ThreadPoolExecutor(64) as pool:
         outcomes = pool.map(client, range(64))
         indexer.start()
@@ -180,8 +197,12 @@ def test_64_clients_with_disconnects_during_a_reindex_fail_nothing_but_busy(serv
 def test_sigterm_stops_the_server_mid_stream(served):
     """Runs last: it stops the module's server."""
     base, _, _, server = served
-    with httpx.stream("POST", f"{base}/v1/chat/completions", json=_question(0, stream=True, max_tokens=LONG,
-                                                                               no_repeat_ngram=0), timeout=600) as reply:
+    with httpx.stream(
+        "POST",
+        f"{base}/v1/chat/completions",
+        json=_question(0, stream=True, max_tokens=LONG, no_repeat_ngram=0),
+        timeout=600,
+    ) as reply:
         next(line for line in reply.iter_lines() if '"content": "' in line and '"content": ""' not in line)
         server.send_signal(signal.SIGTERM)
         # A hang guard, not a timing: a clean server ends within its grace period (uvicorn re-raises the signal).

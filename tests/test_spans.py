@@ -37,8 +37,7 @@ def write_doc(folder, paragraphs=PARAGRAPHS):
 @pytest.fixture()
 def span_store(tiny_llama, tmp_path):
     store = tmp_path / "store"
-    report = build_store(write_doc(tmp_path / "docs"), store, str(tiny_llama), chunk_tokens=24,
-                         span_tokens=SPAN_TOKENS)
+    report = build_store(write_doc(tmp_path / "docs"), store, str(tiny_llama), chunk_tokens=24, span_tokens=SPAN_TOKENS)
     return store, report
 
 
@@ -68,8 +67,9 @@ def test_ingest_chains_a_documents_chunks_into_bounded_spans(span_store):
 def _assert_exact(engine, question, settings: AskSettings, max_new_tokens=20):
     """The answer from the store equals a full prefill of the same prompt; returns it."""
     cached = engine.ask(question, AskSettings.from_dict({**_plain(settings), "max_new_tokens": max_new_tokens}))
-    full = engine.ask(question, AskSettings.from_dict({**_plain(settings), "max_new_tokens": max_new_tokens,
-                                                       "use_cache": False}))
+    full = engine.ask(
+        question, AskSettings.from_dict({**_plain(settings), "max_new_tokens": max_new_tokens, "use_cache": False})
+    )
     assert cached.prompt_ids == full.prompt_ids
     assert cached.token_ids == full.token_ids
     logits = engine.first_token_logits(question, settings)
@@ -85,7 +85,7 @@ def _plain(settings: AskSettings) -> dict:
 def test_span_context_loads_a_hit_with_the_chunks_before_it_exactly(span_store):
     store, _ = span_store
     with ragkv.open(store, device="cpu") as engine:
-        (hit, _), = engine.retrieve(QUESTION, top_k=1, doc_ids=["incidents.md"])
+        ((hit, _),) = engine.retrieve(QUESTION, top_k=1, doc_ids=["incidents.md"])
         assert hit.span_start is not None
         answer = _assert_exact(engine, QUESTION, AskSettings(context="span", doc_ids=("incidents.md",)))
         indexes = [s.chunk_index for s in answer.sources]
@@ -130,8 +130,9 @@ def test_an_edit_recomputes_what_changed_and_what_follows_it_in_its_span(span_st
     before = {r.chunk_index: r for r in _rows(store) if r.doc_id == "incidents.md"}
     edited = list(PARAGRAPHS)
     edited[1] = edited[1].replace("every decision", "each decision")
-    report = build_store(write_doc(tmp_path / "docs", edited), store, str(tiny_llama), chunk_tokens=24,
-                         span_tokens=SPAN_TOKENS)
+    report = build_store(
+        write_doc(tmp_path / "docs", edited), store, str(tiny_llama), chunk_tokens=24, span_tokens=SPAN_TOKENS
+    )
     after = {r.chunk_index: r for r in _rows(store) if r.doc_id == "incidents.md"}
     assert sorted(after) == sorted(before) and after[1].text != before[1].text  # same chunking, one chunk edited
     changed = [i for i in after if after[i].entry.kv_key != before[i].entry.kv_key]

@@ -14,7 +14,12 @@ import pytest
 import torch
 
 from ragkv.errors import (
-    InputError, StoreCorruptError, StoreEmptyError, StoreFormatError, StoreLockedError, StoreNotFoundError,
+    InputError,
+    StoreCorruptError,
+    StoreEmptyError,
+    StoreFormatError,
+    StoreLockedError,
+    StoreNotFoundError,
     StoreWriteError,
 )
 from ragkv.keys import KVKey, Profile
@@ -119,8 +124,12 @@ def test_a_generation_a_reader_holds_is_kept_until_it_lets_go(tmp_path):
     reader = open_snapshot(root)
     _commit_one(root, "e1", seed=1)
     _commit_one(root, "e2", seed=2)
-    assert generation_files(root) == ["catalog-000001.duckdb", "catalog-000003.duckdb",
-                                      "manifest-000001.json", "manifest-000003.json"]
+    assert generation_files(root) == [
+        "catalog-000001.duckdb",
+        "catalog-000003.duckdb",
+        "manifest-000001.json",
+        "manifest-000003.json",
+    ]
     assert shared_files(root) == shared_files(root, generations={1, 3})
     assert [e.kv_key for e in reader.catalog.all_entries()] == ["e0"]  # still answers from generation 1
     assert len(reader.vectors) == 1

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 import torch
 
 import ragkv
@@ -33,13 +32,18 @@ from tests.conftest import ROOT, SAMPLE_DATA, free_port, run_cli
 VLLM_PYTHON = os.environ.get("RAGKV_VLLM_PYTHON", "")
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not VLLM_PYTHON, reason="no vLLM: set RAGKV_VLLM_PYTHON to a python that has vllm "
-                                               "(bash tests/vllm_env.sh .venv-vllm)"),
+    pytest.mark.skipif(
+        not VLLM_PYTHON,
+        reason="no vLLM: set RAGKV_VLLM_PYTHON to a python that has vllm (bash tests/vllm_env.sh .venv-vllm)",
+    ),
 ]
 if VLLM_PYTHON and not Path(VLLM_PYTHON).is_file():  # named but missing: a broken setup must not pass as a skip
     raise RuntimeError(f"RAGKV_VLLM_PYTHON={VLLM_PYTHON} is not a file")
-QUESTIONS = ["How do I rotate the API key?", "How many days of annual leave do I get?",
-             "What happens when the database fails over?"]
+QUESTIONS = [
+    "How do I rotate the API key?",
+    "How many days of annual leave do I get?",
+    "What happens when the database fails over?",
+]
 
 
 def probe(model: str, store: Path, runs: list, tmp_path: Path, **spec) -> dict:
@@ -61,7 +65,7 @@ def test_vllm_loads_the_stored_kv_and_prefills_only_the_question(sample_store, t
         model = engine.lm.facts.path
         for i, question in enumerate(QUESTIONS):
             answer = engine.ask(question, max_new_tokens=1, context="chunk")
-            (row, _), = engine.retrieve(question)
+            ((row, _),) = engine.retrieve(question)
             held[f"q{i}"] = len(engine.active.layout.prefix_ids) + len(row.token_ids)
             runs += [run(f"q{i}", answer.prompt_ids), run(f"q{i}-full", answer.prompt_ids, SKIP)]
         plain = engine.lm.tokenizer("Write one sentence about the sea.", add_special_tokens=False)["input_ids"]
@@ -96,9 +100,9 @@ def test_vllm_stores_what_it_computes_and_logs_each_use(sample_store, lazy_sampl
     """A chunk the store lacks: vLLM prefills it, the connector saves exactly its token range
     through the write-back, and the next request loads it. The saved KV agrees with
     transformers' (float32), and ragkv's own engine answers from it token-identically."""
+    from ragkv.api import ServeSettings
     from ragkv.config import AskSettings
     from ragkv.vllm_front import _layout_params
-    from ragkv.api import ServeSettings
 
     full_store, _ = sample_store
     store = tmp_path / "store"
@@ -112,8 +116,11 @@ def test_vllm_stores_what_it_computes_and_logs_each_use(sample_store, lazy_sampl
             assert params["ragkv"]["write_back"]  # the lazy store holds no chunk: a miss
             held[f"q{i}"] = len(engine.active.layout.prefix_ids) + len(prompt.chunk_ids[0])
             keys.add(KVKey.for_chunk(engine.active.profile, prompt.chunk_ids[0]).to_string())  # ingest's key
-            runs += [run(f"q{i}-miss", prompt.prompt_ids, params, flush=True), run(f"q{i}-hit", prompt.prompt_ids, params),
-                     run(f"q{i}-full", prompt.prompt_ids, SKIP)]
+            runs += [
+                run(f"q{i}-miss", prompt.prompt_ids, params, flush=True),
+                run(f"q{i}-hit", prompt.prompt_ids, params),
+                run(f"q{i}-full", prompt.prompt_ids, SKIP),
+            ]
         malformed = {"ragkv": {"chunks": [["x", 5]], "write_back": "yes"}}
         runs.append(run("malformed", prompt.prompt_ids, malformed))
     result = probe(model, store, runs, tmp_path, kv_role="kv_both")
@@ -138,7 +145,9 @@ def test_vllm_stores_what_it_computes_and_logs_each_use(sample_store, lazy_sampl
         for key in keys:
             theirs, mine = reference.catalog.entry(key), ours.catalog.entry(key)
             assert theirs is not None  # the same key ingest gave the chunk
-            want = codec.decode(reference.shards.read_parts(theirs.shard, theirs.tensor, theirs.checksum), torch.float32)
+            want = codec.decode(
+                reference.shards.read_parts(theirs.shard, theirs.tensor, theirs.checksum), torch.float32
+            )
             got = codec.decode(ours.shards.read_parts(mine.shard, mine.tensor, mine.checksum), torch.float32)
             assert got.shape == want.shape
             torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
@@ -161,13 +170,32 @@ def test_serve_engine_vllm_answers_with_the_store_kv(sample_store, tmp_path):
     shutil.rmtree(served / HITS_DIR, ignore_errors=True)  # uses other tests logged in the shared sample store
     port, vllm_port = free_port(), free_port()
     server = subprocess.Popen(
-        [sys.executable, "-c", "import cli; cli.main()", "serve", "--store", str(served), "--port", str(port),
-         "--engine", "vllm", "--vllm-python", VLLM_PYTHON, "--vllm-port", str(vllm_port),
-         # On the CPU build --gpu-memory-utilization is the share of the NUMA node's memory vLLM must find free
-         # at start (0.92 by default): a busy test machine may not have it.
-         "--vllm-args", "--enforce-eager --max-model-len 2048 --enable-prompt-tokens-details --gpu-memory-utilization 0.5"],
-        cwd=ROOT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import cli; cli.main()",
+            "serve",
+            "--store",
+            str(served),
+            "--port",
+            str(port),
+            "--engine",
+            "vllm",
+            "--vllm-python",
+            VLLM_PYTHON,
+            "--vllm-port",
+            str(vllm_port),
+            # On the CPU build --gpu-memory-utilization is the share of the NUMA node's memory vLLM must find free
+            # at start (0.92 by default): a busy test machine may not have it.
+            "--vllm-args",
+            "--enforce-eager --max-model-len 2048 --enable-prompt-tokens-details --gpu-memory-utilization 0.5",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         said = []
         while not (said and "ragkv serving" in said[-1]):  # the event, not a number of seconds
@@ -180,19 +208,28 @@ def test_serve_engine_vllm_answers_with_the_store_kv(sample_store, tmp_path):
         assert reply["ragkv"]["sources"][0]["source"].endswith("rotate-api-key.md")
         assert reply["usage"]["prompt_tokens"] == reply["ragkv"]["prompt_tokens"]
         assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-        streamed = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={**body, "stream": True},
-                              timeout=600).text
-        deltas = [json.loads(line[6:]) for line in streamed.splitlines()
-                  if line.startswith("data: {") and '"delta"' in line]
+        streamed = httpx.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions", json={**body, "stream": True}, timeout=600
+        ).text
+        deltas = [
+            json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: {") and '"delta"' in line
+        ]
         text = "".join(d["choices"][0]["delta"].get("content") or "" for d in deltas)
         assert text == reply["choices"][0]["message"]["content"] and deltas[-1]["ragkv"]["sources"]
-        two_turns = {**body, "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
-                                          {"role": "user", "content": QUESTIONS[0]}]}
+        two_turns = {
+            **body,
+            "messages": [
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello"},
+                {"role": "user", "content": QUESTIONS[0]},
+            ],
+        }
         refused = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=two_turns, timeout=600)
         assert refused.status_code == 400 and "one question per request" in refused.json()["error"]["message"]
         # The front named the chunks: vLLM's scheduler logged each use, a hit, in the store's hit log.
-        uses = [json.loads(line) for path in (served / HITS_DIR).glob("*.jsonl")
-                for line in path.read_text().splitlines()]
+        uses = [
+            json.loads(line) for path in (served / HITS_DIR).glob("*.jsonl") for line in path.read_text().splitlines()
+        ]
         assert [(u["doc"], u["src"]) for u in uses] == [(reply["ragkv"]["sources"][0]["doc_id"], "store")] * 2
     finally:
         server.terminate()
@@ -204,8 +241,19 @@ def test_ingest_on_vllm_builds_the_store_ingest_builds(sample_store, tmp_path):
     within float tolerance, and answers from it token-identical (float32)."""
     full_store, local_report = sample_store
     store = tmp_path / "kvstore"
-    result = run_cli("ingest", SAMPLE_DATA, "--store", store, "--engine", "vllm", "--vllm-python", VLLM_PYTHON,
-                     "--device", "cpu", "--json")
+    result = run_cli(
+        "ingest",
+        SAMPLE_DATA,
+        "--store",
+        store,
+        "--engine",
+        "vllm",
+        "--vllm-python",
+        VLLM_PYTHON,
+        "--device",
+        "cpu",
+        "--json",
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["engine"] == "vllm" and report["kv_deferred"] == 0
@@ -219,6 +267,16 @@ def test_ingest_on_vllm_builds_the_store_ingest_builds(sample_store, tmp_path):
             got = served.ask(question, max_new_tokens=12)
             assert got.stats.kv_source == "store"
             assert got.token_ids == local.ask(question, max_new_tokens=12).token_ids
-    refused = run_cli("ingest", SAMPLE_DATA, "--store", tmp_path / "other", "--engine", "vllm", "--span-tokens", "512",
-                      "--vllm-python", VLLM_PYTHON)
+    refused = run_cli(
+        "ingest",
+        SAMPLE_DATA,
+        "--store",
+        tmp_path / "other",
+        "--engine",
+        "vllm",
+        "--span-tokens",
+        "512",
+        "--vllm-python",
+        VLLM_PYTHON,
+    )
     assert refused.exit_code != 0 and "--span-tokens runs with --engine local" in refused.output

@@ -30,8 +30,12 @@ def run(python: str, model: str, store, spec: dict, work: Path) -> dict:
     root = Path(__file__).resolve().parent.parent
     spec_file = Path(work) / "spec.json"
     spec_file.write_text(json.dumps(spec))
-    proc = subprocess.run([python, str(Path(__file__).resolve()), str(model), str(store), str(spec_file)],
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)})
+    proc = subprocess.run(
+        [python, str(Path(__file__).resolve()), str(model), str(store), str(spec_file)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"the vLLM probe failed ({proc.returncode}): {proc.stderr[-4000:]}")
@@ -46,25 +50,49 @@ def main() -> None:
 
     model, store, spec_file = sys.argv[1:4]
     spec = json.loads(Path(spec_file).read_text())
-    config = KVTransferConfig(kv_connector="RagkvConnector", kv_connector_module_path="ragkv.integrations.vllm",
-                              kv_role=spec.get("kv_role", "kv_consumer"),
-                              kv_connector_extra_config={"store": store, "layerwise": spec.get("layerwise", "auto")})
+    config = KVTransferConfig(
+        kv_connector="RagkvConnector",
+        kv_connector_module_path="ragkv.integrations.vllm",
+        kv_role=spec.get("kv_role", "kv_consumer"),
+        kv_connector_extra_config={"store": store, "layerwise": spec.get("layerwise", "auto")},
+    )
     started = time.perf_counter()
-    llm = LLM(model=model, dtype=spec.get("dtype", "float32"), kv_transfer_config=config, enable_prefix_caching=False,
-              max_model_len=2048, max_num_seqs=4, enforce_eager=spec.get("enforce_eager", True), seed=0)
-    out = {"start_s": time.perf_counter() - started, "runs": [],
-           "block_size": llm.llm_engine.vllm_config.cache_config.block_size}
+    llm = LLM(
+        model=model,
+        dtype=spec.get("dtype", "float32"),
+        kv_transfer_config=config,
+        enable_prefix_caching=False,
+        max_model_len=2048,
+        max_num_seqs=4,
+        enforce_eager=spec.get("enforce_eager", True),
+        seed=0,
+    )
+    out = {
+        "start_s": time.perf_counter() - started,
+        "runs": [],
+        "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
+    }
     connector = get_kv_transfer_group()
     for run in spec["runs"]:
-        params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5,
-                                extra_args={"kv_transfer_params": run["params"]} if run.get("params") else None)
+        params = SamplingParams(
+            max_tokens=1,
+            temperature=0.0,
+            logprobs=5,
+            extra_args={"kv_transfer_params": run["params"]} if run.get("params") else None,
+        )
         began = time.perf_counter()
         (result,) = llm.generate([TokensPrompt(prompt_token_ids=run["ids"])], params, use_tqdm=False)
         completion = result.outputs[0]
-        out["runs"].append({"name": run["name"], "num_prompt_tokens": len(run["ids"]),
-                            "first_token": completion.token_ids[0], "num_cached_tokens": result.num_cached_tokens,
-                            "logprobs": {str(k): v.logprob for k, v in completion.logprobs[0].items()},
-                            "seconds": time.perf_counter() - began})
+        out["runs"].append(
+            {
+                "name": run["name"],
+                "num_prompt_tokens": len(run["ids"]),
+                "first_token": completion.token_ids[0],
+                "num_cached_tokens": result.num_cached_tokens,
+                "logprobs": {str(k): v.logprob for k, v in completion.logprobs[0].items()},
+                "seconds": time.perf_counter() - began,
+            }
+        )
         if run.get("flush"):
             connector.flush()
     out["layer_waits"] = connector.layer_waits

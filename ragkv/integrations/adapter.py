@@ -7,7 +7,8 @@ from __future__ import annotations
 import queue
 import threading
 import weakref
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -16,7 +17,7 @@ from ragkv.config import DEFAULT_NO_REPEAT_NGRAM, DEFAULT_REPETITION_PENALTY, As
 
 IDENTITY = "ragkv"  # the metadata key under which results carry a chunk's identity
 
-_batchers: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+_batchers: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _batchers_lock = threading.Lock()
 
 
@@ -34,16 +35,32 @@ class AnswerOptions(BaseModel):
     repetition_penalty: float = DEFAULT_REPETITION_PENALTY
     no_repeat_ngram: int = DEFAULT_NO_REPEAT_NGRAM
 
-    def ask_settings(self, chunks=None, passages: Sequence[str] = (), stop: Sequence[str] | None = None,
-                     max_tokens: int | None = None) -> AskSettings:
+    def ask_settings(
+        self,
+        chunks=None,
+        passages: Sequence[str] = (),
+        stop: Sequence[str] | None = None,
+        max_tokens: int | None = None,
+    ) -> AskSettings:
         """These options as AskSettings, answering from `chunks` and `passages` when given (see
         `chunks_and_passages`), else retrieving; `stop` and `max_tokens` override per call."""
-        decoding = DecodeSettings(repetition_penalty=self.repetition_penalty, no_repeat_ngram=self.no_repeat_ngram,
-                                  temperature=self.temperature, top_p=self.top_p, seed=self.seed,
-                                  stop=tuple(stop or self.stop or ()))
-        return AskSettings(top_k=self.top_k, context=self.context, mode=self.mode, decoding=decoding,
-                           max_new_tokens=self.max_tokens if max_tokens is None else max_tokens, chunks=chunks,
-                           passages=tuple(passages))
+        decoding = DecodeSettings(
+            repetition_penalty=self.repetition_penalty,
+            no_repeat_ngram=self.no_repeat_ngram,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=self.seed,
+            stop=tuple(stop or self.stop or ()),
+        )
+        return AskSettings(
+            top_k=self.top_k,
+            context=self.context,
+            mode=self.mode,
+            decoding=decoding,
+            max_new_tokens=self.max_tokens if max_tokens is None else max_tokens,
+            chunks=chunks,
+            passages=tuple(passages),
+        )
 
 
 def batcher_of(engine):
@@ -55,24 +72,42 @@ def batcher_of(engine):
         return _batchers[engine]
 
 
-def retrieve(engine, question: str, top_k: int, context: str, doc_ids: Sequence[str] | None = None
-             ) -> list[tuple[Any, float, dict]]:
+def retrieve(
+    engine, question: str, top_k: int, context: str, doc_ids: Sequence[str] | None = None
+) -> list[tuple[Any, float, dict]]:
     """(row, score, identity) of the chunks nearest to `question`, retrieved on the model thread."""
     hits = batcher_of(engine).call(engine.retrieve, question, top_k, doc_ids, context).result()
     where = {"store": engine.snapshot.location, "generation": engine.snapshot.generation}
-    return [(row, score, {**where, "doc_id": row.doc_id, "chunk_index": row.chunk_index, "chunk_id": row.chunk_id,
-                          "kv_key": row.entry.kv_key if row.entry else None}) for row, score in hits]
+    return [
+        (
+            row,
+            score,
+            {
+                **where,
+                "doc_id": row.doc_id,
+                "chunk_index": row.chunk_index,
+                "chunk_id": row.chunk_id,
+                "kv_key": row.entry.kv_key if row.entry else None,
+            },
+        )
+        for row, score in hits
+    ]
 
 
-def chunks_and_passages(documents: Iterable[tuple[Any, str, float]], engine
-                        ) -> tuple[tuple[tuple[int, float], ...], tuple[str, ...]]:
+def chunks_and_passages(
+    documents: Iterable[tuple[Any, str, float | None]], engine
+) -> tuple[tuple[tuple[int, float], ...], tuple[str, ...]]:
     """From (identity or None, text, score) per document: (chunk id, score) of those from
     `engine`'s store and generation, and the text of the others (another retriever's, another
     store's, an older generation's), which are prefilled live."""
     chunks, passages = [], []
     for identity, text, score in documents:
-        if (isinstance(identity, dict) and identity.get("store") == engine.snapshot.location
-                and identity.get("generation") == engine.snapshot.generation and "chunk_id" in identity):
+        if (
+            isinstance(identity, dict)
+            and identity.get("store") == engine.snapshot.location
+            and identity.get("generation") == engine.snapshot.generation
+            and "chunk_id" in identity
+        ):
             chunks.append((int(identity["chunk_id"]), float(score or 0.0)))
         else:
             passages.append(text)
@@ -92,8 +127,9 @@ def stream(engine, question: str, settings: AskSettings, history: Sequence[tuple
 
     def deltas():
         pieces: queue.Queue = queue.Queue()
-        ticket = batcher_of(engine).submit(open_conversation, question, settings.max_new_tokens, settings.decoding,
-                                           on_text=pieces.put)
+        ticket = batcher_of(engine).submit(
+            open_conversation, question, settings.max_new_tokens, settings.decoding, on_text=pieces.put
+        )
         ticket.future.add_done_callback(lambda _: pieces.put(None))
         try:
             while (piece := pieces.get()) is not None:
@@ -117,5 +153,9 @@ def source_texts(engine, answer: Answer, passages: Sequence[str]) -> list[tuple[
 
 def answer_metadata(engine, answer: Answer) -> dict:
     """What a reply carries under IDENTITY: sources, stats and token ids."""
-    return {"sources": [vars(s) for s in answer.sources], "stats": answer.stats.to_dict(),
-            "token_ids": answer.token_ids, "model": engine.lm.facts.name}
+    return {
+        "sources": [vars(s) for s in answer.sources],
+        "stats": answer.stats.to_dict(),
+        "token_ids": answer.token_ids,
+        "model": engine.lm.facts.name,
+    }

@@ -19,7 +19,8 @@ stats. One engine is shared by every call and thread: calls decode together in i
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from ragkv.errors import MissingExtraError
 
@@ -28,6 +29,7 @@ try:
     from langchain_core.documents import Document
     from langchain_core.language_models import BaseChatModel
     from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage
+    from langchain_core.messages.ai import UsageMetadata
     from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
     from langchain_core.prompt_values import ChatPromptValue
     from langchain_core.retrievers import BaseRetriever
@@ -54,9 +56,10 @@ class RagkvRetriever(BaseRetriever):
     doc_ids: tuple[str, ...] | None = None
 
     def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
-        return [Document(page_content=row.text, metadata={"source": row.source, "score": score, IDENTITY: identity})
-                for row, score, identity in adapter.retrieve(self.engine, query, self.top_k, self.context,
-                                                              self.doc_ids)]
+        return [
+            Document(page_content=row.text, metadata={"source": row.source, "score": score, IDENTITY: identity})
+            for row, score, identity in adapter.retrieve(self.engine, query, self.top_k, self.context, self.doc_ids)
+        ]
 
 
 def _render(question: str, documents: Sequence[Document]) -> str:
@@ -67,8 +70,13 @@ def _render(question: str, documents: Sequence[Document]) -> str:
 def _rag_prompt(inputs: dict) -> ChatPromptValue:
     documents = list(inputs.get("documents") or [])
     question = inputs["question"]
-    return ChatPromptValue(messages=[HumanMessage(content=question, additional_kwargs={
-        "documents": documents, "context": _render(question, documents)})])
+    return ChatPromptValue(
+        messages=[
+            HumanMessage(
+                content=question, additional_kwargs={"documents": documents, "context": _render(question, documents)}
+            )
+        ]
+    )
 
 
 rag_prompt = RunnableLambda(_rag_prompt, name="ragkv_prompt")
@@ -78,8 +86,12 @@ additional_kwargs["context"] for models that read text."""
 
 
 def _documents(documents: Sequence[Document]) -> list[tuple[Any, str, float]]:
-    return [(d.metadata.get(IDENTITY), d.page_content, d.metadata.get("score", 0.0)) if isinstance(d.metadata, dict)
-            else (None, d.page_content, 0.0) for d in documents]
+    return [
+        (d.metadata.get(IDENTITY), d.page_content, d.metadata.get("score", 0.0))
+        if isinstance(d.metadata, dict)
+        else (None, d.page_content, 0.0)
+        for d in documents
+    ]
 
 
 class ChatRagkv(AnswerOptions, BaseChatModel):
@@ -99,16 +111,28 @@ class ChatRagkv(AnswerOptions, BaseChatModel):
     def _identifying_params(self) -> dict:
         return {"store": self.engine.snapshot.location, "model": self.engine.lm.facts.name, "mode": self.mode}
 
-    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                  run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
         chunks = list(self._stream(messages, stop, run_manager, **kwargs))
-        message = AIMessage(content="".join(c.message.content for c in chunks),
-                            response_metadata=chunks[-1].message.response_metadata,
-                            usage_metadata=chunks[-1].message.usage_metadata)
+        message = AIMessage(
+            content="".join(str(c.message.content) for c in chunks),
+            response_metadata=chunks[-1].message.response_metadata,
+            usage_metadata=chunks[-1].message.usage_metadata,  # type: ignore[attr-defined] # an AIMessageChunk's
+        )
         return ChatResult(generations=[ChatGeneration(message=message)])
 
-    def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
         history, question, documents = _split(messages)
         settings = self._settings(stop, kwargs, kwargs.get("documents", documents))
         answer = adapter.stream(self.engine, question, settings, history)
@@ -116,22 +140,37 @@ class ChatRagkv(AnswerOptions, BaseChatModel):
             if run_manager:
                 run_manager.on_llm_new_token(delta)
             yield ChatGenerationChunk(message=AIMessageChunk(content=delta))
-        done = answer.answer
+        done = answer.result()
         stats = done.stats
-        usage = {"input_tokens": stats.prompt_tokens, "output_tokens": len(done.token_ids),
-                 "total_tokens": stats.prompt_tokens + len(done.token_ids)}
-        sources = [Document(page_content=text, metadata={"source": s.source, "score": s.score})
-                   for s, text in adapter.source_texts(self.engine, done, settings.passages)]
-        yield ChatGenerationChunk(message=AIMessageChunk(content="", usage_metadata=usage, response_metadata={
-            "finish_reason": stats.finish_reason or "stop", "model_name": self.engine.lm.facts.name,
-            "documents": sources, IDENTITY: adapter.answer_metadata(self.engine, done)}))
+        usage: UsageMetadata = {
+            "input_tokens": stats.prompt_tokens,
+            "output_tokens": len(done.token_ids),
+            "total_tokens": stats.prompt_tokens + len(done.token_ids),
+        }
+        sources = [
+            Document(page_content=text, metadata={"source": s.source, "score": s.score})
+            for s, text in adapter.source_texts(self.engine, done, settings.passages)
+        ]
+        yield ChatGenerationChunk(
+            message=AIMessageChunk(
+                content="",
+                usage_metadata=usage,
+                response_metadata={
+                    "finish_reason": stats.finish_reason or "stop",
+                    "model_name": self.engine.lm.facts.name,
+                    "documents": sources,
+                    IDENTITY: adapter.answer_metadata(self.engine, done),
+                },
+            )
+        )
 
     def _settings(self, stop, kwargs: dict, documents) -> AskSettings:
         unknown = set(kwargs) - {"documents", "max_tokens"}
         if unknown:
             raise InputError(f"ChatRagkv takes no {', '.join(sorted(unknown))}")
-        chunks, passages = (None, ()) if documents is None else adapter.chunks_and_passages(_documents(documents),
-                                                                                             self.engine)
+        chunks, passages = (
+            (None, ()) if documents is None else adapter.chunks_and_passages(_documents(documents), self.engine)
+        )
         return self.ask_settings(chunks, passages, stop, kwargs.get("max_tokens"))
 
 

@@ -15,7 +15,8 @@ its text, exactly, and the stats say so. One engine serves every call and thread
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Iterator, Sequence
+from collections.abc import Generator, Sequence
+from typing import Any
 
 from ragkv.errors import MissingExtraError
 
@@ -37,17 +38,27 @@ class RagkvNodeRetriever(BaseRetriever):
     `source`, and under "ragkv" its identity (store, generation, doc_id, chunk_index,
     chunk_id, kv_key; kept out of the text LLMs and embedders see)."""
 
-    def __init__(self, engine, top_k: int = 1, context: str = "span", doc_ids: Sequence[str] | None = None,
-                 **kwargs: Any):
+    def __init__(
+        self, engine, top_k: int = 1, context: str = "span", doc_ids: Sequence[str] | None = None, **kwargs: Any
+    ):
         self.engine, self.top_k, self.context, self.doc_ids = engine, top_k, context, doc_ids
         super().__init__(**kwargs)
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         found = adapter.retrieve(self.engine, query_bundle.query_str, self.top_k, self.context, self.doc_ids)
-        return [NodeWithScore(score=score, node=TextNode(
-            id_=f"ragkv-{identity['generation']}-{row.chunk_id}", text=row.text,
-            metadata={"source": row.source, IDENTITY: identity},
-            excluded_llm_metadata_keys=[IDENTITY], excluded_embed_metadata_keys=[IDENTITY])) for row, score, identity in found]
+        return [
+            NodeWithScore(
+                score=score,
+                node=TextNode(
+                    id_=f"ragkv-{identity['generation']}-{row.chunk_id}",
+                    text=row.text,
+                    metadata={"source": row.source, IDENTITY: identity},
+                    excluded_llm_metadata_keys=[IDENTITY],
+                    excluded_embed_metadata_keys=[IDENTITY],
+                ),
+            )
+            for row, score, identity in found
+        ]
 
 
 class RagkvQueryEngine(AnswerOptions, CustomQueryEngine):
@@ -64,18 +75,21 @@ class RagkvQueryEngine(AnswerOptions, CustomQueryEngine):
         retriever = self.retriever or RagkvNodeRetriever(self.engine, self.top_k, self.context)
         nodes = retriever.retrieve(query_str)
         chunks, passages = adapter.chunks_and_passages(
-            [(n.node.metadata.get(IDENTITY), n.node.get_content(), n.score) for n in nodes], self.engine)
+            [(n.node.metadata.get(IDENTITY), n.node.get_content(), n.score) for n in nodes], self.engine
+        )
         answer = adapter.stream(self.engine, query_str, self.ask_settings(chunks, passages))
         metadata: dict = {}
         if self.streaming:
-            return StreamingResponse(response_gen=self._filling(answer, metadata), source_nodes=nodes, metadata=metadata)
+            return StreamingResponse(
+                response_gen=self._filling(answer, metadata), source_nodes=nodes, metadata=metadata
+            )
         text = "".join(answer)
-        metadata[IDENTITY] = adapter.answer_metadata(self.engine, answer.answer)
+        metadata[IDENTITY] = adapter.answer_metadata(self.engine, answer.result())
         return Response(response=text, source_nodes=nodes, metadata=metadata)
 
-    def _filling(self, answer, metadata: dict) -> Iterator[str]:
+    def _filling(self, answer, metadata: dict) -> Generator[str, None, None]:
         yield from answer
-        metadata[IDENTITY] = adapter.answer_metadata(self.engine, answer.answer)
+        metadata[IDENTITY] = adapter.answer_metadata(self.engine, answer.result())
 
     async def acustom_query(self, query_str: str) -> Response | StreamingResponse:
         # The model runs on the batch's thread; waiting for it must not block the event loop.

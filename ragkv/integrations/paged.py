@@ -13,8 +13,8 @@ placement within a block fails the probe with a clear error, instead of storing 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
@@ -36,8 +36,9 @@ class PagedLayout:
     value_index: torch.Tensor
 
     @classmethod
-    def probe(cls, write: CacheWrite, cache: torch.Tensor, block_dim: int, block_size: int, num_heads: int,
-              head_dim: int) -> "PagedLayout":
+    def probe(
+        cls, write: CacheWrite, cache: torch.Tensor, block_dim: int, block_size: int, num_heads: int, head_dim: int
+    ) -> PagedLayout:
         """The layout of `cache` (a backend's per-layer paged cache, blocks along `block_dim`),
         found by writing numbered values with `write` into a one-block scratch cache."""
         shape = list(cache.shape)
@@ -50,27 +51,37 @@ class PagedLayout:
         used = torch.ones(scratch.numel(), dtype=torch.bool, device=cache.device)
         for digit in range(max(1, math.ceil(math.log(2 * n, _BASE)))):
             scratch.zero_()
-            values = ((codes // _BASE ** digit) % _BASE + 1).to(cache.dtype)
-            write(values[:n].view(block_size, num_heads, head_dim), values[n:].view(block_size, num_heads, head_dim),
-                  scratch, slots)
+            values = ((codes // _BASE**digit) % _BASE + 1).to(cache.dtype)
+            write(
+                values[:n].view(block_size, num_heads, head_dim),
+                values[n:].view(block_size, num_heads, head_dim),
+                scratch,
+                slots,
+            )
             read = scratch.select(block_dim, 0).reshape(-1).float().round().long()
             used &= read > 0
-            found += (read - 1).clamp(min=0) * _BASE ** digit
+            found += (read - 1).clamp(min=0) * _BASE**digit
         positions = torch.nonzero(used).flatten()
         codes_found = found[positions]
         if positions.numel() != 2 * n or not torch.equal(torch.sort(codes_found).values, codes):
-            raise LayoutError(f"the attention backend's KV cache {tuple(cache.shape)} does not place each token's keys "
-                              "and values once in its block")
+            raise LayoutError(
+                f"the attention backend's KV cache {tuple(cache.shape)} does not place each token's keys "
+                "and values once in its block"
+            )
         index = torch.empty(2 * n, dtype=torch.long, device=cache.device)
         index[codes_found] = positions
-        return cls(block_dim, block_size, index[:n].view(block_size, num_heads, head_dim),
-                   index[n:].view(block_size, num_heads, head_dim))
+        return cls(
+            block_dim,
+            block_size,
+            index[:n].view(block_size, num_heads, head_dim),
+            index[n:].view(block_size, num_heads, head_dim),
+        )
 
     def gather(self, cache: torch.Tensor, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor:
         """The KV of token positions start..end-1 of a request whose blocks are `block_ids`,
         `(2, H, T, D)` on the cache's device (a copy: the blocks may be reused after)."""
         first, last = start // self.block_size, (end - 1) // self.block_size
-        blocks = torch.tensor(list(block_ids[first:last + 1]), dtype=torch.long, device=cache.device)
+        blocks = torch.tensor(list(block_ids[first : last + 1]), dtype=torch.long, device=cache.device)
         held = cache.movedim(self.block_dim, 0)[blocks].reshape(len(blocks), -1)  # only this request's blocks
         positions = torch.arange(start, end, device=cache.device)
         local = (positions // self.block_size - first).view(-1, 1, 1)
@@ -85,6 +96,7 @@ def block_dim_of(cache: torch.Tensor, num_blocks: int) -> int:
     is not one dimension)."""
     dims = [i for i, size in enumerate(cache.shape) if size == num_blocks]
     if len(dims) != 1:
-        raise LayoutError(f"cannot tell which dimension of the KV cache {tuple(cache.shape)} numbers its "
-                          f"{num_blocks} blocks")
+        raise LayoutError(
+            f"cannot tell which dimension of the KV cache {tuple(cache.shape)} numbers its {num_blocks} blocks"
+        )
     return dims[0]

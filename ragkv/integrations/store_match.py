@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -89,8 +90,9 @@ class RequestLayout:
     write_back: bool = False
 
 
-def chunk_layout(params: Mapping[str, Any] | None, prompt_len: int, prefix_len: int,
-                 separator_len: int) -> RequestLayout:
+def chunk_layout(
+    params: Mapping[str, Any] | None, prompt_len: int, prefix_len: int, separator_len: int
+) -> RequestLayout:
     """What a request's `kv_transfer_params` lay out (nothing without ragkv params);
     InputError (one line) when they are malformed."""
     if params is not None and not isinstance(params, Mapping):
@@ -102,23 +104,31 @@ def chunk_layout(params: Mapping[str, Any] | None, prompt_len: int, prefix_len: 
         raise InputError(f'kv_transfer_params["{PARAMS_KEY}"] must be an object or "skip"')
     unknown = set(block) - {"chunks", "write_back"}
     if unknown:
-        raise InputError(f'kv_transfer_params["{PARAMS_KEY}"] has unknown fields: {", ".join(sorted(map(str, unknown)))}')
+        raise InputError(
+            f'kv_transfer_params["{PARAMS_KEY}"] has unknown fields: {", ".join(sorted(map(str, unknown)))}'
+        )
     write_back = block.get("write_back", False)
     raw = block.get("chunks", [])
     if not isinstance(write_back, bool) or not isinstance(raw, list):
         raise InputError(f'kv_transfer_params["{PARAMS_KEY}"]: "chunks" must be a list and "write_back" a boolean')
     chunks, pos = [], prefix_len
     for i, item in enumerate(raw):
-        if not (isinstance(item, (list, tuple)) and len(item) == 2
-                and all(isinstance(v, int) and not isinstance(v, bool) for v in item) and item[1] > 0):
-            raise InputError(f'kv_transfer_params["{PARAMS_KEY}"]["chunks"][{i}] must be [chunk_id, num_tokens] '
-                             "with num_tokens > 0")
+        if not (
+            isinstance(item, (list, tuple))
+            and len(item) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in item)
+            and item[1] > 0
+        ):
+            raise InputError(
+                f'kv_transfer_params["{PARAMS_KEY}"]["chunks"][{i}] must be [chunk_id, num_tokens] with num_tokens > 0'
+            )
         start = pos + (separator_len if i else 0)
         chunks.append(LaidOutChunk(item[0], start, start + item[1]))
         pos = start + item[1]
     if pos > prompt_len:
-        raise InputError(f'kv_transfer_params["{PARAMS_KEY}"] lays out {pos} tokens, more than the prompt\'s '
-                         f"{prompt_len}")
+        raise InputError(
+            f'kv_transfer_params["{PARAMS_KEY}"] lays out {pos} tokens, more than the prompt\'s {prompt_len}'
+        )
     return RequestLayout(tuple(chunks), write_back)
 
 
@@ -129,10 +139,10 @@ class ModelIdentity:
     model_fingerprint: str
     tokenizer_fingerprint: str
     dtype: str
-    tokenizer: object  # to rebuild the prompt layout (template and system prompt) of a profile
+    tokenizer: Any  # to rebuild the prompt layout (template and system prompt) of a profile
 
     @classmethod
-    def of_folder(cls, folder: str | Path, dtype: str) -> "ModelIdentity":
+    def of_folder(cls, folder: str | Path, dtype: str) -> ModelIdentity:
         from transformers import AutoTokenizer
 
         from ragkv.fingerprint import folder_fingerprint
@@ -159,8 +169,10 @@ def profile_for(store: str | Path, identity: ModelIdentity) -> Profile:
         if profile is not None:
             return profile
     held = ", ".join(sorted({f"{r.model_name} ({r.dtype})" for r in rows})) or "nothing"
-    raise ModelError(f"store {store} holds no KV for this model in {identity.dtype} with this tokenizer (it holds "
-                     f"{held}); serve the model the store was built with, or ingest with this one")
+    raise ModelError(
+        f"store {store} holds no KV for this model in {identity.dtype} with this tokenizer (it holds "
+        f"{held}); serve the model the store was built with, or ingest with this one"
+    )
 
 
 class StoreMatcher:
@@ -191,7 +203,7 @@ class StoreMatcher:
         prompt does not start with the profile's prefix (or the store lacks its KV)."""
         self.refresh()
         prefix = self.profile.prefix_ids
-        if self.prefix_entry is None or tuple(prompt_ids[:len(prefix)]) != prefix:
+        if self.prefix_entry is None or tuple(prompt_ids[: len(prefix)]) != prefix:
             return None
         entries, pos, key = [self.prefix_entry], len(prefix), None
         while True:
@@ -208,20 +220,22 @@ class StoreMatcher:
         for n in self.lengths:
             if pos + n > len(prompt_ids):
                 continue
-            segment = list(prompt_ids[pos:pos + n])
+            segment = list(prompt_ids[pos : pos + n])
             next_key = spans.next_key(self.profile, key, segment)
             candidates[next_key.to_string()] = (next_key, segment)
         catalog = self.snapshot.catalog
         for name in sorted(catalog.existing_keys(candidates), key=lambda k: -len(candidates[k][1])):
             next_key, segment = candidates[name]
             stored = catalog.token_ids_of(name)  # the chunk's own ids (a span segment: after its separator)
-            chunk = segment if key is None else segment[len(self.separator_ids):]
-            if stored is not None and list(stored) == chunk:
-                return next_key, catalog.entry(name)
+            chunk = segment if key is None else segment[len(self.separator_ids) :]
+            entry = catalog.entry(name) if stored is not None and list(stored) == chunk else None
+            if entry is not None:
+                return next_key, entry
         return None
 
-    def plan(self, prompt_ids: Sequence[int], chunks: Sequence[LaidOutChunk], write_back: bool,
-             match: StoreMatch) -> RequestPlan:
+    def plan(
+        self, prompt_ids: Sequence[int], chunks: Sequence[LaidOutChunk], write_back: bool, match: StoreMatch
+    ) -> RequestPlan:
         """The uses of `chunks` (laid out in `prompt_ids`, of which `match` is what the store
         holds) and, with `write_back`, the first chunk to save when the store lacks it."""
         from ragkv.prompt import encode_text
@@ -229,20 +243,37 @@ class StoreMatcher:
         refs = self.snapshot.catalog.chunk_refs([c.chunk_id for c in chunks]) if chunks else {}
         save = None
         first = chunks[0] if chunks else None
-        if (write_back and self.tokenizer is not None and first is not None and first.chunk_id in refs
-                and match.num_tokens <= first.start):
-            token_ids = tuple(prompt_ids[first.start:first.end])
+        if (
+            write_back
+            and self.tokenizer is not None
+            and first is not None
+            and first.chunk_id in refs
+            and match.num_tokens <= first.start
+        ):
+            token_ids = tuple(prompt_ids[first.start : first.end])
             known = self.snapshot.catalog.linked_token_ids(first.chunk_id, self.profile.profile_id)
-            if token_ids == (known if known is not None else tuple(encode_text(self.tokenizer, refs[first.chunk_id][2]))):
-                save = SaveTarget(KVKey.for_chunk(self.profile, token_ids).to_string(), first.chunk_id, token_ids,
-                                  first.start, first.end)
+            if token_ids == (
+                known if known is not None else tuple(encode_text(self.tokenizer, refs[first.chunk_id][2]))
+            ):
+                save = SaveTarget(
+                    KVKey.for_chunk(self.profile, token_ids).to_string(),
+                    first.chunk_id,
+                    token_ids,
+                    first.start,
+                    first.end,
+                )
         uses = []
         for chunk in chunks:
             if chunk.chunk_id not in refs:
                 continue  # not a chunk of this generation (replaced meanwhile): no use to count
             doc_id, chunk_index, _ = refs[chunk.chunk_id]
-            source = "store" if chunk.end <= match.num_tokens else \
-                "computed" if save is not None and chunk is first else "live"
+            source = (
+                "store"
+                if chunk.end <= match.num_tokens
+                else "computed"
+                if save is not None and chunk is first
+                else "live"
+            )
             uses.append(Use(doc_id, chunk_index, source))
         return RequestPlan(tuple(uses), save)
 
@@ -299,8 +330,13 @@ class KVSaver:
     def log_copies(self) -> None:
         if self.copy_ms:
             ordered = sorted(self.copy_ms)
-            log.info("ragkv: %d chunks copied out to save; step time spent copying (last %d) p50 %.2f ms, max %.2f ms",
-                     self.saves, len(ordered), ordered[len(ordered) // 2], ordered[-1])
+            log.info(
+                "ragkv: %d chunks copied out to save; step time spent copying (last %d) p50 %.2f ms, max %.2f ms",
+                self.saves,
+                len(ordered),
+                ordered[len(ordered) // 2],
+                ordered[-1],
+            )
 
     def _run(self) -> None:
         from store.writeback import ComputedKV
@@ -314,8 +350,9 @@ class KVSaver:
                 if event is not None:
                     event.synchronize()
                 parts = codec.encode(kv_tensor.cpu(), self.profile.kv_quant)
-                computed = ComputedKV(self.profile.profile_id, target.kv_key, target.chunk_id, target.token_ids, parts,
-                                      self.metadata)
+                computed = ComputedKV(
+                    self.profile.profile_id, target.kv_key, target.chunk_id, target.token_ids, parts, self.metadata
+                )
                 self.write_back.submit(computed, wait=self.wait)
             except Exception:  # a bug here must not stop later saves, nor the engine
                 log.exception("could not hand computed KV to the store")

@@ -42,8 +42,8 @@ from __future__ import annotations
 
 import logging
 import re
-from collections import deque
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -59,8 +59,17 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from ragkv.errors import InputError, ModelError
 from ragkv.integrations.paged import LayoutError, PagedLayout, block_dim_of
 from ragkv.integrations.store_match import (
-    TIMINGS_KEPT, KVSaver, ModelIdentity, RequestLayout, RequestPlan, SaveTarget, StoreMatcher, chunk_layout, load_kv,
-    profile_for, slot_mapping,
+    TIMINGS_KEPT,
+    KVSaver,
+    ModelIdentity,
+    RequestLayout,
+    RequestPlan,
+    SaveTarget,
+    StoreMatcher,
+    chunk_layout,
+    load_kv,
+    profile_for,
+    slot_mapping,
 )
 from store import EntryRow
 from store.popularity import HitLog
@@ -116,15 +125,17 @@ class _PendingSave:
 class RagkvConnector(KVConnectorBase_V1):
     _cache_hit_source = CacheHitSource.DISK
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config=None):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         store = self._kv_transfer_config.get_from_extra_config("store", None)
         if not store:
             raise ValueError('RagkvConnector needs kv_connector_extra_config {"store": "PATH"}')
         cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
         if cache_dtype not in ("auto", None):
-            raise ModelError(f"ragkv stores KV in the model's dtype; vLLM's --kv-cache-dtype {cache_dtype} would "
-                             "load and save another KV: serve with the default")
+            raise ModelError(
+                f"ragkv stores KV in the model's dtype; vLLM's --kv-cache-dtype {cache_dtype} would "
+                "load and save another KV: serve with the default"
+            )
         model_config = vllm_config.model_config
         self._dtype = model_config.dtype
         identity = ModelIdentity.of_folder(model_config.model, str(self._dtype).removeprefix("torch."))
@@ -155,18 +166,23 @@ class RagkvConnector(KVConnectorBase_V1):
             self._layerwise_checked = False  # has a forward been seen to wait for every layer?
             self._layerwise_this_step = False
             self._inflight: list[torch.Tensor] = []  # host buffers the side stream still reads
-            self._load_stream = None
+            self._load_stream: torch.cuda.Stream | None = None
             self.layer_waits = 0  # wait_for_layer_load calls that waited on a layer's copy (tests)
             self.load_ms: deque[tuple[float, float]] = deque(maxlen=TIMINGS_KEPT)  # per load: (shard read, copies) ms
             self._paged: PagedLayout | None = None
             self._saver: KVSaver | None = None
             self._saving_broken = False
             self._wait_saves = bool(self._kv_transfer_config.get_from_extra_config("wait_saves", False))  # ingest
-        log.info("ragkv connector: store %s, profile %s, block size %d, %s", store, self._profile.profile_id[:12],
-                 self._block_size, "loads and saves" if self._saves_on else "loads only")
+        log.info(
+            "ragkv connector: store %s, profile %s, block size %d, %s",
+            store,
+            self._profile.profile_id[:12],
+            self._block_size,
+            "loads and saves" if self._saves_on else "loads only",
+        )
 
     # -- scheduler side -------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
         if isinstance(params, dict) and params.get("ragkv") == "skip":
             return 0, False
@@ -182,11 +198,12 @@ class RagkvConnector(KVConnectorBase_V1):
         self._matched[request.request_id] = (match.entries, num_computed_tokens, end)
         return end - num_computed_tokens, False
 
-    def _plan(self, request: "Request", prompt: list[int], match) -> RequestPlan:
+    def _plan(self, request: Request, prompt: list[int], match) -> RequestPlan:
         """The request's uses and save, from the layout its params name (none without)."""
         try:
-            layout = chunk_layout(request.kv_transfer_params, len(prompt), len(self._profile.prefix_ids),
-                                  self._separator_len)
+            layout = chunk_layout(
+                request.kv_transfer_params, len(prompt), len(self._profile.prefix_ids), self._separator_len
+            )
         except InputError as exc:  # a client's own params: never the engine's failure
             if not self._warned_params:
                 self._warned_params = True
@@ -194,7 +211,7 @@ class RagkvConnector(KVConnectorBase_V1):
             layout = RequestLayout()
         return self._matcher.plan(prompt, layout.chunks, layout.write_back and self._saves_on, match)
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         request_id = request.request_id
         matched = self._matched.pop(request_id, None)
         if num_external_tokens > 0 and matched is not None:
@@ -213,11 +230,14 @@ class RagkvConnector(KVConnectorBase_V1):
         try:
             self._hit_log.record(plan.uses)
         except OSError as exc:  # a read-only store still serves; it only stops counting
-            log.warning("ragkv connector: cannot log chunk uses in %s (%s); popularity is not counted",
-                        self._store, exc.strerror or exc)
+            log.warning(
+                "ragkv connector: cannot log chunk uses in %s (%s); popularity is not counted",
+                self._store,
+                exc.strerror or exc,
+            )
             self._hit_log = None
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = RagkvConnectorMetadata()
         for new in scheduler_output.scheduled_new_reqs:
             if new.req_id in self._to_load:
@@ -245,7 +265,7 @@ class RagkvConnector(KVConnectorBase_V1):
                 del self._pending_saves[request_id]
         return meta
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         request_id = request.request_id
         self._matched.pop(request_id, None)
         self._plans.pop(request_id, None)
@@ -254,7 +274,7 @@ class RagkvConnector(KVConnectorBase_V1):
         return False, None  # a save copies its tokens out in the step that computes them: free the blocks
 
     # -- worker side ----------------------------------------------------------------------
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if not self._layers:
             for name, layer in forward_context.no_compile_layers.items():
                 found = _LAYER_INDEX.search(name)
@@ -265,7 +285,9 @@ class RagkvConnector(KVConnectorBase_V1):
             return
         for load in meta.loads:
             started = time.perf_counter()
-            kv_tensor = load_kv(self._shards, load.entries, self._dtype)[:, :, :, load.start:load.end]  # (L, 2, H, T, D)
+            kv_tensor = load_kv(self._shards, load.entries, self._dtype)[
+                :, :, :, load.start : load.end
+            ]  # (L, 2, H, T, D)
             read = time.perf_counter()
             if kv_tensor.shape[0] != len(self._layers):
                 raise RuntimeError(f"ragkv store KV has {kv_tensor.shape[0]} layers, the model {len(self._layers)}")
@@ -302,7 +324,8 @@ class RagkvConnector(KVConnectorBase_V1):
             host = host.pin_memory()
             if self._load_stream is None:
                 self._load_stream = torch.cuda.Stream()
-            self._load_stream.wait_stream(torch.cuda.current_stream())  # after vLLM zeroes new blocks
+            stream = self._load_stream
+            stream.wait_stream(torch.cuda.current_stream())  # after vLLM zeroes new blocks
             self._inflight.append(host)
         for index, (name, layer) in sorted(self._layers.items()):
             cache = self._cache(layer, forward_context)
@@ -311,8 +334,9 @@ class RagkvConnector(KVConnectorBase_V1):
                     key = host[index, 0].to(cache.device, non_blocking=True)
                     value = host[index, 1].to(cache.device, non_blocking=True)
                     layer.impl.do_kv_cache_update(layer, key, value, cache, slots.to(cache.device, non_blocking=True))
-                    event = torch.cuda.Event()
-                    event.record(self._load_stream)
+                    copied = torch.cuda.Event()
+                    copied.record(self._load_stream)
+                    event: torch.cuda.Event | bool = copied
             else:
                 layer.impl.do_kv_cache_update(layer, host[index, 0], host[index, 1], cache, slots)
                 event = True
@@ -321,7 +345,7 @@ class RagkvConnector(KVConnectorBase_V1):
         if cuda and not self._layerwise_checked:
             # Until a forward is seen to wait per layer, it also waits for the whole load: safe
             # even where an attention backend never calls wait_for_layer_load.
-            torch.cuda.current_stream().wait_event(event)
+            torch.cuda.current_stream().wait_event(copied)  # the last layer's copy
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         event = self._layer_events.pop(layer_name, None)
@@ -338,8 +362,10 @@ class RagkvConnector(KVConnectorBase_V1):
         if self._layerwise_this_step:
             self._layerwise_this_step = False
             if self._layer_events and not self._layerwise_checked:  # some layer's attention never waited
-                log.warning("ragkv connector: this attention backend does not wait for each layer's load; loads are "
-                            "made before the forward from now on")
+                log.warning(
+                    "ragkv connector: this attention backend does not wait for each layer's load; loads are "
+                    "made before the forward from now on"
+                )
                 self._layerwise = False
             self._layerwise_checked = True
             self._layer_events.clear()
@@ -350,16 +376,24 @@ class RagkvConnector(KVConnectorBase_V1):
         if not isinstance(meta, RagkvConnectorMetadata) or not meta.saves or self._saving_broken:
             return
         if self._saver is None:
-            self._saver = KVSaver(self._store, self._profile, Path(self._vllm_config.model_config.model).name,
-                                  ENGINE, wait=self._wait_saves)
+            self._saver = KVSaver(
+                self._store,
+                self._profile,
+                Path(self._vllm_config.model_config.model).name,
+                ENGINE,
+                wait=self._wait_saves,
+            )
         for spec in meta.saves:
             started = time.perf_counter()
             try:
                 gathered = self._gather(spec)
             except LayoutError as exc:
                 self._saving_broken = True
-                log.warning("ragkv connector: cannot read KV out of this attention backend (%s); loading goes on, "
-                            "saving is off", exc)
+                log.warning(
+                    "ragkv connector: cannot read KV out of this attention backend (%s); loading goes on, "
+                    "saving is off",
+                    exc,
+                )
                 return
             self._saver.submit(spec.target, *gathered, copy_ms=(time.perf_counter() - started) * 1000.0)
 
@@ -372,8 +406,13 @@ class RagkvConnector(KVConnectorBase_V1):
             first, cache = layers[0], caches[0]
             block_dim = block_dim_of(cache, self._kv_cache_config.num_blocks)
             self._paged = PagedLayout.probe(
-                lambda k, v, c, s: first.impl.do_kv_cache_update(first, k, v, c, s), cache, block_dim,
-                self._block_size, first.num_kv_heads, first.head_size)
+                lambda k, v, c, s: first.impl.do_kv_cache_update(first, k, v, c, s),
+                cache,
+                block_dim,
+                self._block_size,
+                first.num_kv_heads,
+                first.head_size,
+            )
         target = spec.target
         kv_tensor = torch.stack([self._paged.gather(c, spec.block_ids, target.start, target.end) for c in caches])
         if kv_tensor.device.type != "cuda":
@@ -386,12 +425,12 @@ class RagkvConnector(KVConnectorBase_V1):
 
     def flush(self) -> None:
         """Worker side: wait until every save handed over so far is written (or given up)."""
-        if getattr(self, "_saver", None) is not None:
-            self._saver.flush()
+        saver = getattr(self, "_saver", None)
+        if saver is not None:
+            saver.flush()
 
     def shutdown(self) -> None:
         saver = getattr(self, "_saver", None)
         if saver is not None:
             saver.close()
         super().shutdown()
-

@@ -36,27 +36,46 @@ def main() -> None:
     identity = ModelIdentity.of_folder(model, dtype)
     profile = profile_for(store, identity)
     with open_snapshot(store) as snapshot:  # a chunk without KV is keyed by its text's ids, as on a miss
-        chunks = [(chunk_id, tuple(encode_text(identity.tokenizer, text)))
-                  for chunk_id, text in snapshot.catalog.deferred_chunks(profile.profile_id)]
-    result = {"chunks": len(chunks), "tokens": sum(len(ids) for _, ids in chunks), "stored": 0}
+        chunks = [
+            (chunk_id, tuple(encode_text(identity.tokenizer, text)))
+            for chunk_id, text in snapshot.catalog.deferred_chunks(profile.profile_id)
+        ]
+    result: dict[str, float] = {"chunks": len(chunks), "tokens": sum(len(ids) for _, ids in chunks), "stored": 0}
     if chunks:
-        config = KVTransferConfig(kv_connector="RagkvConnector", kv_connector_module_path="ragkv.integrations.vllm",
-                                  kv_role="kv_both", kv_connector_extra_config={
-                                      "store": store, "wait_saves": True, "log_uses": False})
-        llm = LLM(model=model, dtype=dtype, kv_transfer_config=config, enable_prefix_caching=False, seed=0,
-                  **{"enforce_eager": True, **extra})
+        config = KVTransferConfig(
+            kv_connector="RagkvConnector",
+            kv_connector_module_path="ragkv.integrations.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config={"store": store, "wait_saves": True, "log_uses": False},
+        )
+        llm = LLM(
+            model=model,
+            dtype=dtype,
+            kv_transfer_config=config,
+            enable_prefix_caching=False,
+            seed=0,
+            **{"enforce_eager": True, **extra},
+        )
         load_s = time.perf_counter() - started
         prefix = list(profile.prefix_ids)
         prompts = [TokensPrompt(prompt_token_ids=prefix + list(ids)) for _, ids in chunks]
-        params = [SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {
-            PARAMS_KEY: {"chunks": [[chunk_id, len(ids)]], "write_back": True}}}) for chunk_id, ids in chunks]
+        params = [
+            SamplingParams(
+                max_tokens=1,
+                extra_args={"kv_transfer_params": {PARAMS_KEY: {"chunks": [[chunk_id, len(ids)]], "write_back": True}}},
+            )
+            for chunk_id, ids in chunks
+        ]
         computing = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=True)
         connector = get_kv_transfer_group()
         connector.flush()
-        result.update(compute_s=time.perf_counter() - computing, start_s=load_s,
-                      stored=connector._saver.write_back.report.stored,
-                      dropped=connector._saver.write_back.report.dropped)
+        result.update(
+            compute_s=time.perf_counter() - computing,
+            start_s=load_s,
+            stored=connector._saver.write_back.report.stored,
+            dropped=connector._saver.write_back.report.dropped,
+        )
     result["total_s"] = time.perf_counter() - started
     print("RESULT " + json.dumps(result), flush=True)
 

@@ -19,13 +19,30 @@ from store.catalog.entries import Entries
 from store.catalog.overlay import Overlay
 from store.catalog.reports import Reports
 from store.catalog.rows import (
-    ChunkLink, ChunkRow, ContextRow, DocumentRow, EntryRow, ProfileRow, ProfileTotals, SpanLink,
+    ChunkLink,
+    ChunkRow,
+    ContextRow,
+    DocumentRow,
+    EntryRow,
+    ProfileRow,
+    ProfileTotals,
+    SpanLink,
 )
 from store.catalog.schema import FORMAT_VERSION, Schema
 from store.catalog.usage import Usage
 
-__all__ = ["FORMAT_VERSION", "Catalog", "ChunkLink", "ChunkRow", "ContextRow", "DocumentRow", "EntryRow",
-           "ProfileRow", "ProfileTotals", "SpanLink"]
+__all__ = [
+    "FORMAT_VERSION",
+    "Catalog",
+    "ChunkLink",
+    "ChunkRow",
+    "ContextRow",
+    "DocumentRow",
+    "EntryRow",
+    "ProfileRow",
+    "ProfileTotals",
+    "SpanLink",
+]
 
 
 class Catalog(Overlay, Schema, Documents, Entries, Usage, Reports):
@@ -53,11 +70,16 @@ class Catalog(Overlay, Schema, Documents, Entries, Usage, Reports):
         """Row count and an order-independent hash of the rows of every table of this file (of
         a delta: its own tables, the base never changes): equal before and after a write means
         the write changed nothing (and there is nothing to publish)."""
-        tables = self.con.execute("SELECT table_name FROM information_schema.tables WHERE table_schema = 'main' "
-                                  "AND table_type = 'BASE TABLE' AND table_catalog = current_database() "
-                                  "ORDER BY table_name").fetchall()
-        return tuple((name, *self.con.execute(f'SELECT count(*), coalesce(sum(hash(t)), 0) FROM "{name}" t').fetchone())
-                     for (name,) in tables)
+        tables = self.con.execute(
+            "SELECT table_name FROM information_schema.tables WHERE table_schema = 'main' "
+            "AND table_type = 'BASE TABLE' AND table_catalog = current_database() "
+            "ORDER BY table_name"
+        ).fetchall()
+        counts = {
+            name: self.con.execute(f'SELECT count(*), coalesce(sum(hash(t)), 0) FROM "{name}" t').fetchone()
+            for (name,) in tables
+        }
+        return tuple((name, *(row or ())) for name, row in counts.items())
 
     @contextmanager
     def transaction(self):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import pyarrow as pa
 
@@ -38,48 +38,69 @@ class Documents:
         if not doc_ids:
             return []
         ids = list(doc_ids)
-        chunk_ids = [r[0] for r in self.con.execute(
-            "SELECT chunk_id FROM chunks WHERE doc_id IN (SELECT unnest(?))", [ids]).fetchall()]
+        chunk_ids = [
+            r[0]
+            for r in self.con.execute(
+                "SELECT chunk_id FROM chunks WHERE doc_id IN (SELECT unnest(?))", [ids]
+            ).fetchall()
+        ]
         self._delete("chunk_kv", "chunk_id IN (SELECT unnest(?))", [chunk_ids])
         self._delete("chunks", "doc_id IN (SELECT unnest(?))", [ids])
         self._delete("documents", "doc_id IN (SELECT unnest(?))", [ids])
         return chunk_ids
 
-    def add_documents(self, documents: Sequence[DocumentRow], metadata: Sequence[dict], chunks: Sequence[ChunkRow]) -> None:
-        new_docs = pa.table({
-            "doc_id": [d.doc_id for d in documents],
-            "source": [d.source for d in documents],
-            "content_hash": [d.content_hash for d in documents],
-            "chunking": [d.chunking for d in documents],
-            "num_chunks": pa.array([d.num_chunks for d in documents], pa.int32()),
-            "metadata": [json.dumps(m, sort_keys=True) for m in metadata],
-        })
-        new_chunks = pa.table({
-            "chunk_id": pa.array([c.chunk_id for c in chunks], pa.int64()),
-            "doc_id": [c.doc_id for c in chunks],
-            "chunk_index": pa.array([c.chunk_index for c in chunks], pa.int32()),
-            "text": [c.text for c in chunks],
-        })
-        self._insert("documents", new_docs, "SELECT doc_id, source, content_hash, chunking, num_chunks, metadata, "
-                     "current_timestamp::TIMESTAMP AS ingested_at FROM rows")
+    def add_documents(
+        self, documents: Sequence[DocumentRow], metadata: Sequence[dict], chunks: Sequence[ChunkRow]
+    ) -> None:
+        new_docs = pa.table(
+            {
+                "doc_id": [d.doc_id for d in documents],
+                "source": [d.source for d in documents],
+                "content_hash": [d.content_hash for d in documents],
+                "chunking": [d.chunking for d in documents],
+                "num_chunks": pa.array([d.num_chunks for d in documents], pa.int32()),
+                "metadata": [json.dumps(m, sort_keys=True) for m in metadata],
+            }
+        )
+        new_chunks = pa.table(
+            {
+                "chunk_id": pa.array([c.chunk_id for c in chunks], pa.int64()),
+                "doc_id": [c.doc_id for c in chunks],
+                "chunk_index": pa.array([c.chunk_index for c in chunks], pa.int32()),
+                "text": [c.text for c in chunks],
+            }
+        )
+        self._insert(
+            "documents",
+            new_docs,
+            "SELECT doc_id, source, content_hash, chunking, num_chunks, metadata, "
+            "current_timestamp::TIMESTAMP AS ingested_at FROM rows",
+        )
         self._insert("chunks", new_chunks)
         if chunks:
             self._set_meta_rows({"next_chunk_id": str(max(self.next_chunk_id(), max(c.chunk_id for c in chunks) + 1))})
 
     def chunk_texts(self, chunk_ids: Sequence[int]) -> dict[int, str]:
-        rows = self.con.execute("SELECT chunk_id, text FROM chunks WHERE chunk_id IN (SELECT unnest(?))",
-                                [list(chunk_ids)]).fetchall()
+        rows = self.con.execute(
+            "SELECT chunk_id, text FROM chunks WHERE chunk_id IN (SELECT unnest(?))", [list(chunk_ids)]
+        ).fetchall()
         return dict(rows)
 
     def chunk_refs(self, chunk_ids: Sequence[int]) -> dict[int, tuple[str, int, str]]:
         """`{chunk_id: (doc_id, chunk_index, text)}` of those of `chunk_ids` the store holds."""
-        rows = self.con.execute("SELECT chunk_id, doc_id, chunk_index, text FROM chunks "
-                                "WHERE chunk_id IN (SELECT unnest(?))", [list(chunk_ids)]).fetchall()
+        rows = self.con.execute(
+            "SELECT chunk_id, doc_id, chunk_index, text FROM chunks WHERE chunk_id IN (SELECT unnest(?))",
+            [list(chunk_ids)],
+        ).fetchall()
         return {r[0]: (r[1], r[2], r[3]) for r in rows}
 
     def chunk_ids_of(self, doc_id: str) -> list[int]:
-        return [r[0] for r in self.con.execute("SELECT chunk_id FROM chunks WHERE doc_id = ? ORDER BY chunk_index",
-                                               [doc_id]).fetchall()]
+        return [
+            r[0]
+            for r in self.con.execute(
+                "SELECT chunk_id FROM chunks WHERE doc_id = ? ORDER BY chunk_index", [doc_id]
+            ).fetchall()
+        ]
 
     def chunk_ids(self) -> set[int]:
         return {r[0] for r in self.con.execute("SELECT chunk_id FROM chunks").fetchall()}

@@ -3,7 +3,7 @@ included (mixed into `Catalog`)."""
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence, Set
 
 import pyarrow as pa
 
@@ -17,36 +17,46 @@ class Entries:
         exists = self.con.execute("SELECT 1 FROM profiles WHERE profile_id = ?", [row.profile_id]).fetchone()
         if not exists:
             values = [list(v) if isinstance(v, tuple) else v for v in (getattr(row, c) for c in ProfileRow.COLUMNS)]
-            self._insert("profiles", select=f"SELECT {', '.join(f'? AS {c}' for c in ProfileRow.COLUMNS)}, "
-                         "current_timestamp::TIMESTAMP AS created_at", params=values)
+            self._insert(
+                "profiles",
+                select=f"SELECT {', '.join(f'? AS {c}' for c in ProfileRow.COLUMNS)}, "
+                "current_timestamp::TIMESTAMP AS created_at",
+                params=values,
+            )
 
     def profiles(self) -> list[ProfileRow]:
         """Profile rows, newest first."""
         rows = self.con.execute(f"SELECT {', '.join(ProfileRow.COLUMNS)} FROM profiles ORDER BY created_at DESC")
-        return [ProfileRow(*row[:6], tuple(row[6] or ()), *row[7:]) for row in rows.fetchall()]
+        return [ProfileRow(*row[:6], tuple(row[6] or ()), *row[7:]) for row in rows.fetchall()]  # type: ignore[call-arg]
 
     def profile(self, profile_id: str) -> ProfileRow | None:
         return next((p for p in self.profiles() if p.profile_id == profile_id), None)
 
-    def add_entries(self, profile_id: str, entries: Sequence[SealedEntry], prefix_keys: set[str] = frozenset()) -> None:
+    def add_entries(self, profile_id: str, entries: Sequence[SealedEntry], prefix_keys: Set[str] = frozenset()) -> None:
         """Commit rows for entries of sealed shards (one transaction). Entries named in
         `prefix_keys` are the shared prefix KV; the rest are chunks."""
         if not entries:
             return
-        new_entries = pa.table({
-            "kv_key": [e.name for e in entries],
-            "profile_id": [profile_id] * len(entries),
-            "kind": ["prefix" if e.name in prefix_keys else "chunk" for e in entries],
-            "shard": [e.shard for e in entries],
-            "tensor": [e.name for e in entries],
-            "num_tokens": pa.array([e.num_tokens for e in entries], pa.int32()),
-            "dtype": [e.dtype for e in entries],
-            "nbytes": pa.array([e.nbytes for e in entries], pa.int64()),
-            "checksum": [e.checksum for e in entries],
-        })
+        new_entries = pa.table(
+            {
+                "kv_key": [e.name for e in entries],
+                "profile_id": [profile_id] * len(entries),
+                "kind": ["prefix" if e.name in prefix_keys else "chunk" for e in entries],
+                "shard": [e.shard for e in entries],
+                "tensor": [e.name for e in entries],
+                "num_tokens": pa.array([e.num_tokens for e in entries], pa.int32()),
+                "dtype": [e.dtype for e in entries],
+                "nbytes": pa.array([e.nbytes for e in entries], pa.int64()),
+                "checksum": [e.checksum for e in entries],
+            }
+        )
         with self.transaction():
-            self._insert("kv_entries", new_entries, "SELECT DISTINCT ON (kv_key) *, current_timestamp::TIMESTAMP AS created_at "
-                         "FROM rows WHERE kv_key NOT IN (SELECT kv_key FROM kv_entries)")
+            self._insert(
+                "kv_entries",
+                new_entries,
+                "SELECT DISTINCT ON (kv_key) *, current_timestamp::TIMESTAMP AS created_at "
+                "FROM rows WHERE kv_key NOT IN (SELECT kv_key FROM kv_entries)",
+            )
 
     def existing_keys(self, keys: Iterable[str]) -> set[str]:
         wanted = list(keys)
@@ -61,13 +71,15 @@ class Entries:
 
     def link_chunks(self, profile_id: str, links: Sequence[ChunkLink]) -> None:
         """Record, for each link, which KV entry holds its chunk under `profile_id`."""
-        new_links = pa.table({
-            "chunk_id": pa.array([link.chunk_id for link in links], pa.int64()),
-            "profile_id": [profile_id] * len(links),
-            "kv_key": [link.kv_key for link in links],
-            "token_ids": pa.array([list(link.token_ids) for link in links], pa.list_(pa.int32())),
-            "span_start": pa.array([link.span_start for link in links], pa.int32()),
-        })
+        new_links = pa.table(
+            {
+                "chunk_id": pa.array([link.chunk_id for link in links], pa.int64()),
+                "profile_id": [profile_id] * len(links),
+                "kv_key": [link.kv_key for link in links],
+                "token_ids": pa.array([list(link.token_ids) for link in links], pa.list_(pa.int32())),
+                "span_start": pa.array([link.span_start for link in links], pa.int32()),
+            }
+        )
         self._delete("chunk_kv", "profile_id = ? AND chunk_id IN (SELECT chunk_id FROM rows)", [profile_id], new_links)
         self._insert("chunk_kv", new_links, "SELECT chunk_id, profile_id, kv_key, token_ids, span_start FROM rows")
 
@@ -76,7 +88,8 @@ class Entries:
         rows = self.con.execute(
             "SELECT c.chunk_id FROM chunks c JOIN chunk_kv k USING (chunk_id) WHERE k.profile_id = ? AND c.doc_id = ? "
             "AND coalesce(k.span_start, c.chunk_index) = ? AND c.chunk_index >= ? ORDER BY c.chunk_index",
-            [profile_id, doc_id, span_start, span_start]).fetchall()
+            [profile_id, doc_id, span_start, span_start],
+        ).fetchall()
         return [r[0] for r in rows]
 
     def span_links(self, kv_key: str) -> list[SpanLink]:
@@ -91,7 +104,9 @@ class Entries:
             WHERE k.profile_id = t.profile_id AND c.doc_id = t.doc_id
               AND ((t.span_start IS NULL AND k.kv_key = ?) OR (t.span_start IS NOT NULL AND k.span_start = t.start))
             ORDER BY c.chunk_index
-            """, [kv_key, kv_key]).fetchall()
+            """,
+            [kv_key, kv_key],
+        ).fetchall()
         return [SpanLink(r[0], tuple(r[1])) for r in rows]
 
     def linked_totals(self, profile_id: str, doc_ids: Sequence[str]) -> tuple[int, int]:
@@ -132,8 +147,13 @@ class Entries:
         """Point existing entry rows at the shards their bytes were copied into."""
         moves = pa.table({"kv_key": [e.name for e in sealed], "shard": [e.shard for e in sealed]})
         with self.transaction():
-            self._insert("kv_entries", moves, "SELECT e.* REPLACE (m.shard AS shard, m.kv_key AS tensor) "
-                         "FROM kv_entries e JOIN rows m USING (kv_key)", replace=True)
+            self._insert(
+                "kv_entries",
+                moves,
+                "SELECT e.* REPLACE (m.shard AS shard, m.kv_key AS tensor) "
+                "FROM kv_entries e JOIN rows m USING (kv_key)",
+                replace=True,
+            )
 
     def entries_in(self, shard: str) -> list[EntryRow]:
         rows = self.con.execute(f"SELECT {ENTRY_COLUMNS} FROM kv_entries e WHERE shard = ?", [shard]).fetchall()
@@ -141,14 +161,17 @@ class Entries:
 
     def entry_lengths(self, profile_id: str) -> list[int]:
         """The distinct token counts of `profile_id`'s chunk entries, longest first."""
-        rows = self.con.execute("SELECT DISTINCT num_tokens FROM kv_entries WHERE profile_id = ? AND kind = 'chunk' "
-                                "ORDER BY 1 DESC", [profile_id]).fetchall()
+        rows = self.con.execute(
+            "SELECT DISTINCT num_tokens FROM kv_entries WHERE profile_id = ? AND kind = 'chunk' ORDER BY 1 DESC",
+            [profile_id],
+        ).fetchall()
         return [r[0] for r in rows]
 
     def linked_token_ids(self, chunk_id: int, profile_id: str) -> tuple[int, ...] | None:
         """The token ids a chunk is linked with under `profile_id` (None: not linked)."""
-        row = self.con.execute("SELECT token_ids FROM chunk_kv WHERE chunk_id = ? AND profile_id = ?",
-                               [chunk_id, profile_id]).fetchone()
+        row = self.con.execute(
+            "SELECT token_ids FROM chunk_kv WHERE chunk_id = ? AND profile_id = ?", [chunk_id, profile_id]
+        ).fetchone()
         return tuple(row[0]) if row else None
 
     def deferred_chunks(self, profile_id: str) -> list[tuple[int, str]]:
@@ -157,13 +180,16 @@ class Entries:
         return self.con.execute(
             "SELECT chunk_id, text FROM chunks WHERE chunk_id NOT IN "
             "(SELECT chunk_id FROM chunk_kv WHERE profile_id = ? AND kv_key IN (SELECT kv_key FROM kv_entries)) "
-            "ORDER BY chunk_id", [profile_id]).fetchall()
+            "ORDER BY chunk_id",
+            [profile_id],
+        ).fetchall()
 
     def links_without_entries(self) -> list[tuple[int, str, str]]:
         """(chunk_id, profile_id, kv_key) of chunk links whose KV entry row is missing."""
         return self.con.execute(
             "SELECT chunk_id, profile_id, kv_key FROM chunk_kv WHERE kv_key NOT IN (SELECT kv_key FROM kv_entries) "
-            "ORDER BY chunk_id").fetchall()
+            "ORDER BY chunk_id"
+        ).fetchall()
 
     def token_ids_of(self, kv_key: str) -> tuple[int, ...] | None:
         """The chunk token ids an entry's key was made from (any chunk linked to it)."""
@@ -201,7 +227,9 @@ class Entries:
         rows = self.con.execute(
             "SELECT k.kv_key, any_value(e.nbytes), list(k.chunk_id ORDER BY k.chunk_id) FROM chunk_kv k "
             "JOIN kv_entries e ON e.kv_key = k.kv_key WHERE k.profile_id = ? AND k.span_start IS NULL "
-            "GROUP BY k.kv_key ORDER BY k.kv_key", [profile_id]).fetchall()
+            "GROUP BY k.kv_key ORDER BY k.kv_key",
+            [profile_id],
+        ).fetchall()
         return [(r[0], int(r[1]), list(r[2])) for r in rows]
 
     def unlink_keys(self, profile_id: str, kv_keys: Sequence[str]) -> None:

@@ -22,8 +22,13 @@ from ragkv.errors import StoreFormatError
 
 # Every table with the columns that identify a row.
 TABLE_KEYS: dict[str, tuple[str, ...]] = {
-    "meta": ("key",), "profiles": ("profile_id",), "documents": ("doc_id",), "chunks": ("chunk_id",),
-    "kv_entries": ("kv_key",), "chunk_kv": ("chunk_id", "profile_id"), "chunk_hits": ("doc_id", "chunk_index"),
+    "meta": ("key",),
+    "profiles": ("profile_id",),
+    "documents": ("doc_id",),
+    "chunks": ("chunk_id",),
+    "kv_entries": ("kv_key",),
+    "chunk_kv": ("chunk_id", "profile_id"),
+    "chunk_hits": ("doc_id", "chunk_index"),
     "hit_files": ("name",),
 }
 DELTA_INFO = "delta_info"  # (key, value): the base this delta is over
@@ -39,8 +44,13 @@ class Overlay:
 
     # -- opening -------------------------------------------------------------------------------
     def _is_delta_file(self) -> bool:
-        return bool(self.con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = ? "
-                                     "AND table_catalog = current_database()", [DELTA_INFO]).fetchone()[0])
+        return bool(
+            self.con.execute(
+                "SELECT count(*) FROM information_schema.tables WHERE table_name = ? "
+                "AND table_catalog = current_database()",
+                [DELTA_INFO],
+            ).fetchone()[0]
+        )
 
     def base_name(self) -> str:
         return self.con.execute(f"SELECT value FROM {DELTA_INFO} WHERE key = 'base'").fetchone()[0]
@@ -48,15 +58,23 @@ class Overlay:
     def _attach_base(self) -> None:
         path = self.path.parent / self.base_name()
         if not path.is_file():
-            raise StoreFormatError(f"catalog {self.path.name} is a delta over {path.name}, which is missing; run "
-                                   f"`ragkv verify --repair --store {self.path.parent}`")
+            raise StoreFormatError(
+                f"catalog {self.path.name} is a delta over {path.name}, which is missing; run "
+                f"`ragkv verify --repair --store {self.path.parent}`"
+            )
         self.con.execute(f"ATTACH IF NOT EXISTS '{path}' AS base (READ_ONLY)")  # one per database instance
         self.delta = True
         for table in TABLE_KEYS:
             # A reader's delta never changes: a table nothing deleted from needs no anti-join.
             deleted = not self.read_only or self.con.execute(f"SELECT count(*) FROM del_{table}").fetchone()[0]
-            live = (f"SELECT * FROM base.{table} b WHERE NOT EXISTS (SELECT 1 FROM del_{table} d WHERE "
-                    f"{_on(table, 'd', 'b')})") if deleted else f"SELECT * FROM base.{table}"
+            live = (
+                (
+                    f"SELECT * FROM base.{table} b WHERE NOT EXISTS (SELECT 1 FROM del_{table} d WHERE "
+                    f"{_on(table, 'd', 'b')})"
+                )
+                if deleted
+                else f"SELECT * FROM base.{table}"
+            )
             self.con.execute(f"CREATE OR REPLACE TEMP VIEW {table} AS {live} UNION ALL SELECT * FROM add_{table}")
 
     @staticmethod
@@ -70,8 +88,14 @@ class Overlay:
         con.execute(f"CREATE TABLE {GONE_VECTORS} (chunk_id BIGINT PRIMARY KEY)")
 
     # -- writing -------------------------------------------------------------------------------
-    def _insert(self, table: str, rows: pa.Table | None = None, select: str = "SELECT * FROM rows",
-                params=(), replace: bool = False) -> None:
+    def _insert(
+        self,
+        table: str,
+        rows: pa.Table | None = None,
+        select: str = "SELECT * FROM rows",
+        params=(),
+        replace: bool = False,
+    ) -> None:
         """Insert the rows `select` gives (over `rows`, registered as `rows`), matched to the
         table's columns by name; `replace`: rows whose key is present replace them."""
         # `rows` is found by DuckDB's replacement scan (a Python variable of the calling frame).
@@ -90,8 +114,9 @@ class Overlay:
             self.con.execute(f"DELETE FROM {table} WHERE {where}", list(params))
             return
         keys = ", ".join(TABLE_KEYS[table])
-        self.con.execute(f"CREATE OR REPLACE TEMP TABLE _gone AS SELECT {keys} FROM {table} WHERE {where}",
-                         list(params))
+        self.con.execute(
+            f"CREATE OR REPLACE TEMP TABLE _gone AS SELECT {keys} FROM {table} WHERE {where}", list(params)
+        )
         self._forget_keys(table, "_gone")
         self.con.execute("DROP TABLE _gone")
 
@@ -102,17 +127,21 @@ class Overlay:
         self.con.execute(
             f"INSERT INTO del_{table} SELECT DISTINCT {keys} FROM {keys_table} k WHERE EXISTS (SELECT 1 FROM "
             f"base.{table} b WHERE {_on(table, 'b', 'k')}) AND NOT EXISTS (SELECT 1 FROM del_{table} d WHERE "
-            f"{_on(table, 'd', 'k')})")
-        self.con.execute(f"DELETE FROM add_{table} a WHERE EXISTS (SELECT 1 FROM {keys_table} k WHERE "
-                         f"{_on(table, 'a', 'k')})")
+            f"{_on(table, 'd', 'k')})"
+        )
+        self.con.execute(
+            f"DELETE FROM add_{table} a WHERE EXISTS (SELECT 1 FROM {keys_table} k WHERE {_on(table, 'a', 'k')})"
+        )
 
     # -- sizes and compaction ------------------------------------------------------------------
     def delta_rows(self) -> int:
         """Rows the delta holds (added, deleted and tombstoned vectors): what a writer copies."""
         if not self.delta:
             return 0
-        total = sum(self.con.execute(f"SELECT (SELECT count(*) FROM add_{t}) + (SELECT count(*) FROM del_{t})")
-                    .fetchone()[0] for t in TABLE_KEYS)
+        total = sum(
+            self.con.execute(f"SELECT (SELECT count(*) FROM add_{t}) + (SELECT count(*) FROM del_{t})").fetchone()[0]
+            for t in TABLE_KEYS
+        )
         return total + self.gone_vector_count()
 
     def base_rows(self) -> int:
@@ -122,13 +151,15 @@ class Overlay:
     def compact_into(self, path: Path) -> None:
         """Write every table as this catalog reads it into a new plain catalog at `path` (the
         current schema: rows of an older one get its new columns' defaults)."""
-        type(self)(path, read_only=False).close()  # empty, every migration applied
+        type(self)(path, read_only=False).close()  # type: ignore[call-arg] # Catalog's constructor  # empty, every migration applied
         self.con.execute(f"ATTACH '{path}' AS fresh")
         try:
             for table in TABLE_KEYS:
                 if table == "meta":  # the new file's own migrations and format stand
-                    self.con.execute("INSERT OR REPLACE INTO fresh.meta SELECT key, value FROM meta "
-                                     "WHERE key NOT IN ('migrations', 'format_version')")
+                    self.con.execute(
+                        "INSERT OR REPLACE INTO fresh.meta SELECT key, value FROM meta "
+                        "WHERE key NOT IN ('migrations', 'format_version')"
+                    )
                 else:
                     self.con.execute(f"INSERT INTO fresh.{table} BY NAME SELECT * FROM {table}")
             self.con.execute("CHECKPOINT fresh")
@@ -139,8 +170,11 @@ class Overlay:
     def gone_vectors(self) -> np.ndarray:
         if not self.delta:
             return np.empty(0, np.int64)
-        return self.con.execute(f"SELECT chunk_id FROM {GONE_VECTORS} ORDER BY chunk_id").fetchnumpy()["chunk_id"] \
+        return (
+            self.con.execute(f"SELECT chunk_id FROM {GONE_VECTORS} ORDER BY chunk_id")
+            .fetchnumpy()["chunk_id"]
             .astype(np.int64)
+        )
 
     def gone_vector_count(self) -> int:
         return self.con.execute(f"SELECT count(*) FROM {GONE_VECTORS}").fetchone()[0] if self.delta else 0

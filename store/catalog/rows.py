@@ -24,8 +24,20 @@ class ProfileRow:
     num_kv_heads: int
     head_dim: int
 
-    COLUMNS = ("profile_id", "model_name", "model_fingerprint", "tokenizer_fingerprint", "template_fingerprint",
-               "system_prompt", "prefix_ids", "dtype", "kv_quant", "num_layers", "num_kv_heads", "head_dim")
+    COLUMNS = (
+        "profile_id",
+        "model_name",
+        "model_fingerprint",
+        "tokenizer_fingerprint",
+        "template_fingerprint",
+        "system_prompt",
+        "prefix_ids",
+        "dtype",
+        "kv_quant",
+        "num_layers",
+        "num_kv_heads",
+        "head_dim",
+    )
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,7 @@ class Schema:
                 f"catalog {self.path} was written by a newer or different ragkv (migrations {applied}); this is "
                 f"ragkv {__version__}: upgrade ragkv"
             )
-        pending = MIGRATIONS[len(applied):]
+        pending = MIGRATIONS[len(applied) :]
         if not pending:
             return
         if self.delta and not self.read_only:  # the base is shared and read-only: the writer compacts
@@ -87,7 +87,8 @@ class Schema:
         if self.read_only:
             raise StoreFormatError(
                 f"store catalog {self.path.name} needs schema migrations {[n for n, _ in pending]}; "
-                "run one writing command (e.g. `ragkv gc`) to apply them")
+                "run one writing command (e.g. `ragkv gc`) to apply them"
+            )
         with self.transaction():
             for name, sql in pending:
                 self.con.execute(sql)

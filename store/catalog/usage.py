@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import pyarrow as pa
 
@@ -29,15 +29,20 @@ class Usage:
         keys = {(u.doc_id, u.chunk_index) for u in pending.uses}
         rows = self.chunk_hits(keys)
         changed = tally(rows, pending.uses, half_life_s)
-        new_hits = pa.table({
-            "doc_id": [k[0] for k in changed], "chunk_index": pa.array([k[1] for k in changed], pa.int32()),
-            "hits": pa.array([rows[k].hits for k in changed], pa.int64()),
-            "misses": pa.array([rows[k].misses for k in changed], pa.int64()),
-            "uses": pa.array([rows[k].uses for k in changed], pa.int64()),
-            "score": pa.array([rows[k].score for k in changed], pa.float64()),
-            "last_use": pa.array([rows[k].last_use for k in changed], pa.float64()),
-        })
-        offsets = pa.table({"name": list(pending.offsets), "folded": pa.array(list(pending.offsets.values()), pa.int64())})
+        new_hits = pa.table(
+            {
+                "doc_id": [k[0] for k in changed],
+                "chunk_index": pa.array([k[1] for k in changed], pa.int32()),
+                "hits": pa.array([rows[k].hits for k in changed], pa.int64()),
+                "misses": pa.array([rows[k].misses for k in changed], pa.int64()),
+                "uses": pa.array([rows[k].uses for k in changed], pa.int64()),
+                "score": pa.array([rows[k].score for k in changed], pa.float64()),
+                "last_use": pa.array([rows[k].last_use for k in changed], pa.float64()),
+            }
+        )
+        offsets = pa.table(
+            {"name": list(pending.offsets), "folded": pa.array(list(pending.offsets.values()), pa.int64())}
+        )
         with self.transaction():
             self._insert("chunk_hits", new_hits, replace=True)
             self._insert("hit_files", offsets, replace=True)
@@ -53,8 +58,9 @@ class Usage:
             wanted = list(keys)
             if not wanted:
                 return {}
-            wanted_keys = pa.table({"doc_id": [k[0] for k in wanted],
-                                    "chunk_index": pa.array([k[1] for k in wanted], pa.int32())})
+            wanted_keys = pa.table(  # noqa: F841 - DuckDB scans it by its name in the query below
+                {"doc_id": [k[0] for k in wanted], "chunk_index": pa.array([k[1] for k in wanted], pa.int32())}
+            )
             rows = self.con.execute(sql + " JOIN wanted_keys USING (doc_id, chunk_index)").fetchall()
         return {(r[0], r[1]): ChunkHits(*r[2:]) for r in rows}
 
@@ -62,6 +68,8 @@ class Usage:
         """Each chunk's popularity score as of `now` (0 for a chunk never used)."""
         rows = self.con.execute(
             "SELECT c.chunk_id, h.score, h.last_use FROM chunks c JOIN chunk_hits h USING (doc_id, chunk_index) "
-            "WHERE c.chunk_id IN (SELECT unnest(?))", [list(chunk_ids)]).fetchall()
+            "WHERE c.chunk_id IN (SELECT unnest(?))",
+            [list(chunk_ids)],
+        ).fetchall()
         scores = {r[0]: decay(r[1], r[2], now, half_life_s) for r in rows}
         return {i: scores.get(i, 0.0) for i in chunk_ids}
