@@ -1,14 +1,6 @@
-"""Import rules. Imports flow one way:
-
-    cli  ->  pipelines  ->  ragkv (the online path, then model code)  ->  store  ->  ragkv core
-
-Inside ragkv the layers are, bottom up: the core (errors, keys, config, cpu, text: nothing else
-of ragkv's), model code (the model, the KV layout, prefill and decoding, the modes' assembly),
-then the online path, itself ordered: profile selection, retrieval and KV loading; the
-runtime; conversations; the batcher; the fronts (engine facade, batch, service, adapters).
-`ragkv/__init__.py` is the public facade (`ragkv.open`, `ragkv.ingest`): it imports the layers
-below it lazily, inside its functions, and is the one module exempt. No module imports one
-above it, so there is no import cycle; the store never pulls in transformers."""
+"""Import rules: the layers drawn in docs/architecture.md (the one description of them), held
+here; no module imports one above it, so there is no import cycle, and the store never pulls
+in transformers. `ragkv/__init__.py`, the public facade, imports its layers lazily."""
 
 from __future__ import annotations
 
