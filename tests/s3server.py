@@ -44,8 +44,9 @@ def environment(endpoint: str) -> dict[str, str]:
 
 
 @contextmanager
-def s3_server(folder: Path, timeout: float = 60.0):
-    """Run `weed mini` with its data and logs in `folder`; yields the endpoint URL."""
+def s3_server(folder: Path, timeout: float = 600.0):
+    """Run `weed mini` with its data and logs in `folder`; yields the endpoint URL. It is ready
+    when it answers a listing; `timeout` is a hang guard only, generous for a busy machine."""
     from pyarrow import fs
 
     (folder / "data").mkdir(parents=True, exist_ok=True)
@@ -93,7 +94,8 @@ def s3_server(folder: Path, timeout: float = 60.0):
     finally:
         process.terminate()
         try:
-            process.wait(timeout=30)
+            process.wait(timeout=600)  # a hang guard only
         except subprocess.TimeoutExpired:
             process.kill()
+            process.wait()
         log.close()

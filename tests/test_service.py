@@ -40,7 +40,7 @@ def post(base, body, key=KEY, **kwargs):
     return httpx.post(
         f"{base}/v1/chat/completions",
         headers=headers,
-        timeout=60,
+        timeout=600,
         **kwargs,
         **({"json": body} if not isinstance(body, (bytes, str)) else {"content": body}),
     )
@@ -151,7 +151,7 @@ def test_requests_join_a_running_stream_and_equal_their_lone_answers(served):
     busy = {"messages": [{"role": "user", "content": QUESTIONS[2]}], "max_tokens": 64, "stream": True}
     for _ in range(5):  # the two must arrive while the streamed answer still runs
         with httpx.stream(
-            "POST", f"{base}/v1/chat/completions", json=busy, timeout=60, headers={"Authorization": f"Bearer {KEY}"}
+            "POST", f"{base}/v1/chat/completions", json=busy, timeout=600, headers={"Authorization": f"Bearer {KEY}"}
         ) as stream:
             lines = stream.iter_lines()
             next(line for line in lines if '"content": "' in line and '"content": ""' not in line)
@@ -193,7 +193,7 @@ def test_clients_that_disconnect_mid_stream_leave_no_sequence_behind(served):
     body = {"messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 64, "stream": True}
     for _ in range(3):
         with httpx.stream(
-            "POST", f"{base}/v1/chat/completions", json=body, timeout=60, headers={"Authorization": f"Bearer {KEY}"}
+            "POST", f"{base}/v1/chat/completions", json=body, timeout=600, headers={"Authorization": f"Bearer {KEY}"}
         ) as stream:
             next(line for line in stream.iter_lines() if '"content": "' in line and '"content": ""' not in line)
         # leaving the block closed the connection mid-answer

@@ -20,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of paged KV on a CPU build
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker's connector in this process: to flush it
+HANG_GUARD_S = 1200  # a probe takes a minute or two; this only turns a hang into a failure with vLLM's log
 
 
 def run(python: str, model: str, store, spec: dict, work: Path) -> dict:
@@ -30,12 +31,17 @@ def run(python: str, model: str, store, spec: dict, work: Path) -> dict:
     root = Path(__file__).resolve().parent.parent
     spec_file = Path(work) / "spec.json"
     spec_file.write_text(json.dumps(spec))
-    proc = subprocess.run(
-        [python, str(Path(__file__).resolve()), str(model), str(store), str(spec_file)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(root)},
-    )
+    try:
+        proc = subprocess.run(
+            [python, str(Path(__file__).resolve()), str(model), str(store), str(spec_file)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(root)},
+            timeout=HANG_GUARD_S,
+        )
+    except subprocess.TimeoutExpired as exc:  # killed: say where vLLM was
+        said = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
+        raise RuntimeError(f"the vLLM probe hung past {HANG_GUARD_S} s; its log ends: {said[-4000:]}") from None
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"the vLLM probe failed ({proc.returncode}): {proc.stderr[-4000:]}")
