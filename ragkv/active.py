@@ -49,6 +49,17 @@ def open_model(
             f"store {snapshot.location} holds no KV stored as {kv_dtype} for {name} (it holds: "
             f"{held}; 'none' is lossless); omit --kv-dtype, or ingest with --kv-dtype {kv_dtype}"
         )
+
+    def no_kv() -> ModelError:
+        held = ", ".join(sorted({f"{r.model_name} ({r.dtype}, KV {r.kv_quant})" for r in rows}))
+        return ModelError(
+            f"store {snapshot.location} has no KV for model {name} in {dtype}"
+            f"{f' stored as {kv_dtype}' if kv_dtype else ''} (it holds: {held}); "
+            f"ingest with --model {name} --dtype {dtype}, or omit --model"
+        )
+
+    if not any(r.dtype == dtype for r in rows):  # said before the weights load, not after
+        raise no_kv()
     lm = load_model(name, device, dtype, weights)
     candidates = [
         r
@@ -58,12 +69,7 @@ def open_model(
         and (kv_dtype is None or r.kv_quant == codec.kv_quant(kv_dtype, dtype))
     ]
     if not candidates:
-        held = ", ".join(sorted({f"{r.model_name} ({r.dtype}, KV {r.kv_quant})" for r in rows}))
-        raise ModelError(
-            f"store {snapshot.location} has no KV for model {name} in {dtype}"
-            f"{f' stored as {kv_dtype}' if kv_dtype else ''} (it holds: {held}); "
-            f"ingest with --model {name} --dtype {dtype}, or omit --model"
-        )
+        raise no_kv()
     row = next((r for r in candidates if r.profile_id == last), candidates[0])
     layout = PromptLayout.build(lm.tokenizer, row.system_prompt)
     profile = Profile.from_row(row, lm.facts.fingerprint, lm.facts.tokenizer_fingerprint, layout)

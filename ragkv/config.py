@@ -116,16 +116,12 @@ def resolve_device(device: str) -> str:
 
 def resolve_dtype(dtype: str, device: str) -> str:
     """'auto' is bfloat16 on CUDA and float32 on CPU (the dtype in which cached == full prefill,
-    and the fast one on CPUs without native bf16). An explicit bfloat16 on such a CPU warns once."""
+    and the fast one on CPUs without native bf16). An explicit bfloat16 on such a CPU is
+    honoured; loading the model warns (ragkv.cpu.warn_if_slow)."""
     if dtype == "auto":
         return "bfloat16" if device == "cuda" else "float32"
     if dtype not in DTYPES:
         raise InputError(f"unknown --dtype {dtype!r}; use one of auto, {', '.join(DTYPES)}")
-    if dtype == "bfloat16" and device == "cpu":
-        from ragkv.cpu import has_fast_bf16, warn_slow_bf16
-
-        if not has_fast_bf16():
-            warn_slow_bf16()
     return dtype
 
 

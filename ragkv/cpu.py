@@ -31,6 +31,14 @@ def has_fast_bf16() -> bool:
     return bool(bf16_features())
 
 
+def warn_if_slow(dtype: str, device: str) -> None:
+    """Warn (once per process) when a model is about to run in bfloat16 on a CPU without native
+    bf16. Called where the weights load, not where the dtype is parsed: a command that stops on
+    an error before any compute prints the error alone."""
+    if dtype == "bfloat16" and device == "cpu" and not has_fast_bf16():
+        warn_slow_bf16()
+
+
 @functools.cache
 def warn_slow_bf16() -> None:
     """Once per process: bfloat16 was asked for on a CPU without native bf16."""

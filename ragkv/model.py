@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ragkv.config import DEFAULT_MODEL, cache_dir
+from ragkv.cpu import warn_if_slow
 from ragkv.errors import ModelError
 from ragkv.fingerprint import folder_fingerprint
 from ragkv.keys import digest
@@ -180,6 +181,8 @@ def load_model(name: str, device: str, dtype: str, weights: bool = True) -> Load
 
     folder = resolve_model_path(name)
     model = None
+    if weights:
+        warn_if_slow(dtype, device)
     try:
         with quiet_loading():
             tokenizer = AutoTokenizer.from_pretrained(folder)

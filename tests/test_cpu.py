@@ -1,14 +1,19 @@
-"""bfloat16 on CPUs: `auto` never picks it there; asking for it on a CPU without native bf16
-warns once, with the reason."""
+"""bfloat16 on CPUs: `auto` never picks it there; running a model in it on a CPU without
+native bf16 warns once, with the reason, when the weights load; a command that stops on an
+error first prints the error alone."""
 
 from __future__ import annotations
 
 import logging
 
 import pytest
+import torch
 
+import ragkv
 from ragkv import cpu
 from ragkv.config import ModelSettings, resolve_dtype
+from ragkv.errors import ModelError
+from ragkv.model import load_model
 
 
 @pytest.fixture()
@@ -41,17 +46,28 @@ def warnings():
     logger.removeHandler(handler)
 
 
-def test_explicit_bfloat16_on_a_cpu_without_it_warns_once(no_native_bf16, warnings):
+def test_bfloat16_on_a_cpu_without_it_warns_once_when_the_weights_load(no_native_bf16, warnings, tiny_llama):
     assert resolve_dtype("bfloat16", "cpu") == "bfloat16"  # still honoured
     assert ModelSettings(device="cpu", dtype="bfloat16").dtype == "bfloat16"
+    assert not warnings  # parsing the dtype runs nothing
+    load_model(str(tiny_llama), "cpu", "bfloat16", weights=False)
+    assert not warnings  # no weights, no compute
+    for _ in range(2):
+        assert load_model(str(tiny_llama), "cpu", "bfloat16").model.dtype == torch.bfloat16
     assert len(warnings) == 1 and "no native bfloat16" in warnings[0] and "--dtype float32" in warnings[0]
 
 
-def test_no_warning_where_bf16_is_native(monkeypatch, warnings):
+def test_a_store_without_bfloat16_kv_is_refused_before_the_model_loads(no_native_bf16, warnings, tiny_store):
+    with pytest.raises(ModelError, match="has no KV for model .* in bfloat16"):
+        ragkv.open(tiny_store, device="cpu", dtype="bfloat16")
+    assert not warnings  # the error alone: nothing was about to run in bfloat16
+
+
+def test_no_warning_where_bf16_is_native(monkeypatch, warnings, tiny_llama):
     monkeypatch.setattr(cpu, "bf16_features", lambda: ("amx_bf16",))
     cpu.warn_slow_bf16.cache_clear()
-    resolve_dtype("bfloat16", "cpu")
-    resolve_dtype("bfloat16", "cuda")
+    load_model(str(tiny_llama), "cpu", "bfloat16")
+    cpu.warn_if_slow("bfloat16", "cuda")
     assert not warnings
 
 
