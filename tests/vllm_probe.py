@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of paged KV on a CPU build
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker's connector in this process: to flush it
-HANG_GUARD_S = 1200  # a probe takes a minute or two; this only turns a hang into a failure with vLLM's log
+HANG_GUARD_S = 600  # a probe takes a minute or two; this only turns a hang into a failure with vLLM's log
 
 
 def run(python: str, model: str, store, spec: dict, work: Path) -> dict:
