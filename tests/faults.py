@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 
-def kill_after_sealing_a_shard() -> None:
+def kill_after_sealing_a_shard(not_before: threading.Event | None = None) -> None:
     """SIGKILL this process as soon as a shard writer seals a shard and before anything commits
-    catalog rows for it: the moment "data before index" must survive."""
+    catalog rows for it: the moment "data before index" must survive. `not_before`: a
+    background write-back waits for it before the kill (set it once the main thread has said
+    what the test reads, which the write-back would otherwise race)."""
     from store.shards import ShardWriter
 
     original = ShardWriter.flush
@@ -17,6 +20,8 @@ def kill_after_sealing_a_shard() -> None:
     def flush_then_die(self):
         sealed = original(self)
         if sealed:
+            if not_before is not None:
+                not_before.wait()
             os.kill(os.getpid(), signal.SIGKILL)
         return sealed
 

@@ -221,13 +221,15 @@ def test_concurrent_misses_of_one_chunk_store_one_entry(stores):
 
 
 WRITE_BACK_KILLED = textwrap.dedent("""
-    import sys
+    import sys, threading
     sys.path.insert(0, {root!r})
     import ragkv
     from tests.faults import kill_after_sealing_a_shard
     engine = ragkv.open({store!r}, device="cpu")
-    kill_after_sealing_a_shard()
+    printed = threading.Event()  # the write-back runs behind the answer: it dies only after the print
+    kill_after_sealing_a_shard(not_before=printed)
     print(engine.ask({question!r}, max_new_tokens=1).stats.kv_source, flush=True)
+    printed.set()
     engine.close()  # waits for the write-back, which kills this process after sealing its shard
     print("not killed", flush=True)
 """)

@@ -7,7 +7,10 @@ came from when it changes, and the writer waits for the reader to have seen each
 before it publishes the next (so the reader really asks while the store is re-indexed, on a
 machine of any speed). The reader's loop is bounded by a number of iterations, not seconds;
 it checks the stop file between iterations and acknowledges it, and the writer waits for the
-acknowledgement. Each iteration's seconds are logged, for the failure message."""
+acknowledgement. A failed read is said at once (`FAILED ...`) and ends the reader, so the
+writer fails with it instead of waiting. Each iteration's seconds are logged, for the failure
+message. (This test found a real hang: the reader spinning in DuckDB's `ATTACH IF NOT EXISTS`
+when it switched generations; tests/test_segments.py reproduces that alone.)"""
 
 from __future__ import annotations
 
@@ -47,6 +50,9 @@ READER = textwrap.dedent("""
             record["seconds"] = round(time.perf_counter() - began, 3)
             log.write(json.dumps(record) + "\\n")
             log.flush()
+            if "error" in record:  # say it and stop: the writer fails at once, not after its hang guard
+                print(f"FAILED {{record['error']}}", flush=True)
+                break
             if record.get("generation") != seen:
                 seen = record.get("generation")
                 print(f"SAW {{seen}}", flush=True)
@@ -80,6 +86,7 @@ def test_reader_sees_whole_generations_while_the_store_is_reindexed(tiny_llama, 
             line = reader.stdout.readline().strip()
             assert line, f"the reader ended before it saw generation {generation}: {said}"
             assert line != "EXHAUSTED", f"the reader ran {ITERATIONS} iterations without the stop: {said}"
+            assert not line.startswith("FAILED"), f"a read failed before generation {generation}: {said + [line]}"
             said.append(line)
 
     try:

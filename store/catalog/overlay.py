@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import duckdb
 import numpy as np
 import pyarrow as pa
 
@@ -62,7 +63,7 @@ class Overlay:
                 f"catalog {self.path.name} is a delta over {path.name}, which is missing; run "
                 f"`ragkv verify --repair --store {self.path.parent}`"
             )
-        self.con.execute(f"ATTACH IF NOT EXISTS '{path}' AS base (READ_ONLY)")  # one per database instance
+        self._attach_once(path)
         self.delta = True
         for table in TABLE_KEYS:
             # A reader's delta never changes: a table nothing deleted from needs no anti-join.
@@ -76,6 +77,28 @@ class Overlay:
                 else f"SELECT * FROM base.{table}"
             )
             self.con.execute(f"CREATE OR REPLACE TEMP VIEW {table} AS {live} UNION ALL SELECT * FROM add_{table}")
+
+    def _attach_once(self, path: Path) -> None:
+        """Attach the base as `base`, unless this database instance has it already (DuckDB
+        shares one instance between connections to the same file in a process).
+
+        Not `ATTACH IF NOT EXISTS`: DuckDB (1.5 and 2.0 measured) can spin forever in it
+        when a process attaches one file read-only from several instances, opening a new one
+        before it closes the old (a reader switching generations does exactly that: the
+        reproduction hung within a few hundred switches; a plain ATTACH ran thousands)."""
+        if not self._base_attached():
+            try:
+                self.con.execute(f"ATTACH '{path}' AS base (READ_ONLY)")
+            except duckdb.BinderException:  # another connection to this instance attached it just now
+                if not self._base_attached():
+                    raise
+
+    def _base_attached(self) -> bool:
+        return bool(
+            self.con.execute(
+                "SELECT count(*) FROM duckdb_databases() WHERE database_name = 'base' AND NOT internal"
+            ).fetchone()[0]
+        )
 
     @staticmethod
     def create_delta(con, base_name: str) -> None:
