@@ -703,7 +703,6 @@ def batch(
         blend_ratio=blend_ratio,
         decoding=decoding,
     )
-    settings.check_batchable("ragkv batch")
     items, errors = read_questions(questions)
     sink = _Output(out, "--out")
     started = time.perf_counter()

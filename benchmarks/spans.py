@@ -33,7 +33,7 @@ from benchmarks.fidelity import python_faq_or_exit, work_dir  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
 from benchmarks.passages import cold  # noqa: E402
 from ragkv.config import AskSettings, DecodeSettings, IngestSettings, ModelSettings  # noqa: E402
-from ragkv.generate import generate  # noqa: E402
+from ragkv.generate import decode_alone  # noqa: E402
 
 PAGES = ("general.html", "design.html", "library.html", "extending.html")
 KS = (2, 3, 5)
@@ -50,23 +50,17 @@ def first_token_and_answer(engine, rows, question: str, settings: AskSettings, t
     loaded = engine.loader.load(rows, chunk_ids, settings)
     assert not loaded.fallback, loaded.warnings
     assembly = loaded.assembly
-    stream = generate(
+    generated = decode_alone(
         lm.model,
         lm.tokenizer,
         assembly.cache,
         prompt[assembly.num_cached :],
         lm.facts.eos_ids,
         tokens,
-        start,
         assembly.after_prefill,
         DecodeSettings(repetition_penalty=1.0, no_repeat_ngram=0),
+        start,
     )
-    while True:
-        try:
-            next(stream)
-        except StopIteration as done:
-            generated = done.value
-            break
     return generated.first_token_s, generated.token_ids, assembly.num_cached, len(prompt)
 
 

@@ -75,7 +75,7 @@ class RagkvOptions(_Body):
     top_k: int = Field(1, ge=1, le=50)
     repetition_penalty: float = Field(DEFAULT_REPETITION_PENALTY, ge=1.0, le=10.0)
     no_repeat_ngram: int = Field(DEFAULT_NO_REPEAT_NGRAM, ge=0, le=64)
-    mode: Literal["exact", "approximate", "concat", "blend", "epic", "query"] = "exact"  # ape: not batched
+    mode: Literal["exact", "approximate", "concat", "blend", "epic", "query", "ape"] = "exact"
     context: Literal["chunk", "span", "document"] = "span"
     no_cache: bool = False
     doc_ids: list[str] | None = Field(None, max_length=100)

@@ -81,7 +81,6 @@ def answer_all(
 ) -> Iterator[BatchOutcome]:
     """Yield an outcome for every question, as each finishes (not in input order). At most
     twice `max_batch` questions are submitted ahead, so a long file holds little memory."""
-    settings.check_batchable("ragkv batch")
     window = 2 * max_batch
     with engine.batched(max_batch=max_batch, max_queue=window) as batcher:
         pending = iter(questions)
@@ -103,7 +102,7 @@ def answer_all(
 def _submit(batcher, runtime, question: Question, settings: AskSettings) -> Ticket:
     pinned = dataclasses.replace(settings, doc_ids=(question.doc,)) if question.doc else settings
     return batcher.submit(
-        lambda: Conversation(runtime, pinned), question.question, pinned.max_new_tokens, pinned.decoding
+        lambda: Conversation(runtime, pinned, batcher.engine), question.question, pinned.max_new_tokens, pinned.decoding
     )
 
 

@@ -33,7 +33,6 @@ DEFAULT_SPAN_TOKENS = 0  # see IngestSettings.span_tokens
 DEFAULT_MAX_DOCUMENT_BYTES = 8 << 20
 DTYPES = ("float32", "bfloat16", "float16")
 MODES = ("exact", "concat", "blend", "epic", "query", "ape")
-SINGLE_ONLY_MODES = ("ape",)  # attend differently per request: ask and stream only, not batched
 # `--mode approximate` on a store never calibrated (`ragkv calibrate`): on the Python FAQ set at
 # 5 passages, epic recomputing 5% kept 91% teacher-forced agreement and F1 within 0.01 of a full
 # prefill at 0.15 of its time to first token (benchmarks/results/passages.md).
@@ -276,14 +275,6 @@ class AskSettings(_Settings):
         if decoding:
             values["decoding"] = DecodeSettings(**decoding)
         return super().from_dict(values)
-
-    def check_batchable(self, where: str) -> None:
-        """Raise InputError if `where` (rows decoded together) cannot run this mode."""
-        if self.use_cache and self.mode in SINGLE_ONLY_MODES:
-            raise InputError(
-                f"--mode {self.mode} attends differently per request, which {where} does not do; "
-                "use ragkv ask or chat (or another --mode)"
-            )
 
     def __post_init__(self):
         if self.mode not in MODES and self.mode != "approximate":  # approximate: resolved per store (ragkv.calibration)

@@ -9,18 +9,18 @@ answer equals a full prefill of the whole conversation so far (float32).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from ragkv import kv
 from ragkv.answer import Answer, AnswerStream, Source, Stats
-from ragkv.ape import Scaling, attending
+from ragkv.ape import Scaling
 from ragkv.config import AskSettings, DecodeSettings
-from ragkv.errors import InputError
-from ragkv.generate import Generated, generate
+from ragkv.errors import InputError, RagkvError
+from ragkv.generate import Generated
 from ragkv.prompt import encode_text
-from ragkv.runtime import Runtime
+from ragkv.runtime import Prepared, Runtime
 from ragkv.text import check_text
 
 
@@ -36,6 +36,15 @@ class TurnPlan:
     stats: Stats
     start: float  # the caller's clock when the turn began
     prompt_ids: list[int]  # the whole conversation up to the answer
+    attention: Scaling | None = None  # ape: how the turn's tokens attend to the context
+
+
+class Streams(Protocol):
+    """What runs a conversation's turns: the engine (ragkv.engine.Engine)."""
+
+    def stream(
+        self, conversation: Conversation, message: str, max_new_tokens: int, decoding: DecodeSettings
+    ) -> AnswerStream: ...
 
 
 @dataclass
@@ -46,11 +55,13 @@ class Turn:
 
 
 class Conversation:
-    """Use `engine.conversation()`; then `ask` (or `stream`) once per user message."""
+    """Use `engine.conversation()`; then `ask` (or `stream`) once per user message. Its turns
+    run on the engine that opened it, batched with whatever else that engine answers."""
 
-    def __init__(self, runtime: Runtime, settings: AskSettings):
+    def __init__(self, runtime: Runtime, settings: AskSettings, engine: Streams | None = None):
         self.runtime = runtime
         self.settings = settings
+        self.engine = engine
         self.reset()
 
     def ids(self) -> list[int]:
@@ -73,8 +84,10 @@ class Conversation:
         the conversation's settings."""
         if not message.strip():
             raise InputError("the message is empty; say something")
-        return AnswerStream(
-            self._turn(message, max_new_tokens or self.settings.max_new_tokens, decoding or self.settings.decoding)
+        if self.engine is None:
+            raise RagkvError("this conversation has no engine to run on; open it with engine.conversation()")
+        return self.engine.stream(
+            self, message, max_new_tokens or self.settings.max_new_tokens, decoding or self.settings.decoding
         )
 
     def replay(self, message: str, answer: str) -> None:
@@ -84,7 +97,9 @@ class Conversation:
         check_text(answer, "an answer")
         runtime = self.runtime
         if not self.turns:
-            new_ids, _, _ = self._open_context(message)
+            prepared = runtime.prepare(message, self.settings)
+            self._open_context(prepared)
+            new_ids = prepared.question_ids
         else:
             new_ids = runtime.active.layout.turn_ids(runtime.lm.tokenizer, message)
         self.turns.append(Turn(message, new_ids, encode_text(runtime.lm.tokenizer, answer)))
@@ -98,22 +113,6 @@ class Conversation:
         self.attention: Scaling | None = None  # ape: how the turns attend to the context
         self._stored_context: int = 0  # leading context tokens whose KV came from the store
 
-    def _turn(self, message: str, max_new_tokens: int, decoding: DecodeSettings) -> Generator[str, None, Answer]:
-        plan = self.begin_turn(message, max_new_tokens)
-        lm = self.runtime.lm
-        done = yield from generate(
-            attending(lm.model, self.attention),
-            lm.tokenizer,
-            plan.cache,
-            plan.live_ids,
-            lm.facts.eos_ids,
-            plan.budget,
-            plan.start,
-            plan.after_prefill,
-            decoding,
-        )
-        return self.end_turn(plan, done)
-
     def begin_turn(self, message: str, max_new_tokens: int) -> TurnPlan:
         """Add `message` as the next turn and say what generating its answer takes: prefill
         `live_ids` on top of `cache` (this conversation's cache, which the caller grows), then
@@ -123,21 +122,26 @@ class Conversation:
         start = time.perf_counter()
         runtime = self.runtime
         after_prefill = None
-        if not self.turns:
-            new_ids, after_prefill, stats = self._open_context(message)
+        if not self.turns:  # the counts come from assembling the context
+            prepared = self.runtime.prepare(message, self.settings)
+            self._open_context(prepared)
+            new_ids, after_prefill, stats = prepared.question_ids, prepared.assembly.after_prefill, prepared.stats
+            live_ids = prepared.live_ids
+            self.turns.append(Turn(message, new_ids, []))
         else:
             stats = runtime.new_stats(self.settings)
             new_ids = runtime.active.layout.turn_ids(runtime.lm.tokenizer, message)
             self._fit(len(new_ids) + max_new_tokens, stats)
-        self.turns.append(Turn(message, new_ids, []))
-        conversation = self.ids()
-        cached = kv.num_cached(self.cache)
-        live_ids = conversation[cached:]
-        if len(self.turns) > 1:  # the first turn's counts come from assembling its context
+            self.turns.append(Turn(message, new_ids, []))
+            cached = kv.num_cached(self.cache)
+            live_ids = self.ids()[cached:]
             stats.reused_tokens = cached
-        stats.computed_tokens = len(live_ids)
+            stats.computed_tokens = len(live_ids)
+        conversation = self.ids()
         budget = runtime.fit_budget(len(conversation), max_new_tokens, stats)
-        return TurnPlan(message, self.cache, live_ids, budget, after_prefill, stats, start, conversation)
+        return TurnPlan(
+            message, self.cache, live_ids, budget, after_prefill, stats, start, conversation, self.attention
+        )
 
     def end_turn(self, plan: TurnPlan, done: Generated, cache=None) -> Answer:
         """Record the turn's answer (`done`); `cache`, when given, replaces the conversation's
@@ -149,17 +153,13 @@ class Conversation:
         self.runtime.savings.add(plan.stats)
         return Answer(plan.message, done.text, done.token_ids, self.sources, plan.stats, plan.prompt_ids)
 
-    def _open_context(self, message: str) -> tuple[list[int], Callable[[object], None] | None, Stats]:
-        """Retrieve for the first message and assemble the context's cache; returns the
-        message's ids (the question template around it), the assembly's after-prefill hook
-        and what retrieving and loading did."""
-        prepared = self.runtime.prepare(message, self.settings)
+    def _open_context(self, prepared: Prepared) -> None:
+        """Take the first message's retrieved context and its assembled cache."""
         self.context_ids = prepared.prompt_ids[: len(prepared.prompt_ids) - len(prepared.question_ids)]
         self.sources = prepared.sources()
         self.cache = prepared.assembly.cache
         self.attention = prepared.assembly.attention
         self._stored_context = prepared.assembly.num_cached
-        return prepared.question_ids, prepared.assembly.after_prefill, prepared.stats
 
     def _fit(self, needed: int, stats: Stats) -> None:
         """Drop the oldest turns until the conversation plus `needed` tokens fits the context,

@@ -5,7 +5,7 @@ token is chosen by a `ragkv.decoding.Decoder`."""
 from __future__ import annotations
 
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -80,8 +80,8 @@ class Generated:
 
 
 class DecodeState:
-    """One sequence's decoding, whatever runs its forwards (`generate` alone, or a row of the
-    continuous batcher): picks each token with its own `Decoder`, turns tokens into text
+    """One sequence's decoding, whatever runs its forwards (a row of the engine's batch, or
+    `decode_alone`): picks each token with its own `Decoder`, turns tokens into text
     (`delta`: what the last token added), and knows when it is finished: an EOS (not kept),
     a stop string, or `budget` tokens."""
 
@@ -94,13 +94,19 @@ class DecodeState:
         self.prefill_s = 0.0
         self.first_token_s = 0.0
         self.decode_start = 0.0
-        self.next_token = -1  # picked, not yet fed
+        self.next_token: int | None = None  # picked, not yet fed
         self.delta = ""
         self.finish_reason = ""  # "stop", "length", or "cancelled" (set by the caller)
 
     @property
     def token_ids(self) -> list[int]:
         return self.text.token_ids
+
+    def to_feed(self) -> int:
+        """The token picked last: what the next forward feeds."""
+        if self.next_token is None:
+            raise RuntimeError("no token has been picked yet: take the prefill's logits first")
+        return self.next_token
 
     def take(self, logits: torch.Tensor) -> bool:
         """Pick the next token from `logits` `(V,)`; returns whether the sequence is finished."""
@@ -137,33 +143,29 @@ class DecodeState:
         )
 
 
-def generate(
+def decode_alone(
     model,
     tokenizer,
     cache,
     live_ids: Sequence[int],
     eos_ids: Sequence[int],
     max_new_tokens: int,
-    started: float,
     after_prefill=None,
     decoding: DecodeSettings | None = None,
-) -> Generator[str, None, Generated]:
-    """Prefill `live_ids` on top of `cache`, then decode (`decoding`, default greedy with the
-    default repetition controls), yielding text deltas; returns what was generated and when.
-    `after_prefill(cache)` runs between the two (it may read the prompt's KV before decoding
-    grows the cache). Mutates `cache`."""
-    state = DecodeState(tokenizer, eos_ids, max_new_tokens, decoding or DecodeSettings(), started)
+    started: float | None = None,
+) -> Generated:
+    """Prefill `live_ids` on top of `cache`, then decode one token per forward (`decoding`,
+    default greedy with the default repetition controls) until finished. No scheduler: the
+    plain loop that answers are checked against (tests, benchmarks); answers themselves go
+    through ragkv.engine. `after_prefill(cache)` runs between the two; the first token's time
+    counts from `started` (the caller's clock; default now). Mutates `cache`."""
     prefill_start = time.perf_counter()
+    state = DecodeState(tokenizer, eos_ids, max_new_tokens, decoding or DecodeSettings(), started or prefill_start)
     logits = prefill(model, live_ids, cache)
     state.prefill_s = time.perf_counter() - prefill_start
     if after_prefill is not None:
         after_prefill(cache)
     while not state.take(logits):
-        if state.delta:
-            yield state.delta
-        logits = step(model, state.next_token, cache)
-    if state.delta:
-        yield state.delta
-    if tail := state.finish():
-        yield tail
+        logits = step(model, state.to_feed(), cache)
+    state.finish()
     return state.result()

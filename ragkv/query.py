@@ -4,8 +4,7 @@ the work is done by the `Runtime` it holds (ragkv.retrieval, ragkv.loader)."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -15,14 +14,15 @@ from ragkv.answer import Answer, AnswerStream, Savings
 from ragkv.assemble import Assembly
 from ragkv.config import KV_DTYPES, AskSettings, resolve_device
 from ragkv.conversation import Conversation
+from ragkv.engine import Batcher, Engine
 from ragkv.errors import InputError, ModelError
-from ragkv.generate import generate, prefill
+from ragkv.generate import prefill
 from ragkv.loader import KVLoader
 from ragkv.lru import ByteLRU
 from ragkv.prefix_cache import PrefixCache
 from ragkv.retrieval import Prompt, Retrieved, Retriever
 from ragkv.runtime import Prepared, Runtime
-from ragkv.scheduler import Batcher, BatchSettings
+from ragkv.scheduler import BatchSettings
 from store import ContextRow, StoreSnapshot, open_snapshot
 
 __all__ = ["ActiveProfile", "Prepared", "Prompt", "QueryEngine"]
@@ -61,6 +61,7 @@ class QueryEngine:
         )
         loader = KVLoader(snapshot, lm, active, self.device, prefix_cache_bytes, ram_bytes, write_back, log_uses)
         self.runtime = Runtime(lm, active, retriever, loader)
+        self.engine = Engine(self.runtime)  # every answer of this engine is a request to it
         self.lm, self.active, self.loader = lm, active, loader
 
     @property
@@ -137,48 +138,25 @@ class QueryEngine:
 
     def stream(self, question: str, settings: AskSettings | None = None, **options) -> AnswerStream:
         """Like `ask`, but iterate the result for text as it is generated."""
-        settings = settings or AskSettings.from_dict(options)
-        if not question.strip():
-            raise InputError("the question is empty; ask something")
-        return AnswerStream(self._answer(question, settings))
+        return self.engine.ask_stream(question, settings or AskSettings.from_dict(options))
 
     def batched(self, **settings) -> Batcher:
-        """A continuous-batching front for this engine (settings as in `BatchSettings`:
-        max_batch, max_batch_tokens, prefill_chunk, max_queue). Call its `ask` from many
-        threads: their answers decode together, each equal to asking alone (float32). While
-        it is open it owns the model: use it, not this engine's own `ask`. Close it (or use
-        `with`) to stop its model thread."""
-        return Batcher(self.runtime, BatchSettings(**settings))
+        """This engine, stepped by a background thread while the returned `Batcher` is open
+        (settings as in `BatchSettings`: max_batch, max_batch_tokens, prefill_chunk,
+        max_queue). Call its `ask` from many threads: their answers decode together, each
+        equal to asking alone (float32). Threads calling this engine's own `ask` batch too;
+        the thread only saves them stepping. Close it (or use `with`) to stop the thread."""
+        return Batcher(self.engine, BatchSettings(**settings))
 
     def conversation(self, settings: AskSettings | None = None, **options) -> Conversation:
         """A multi-turn conversation: its first message retrieves, later ones reuse the cache."""
-        return Conversation(self.runtime, settings or AskSettings.from_dict(options))
+        return Conversation(self.runtime, settings or AskSettings.from_dict(options), self.engine)
 
     def first_token_logits(self, question: str, settings: AskSettings | None = None, **options) -> torch.Tensor:
         """The next-token logits `(V,)` after the prompt, as `ask` would see them (for comparing
         the cached path with a full prefill: exactness tests, fidelity evaluations)."""
         prepared = self.prepare(question, settings or AskSettings.from_dict(options))
         return prefill(prepared.assembly.attending(self.lm.model), prepared.live_ids, prepared.assembly.cache).float()
-
-    def _answer(self, question: str, settings: AskSettings) -> Generator[str, None, Answer]:
-        start = time.perf_counter()
-        prepared = self.prepare(question, settings)
-        stats = prepared.stats
-        max_new_tokens = self.runtime.fit_budget(len(prepared.prompt_ids), settings.max_new_tokens, stats)
-        done = yield from generate(
-            prepared.assembly.attending(self.lm.model),
-            self.lm.tokenizer,
-            prepared.assembly.cache,
-            prepared.live_ids,
-            self.lm.facts.eos_ids,
-            max_new_tokens,
-            start,
-            prepared.assembly.after_prefill,
-            settings.decoding,
-        )
-        stats.record(done, start)
-        self.savings.add(stats)
-        return Answer(question, done.text, done.token_ids, prepared.sources(), stats, prepared.prompt_ids)
 
     def flush(self) -> None:
         """Wait until KV computed on misses so far is written to the store (or given up)."""

@@ -1,18 +1,16 @@
-"""Continuous batching: one model thread advances every active answer by one token per
-forward pass, whatever its context (stored document KV, a conversation, a full prefill).
-
-    batcher = engine.batched()                      # engine: a QueryEngine (ragkv.open)
-    answer = batcher.ask("How do I rotate the API key?")        # from any number of threads
-    ticket = batcher.submit(conversation, message, on_text=print)  # streaming, cancellable
-
-Each loop iteration of the model thread:
-1. admits waiting turns while the batch has room (`max_batch` rows, and `max_batch_tokens`
+"""The scheduler: what one step of the engine does (nano-vllm's `Scheduler`). It holds the
+requests (turns of a conversation) waiting, prefilling and decoding; `step()` advances them,
+in whichever thread the engine runs it (ragkv.engine):
+1. runs the calls queued for the model's thread (retrieval, the catalog);
+2. admits waiting turns while the batch has room (`max_batch` rows, and `max_batch_tokens`
    padded tokens: rows x the longest row's prompt + budget): retrieval and the stored KV are
    loaded into the turn's own cache;
-2. prefills the oldest admitted turn by one chunk of at most `prefill_chunk` tokens (a long
-   prefill, such as --no-cache, never stalls the others for more than one chunk);
-3. advances every decoding row by one token in one forward (`kv.RaggedBatch`: each row's
-   tokens in a slot of its own, a padding mask, per-row positions).
+3. prefills the oldest admitted turn: whole when nothing else runs, else by one chunk of at
+   most `prefill_chunk` tokens (a long prefill, such as --no-cache, never stalls the others
+   for more than one chunk);
+4. advances every decoding row by one token: the rows together in one forward
+   (`kv.RaggedBatch`: each row's tokens in a slot of its own, a padding mask, per-row
+   positions), and a turn that attends in its own way (`--mode ape`) in a forward of its own.
 A turn whose prefill is done picks its first token and joins the batch; a finished or
 cancelled one leaves it at once (its KV goes back to its conversation, for a follow-up).
 Every token is chosen by the turn's own `Decoder`, so in float32 an answer from inside a
@@ -33,10 +31,11 @@ import torch
 
 from ragkv import kv
 from ragkv.answer import Answer
-from ragkv.config import AskSettings, DecodeSettings
+from ragkv.ape import attending
+from ragkv.config import DecodeSettings
 from ragkv.conversation import Conversation, TurnPlan
 from ragkv.errors import InputError, RagkvError
-from ragkv.generate import DecodeState, prefill
+from ragkv.generate import DecodeState, prefill, step
 from ragkv.runtime import Runtime
 from ragkv.text import check_text
 
@@ -53,7 +52,7 @@ class Busy(RagkvError):
 class BatchSettings:
     max_batch: int = 16  # rows decoded together
     max_batch_tokens: int = 32768  # rows x the longest row's (prompt + budget): KV the batch may hold, padded
-    prefill_chunk: int = 256  # most prompt tokens one turn prefills per loop iteration
+    prefill_chunk: int = 256  # most prompt tokens one turn prefills per step while others run
     max_queue: int = 64  # turns that may wait to be admitted; more: Busy
 
     def __post_init__(self):
@@ -94,7 +93,7 @@ class Ticket:
 @dataclass
 class _Turn:
     ticket: Ticket
-    conversation: Conversation | Callable[[], Conversation]  # a factory runs on the model thread
+    conversation: Conversation | Callable[[], Conversation]  # a factory runs when the turn is admitted
     message: str
     max_new_tokens: int
     decoding: DecodeSettings
@@ -109,46 +108,48 @@ class _Turn:
         """Tokens this turn's row may come to hold: prompt + budget."""
         return len(self.plan.prompt_ids) + self.plan.budget if self.plan else 0
 
+    @property
+    def is_solo(self) -> bool:
+        """Whether the turn attends in its own way (ape's scaling): it decodes in its own forward."""
+        return self.plan is not None and self.plan.attention is not None
 
-class Batcher:
-    """Runs every turn submitted to it on one model thread, decoding them together. Owns the
-    runtime's model while open: do not call the engine's own ask/stream meanwhile."""
 
-    def __init__(
-        self, runtime: Runtime, settings: BatchSettings | None = None, before_admit: Callable[[], None] | None = None
-    ):
+class Scheduler:
+    """The engine's requests and what one `step()` does with them. `add_request` and `call`
+    may come from any thread; `step` from one thread at a time (the engine's step lock)."""
+
+    def __init__(self, runtime: Runtime, settings: BatchSettings | None = None):
         self.runtime = runtime
         self.settings = settings or BatchSettings()
-        self.before_admit = before_admit  # e.g. move the engine to a newer store generation
+        self.before_admit: Callable[[], None] | None = None  # e.g. move to a newer store generation
+        self._queued = threading.Lock()  # guards the two queues callers append to
         self._waiting: deque[_Turn] = deque()
+        self._calls: deque[tuple[Callable, tuple, Future]] = deque()  # other model work, between steps
         self._prefilling: deque[_Turn] = deque()
-        self._rows: list[_Turn] = []  # decoding, in RaggedBatch row order
-        self._batch = kv.RaggedBatch(runtime.lm.model.config)
-        self._calls: deque[tuple[Callable, tuple, Future]] = deque()  # other model-thread work, between steps
-        self._wake = threading.Condition()
-        self._closed = False
+        self._rows: list[_Turn] = []  # decoding together, in RaggedBatch row order
+        self._solo: list[_Turn] = []  # decoding in forwards of their own
+        self._rows_batch: kv.RaggedBatch | None = None  # made with the first row: an engine without weights has none
         self.tokens_generated = 0  # since open
-        self._rate: deque[tuple[float, int]] = deque()  # (when, tokens_generated) over the last 10 s
-        self._thread = threading.Thread(target=self._loop, name="ragkv-batcher", daemon=True)
-        self._thread.start()
 
-    # -- the callers' side (any thread) ---------------------------------------------------
+    @property
+    def _batch(self) -> kv.RaggedBatch:
+        if self._rows_batch is None:
+            self._rows_batch = kv.RaggedBatch(self.runtime.lm.model.config)
+        return self._rows_batch
+
     @property
     def num_running(self) -> int:
-        return len(self._rows) + len(self._prefilling)
+        return len(self._rows) + len(self._solo) + len(self._prefilling)
 
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
 
-    def tokens_per_s(self) -> float:
-        """Answer tokens generated per second over the last 10 s."""
-        rate = list(self._rate)
-        if len(rate) < 2 or rate[-1][0] == rate[0][0]:
-            return 0.0
-        return (rate[-1][1] - rate[0][1]) / (rate[-1][0] - rate[0][0])
+    @property
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._calls or self.num_running)
 
-    def submit(
+    def add_request(
         self,
         conversation: Conversation | Callable[[], Conversation],
         message: str,
@@ -156,79 +157,48 @@ class Batcher:
         decoding: DecodeSettings,
         on_text: Callable[[str], None] | None = None,
     ) -> Ticket:
-        """Queue the next turn of `conversation` (or of the one a factory returns, called on the
-        model thread when the turn is admitted: opening one may retrieve and load KV).
-        `on_text(delta)` is called on the model thread as text is generated. Raises Busy when
-        `max_queue` turns already wait."""
+        """Queue the next turn of `conversation` (or of the one a factory returns, called when
+        the turn is admitted: opening one may retrieve and load KV). `on_text(delta)` is called
+        in the stepping thread as text is generated. Raises Busy when `max_queue` turns wait."""
         if not check_text(message, "the message").strip():
             raise InputError("the message is empty; say something")
-        if isinstance(conversation, Conversation):
-            conversation.settings.check_batchable("batched decoding")
         turn = _Turn(Ticket(), conversation, message, max_new_tokens, decoding, on_text)
-        with self._wake:
-            if self._closed:
-                raise RagkvError("the batcher is closed")
-            if len(self._waiting) + len(self._calls) >= self.settings.max_queue:
-                raise Busy(f"{len(self._waiting)} requests wait for the model; retry shortly")
+        with self._queued:
+            self._check_room()
             self._waiting.append(turn)
-            self._wake.notify()
         return turn.ticket
 
-    def ask(self, question: str, settings: AskSettings | None = None, **options) -> Answer:
-        """Answer `question` (options as in `AskSettings`), batched with whatever else runs."""
-        settings = settings or AskSettings.from_dict(options)
-        settings.check_batchable("batched decoding")
-        return self.submit(
-            lambda: Conversation(self.runtime, settings), question, settings.max_new_tokens, settings.decoding
-        ).result()
-
     def call(self, fn: Callable, *args) -> Future:
-        """Run `fn(*args)` on the model thread between two steps (work that shares the engine:
+        """Run `fn(*args)` at the start of the next step (work that shares the model's thread:
         retrieval, the catalog). Counts against `max_queue`."""
         future: Future = Future()
-        with self._wake:
-            if len(self._waiting) + len(self._calls) >= self.settings.max_queue:
-                raise Busy("too many requests wait for the model; retry shortly")
+        with self._queued:
+            self._check_room()
             self._calls.append((fn, args, future))
-            self._wake.notify()
         return future
 
-    def close(self) -> None:
-        """Finish what is admitted or waiting, then stop the model thread."""
-        with self._wake:
-            self._closed = True
-            self._wake.notify()
-        self._thread.join()
+    def _check_room(self) -> None:
+        if len(self._waiting) + len(self._calls) >= self.settings.max_queue:
+            raise Busy(f"{len(self._waiting) + len(self._calls)} requests wait for the model; retry shortly")
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    # -- the model thread -----------------------------------------------------------------
-    def _loop(self) -> None:
-        while True:
-            with self._wake:
-                while not (self._waiting or self._calls or self._prefilling or self._rows or self._closed):
-                    self._wake.wait()
-                if self._closed and not (self._waiting or self._calls or self._prefilling or self._rows):
-                    return
-            self._run_calls()
-            try:
-                self._drop_cancelled()
-                self._admit()
-                if self._prefilling:
-                    self._prefill_step(self._prefilling[0])
-                if self._rows:
-                    self._decode_step()
-            except BaseException as exc:  # a bug or a device error: fail what is active, keep serving
-                log.exception("batch step failed")
-                self._fail_active(exc)
+    def step(self) -> None:
+        """Advance every request by one step (see the module's docstring). Whatever fails here
+        fails the requests it touched; the scheduler stays usable."""
+        self._run_calls()
+        try:
+            self._drop_cancelled()
+            self._admit()
+            if self._prefilling:
+                self._prefill_step(self._prefilling[0])
+            if self._rows or self._solo:
+                self._decode_step()
+        except BaseException as exc:  # a bug or a device error: fail what is active, keep serving
+            log.exception("engine step failed")
+            self._fail_active(exc)
 
     def _run_calls(self) -> None:
         while self._calls:
-            with self._wake:
+            with self._queued:
                 fn, args, future = self._calls.popleft()
             try:
                 future.set_result(fn(*args))
@@ -239,7 +209,7 @@ class Batcher:
         if self._waiting and self.before_admit is not None:
             self.before_admit()
         while self._waiting and self._has_room():
-            with self._wake:
+            with self._queued:
                 turn = self._waiting.popleft()
             if turn.ticket.is_cancelled:
                 turn.ticket.resolve(error=InputError("cancelled before it started"))
@@ -249,12 +219,9 @@ class Batcher:
                     turn.conversation = turn.conversation()
                 turn.plan = turn.conversation.begin_turn(turn.message, turn.max_new_tokens)
                 turn.pending = list(turn.plan.live_ids)
+                lm = self.runtime.lm
                 turn.state = DecodeState(
-                    self.runtime.lm.tokenizer,
-                    self.runtime.lm.facts.eos_ids,
-                    turn.plan.budget,
-                    turn.decoding,
-                    turn.plan.start,
+                    lm.tokenizer, lm.facts.eos_ids, turn.plan.budget, turn.decoding, turn.plan.start
                 )
             except Exception as exc:
                 if not isinstance(exc, RagkvError):
@@ -264,7 +231,7 @@ class Batcher:
             self._prefilling.append(turn)
 
     def _has_room(self) -> bool:
-        active = [*self._rows, *self._prefilling]
+        active = [*self._rows, *self._solo, *self._prefilling]
         if not active:
             return True  # one turn always runs, however large
         if len(active) >= self.settings.max_batch:
@@ -274,15 +241,15 @@ class Batcher:
         return (len(active) + 1) * longest <= self.settings.max_batch_tokens
 
     def _prefill_step(self, turn: _Turn) -> None:
-        """Prefill `turn` by one chunk; once its prompt is in, pick its first token and add its row.
-        A failure before the row joins the batch touches only this turn's own cache: it fails alone."""
+        """Prefill `turn` (by one chunk while others run); once its prompt is in, pick its first
+        token and add its row. A failure before the row joins the batch touches only this
+        turn's own cache: it fails alone."""
         try:
             started = time.perf_counter()
-            chunk, turn.pending = (
-                turn.pending[: self.settings.prefill_chunk],
-                turn.pending[self.settings.prefill_chunk :],
-            )
-            logits = prefill(self.runtime.lm.model, chunk, turn.plan.cache)
+            others = self._rows or self._solo or len(self._prefilling) > 1 or self._waiting
+            size = self.settings.prefill_chunk if others else len(turn.pending)
+            chunk, turn.pending = turn.pending[:size], turn.pending[size:]
+            logits = prefill(attending(self.runtime.lm.model, turn.plan.attention), chunk, turn.plan.cache)
             turn.state.prefill_s += time.perf_counter() - started
             if turn.pending:
                 return
@@ -299,6 +266,9 @@ class Batcher:
                 log.exception("a request failed in its prefill")
             turn.ticket.resolve(error=exc)
             return
+        if turn.is_solo:
+            self._solo.append(turn)
+            return
         try:
             self._batch.add(turn.plan.cache)
         except BaseException as exc:  # the shared batch may be half-changed: fail it here and reset all
@@ -308,15 +278,17 @@ class Batcher:
 
     @torch.inference_mode()
     def _decode_step(self) -> None:
-        logits = self._batch.step(self.runtime.lm.model, [t.state.next_token for t in self._rows])  # (B, V)
-        for turn in self._rows:
-            turn.max_rows = max(turn.max_rows, len(self._rows))
-        done = [i for i, turn in enumerate(self._rows) if self._take(turn, logits[i])]
-        self._leave(done)
-        now = time.monotonic()
-        self._rate.append((now, self.tokens_generated))
-        while self._rate and now - self._rate[0][0] > 10.0:
-            self._rate.popleft()
+        size = len(self._rows) + len(self._solo)
+        for turn in [*self._rows, *self._solo]:
+            turn.max_rows = max(turn.max_rows, size)
+        if self._rows:
+            logits = self._batch.step(self.runtime.lm.model, [t.state.to_feed() for t in self._rows])  # (B, V)
+            self._leave([i for i, turn in enumerate(self._rows) if self._take(turn, logits[i])])
+        for turn in list(self._solo):
+            model = attending(self.runtime.lm.model, turn.plan.attention)
+            if self._take(turn, step(model, turn.state.to_feed(), turn.plan.cache)):  # logits (V,)
+                self._solo.remove(turn)
+                self._finish(turn, turn.plan.cache)
 
     def _take(self, turn: _Turn, logits: torch.Tensor) -> bool:
         """Pick `turn`'s next token from `logits`; returns whether the turn is finished."""
@@ -349,15 +321,19 @@ class Batcher:
             self._prefilling.remove(turn)
             turn.state.finish_reason = "cancelled"
             self._finish(turn, None)
+        for turn in [t for t in self._solo if t.ticket.is_cancelled]:
+            self._solo.remove(turn)
+            turn.state.finish_reason = "cancelled"
+            self._finish(turn, turn.plan.cache)
         cancelled = [i for i, t in enumerate(self._rows) if t.ticket.is_cancelled]
         for i in cancelled:
             self._rows[i].state.finish_reason = "cancelled"
         self._leave(cancelled)
 
     def _fail_active(self, exc: BaseException) -> None:
-        for turn in [*self._prefilling, *self._rows]:
+        for turn in [*self._prefilling, *self._rows, *self._solo]:
             if not turn.ticket.future.done():
                 turn.ticket.resolve(error=exc)
         self._prefilling.clear()
-        self._rows = []
-        self._batch = kv.RaggedBatch(self.runtime.lm.model.config)
+        self._rows, self._solo = [], []
+        self._rows_batch = None

@@ -1,6 +1,6 @@
 """`ragkv serve`: an OpenAI-compatible RAG endpoint that keeps the model, the store and hot KV
-warm. FastAPI + uvicorn; model work runs on one thread (`ragkv.scheduler.Batcher`), which
-decodes every active request together, one token per forward (continuous batching): new
+warm. FastAPI + uvicorn; model work runs on the engine's background thread (`ragkv.engine`),
+which decodes every active request together, one token per forward (continuous batching): new
 requests join at the next step, finished or disconnected ones leave at once, and a long
 prefill is split into chunks so running streams keep flowing. A bounded number of requests
 may wait to be admitted (beyond that: 503 with Retry-After).
@@ -41,11 +41,12 @@ from ragkv.api import (
     split_messages,
 )
 from ragkv.config import AskSettings, DecodeSettings
+from ragkv.engine import Engine
 from ragkv.errors import RagkvError
 from ragkv.guard import RequestGuard
 from ragkv.keys import digest
 from ragkv.lru import ByteLRU
-from ragkv.scheduler import Batcher, BatchSettings, Busy
+from ragkv.scheduler import BatchSettings, Busy
 
 log = logging.getLogger("ragkv")
 
@@ -81,7 +82,7 @@ class Conversations:
 
 # -- the app -------------------------------------------------------------------------------
 class Metrics:
-    def __init__(self, engine, batcher):
+    def __init__(self, engine, batcher: Engine):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("ragkv_requests", "HTTP requests", ["endpoint", "status"], registry=r)
@@ -132,8 +133,8 @@ def build_app(engine, settings: ServeSettings) -> FastAPI:
         except RagkvError as exc:  # keep serving the generation we have
             log.warning("not switching store generation: %s", exc)
 
-    batcher = Batcher(
-        engine.runtime,
+    batcher: Engine = engine.engine
+    batcher.start(
         BatchSettings(
             max_batch=settings.max_batch,
             max_batch_tokens=settings.max_batch_tokens,
@@ -146,7 +147,7 @@ def build_app(engine, settings: ServeSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app):
         yield
-        batcher.close()
+        batcher.stop()  # finishes what is queued
 
     app = FastAPI(title="ragkv", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     metrics = Metrics(engine, batcher)
@@ -204,7 +205,7 @@ def build_app(engine, settings: ServeSettings) -> FastAPI:
     return app
 
 
-def _add_info_routes(app: FastAPI, engine, batcher: Batcher, metrics: Metrics, authorised) -> None:
+def _add_info_routes(app: FastAPI, engine, batcher: Engine, metrics: Metrics, authorised) -> None:
     @app.get("/healthz")
     async def healthz():
         return {
@@ -225,7 +226,7 @@ def _add_info_routes(app: FastAPI, engine, batcher: Batcher, metrics: Metrics, a
 
     @app.post("/v1/retrieve", dependencies=[Depends(authorised)])
     async def retrieve(body: RetrieveRequest):
-        hits = await asyncio.wrap_future(batcher.call(engine.retrieve, body.query, body.top_k, body.doc_ids))
+        hits = await asyncio.wrap_future(batcher.call_soon(engine.retrieve, body.query, body.top_k, body.doc_ids))
         return {
             "object": "list",
             "data": [
@@ -283,9 +284,7 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _submit(
-    batcher: Batcher, conversations: Conversations, history, question: str, settings: AskSettings, on_text=None
-):
+def _submit(batcher: Engine, conversations: Conversations, history, question: str, settings: AskSettings, on_text=None):
     """Queue a turn: the kept conversation holding `history` (or a new one replaying it) is
     opened on the model thread when the turn is admitted, and kept again once answered.
     Returns the Ticket and a dict whose "reused" says whether a kept conversation served."""

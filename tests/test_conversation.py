@@ -3,32 +3,19 @@ answer equals a full prefill of the whole conversation so far (float32)."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 import ragkv
 from ragkv import kv
 from ragkv.errors import InputError
-from ragkv.generate import generate
+from ragkv.generate import decode_alone
 from tests.conftest import QUESTIONS
 
 
 def full_prefill_answer(engine, ids, max_new_tokens):
-    run = generate(
-        engine.lm.model,
-        engine.lm.tokenizer,
-        kv.to_cache_empty(engine.lm.model.config),
-        ids,
-        engine.lm.facts.eos_ids,
-        max_new_tokens,
-        time.perf_counter(),
-    )
-    while True:
-        try:
-            next(run)
-        except StopIteration as done:
-            return done.value.token_ids
+    empty = kv.to_cache_empty(engine.lm.model.config)
+    lm = engine.lm
+    return decode_alone(lm.model, lm.tokenizer, empty, ids, lm.facts.eos_ids, max_new_tokens).token_ids
 
 
 @pytest.mark.parametrize("top_k", [1, 2])

@@ -39,7 +39,7 @@ ONLINE_LAYERS = [  # bottom up; a module may import its own layer and those belo
     {"ragkv.active", "ragkv.calibration", "ragkv.retrieval", "ragkv.loader", "ragkv.integrations.paged"},
     {"ragkv.runtime", "ragkv.integrations.store_match"},
     {"ragkv.conversation"},
-    {"ragkv.scheduler", "ragkv.api"},
+    {"ragkv.scheduler", "ragkv.engine", "ragkv.api"},
     {
         "ragkv.query",
         "ragkv.batch",

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
 import ragkv
+from ragkv.config import DecodeSettings
 from ragkv.errors import InputError, ModelError
 from ragkv.forward import compute_chunks, compute_prefix
 from ragkv.keys import KVKey
@@ -68,35 +71,26 @@ def test_ape_without_temperature_or_scaling_is_concat_and_with_them_attends_diff
         assert torch.equal(again, concat)
 
 
-def test_ape_attends_the_same_in_a_conversation_and_is_refused_where_rows_decode_together(tiny_store, tmp_path):
-    from typer.testing import CliRunner
-
-    from cli import app
-
+def test_ape_attends_the_same_in_a_conversation_and_beside_other_rows(tiny_store):
     with ragkv.open(tiny_store, device="cpu") as engine:
         alone = engine.ask(QUESTIONS[0], mode="ape", top_k=3, ape_scale=0.5, max_new_tokens=6)
         chat = engine.conversation(mode="ape", top_k=3, ape_scale=0.5, max_new_tokens=6)
         assert chat.ask(QUESTIONS[0]).token_ids == alone.token_ids
         assert chat.attention is not None and chat.ask(QUESTIONS[1]).text is not None  # a later turn attends as well
+        plain = engine.ask(QUESTIONS[1], top_k=2, max_new_tokens=6)
+        gate = threading.Event()
         with engine.batched() as batcher:
-            with pytest.raises(InputError, match="--mode ape attends differently per request"):
-                batcher.ask(QUESTIONS[0], mode="ape", top_k=3)
-    questions = tmp_path / "q.jsonl"
-    questions.write_text('{"id": "1", "question": "hi"}\n')
-    result = CliRunner().invoke(
-        app,
-        [
-            "batch",
-            str(questions),
-            "--out",
-            str(tmp_path / "a.jsonl"),
-            "--store",
-            str(tmp_path / "no-store"),
-            "--mode",
-            "ape",
-        ],
-    )
-    assert result.exit_code != 0 and "--mode ape attends differently per request" in result.output
+            blocker = batcher.call(gate.wait)  # holds the steps: both turns join in the same one
+            scaled = batcher.submit(
+                lambda: engine.conversation(mode="ape", top_k=3, ape_scale=0.5), QUESTIONS[0], 6, DecodeSettings()
+            )
+            beside = batcher.submit(lambda: engine.conversation(top_k=2), QUESTIONS[1], 6, DecodeSettings())
+            gate.set()
+            blocker.result()
+            # One decodes in forwards of its own, the other in the batch; each as alone (float32).
+            assert scaled.result().token_ids == alone.token_ids
+            assert beside.result().token_ids == plain.token_ids
+            assert scaled.result().stats.batch_size == beside.result().stats.batch_size == 2
 
 
 def test_blend_narrows_its_selection_layer_by_layer():

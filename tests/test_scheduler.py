@@ -14,7 +14,7 @@ import ragkv
 from ragkv import kv
 from ragkv.config import AskSettings, DecodeSettings
 from ragkv.errors import InputError
-from ragkv.scheduler import Batcher, BatchSettings, Busy
+from ragkv.scheduler import Busy
 from tests.conftest import QUESTIONS, flip_bit_of_entry
 
 MIXED = [  # different contexts, prompt lengths, answer lengths and paths
@@ -43,7 +43,7 @@ def engine(tiny_store):
 
 def test_answers_decoded_together_equal_answers_alone(engine):
     alone = [_alone(engine, q, o) for q, o in MIXED]
-    with Batcher(engine.runtime, BatchSettings(prefill_chunk=8)) as batcher:  # small chunks: prefills interleave
+    with engine.batched(prefill_chunk=8) as batcher:  # small chunks: prefills interleave
         tickets = [
             batcher.submit(
                 lambda o=o: engine.conversation(_settings(o)), q, _settings(o).max_new_tokens, _settings(o).decoding
@@ -70,7 +70,7 @@ def test_a_request_joining_mid_decode_changes_nobody(engine):
         if len(pieces) == 3:
             started.set()
 
-    with Batcher(engine.runtime) as batcher:
+    with engine.batched() as batcher:
         plain = DecodeSettings(repetition_penalty=1.0, no_repeat_ngram=0)
         first = batcher.submit(lambda: engine.conversation(AskSettings()), long_q, 40, plain, on_text)
         started.wait()  # the first is decoding: the second joins the running batch
@@ -84,7 +84,7 @@ def test_a_request_joining_mid_decode_changes_nobody(engine):
 def test_a_conversation_turn_in_the_batch_equals_one_alone(engine):
     lone = engine.conversation(max_new_tokens=10)
     expected = [lone.ask(QUESTIONS[1]).token_ids, lone.ask("And who approves it?").token_ids]
-    with Batcher(engine.runtime) as batcher:
+    with engine.batched() as batcher:
         chat = engine.conversation(max_new_tokens=10)
         other = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[3], 20, DecodeSettings())
         got = [batcher.submit(chat, QUESTIONS[1], 10, DecodeSettings()).result().token_ids]
@@ -98,7 +98,7 @@ def test_a_conversation_turn_in_the_batch_equals_one_alone(engine):
 def test_a_cancelled_turn_leaves_at_once_and_the_others_finish(engine):
     expected = engine.ask(QUESTIONS[2], max_new_tokens=12).token_ids
     begun = threading.Event()
-    with Batcher(engine.runtime) as batcher:
+    with engine.batched() as batcher:
         doomed = batcher.submit(
             lambda: engine.conversation(AskSettings()),
             QUESTIONS[0],
@@ -116,7 +116,7 @@ def test_a_cancelled_turn_leaves_at_once_and_the_others_finish(engine):
 
 def test_admission_keeps_the_batch_within_its_token_budget(engine):
     alone = [engine.ask(q, max_new_tokens=8).token_ids for q in QUESTIONS]
-    with Batcher(engine.runtime, BatchSettings(max_batch_tokens=1)) as batcher:  # room for one row at a time
+    with engine.batched(max_batch_tokens=1) as batcher:  # room for one row at a time
         tickets = [
             batcher.submit(lambda: engine.conversation(AskSettings()), q, 8, DecodeSettings()) for q in QUESTIONS
         ]
@@ -126,17 +126,25 @@ def test_admission_keeps_the_batch_within_its_token_budget(engine):
 
 
 def test_a_full_queue_is_busy_and_bad_turns_fail_alone(engine):
-    gate = threading.Event()
+    running, gate = threading.Event(), threading.Event()
+
+    def block():
+        running.set()
+        gate.wait()
+
     expected = engine.ask(QUESTIONS[0], max_new_tokens=4).token_ids
-    with Batcher(engine.runtime, BatchSettings(max_queue=3)) as batcher:
-        blocker = batcher.call(gate.wait)  # holds the model thread: the next two wait
-        good = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[0], 4, DecodeSettings())
-        bad = batcher.submit(
-            lambda: engine.conversation(AskSettings(doc_ids=("no-such-doc",))), QUESTIONS[1], 4, DecodeSettings()
-        )
-        with pytest.raises(Busy):
-            batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[1], 4, DecodeSettings())
-        gate.set()
+    with engine.batched(max_queue=2) as batcher:
+        try:
+            blocker = batcher.call(block)  # holds the stepping thread: what comes next waits
+            running.wait()
+            good = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[0], 4, DecodeSettings())
+            bad = batcher.submit(
+                lambda: engine.conversation(AskSettings(doc_ids=("no-such-doc",))), QUESTIONS[1], 4, DecodeSettings()
+            )
+            with pytest.raises(Busy):
+                batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[1], 4, DecodeSettings())
+        finally:
+            gate.set()  # a failed check must not leave the thread blocked (close would wait forever)
         blocker.result()
         with pytest.raises(InputError, match="no-such-doc"):
             bad.result()
@@ -155,7 +163,7 @@ def test_a_turn_that_fails_as_it_joins_the_batch_gets_the_error_and_the_batcher_
         return add(self, single)
 
     monkeypatch.setattr(kv.RaggedBatch, "add", add_once_failing)
-    with Batcher(engine.runtime) as batcher:
+    with engine.batched() as batcher:
         first = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[0], 6, DecodeSettings())
         with pytest.raises(RuntimeError, match="no memory"):
             first.result()  # resolved, not left waiting
@@ -173,7 +181,7 @@ def _unstartable_decoding() -> DecodeSettings:
 def test_a_turn_that_cannot_start_decoding_fails_alone_and_the_batch_goes_on(engine):
     expected = engine.ask(QUESTIONS[0], max_new_tokens=24).token_ids
     gate = threading.Event()
-    batcher = Batcher(engine.runtime)
+    batcher = engine.batched()
     blocker = batcher.call(gate.wait)  # both turns wait, then join in the same step
     good = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[0], 24, DecodeSettings())
     bad = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[1], 24, _unstartable_decoding())
@@ -201,7 +209,7 @@ def test_a_prefill_that_fails_fails_its_turn_alone(engine, monkeypatch):
         return real_prefill(model, ids, cache)
 
     monkeypatch.setattr(scheduler, "prefill", second_prefill_fails)
-    with Batcher(engine.runtime) as batcher:
+    with engine.batched() as batcher:
         running = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[0], 30, DecodeSettings())
         failing = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[1], 30, DecodeSettings())
         with pytest.raises(RuntimeError, match="out of memory"):
@@ -217,7 +225,7 @@ def test_a_corrupt_entry_falls_back_inside_the_batch_and_the_others_are_unaffect
         full = engine.ask(QUESTIONS[0], max_new_tokens=10, use_cache=False).token_ids
         others = [engine.ask(q, max_new_tokens=10) for q in QUESTIONS[1:]]
     flip_bit_of_entry(store / "shards" / row.entry.shard, row.entry.tensor)
-    with ragkv.open(store, device="cpu") as engine, Batcher(engine.runtime) as batcher:
+    with ragkv.open(store, device="cpu") as engine, engine.batched() as batcher:
         tickets = [
             batcher.submit(lambda: engine.conversation(AskSettings()), q, 10, DecodeSettings()) for q in QUESTIONS
         ]
@@ -239,7 +247,7 @@ def test_the_bundled_model_batched_equals_alone(sample_store):
     questions = QUESTIONS + ["What is a SEV1 incident?", "How long are database backups kept?"]
     with ragkv.open(sample_store[0], device="cpu") as engine:
         alone = [engine.ask(q, max_new_tokens=24).token_ids for q in questions]
-        with Batcher(engine.runtime, BatchSettings(prefill_chunk=64)) as batcher:
+        with engine.batched(prefill_chunk=64) as batcher:
             answers = [batcher.ask(q, max_new_tokens=24) for q in questions[:1]]  # warm, alone
             tickets = [
                 batcher.submit(lambda: engine.conversation(AskSettings()), q, 24, DecodeSettings()) for q in questions

@@ -1,12 +1,10 @@
-"""What every framework adapter (LangChain, LlamaIndex) shares: one Batcher per engine, a
-chunk's identity out (in a retriever's results) and back in (to answer from its stored KV),
-and an answer streamed out of the running batch."""
+"""What every framework adapter (LangChain, LlamaIndex) shares: the engine's one scheduler
+for every call (ragkv.engine: calls from many threads decode together), a chunk's identity
+out (in a retriever's results) and back in (to answer from its stored KV), and an answer
+streamed out of the running batch."""
 
 from __future__ import annotations
 
-import queue
-import threading
-import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -16,9 +14,6 @@ from ragkv.answer import Answer, AnswerStream
 from ragkv.config import DEFAULT_NO_REPEAT_NGRAM, DEFAULT_REPETITION_PENALTY, AskSettings, DecodeSettings
 
 IDENTITY = "ragkv"  # the metadata key under which results carry a chunk's identity
-
-_batchers: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-_batchers_lock = threading.Lock()
 
 
 class AnswerOptions(BaseModel):
@@ -63,20 +58,11 @@ class AnswerOptions(BaseModel):
         )
 
 
-def batcher_of(engine):
-    """The one Batcher that runs `engine`'s model for every adapter call, from any thread
-    (created on first use; its model thread ends with the process)."""
-    with _batchers_lock:
-        if engine not in _batchers:
-            _batchers[engine] = engine.batched()
-        return _batchers[engine]
-
-
 def retrieve(
     engine, question: str, top_k: int, context: str, doc_ids: Sequence[str] | None = None
 ) -> list[tuple[Any, float, dict]]:
-    """(row, score, identity) of the chunks nearest to `question`, retrieved on the model thread."""
-    hits = batcher_of(engine).call(engine.retrieve, question, top_k, doc_ids, context).result()
+    """(row, score, identity) of the chunks nearest to `question`, retrieved between two steps."""
+    hits = engine.engine.call(engine.retrieve, question, top_k, doc_ids, context)
     where = {"store": engine.snapshot.location, "generation": engine.snapshot.generation}
     return [
         (
@@ -119,34 +105,20 @@ def stream(engine, question: str, settings: AskSettings, history: Sequence[tuple
     the engine's batch: iterate it for text as it comes; `.answer` once done. Closing it early
     frees the row. Errors are ragkv's, with their one-line message."""
 
-    def open_conversation():  # on the model thread
+    def open_conversation():  # as the turn is admitted
         conversation = engine.conversation(settings)
         for user, assistant in history:
             conversation.replay(user, assistant)
         return conversation
 
-    def deltas():
-        pieces: queue.Queue = queue.Queue()
-        ticket = batcher_of(engine).submit(
-            open_conversation, question, settings.max_new_tokens, settings.decoding, on_text=pieces.put
-        )
-        ticket.future.add_done_callback(lambda _: pieces.put(None))
-        try:
-            while (piece := pieces.get()) is not None:
-                yield piece
-        finally:
-            ticket.cancel()  # a consumer that stops early frees the row (no-op once answered)
-        answer: Answer = ticket.result()
-        return answer
-
-    return AnswerStream(deltas())
+    return engine.engine.stream(open_conversation, question, settings.max_new_tokens, settings.decoding)
 
 
 def source_texts(engine, answer: Answer, passages: Sequence[str]) -> list[tuple[Any, str]]:
     """(Source, its text) for each of the answer's sources: stored chunks' text from the catalog
-    (read on the model thread, which owns the catalog), passages' from `passages`."""
+    (read between two steps, which own the catalog), passages' from `passages`."""
     stored = [s.chunk_id for s in answer.sources if s.chunk_id >= 0]
-    texts = batcher_of(engine).call(engine.snapshot.catalog.chunk_texts, stored).result() if stored else {}
+    texts = engine.engine.call(engine.snapshot.catalog.chunk_texts, stored) if stored else {}
     # A passage's Source has chunk id -1 - its index (see ragkv.retrieval.live_rows).
     return [(s, texts.get(s.chunk_id, "") if s.chunk_id >= 0 else passages[-1 - s.chunk_id]) for s in answer.sources]
 

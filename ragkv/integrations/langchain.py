@@ -14,7 +14,7 @@ KV; `rag_prompt` instead puts the question in the human message and the document
 `additional_kwargs["documents"]`, so the model sees their identity (other chat models read
 the rendered text in `additional_kwargs["context"]`, see `rag_prompt`). A Document without
 ragkv identity (another retriever's) is prefilled live from its text: exact, said in the
-stats. One engine is shared by every call and thread: calls decode together in its Batcher.
+stats. One engine is shared by every call and thread: calls decode together in its scheduler.
 """
 
 from __future__ import annotations
