@@ -12,7 +12,9 @@ in whichever thread the engine runs it (ragkv.engine):
    (`kv.RaggedBatch`: each row's tokens in a slot of its own, a padding mask, per-row
    positions), and a turn that attends in its own way (`--mode ape`) in a forward of its own.
 A turn whose prefill is done picks its first token and joins the batch; a finished or
-cancelled one leaves it at once (its KV goes back to its conversation, for a follow-up).
+cancelled one leaves it at once (its KV goes back to its conversation, for a follow-up). A
+turn decoding alone steps its own cache (no copy into a batch and back: the plain loop); the
+next turn to finish its prefill brings it into the batch.
 Every token is chosen by the turn's own `Decoder`, so in float32 an answer from inside a
 batch equals the same question asked alone (tested).
 """
@@ -110,7 +112,8 @@ class _Turn:
 
     @property
     def is_solo(self) -> bool:
-        """Whether the turn attends in its own way (ape's scaling): it decodes in its own forward."""
+        """Whether the turn attends in its own way (ape's scaling): it always decodes in its own
+        forward (a plain turn does only while it is alone)."""
         return self.plan is not None and self.plan.attention is not None
 
 
@@ -127,7 +130,7 @@ class Scheduler:
         self._calls: deque[tuple[Callable, tuple, Future]] = deque()  # other model work, between steps
         self._prefilling: deque[_Turn] = deque()
         self._rows: list[_Turn] = []  # decoding together, in RaggedBatch row order
-        self._solo: list[_Turn] = []  # decoding in forwards of their own
+        self._solo: list[_Turn] = []  # decoding in forwards of their own: ape turns, and a plain turn alone
         self._rows_batch: kv.RaggedBatch | None = None  # made with the first row: an engine without weights has none
         self.tokens_generated = 0  # since open
 
@@ -266,15 +269,22 @@ class Scheduler:
                 log.exception("a request failed in its prefill")
             turn.ticket.resolve(error=exc)
             return
-        if turn.is_solo:
+        alone = [t for t in self._solo if not t.is_solo]  # a plain turn that had the model to itself
+        if turn.is_solo or not (self._rows or alone):
             self._solo.append(turn)
             return
+        joining = [*alone, turn]
         try:
-            self._batch.add(turn.plan.cache)
-        except BaseException as exc:  # the shared batch may be half-changed: fail it here and reset all
-            turn.ticket.resolve(error=exc)
+            for row in joining:
+                self._batch.add(row.plan.cache)
+                if row in self._solo:
+                    self._solo.remove(row)
+                self._rows.append(row)
+        except BaseException as exc:  # the shared batch may be half-changed: fail them here and reset all
+            for row in joining:
+                if not row.ticket.future.done():
+                    row.ticket.resolve(error=exc)
             raise
-        self._rows.append(turn)
 
     @torch.inference_mode()
     def _decode_step(self) -> None:

@@ -163,10 +163,18 @@ def test_a_turn_that_fails_as_it_joins_the_batch_gets_the_error_and_the_batcher_
         return add(self, single)
 
     monkeypatch.setattr(kv.RaggedBatch, "add", add_once_failing)
-    with engine.batched() as batcher:
-        first = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[0], 6, DecodeSettings())
-        with pytest.raises(RuntimeError, match="no memory"):
-            first.result()  # resolved, not left waiting
+    gate = threading.Event()
+    with engine.batched(prefill_chunk=100_000) as batcher:  # each prompt in one step: the second joins the first
+        blocker = batcher.call(gate.wait)  # both turns are admitted in the same step
+        first = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[0], 24, DecodeSettings())
+        second = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[2], 24, DecodeSettings())
+        gate.set()
+        blocker.result()
+        # The first decodes alone on its own cache; the second's prefill brings both into the batch, and
+        # the add fails: the half-changed batch is reset, and both turns it touched get the error.
+        for ticket in (first, second):
+            with pytest.raises(RuntimeError, match="no memory"):
+                ticket.result()  # resolved, not left waiting
         assert batcher.ask(QUESTIONS[1], max_new_tokens=6).token_ids == expected
 
 
