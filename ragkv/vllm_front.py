@@ -9,6 +9,10 @@ completions (streaming too) with a `ragkv` block naming the sources.
 
 One question per request: earlier turns are refused (the store's KV covers a prompt's
 system prefix and chunks; a conversation's history is vLLM's own prefix cache's job).
+Every `ragkv` option is honoured or refused with a 400 naming it, never dropped: vLLM loads
+the stored KV exactly, so only `mode: exact` runs; `no_cache` tells the connector to skip the
+store (vLLM prefills the whole prompt); the repetition controls stay off, since vLLM's penalty also
+counts the prompt's tokens and ragkv's counts only the answer's.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from ragkv.api import (
     DONE_EVENT,
     SERVED_MODEL_ID,
     ChatRequest,
+    RagkvOptions,
     ServeSettings,
     UnknownModel,
     chunk_event,
@@ -172,6 +177,7 @@ def build_front_app(engine, vllm_url: str, settings: ServeSettings) -> FastAPI:
     async def chat(body: ChatRequest):
         if body.model is not None and body.model not in accepted_ids:
             raise UnknownModel(body.model)
+        refuse_unsupported(body.ragkv)
         history, question, warnings = split_messages(body.messages)
         if history:
             raise InputError("--engine vllm answers one question per request; send only the last user message")
@@ -187,18 +193,7 @@ def build_front_app(engine, vllm_url: str, settings: ServeSettings) -> FastAPI:
         stats = Stats(
             mode="exact", retrieval_ms=prompt.retrieval_ms, catalog_ms=prompt.catalog_ms, warnings=list(prompt.warnings)
         )  # vLLM loads the stored KV at its own positions: exact
-        payload = {
-            "model": VLLM_MODEL_ID,
-            "prompt": prompt.prompt_ids,
-            "max_tokens": budget,
-            "temperature": body.temperature,
-            "top_p": body.top_p,
-            "seed": body.seed,
-            "stop": body.stop,
-            "stream": body.stream,
-            "kv_transfer_params": _layout_params(prompt, settings),
-            **({"stream_options": {"include_usage": True}} if body.stream else {}),
-        }
+        payload = completion_payload(body, prompt, settings, budget)
         sources = [
             asdict(Source(r.doc_id, r.source, r.chunk_index, r.chunk_id, score)) for r, score in prompt.retrieved
         ]
@@ -225,6 +220,36 @@ def build_front_app(engine, vllm_url: str, settings: ServeSettings) -> FastAPI:
         return StreamingResponse(_relay(client, payload, reply_id, created, block), media_type="text/event-stream")
 
     return app
+
+
+def completion_payload(body: ChatRequest, prompt, settings: ServeSettings, budget: int) -> dict:
+    """The /v1/completions body sent to vLLM: the prompt's ids, the decoding asked, and the
+    layout the connector loads the stored KV by (or its opt-out, for `no_cache`)."""
+    return {
+        "model": VLLM_MODEL_ID,
+        "prompt": prompt.prompt_ids,
+        "max_tokens": budget,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "seed": body.seed,
+        "stop": body.stop,
+        "stream": body.stream,
+        "kv_transfer_params": {"ragkv": "skip"} if body.ragkv.no_cache else _layout_params(prompt, settings),
+        **({"stream_options": {"include_usage": True}} if body.stream else {}),
+    }
+
+
+def refuse_unsupported(options: RagkvOptions) -> None:
+    """Raise InputError (a 400) naming the first `ragkv` option this front cannot honour."""
+    if options.mode != "exact":
+        raise InputError(
+            f'ragkv.mode "{options.mode}" is not available with --engine vllm (vLLM loads the stored KV exactly); '
+            'send "exact" or leave it out'
+        )
+    if "repetition_penalty" in options.model_fields_set and options.repetition_penalty != 1.0:
+        raise InputError("ragkv.repetition_penalty is not available with --engine vllm; send 1.0 (off) or leave it out")
+    if "no_repeat_ngram" in options.model_fields_set and options.no_repeat_ngram != 0:
+        raise InputError("ragkv.no_repeat_ngram is not available with --engine vllm; send 0 (off) or leave it out")
 
 
 def _layout_params(prompt, settings: ServeSettings) -> dict:

@@ -1,0 +1,59 @@
+"""`ragkv serve --engine vllm` honours every `ragkv` option or refuses it with a 400 naming it,
+before anything reaches vLLM (no vLLM needed here: the refusals never leave the front)."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+import ragkv
+from ragkv.api import ChatRequest, ServeSettings
+from ragkv.config import AskSettings
+from ragkv.vllm_front import build_front_app, completion_payload, refuse_unsupported
+from tests.conftest import QUESTIONS
+
+UNREACHABLE = "http://127.0.0.1:9"  # nothing listens: a request that got this far would fail
+
+
+@pytest.fixture()
+def front(tiny_store):
+    with ragkv.open(tiny_store, device="cpu", weights=False) as engine:
+        yield engine, TestClient(build_front_app(engine, UNREACHABLE, ServeSettings()))
+
+
+@pytest.mark.parametrize(
+    "options, named",
+    [
+        ({"mode": "concat"}, "ragkv.mode"),
+        ({"mode": "approximate"}, "ragkv.mode"),
+        ({"repetition_penalty": 1.3}, "ragkv.repetition_penalty"),
+        ({"no_repeat_ngram": 3}, "ragkv.no_repeat_ngram"),
+    ],
+)
+def test_an_option_vllm_cannot_honour_is_a_400_naming_it(front, options, named):
+    _, client = front
+    body = {"messages": [{"role": "user", "content": QUESTIONS[0]}], "ragkv": options}
+    reply = client.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 400
+    message = reply.json()["error"]["message"]
+    assert named in message and "--engine vllm" in message and "\n" not in message
+
+
+def test_options_it_can_honour_pass_and_no_cache_skips_the_store(front):
+    engine, _ = front
+    for options in ({}, {"mode": "exact"}, {"repetition_penalty": 1.0, "no_repeat_ngram": 0}, {"no_cache": True}):
+        refuse_unsupported(
+            ChatRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "ragkv": options}).ragkv
+        )
+    prompt = engine.prompt_for(QUESTIONS[0], AskSettings(top_k=1, context="chunk"))
+
+    def payload(options: dict) -> dict:
+        body = ChatRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "ragkv": options})
+        return completion_payload(body, prompt, ServeSettings(), 8)
+
+    laid_out = payload({})["kv_transfer_params"]["ragkv"]
+    assert laid_out["chunks"] == [
+        [row.chunk_id, len(ids)] for (row, _), ids in zip(prompt.retrieved, prompt.chunk_ids, strict=True)
+    ]
+    assert payload({"no_cache": True})["kv_transfer_params"] == {"ragkv": "skip"}  # the connector's opt-out
+    assert payload({"no_cache": True})["prompt"] == prompt.prompt_ids  # the same prompt, prefilled by vLLM
