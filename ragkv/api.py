@@ -13,9 +13,9 @@ from typing import Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ragkv.config import DEFAULT_NO_REPEAT_NGRAM, DEFAULT_REPETITION_PENALTY, MAX_SEED
+from ragkv.config import CONTEXTS, DEFAULT_NO_REPEAT_NGRAM, DEFAULT_REPETITION_PENALTY, MAX_SEED, MODES
 from ragkv.errors import InputError, ModelError, RagkvError, StoreEmptyError
 from ragkv.guard import BodyTooLarge
 from ragkv.text import check_text
@@ -75,10 +75,24 @@ class RagkvOptions(_Body):
     top_k: int = Field(1, ge=1, le=50)
     repetition_penalty: float = Field(DEFAULT_REPETITION_PENALTY, ge=1.0, le=10.0)
     no_repeat_ngram: int = Field(DEFAULT_NO_REPEAT_NGRAM, ge=0, le=64)
-    mode: Literal["exact", "approximate", "concat", "blend", "epic", "query", "ape"] = "exact"
-    context: Literal["chunk", "span", "document"] = "span"
+    mode: str = "exact"  # one of config.MODES, or "approximate"
+    context: str = "span"  # one of config.CONTEXTS
     no_cache: bool = False
     doc_ids: list[str] | None = Field(None, max_length=100)
+
+    @field_validator("mode")
+    @classmethod
+    def _known_mode(cls, mode: str) -> str:
+        if mode not in (*MODES, "approximate"):
+            raise ValueError(f"must be one of {', '.join((*MODES, 'approximate'))}")
+        return mode
+
+    @field_validator("context")
+    @classmethod
+    def _known_context(cls, context: str) -> str:
+        if context not in CONTEXTS:
+            raise ValueError(f"must be one of {', '.join(CONTEXTS)}")
+        return context
 
 
 class ChatRequest(_Body):

@@ -121,6 +121,7 @@ def test_requests_without_the_key_are_refused(served, key, status):
         ({"messages": []}, 400, "messages"),
         ({"messages": [{"role": "assistant", "content": "hi"}]}, 400, "last message must be a user message"),
         ({"messages": [{"role": "user", "content": "hi"}], "ragkv": {"mode": "fast"}}, 400, "mode"),
+        ({"messages": [{"role": "user", "content": "hi"}], "ragkv": {"context": "page"}}, 400, "context"),
         ({"messages": [{"role": "user", "content": "hi"}], "ragkv": {"doc_ids": ["no-such-doc"]}}, 400, "no-such-doc"),
         ({"messages": [{"role": "user", "content": "hi"}], "ragkv": {"doc_ids": ["d"] * 101}}, 400, "doc_ids"),
         ({"messages": [{"role": "user", "content": "x" * (2 << 20)}]}, 413, "over"),
