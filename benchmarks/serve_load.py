@@ -55,13 +55,13 @@ def free_port() -> int:
 class Server:
     """A server process started and stopped by the benchmark, reachable at `base`."""
 
-    def __init__(self, command: list[str], env: dict | None = None, ready_timeout: float = 1800.0):
+    def __init__(self, command: list[str], env: dict | None = None, ready_timeout: float = 1800.0, cwd: Path = ROOT):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="serve-load-", suffix=".log", delete=False)
         self.process = subprocess.Popen(
             [c.replace("{port}", str(self.port)) for c in command],
-            cwd=ROOT,
+            cwd=cwd,
             stdout=self.log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
@@ -90,7 +90,8 @@ class Server:
             self.process.wait()
 
 
-def ragkv_server(store: Path, max_batch: int) -> Server:
+def ragkv_server(store: Path, max_batch: int, tree: Path = ROOT) -> Server:
+    """`ragkv serve` of the source tree `tree` (this one by default)."""
     return Server(
         [
             sys.executable,
@@ -107,7 +108,8 @@ def ragkv_server(store: Path, max_batch: int) -> Server:
             str(max_batch),
             "--device",
             "cpu",
-        ]
+        ],
+        cwd=tree,
     )
 
 
