@@ -111,9 +111,9 @@ class _Turn:
         return len(self.plan.prompt_ids) + self.plan.budget if self.plan else 0
 
     @property
-    def is_solo(self) -> bool:
-        """Whether the turn attends in its own way (ape's scaling): it always decodes in its own
-        forward (a plain turn does only while it is alone)."""
+    def attends_apart(self) -> bool:
+        """Whether the turn attends in its own way (ape's scaling): it always decodes in a forward
+        of its own (a plain turn does only while it is alone)."""
         return self.plan is not None and self.plan.attention is not None
 
 
@@ -269,8 +269,8 @@ class Scheduler:
                 log.exception("a request failed in its prefill")
             turn.ticket.resolve(error=exc)
             return
-        alone = [t for t in self._solo if not t.is_solo]  # a plain turn that had the model to itself
-        if turn.is_solo or not (self._rows or alone):
+        alone = [t for t in self._solo if not t.attends_apart]  # a plain turn that had the model to itself
+        if turn.attends_apart or not (self._rows or alone):
             self._solo.append(turn)
             return
         joining = [*alone, turn]
