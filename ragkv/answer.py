@@ -137,6 +137,12 @@ class AnswerStream:
     def __iter__(self) -> Iterator[str]:
         self.answer = yield from self._steps
 
+    def drain(self) -> Answer:
+        """Iterate the rest of the stream, discarding its text; its `Answer`."""
+        for _ in self:
+            pass
+        return self.result()
+
     def result(self) -> Answer:
         """The `Answer` of a stream iterated to its end (a stream still going has none)."""
         if self.answer is None:

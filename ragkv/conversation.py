@@ -72,10 +72,7 @@ class Conversation:
         return ids
 
     def ask(self, message: str, max_new_tokens: int | None = None, decoding: DecodeSettings | None = None) -> Answer:
-        stream = self.stream(message, max_new_tokens, decoding)
-        for _ in stream:
-            pass
-        return stream.result()
+        return self.stream(message, max_new_tokens, decoding).drain()
 
     def stream(
         self, message: str, max_new_tokens: int | None = None, decoding: DecodeSettings | None = None

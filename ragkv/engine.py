@@ -100,10 +100,7 @@ class Engine:
         )
 
     def ask(self, question: str, settings: AskSettings) -> Answer:
-        stream = self.ask_stream(question, settings)
-        for _ in stream:
-            pass
-        return stream.result()
+        return self.ask_stream(question, settings).drain()
 
     def _follow(
         self,

@@ -131,10 +131,7 @@ class QueryEngine:
 
     def ask(self, question: str, settings: AskSettings | None = None, **options) -> Answer:
         """Answer `question` (options as in `AskSettings`: top_k, max_new_tokens, use_cache, mode)."""
-        stream = self.stream(question, settings, **options)
-        for _ in stream:
-            pass
-        return stream.result()
+        return self.engine.ask(question, settings or AskSettings.from_dict(options))
 
     def stream(self, question: str, settings: AskSettings | None = None, **options) -> AnswerStream:
         """Like `ask`, but iterate the result for text as it is generated."""
