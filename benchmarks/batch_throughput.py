@@ -89,18 +89,20 @@ with ragkv.open(store, device="cpu") as engine:
 """
 
 
-def measure(
-    python: str, tree: Path, store: Path, questions: list[str], top_k: int, tokens: int, max_batch: int
-) -> dict:
-    out = subprocess.run(
-        [python, "-c", WORKER, str(tree), str(store), json.dumps(questions), str(top_k), str(tokens), str(max_batch)],
-        capture_output=True,
-        text=True,
-        cwd=tree,
-    )
+def run_worker(worker: str, tree: Path, *args: str, python: str = sys.executable) -> dict:
+    """`worker` run by `python` in a fresh process inside `tree` (its argv: the tree, then `args`);
+    the JSON object its last line prints."""
+    out = subprocess.run([python, "-c", worker, str(tree), *args], capture_output=True, text=True, cwd=tree)
     if out.returncode:
         raise SystemExit(f"{tree}: {out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure(
+    python: str, tree: Path, store: Path, questions: list[str], top_k: int, tokens: int, max_batch: int
+) -> dict:
+    args = (str(store), json.dumps(questions), str(top_k), str(tokens), str(max_batch))
+    return run_worker(WORKER, tree, *args, python=python)
 
 
 def main() -> None:

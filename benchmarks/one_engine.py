@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.batch_throughput import TOPICS  # noqa: E402
+from benchmarks.batch_throughput import TOPICS, run_worker  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
 from benchmarks.serve_load import QUESTIONS as SERVE_QUESTIONS  # noqa: E402
 from benchmarks.serve_load import level, ragkv_server, stream_ragkv  # noqa: E402
@@ -81,15 +81,7 @@ print(json.dumps(result))
 
 
 def measure(tree: Path, store: Path, questions: list[str], tokens: int, threads: int) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-c", WORKER, str(tree), str(store), json.dumps(questions), str(tokens), str(threads)],
-        capture_output=True,
-        text=True,
-        cwd=tree,
-    )
-    if out.returncode:
-        raise SystemExit(f"{tree}: {out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_worker(WORKER, tree, str(store), json.dumps(questions), str(tokens), str(threads))
 
 
 def measure_serve(tree: Path, store: Path, tokens: int) -> dict:
