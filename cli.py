@@ -24,6 +24,7 @@ from ragkv.config import (
     DEFAULT_MODEL,
     DEFAULT_NO_REPEAT_NGRAM,
     DEFAULT_REPETITION_PENALTY,
+    DEFAULT_RERANK,
     DEFAULT_SPAN_TOKENS,
     DEFAULT_STORE,
     DEFAULT_SYSTEM_PROMPT,
@@ -156,6 +157,12 @@ WorkersOption = typer.Option(
 )
 JsonOption = typer.Option(False, "--json", help="Print one JSON object instead of text (for scripts).")
 DeviceOption = typer.Option("auto", "--device", help="auto (CUDA when available), cpu or cuda.")
+RerankOption = typer.Option(
+    DEFAULT_RERANK,
+    "--rerank",
+    help="Retrieve this many candidates, score each by how likely the model finds the question after it "
+    "(over its stored KV: one batched question prefill), keep the best. 0: retrieval order.",
+)
 
 
 def _quiet_libraries() -> None:
@@ -573,6 +580,7 @@ def ask(
     blend_ratio: float | None = BlendRatioOption,
     ape_scale: float = ApeScaleOption,
     doc: str | None = typer.Option(None, "--doc", help="Retrieve only from this document id."),
+    rerank: int = RerankOption,
     json_out: bool = JsonOption,
     model: str | None = typer.Option(None, "--model", "-m", help="Override the model the store was built with."),
     embedder: str | None = typer.Option(None, "--embedder", help="Override the embedder the store was built with."),
@@ -609,6 +617,7 @@ def ask(
         blend_ratio=blend_ratio,
         ape_scale=ape_scale,
         doc_ids=(doc,) if doc else None,
+        rerank=rerank,
         decoding=decoding,
     )
     with ragkv.open(store, model=model, embedder=embedder, device=device, dtype=dtype, kv_dtype=kv_dtype) as engine:
@@ -661,6 +670,52 @@ def _print_answer_footer(answer, sources: bool = True) -> None:
 
 
 @app.command()
+def search(
+    question: str | None = typer.Argument(None, help="The question (or give --file)."),
+    store: str = StoreOption,
+    top_k: int = typer.Option(5, "--top-k", "-k", help="Chunks to return."),
+    rerank: int = RerankOption,
+    doc: str | None = typer.Option(None, "--doc", help="Search only this document id."),
+    questions_file: Path | None = typer.Option(
+        None, "--file", help='JSONL of {"id", "question", "doc"?}: one JSON line of {"id", "results"} per question.'
+    ),
+    json_out: bool = JsonOption,
+    device: str = DeviceOption,
+):
+    """Rank the store's chunks for a question, without generating: what `ask` would read.
+
+    Each result has the document id, chunk index, chunk id, score and text (--json). With
+    --file, many questions are searched in one process (evaluations, batch jobs)."""
+    _quiet_libraries()
+    import ragkv
+    from ragkv.batch import Question, read_questions, search_all
+
+    if (question is None) == (questions_file is None):
+        raise InputError("give a question or --file questions.jsonl (one of the two)")
+    if question is not None and not question.strip():
+        raise InputError("the question is empty; ask something")
+    AskSettings(top_k=top_k, rerank=rerank)  # the same bounds as ask's, checked before the model loads
+    items, errors = read_questions(questions_file) if questions_file else ([Question("1", question or "", doc)], [])
+    with ragkv.open(store, device=device) as engine:
+        for outcome in errors:
+            typer.echo(json.dumps(outcome.to_dict()))
+        for found in search_all(engine, items, top_k, rerank):
+            if questions_file or json_out:
+                typer.echo(json.dumps(found if questions_file else {"question": question, **found}))
+            elif "error" in found:
+                raise InputError(found["error"])
+            else:
+                _print_results(found["results"])
+
+
+def _print_results(results: list[dict]) -> None:
+    for rank, r in enumerate(results, start=1):
+        snippet = " ".join(r["text"].split())
+        snippet = snippet if len(snippet) <= 100 else snippet[:99] + "…"
+        typer.echo(f"{rank}. {r['doc_id']} (chunk {r['chunk_index']}, score {r['score']:.3f})  {snippet}")
+
+
+@app.command()
 def batch(
     questions: Path = typer.Argument(
         ..., help='JSONL: one {"id", "question", "doc"?} per line ("doc" pins a document).'
@@ -673,6 +728,7 @@ def batch(
     context: str = ContextOption,
     blend_ratio: float | None = BlendRatioOption,
     max_batch: int = typer.Option(16, "--max-batch", help="Most questions decoded together."),
+    rerank: int = RerankOption,
     device: str = DeviceOption,
     json_out: bool = JsonOption,
     quiet: bool = QuietOption,
@@ -701,6 +757,7 @@ def batch(
         mode=mode,
         context=context,
         blend_ratio=blend_ratio,
+        rerank=rerank,
         decoding=decoding,
     )
     items, errors = read_questions(questions)

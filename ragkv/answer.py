@@ -13,7 +13,7 @@ class Source:
     source: str  # file path (and jsonl line) the document was read from
     chunk_index: int
     chunk_id: int
-    score: float  # cosine similarity of question and chunk
+    score: float  # cosine similarity of question and chunk (reranked: the rerank's score)
 
 
 @dataclass
@@ -34,6 +34,8 @@ class Stats:
     generated_tokens: int = 0
     retrieval_ms: float = 0.0  # question embedding + vector search
     catalog_ms: float = 0.0  # catalog lookup of the retrieved chunks and their KV entries
+    rerank_ms: float = 0.0  # --rerank: scoring the candidates with the model over their stored KV
+    num_reranked: int = 0  # --rerank: candidates scored (0: no rerank)
     kv_load_ms: float = 0.0  # KV read (RAM tier or shard + checksum) + cache assembly
     kv_read_ms: float = 0.0  # of kv_load: reading (and verifying) stored KV
     assemble_ms: float = 0.0  # of kv_load: building the cache (re-rotation and blend included)

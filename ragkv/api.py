@@ -15,7 +15,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ragkv.config import CONTEXTS, DEFAULT_NO_REPEAT_NGRAM, DEFAULT_REPETITION_PENALTY, MAX_SEED, MODES
+from ragkv.config import (
+    CONTEXTS,
+    DEFAULT_NO_REPEAT_NGRAM,
+    DEFAULT_REPETITION_PENALTY,
+    DEFAULT_RERANK,
+    MAX_RERANK,
+    MAX_SEED,
+    MODES,
+)
 from ragkv.errors import InputError, ModelError, RagkvError, StoreEmptyError
 from ragkv.guard import BodyTooLarge
 from ragkv.text import check_text
@@ -79,6 +87,7 @@ class RagkvOptions(_Body):
     context: str = "span"  # one of config.CONTEXTS
     no_cache: bool = False
     doc_ids: list[str] | None = Field(None, max_length=100)
+    rerank: int = Field(DEFAULT_RERANK, ge=0, le=MAX_RERANK)  # candidates the model scores (0: off)
 
     @field_validator("mode")
     @classmethod
@@ -111,6 +120,7 @@ class ChatRequest(_Body):
 class RetrieveRequest(_Body):
     query: str = Field(min_length=1, max_length=20_000)
     top_k: int = Field(5, ge=1, le=100)
+    rerank: int = Field(0, ge=0, le=MAX_RERANK)  # score this many candidates with the model (0: off)
     doc_ids: list[str] | None = Field(None, max_length=100)
 
 

@@ -99,6 +99,18 @@ def answer_all(
                     on_done(1)
 
 
+def search_all(engine, questions: list[Question], top_k: int, rerank: int) -> Iterator[dict]:
+    """Yield `{"id", "results"}` (or `{"id", "line", "error"}`) for every question, in order:
+    the chunks `engine.search` finds for it."""
+    for question in questions:
+        try:
+            found = engine.search(question.question, top_k, rerank, (question.doc,) if question.doc else None)
+        except RagkvError as exc:
+            yield {"id": question.id, "line": question.line, "error": str(exc)}
+            continue
+        yield {"id": question.id, "results": [result.to_dict() for result in found]}
+
+
 def _submit(batcher, runtime, question: Question, settings: AskSettings) -> Ticket:
     pinned = dataclasses.replace(settings, doc_ids=(question.doc,)) if question.doc else settings
     return batcher.submit(

@@ -38,6 +38,8 @@ MODES = ("exact", "concat", "blend", "epic", "query", "ape")
 # prefill at 0.15 of its time to first token (benchmarks/results/passages.md).
 APPROXIMATE = "epic"
 DEFAULT_BLEND_RATIOS = {"blend": 0.15, "epic": 0.05, "query": 0.2}  # share recomputed when --blend-ratio is not given
+MAX_RERANK = 100  # candidates one rerank scores, at most
+DEFAULT_RERANK = 0  # candidates `ask` reranks unless told (see the README's "Retrieval")
 CONTEXTS = ("chunk", "span", "document")  # what a retrieved chunk brings into the prompt (see QueryEngine.prepare)
 KV_DTYPES = ("auto", "bfloat16", "float16", "int8", "int4", "int2")  # see ragkv.codec
 DEVICES = ("auto", "cpu", "cuda")
@@ -266,6 +268,7 @@ class AskSettings(_Settings):
     )
     decoding: DecodeSettings = field(default_factory=DecodeSettings)
     chunks: tuple[tuple[int, float], ...] | None = None  # (chunk id, score): answer from these, not a retrieval
+    rerank: int = DEFAULT_RERANK  # score this many first-stage candidates with the model, keep the best top_k (0: off)
     passages: tuple[str, ...] = ()  # texts with no stored KV (another retriever's), after the chunks, prefilled live
 
     @classmethod
@@ -299,6 +302,8 @@ class AskSettings(_Settings):
             raise InputError(f"--blend-ratio must be between 0 and 1, got {self.blend_ratio}")
         if self.top_k < 1:
             raise InputError(f"--top-k must be at least 1, got {self.top_k}")
+        if not 0 <= self.rerank <= MAX_RERANK:
+            raise InputError(f"--rerank must be between 0 (off) and {MAX_RERANK}, got {self.rerank}")
         if self.doc_ids is not None:
             if isinstance(self.doc_ids, str) or not all(
                 isinstance(d, str) and 0 < len(d) <= 1024 for d in self.doc_ids

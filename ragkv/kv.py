@@ -52,6 +52,34 @@ def to_cache(parts: Sequence[torch.Tensor], config, batch_size: int = 1) -> Dyna
     return cache
 
 
+def left_padded(rows: Sequence[Sequence[torch.Tensor]], config) -> tuple[DynamicCache, list[int]]:
+    """A batch cache with one row per entry of `rows` (each row: canonical `(L, 2, H, T_i, D)`
+    parts, one after another), right-aligned: row i's tokens fill the last of its columns and
+    the zeros before them are padding, for a mask to hide. Returns the cache (new memory, with
+    room to append) and each row's number of real tokens. A forward over it then appends the
+    same new tokens to every row, as a batch of questions over different contexts does."""
+    lengths = [sum(part.shape[TOKEN_DIM] for part in parts) for parts in rows]
+    width = max(lengths)
+    first = rows[0][0]
+    _, _, heads, _, head_dim = first.shape
+    cache = growing_cache(config)
+    if any(type(layer) is not GrowingLayer for layer in cache.layers):
+        raise ModelError("ragkv batches rows of different lengths only over plain attention layers")
+    for index, layer in enumerate(cache.layers):
+        shape = (len(rows), heads, width + _spare(width), head_dim)
+        keys = first.new_zeros(shape)  # (B, H, capacity, D): pads stay finite
+        values = first.new_zeros(shape)
+        for row, parts in enumerate(rows):
+            start = width - lengths[row]
+            for part in parts:
+                stop = start + part.shape[TOKEN_DIM]
+                keys[row, :, start:stop] = part[index, 0]  # (H, T_part, D)
+                values[row, :, start:stop] = part[index, 1]
+                start = stop
+        layer.hold(keys, values, width)
+    return cache, lengths
+
+
 def _to_cache_generic(parts: Sequence[torch.Tensor], config, batch_size: int) -> DynamicCache:
     num_layers = parts[0].shape[0]
     layers = []

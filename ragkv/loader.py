@@ -174,33 +174,12 @@ class KVLoader:
         return assemble.blended(model, prefix, pieces, context_ids, ratio)
 
     def _load_stored(self, runs: list[list[ContextRow]], loaded: Loaded) -> list[torch.Tensor] | None:
-        """The prefix KV and each run's KV (its chunks' entries joined along the tokens),
-        `[(L, 2, H, P, D), (L, 2, H, T_run, D)...]`, every entry's key checked against the
-        tokens before it and its bytes verified; None (with a warning) when any is missing or
-        corrupt."""
+        """The prefix KV and each run's KV (see `run_kv`), `[(L, 2, H, P, D), (L, 2, H, T_run,
+        D)...]`; None (with a warning) when any is missing or corrupt."""
         try:
             stored = [self.prefix_kv()]
-            slot = 0
             for run in runs:
-                parts, key = [], None
-                for row in run:
-                    if row.entry is None and row.span_start is None and len(run) == 1:
-                        parts.append(self._computed_kv(row, loaded))  # a miss: compute it now
-                        continue
-                    if row.entry is None or row.token_ids is None:
-                        raise StoreCorruptError(f"chunk {row.chunk_id} has no stored KV for this model")
-                    key = spans.next_key(
-                        self.active.profile,
-                        key,
-                        spans.segment(0 if key is None else 1, row.token_ids, self.active.layout.separator_ids),
-                    )
-                    if key.to_string() != row.entry.kv_key:
-                        raise StoreCorruptError(f"chunk {row.chunk_id}'s stored KV key does not match its tokens")
-                    hits = loaded.ram_hits
-                    parts.append(self._chunk_kv(row.entry, loaded, slot))
-                    loaded.kv_sources[row.chunk_id] = "ram" if loaded.ram_hits > hits else "store"
-                    slot += 1
-                stored.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=kv.TOKEN_DIM))
+                stored.append(self.run_kv(run, loaded, slot=len(loaded.kv_sources)))
             return stored
         except StoreCorruptError as exc:
             message = f"{exc}; answered with a full prefill instead"
@@ -208,6 +187,32 @@ class KVLoader:
             loaded.fallback = True
             loaded.warnings.append(message)
             return None
+
+    def run_kv(self, run: Sequence[ContextRow], loaded: Loaded, slot: int = 0) -> torch.Tensor:
+        """The KV of `run`, chunks that follow each other in one stored span (or one chunk):
+        their entries joined along the tokens, `(L, 2, H, T_run, D)`, every entry's key checked
+        against the tokens before it and its bytes verified. A chunk stored on its own that has
+        no KV is computed now (a miss, written back). Read buffers from `slot` on are used.
+        Raises StoreCorruptError when an entry is missing or does not verify."""
+        parts, key = [], None
+        for row in run:
+            if row.entry is None and row.span_start is None and len(run) == 1:
+                parts.append(self._computed_kv(row, loaded))  # a miss: compute it now
+                continue
+            if row.entry is None or row.token_ids is None:
+                raise StoreCorruptError(f"chunk {row.chunk_id} has no stored KV for this model")
+            key = spans.next_key(
+                self.active.profile,
+                key,
+                spans.segment(0 if key is None else 1, row.token_ids, self.active.layout.separator_ids),
+            )
+            if key.to_string() != row.entry.kv_key:
+                raise StoreCorruptError(f"chunk {row.chunk_id}'s stored KV key does not match its tokens")
+            hits = loaded.ram_hits
+            parts.append(self._chunk_kv(row.entry, loaded, slot))
+            loaded.kv_sources[row.chunk_id] = "ram" if loaded.ram_hits > hits else "store"
+            slot += 1
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=kv.TOKEN_DIM)
 
     def _chunk_kv(self, entry, loaded: Loaded, slot: int) -> torch.Tensor:
         """A chunk's KV from the RAM tier, else read (and verified) from its shard into read

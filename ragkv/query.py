@@ -20,7 +20,7 @@ from ragkv.generate import prefill
 from ragkv.loader import KVLoader
 from ragkv.lru import ByteLRU
 from ragkv.prefix_cache import PrefixCache
-from ragkv.retrieval import Prompt, Retrieved, Retriever
+from ragkv.retrieval import Prompt, Retrieved, Retriever, SearchResult
 from ragkv.runtime import Prepared, Runtime
 from ragkv.scheduler import BatchSettings
 from store import ContextRow, StoreSnapshot, open_snapshot
@@ -105,12 +105,26 @@ class QueryEngine:
         return True
 
     # -- the query path -------------------------------------------------------------------
+    def search(
+        self, question: str, top_k: int = 5, rerank: int = 0, doc_ids: Sequence[str] | None = None
+    ) -> list[SearchResult]:
+        """The `top_k` chunks for `question`, best first, without generating: the retrieval's,
+        or with `rerank` N > 1 the best of its first N as the model scores them over their
+        stored KV (see `Runtime.search`). `ragkv search`, `/v1/retrieve` and the framework
+        retrievers all call this."""
+        return self.engine.call(self.runtime.search, question, top_k, rerank, doc_ids)
+
     def retrieve(
-        self, question: str, top_k: int = 1, doc_ids: Sequence[str] | None = None, context: str = "chunk"
+        self,
+        question: str,
+        top_k: int = 1,
+        doc_ids: Sequence[str] | None = None,
+        context: str = "chunk",
+        rerank: int = 0,
     ) -> Retrieved:
-        """The `top_k` chunks nearest to `question`, best first, with their cosine scores
-        (see `ragkv.retrieval.Retriever.retrieve`)."""
-        return self.runtime.retriever.retrieve(question, top_k, doc_ids, context)
+        """`search`'s chunks as catalog rows with their scores, widened to `context` (see
+        `ragkv.retrieval.Retriever.widen`)."""
+        return self.engine.call(self.runtime.retrieve, question, top_k, doc_ids, context, rerank)
 
     def prompt_for(self, question: str, settings: AskSettings) -> Prompt:
         """The question's chunks and prompt ids, without loading any KV (a front for another

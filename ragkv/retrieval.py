@@ -5,8 +5,8 @@ or documents -> cut to fit the model's context -> the prompt's ids. One implemen
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
 
 from ragkv.config import AskSettings
 from ragkv.embed import Embedder
@@ -19,6 +19,8 @@ MIN_ANSWER_TOKENS = 16  # a prompt must leave at least this much of the context 
 ROW_CACHE_ENTRIES = 100_000  # catalog rows kept per engine (small: text and token ids)
 
 Retrieved = list[tuple[ContextRow, float]]  # a prompt's chunks, in prompt order, with their hit's score
+# (question, candidates, top_k) -> the best top_k of them, and warnings (ragkv.rerank.Reranker.best)
+Rerank = Callable[[str, Retrieved, int], tuple[Retrieved, list[str]]]
 
 
 @dataclass
@@ -31,7 +33,26 @@ class Prompt:
     chunk_ids: list[tuple[int, ...]]  # each retrieved chunk's token ids
     retrieval_ms: float = 0.0  # question embedding + vector search
     catalog_ms: float = 0.0  # catalog rows of the hits
+    rerank_ms: float = 0.0  # scoring the candidates with the model (0: no rerank)
+    num_reranked: int = 0  # candidates the rerank scored
     warnings: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """One chunk `search` found: where it is, its text, and its scores."""
+
+    doc_id: str
+    source: str
+    chunk_index: int
+    chunk_id: int
+    text: str
+    score: float  # what the results are ordered by: the rerank's score when reranked, else the retrieval's
+    retrieval_score: float  # the first stage's (cosine similarity)
+    likelihood: float | None = None  # reranked: mean log P(question token | chunk), in nats
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 class Retriever:
@@ -69,19 +90,22 @@ class Retriever:
         "document", the prompt's chunks around them instead (see `widen`)."""
         return self.widen(self.rows(self.search(question, top_k, doc_ids)), context)
 
-    def prompt_for(self, question: str, settings: AskSettings) -> Prompt:
-        """Retrieve (or take `settings.chunks`), widen to `settings.context`, add the passages
-        given as text, cut to fit the context, and lay out the prompt's ids. Needs no model
-        weights, only the tokenizer."""
+    def prompt_for(self, question: str, settings: AskSettings, rerank: Rerank | None = None) -> Prompt:
+        """Retrieve (or take `settings.chunks`), rerank the first `settings.rerank` candidates
+        with `rerank` when given, widen to `settings.context`, add the passages given as text,
+        cut to fit the context, and lay out the prompt's ids. Needs no model weights (only the
+        tokenizer) unless it reranks."""
         start = time.perf_counter()
         warnings: list[str] = []
         given = settings.chunks is not None  # the caller retrieved (a framework's retriever): no search
+        reranks = rerank is not None and settings.rerank > 1 and not given
         if given:
             check_text(question)
+        depth = max(settings.rerank, settings.top_k) if reranks else settings.top_k  # candidates to find
         hits = (
             [Hit(*chunk) for chunk in settings.chunks or ()]
             if given
-            else self.search(question, settings.top_k, settings.doc_ids)
+            else self.search(question, depth, settings.doc_ids)
         )
         retrieval_ms = _ms(start)
         catalog_start = time.perf_counter()
@@ -96,6 +120,12 @@ class Retriever:
             raise StoreEmptyError(f"store {self.snapshot.location} returned no chunks for the question")
         if not given and len(retrieved) < settings.top_k:
             warnings.append(f"top_k {settings.top_k} but the store holds {len(retrieved)} chunks")
+        rerank_ms, num_reranked = 0.0, 0
+        if reranks and rerank is not None and len(retrieved) > 1:
+            rerank_start, num_reranked = time.perf_counter(), len(retrieved)
+            retrieved, said = rerank(question, retrieved, settings.top_k)
+            rerank_ms = _ms(rerank_start)
+            warnings += said
         if settings.passages:
             warnings.append(f"{len(settings.passages)} passages without ragkv identity were prefilled live")
         retrieved = self.widen(retrieved, settings.context) + live_rows(settings.passages)
@@ -111,6 +141,8 @@ class Retriever:
             chunk_ids,
             retrieval_ms,
             catalog_ms,
+            rerank_ms,
+            num_reranked,
             warnings,
         )
 

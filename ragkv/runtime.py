@@ -5,6 +5,7 @@ is the one seam a prompt is built through (ask, conversations, the batcher, the 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ragkv import calibration
@@ -15,8 +16,9 @@ from ragkv.config import AskSettings
 from ragkv.errors import InputError
 from ragkv.loader import KVLoader, Loaded
 from ragkv.model import LoadedModel
-from ragkv.retrieval import Prompt, Retrieved, Retriever
-from store import StoreSnapshot
+from ragkv.rerank import FIRST_WEIGHT, Reranker
+from ragkv.retrieval import Prompt, Retrieved, Retriever, SearchResult
+from store import Hit, StoreSnapshot
 
 
 @dataclass
@@ -40,6 +42,7 @@ class Runtime:
         self.active = active
         self.retriever = retriever
         self.loader = loader
+        self.reranker = Reranker(loader, retriever, FIRST_WEIGHT)
         self.savings = Savings()  # every answer's prefill accounting, since open
         self.calibration = calibration.load(retriever.snapshot.catalog.meta(), active.profile.profile_id)
 
@@ -62,7 +65,7 @@ class Runtime:
         approximate` runs as the store's calibration says (ragkv.calibration)."""
         resolved = calibration.resolve(settings, self.calibration)
         settings = resolved.settings
-        prompt = self.retriever.prompt_for(question, settings)
+        prompt = self.retriever.prompt_for(question, settings, self.reranker.best)
         load_start = time.perf_counter()
         loaded = self.loader.load([row for row, _ in prompt.retrieved], prompt.chunk_ids, settings, prompt.question_ids)
         stats = self._stats_of(prompt, loaded, settings)
@@ -84,9 +87,30 @@ class Runtime:
         stats.computed_tokens = len(live_ids) + computed
         return Prepared(prompt.retrieved, prompt.prompt_ids, prompt.question_ids, live_ids, assembly, stats)
 
+    def search(
+        self, question: str, top_k: int, rerank: int = 0, doc_ids: Sequence[str] | None = None
+    ) -> list[SearchResult]:
+        """The `top_k` chunks for `question`, best first: the retrieval's, or with `rerank` > 1
+        the best `top_k` of its first `rerank` candidates as the model scores them (ragkv.rerank;
+        this uses the model, so call it where the engine's steps run)."""
+        hits = self.retriever.rows(self.retriever.search(question, max(top_k, rerank), doc_ids))
+        if rerank < 2 or len(hits) < 2:
+            return [_result(row, score, score, None) for row, score in hits[:top_k]]
+        reranked = self.reranker.rerank(question, hits)
+        return [_result(s.row, s.score, s.first_score, s.likelihood) for s in reranked.scored[:top_k]]
+
+    def retrieve(
+        self, question: str, top_k: int, doc_ids: Sequence[str] | None, context: str, rerank: int = 0
+    ) -> Retrieved:
+        """`search`'s chunks as catalog rows with their scores, widened to `context` (see
+        `Retriever.widen`)."""
+        found = self.search(question, top_k, rerank, doc_ids)
+        return self.retriever.widen(self.retriever.rows([Hit(r.chunk_id, r.score) for r in found]), context)
+
     def _stats_of(self, prompt: Prompt, loaded: Loaded, settings: AskSettings) -> Stats:
         stats = self.new_stats(settings)
         stats.retrieval_ms, stats.catalog_ms = prompt.retrieval_ms, prompt.catalog_ms
+        stats.rerank_ms, stats.num_reranked = prompt.rerank_ms, prompt.num_reranked
         stats.kv_quant = loaded.kv_quant
         if loaded.fallback:
             stats.mode = "fallback"
@@ -112,3 +136,9 @@ class Runtime:
         if room < max_new_tokens:
             stats.warnings.append(f"max_new_tokens cut from {max_new_tokens} to {room} to fit the context")
         return min(room, max_new_tokens)
+
+
+def _result(row, score: float, retrieval_score: float, likelihood: float | None) -> SearchResult:
+    return SearchResult(
+        row.doc_id, row.source, row.chunk_index, row.chunk_id, row.text, score, retrieval_score, likelihood
+    )

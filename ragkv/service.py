@@ -226,21 +226,10 @@ def _add_info_routes(app: FastAPI, engine, batcher: Engine, metrics: Metrics, au
 
     @app.post("/v1/retrieve", dependencies=[Depends(authorised)])
     async def retrieve(body: RetrieveRequest):
-        hits = await asyncio.wrap_future(batcher.call_soon(engine.retrieve, body.query, body.top_k, body.doc_ids))
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "chunk_id": row.chunk_id,
-                    "doc_id": row.doc_id,
-                    "source": row.source,
-                    "chunk_index": row.chunk_index,
-                    "score": score,
-                    "text": row.text,
-                }
-                for row, score in hits
-            ],
-        }
+        found = await asyncio.wrap_future(
+            batcher.call_soon(engine.runtime.search, body.query, body.top_k, body.rerank, body.doc_ids)
+        )
+        return {"object": "list", "data": [result.to_dict() for result in found]}
 
 
 def _ask_settings(body: ChatRequest, max_new_tokens: int) -> AskSettings:
@@ -260,6 +249,7 @@ def _ask_settings(body: ChatRequest, max_new_tokens: int) -> AskSettings:
         use_cache=not body.ragkv.no_cache,
         max_new_tokens=max_new_tokens,
         doc_ids=tuple(body.ragkv.doc_ids) if body.ragkv.doc_ids is not None else None,
+        rerank=body.ragkv.rerank,
         decoding=decoding,
     )
 

@@ -250,6 +250,11 @@ def refuse_unsupported(options: RagkvOptions) -> None:
         raise InputError("ragkv.repetition_penalty is not available with --engine vllm; send 1.0 (off) or leave it out")
     if "no_repeat_ngram" in options.model_fields_set and options.no_repeat_ngram != 0:
         raise InputError("ragkv.no_repeat_ngram is not available with --engine vllm; send 0 (off) or leave it out")
+    if "rerank" in options.model_fields_set and options.rerank > 1:
+        raise InputError(
+            "ragkv.rerank is not available with --engine vllm (the rerank runs ragkv's own model); "
+            "send 0 (off) or leave it out"
+        )
 
 
 def _layout_params(prompt, settings: ServeSettings) -> dict:

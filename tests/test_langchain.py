@@ -39,6 +39,9 @@ def test_the_retriever_keeps_chunk_identity(rag):
     assert docs[0].page_content == row.text and docs[0].metadata["score"] == pytest.approx(score)
     assert identity["chunk_id"] == row.chunk_id and identity["kv_key"] == row.entry.kv_key
     assert identity["store"] == rag.snapshot.location and identity["generation"] == rag.snapshot.generation
+    reranked = RagkvRetriever(engine=rag, top_k=2, context="chunk", rerank=5).invoke(QUESTIONS[0])
+    found = rag.search(QUESTIONS[0], top_k=2, rerank=5)
+    assert [d.metadata["ragkv"]["chunk_id"] for d in reranked] == [r.chunk_id for r in found]
 
 
 def test_a_chain_answers_as_ask_does_from_the_stored_kv(rag):

@@ -37,6 +37,7 @@ MODEL_CODE = {
 }
 ONLINE_LAYERS = [  # bottom up; a module may import its own layer and those below
     {"ragkv.active", "ragkv.calibration", "ragkv.retrieval", "ragkv.loader", "ragkv.integrations.paged"},
+    {"ragkv.rerank"},
     {"ragkv.runtime", "ragkv.integrations.store_match"},
     {"ragkv.conversation"},
     {"ragkv.scheduler", "ragkv.engine", "ragkv.api"},

@@ -33,6 +33,9 @@ def test_nodes_carry_chunk_identity_out_of_the_llm_text(rag):
     assert nodes[0].node.get_content() == row.text and nodes[0].score == pytest.approx(score)
     assert identity["chunk_id"] == row.chunk_id and identity["kv_key"] == row.entry.kv_key
     assert "kv_key" not in nodes[0].node.get_content(metadata_mode="llm")
+    reranked = RagkvNodeRetriever(rag, top_k=2, context="chunk", rerank=5).retrieve(QUESTIONS[0])
+    found = rag.search(QUESTIONS[0], top_k=2, rerank=5)
+    assert [n.node.metadata["ragkv"]["chunk_id"] for n in reranked] == [r.chunk_id for r in found]
 
 
 def test_the_query_engine_answers_as_ask_does(rag):

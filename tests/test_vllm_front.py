@@ -28,6 +28,7 @@ def front(tiny_store):
         ({"mode": "approximate"}, "ragkv.mode"),
         ({"repetition_penalty": 1.3}, "ragkv.repetition_penalty"),
         ({"no_repeat_ngram": 3}, "ragkv.no_repeat_ngram"),
+        ({"rerank": 10}, "ragkv.rerank"),
     ],
 )
 def test_an_option_vllm_cannot_honour_is_a_400_naming_it(front, options, named):

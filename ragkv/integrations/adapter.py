@@ -11,7 +11,13 @@ from typing import Any
 from pydantic import BaseModel
 
 from ragkv.answer import Answer, AnswerStream
-from ragkv.config import DEFAULT_NO_REPEAT_NGRAM, DEFAULT_REPETITION_PENALTY, AskSettings, DecodeSettings
+from ragkv.config import (
+    DEFAULT_NO_REPEAT_NGRAM,
+    DEFAULT_REPETITION_PENALTY,
+    DEFAULT_RERANK,
+    AskSettings,
+    DecodeSettings,
+)
 
 IDENTITY = "ragkv"  # the metadata key under which results carry a chunk's identity
 
@@ -22,6 +28,7 @@ class AnswerOptions(BaseModel):
     top_k: int = 1
     context: str = "span"
     mode: str = "exact"
+    rerank: int = DEFAULT_RERANK  # retrieving: candidates the model scores (as `ragkv ask --rerank`)
     max_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0
@@ -55,14 +62,16 @@ class AnswerOptions(BaseModel):
             max_new_tokens=self.max_tokens if max_tokens is None else max_tokens,
             chunks=chunks,
             passages=tuple(passages),
+            rerank=self.rerank,
         )
 
 
 def retrieve(
-    engine, question: str, top_k: int, context: str, doc_ids: Sequence[str] | None = None
+    engine, question: str, top_k: int, context: str, doc_ids: Sequence[str] | None = None, rerank: int = 0
 ) -> list[tuple[Any, float, dict]]:
-    """(row, score, identity) of the chunks nearest to `question`, retrieved between two steps."""
-    hits = engine.engine.call(engine.retrieve, question, top_k, doc_ids, context)
+    """(row, score, identity) of the chunks `engine.search` finds for `question` (reranked with
+    `rerank` > 1), widened to `context`."""
+    hits = engine.retrieve(question, top_k, doc_ids, context, rerank)
     where = {"store": engine.snapshot.location, "generation": engine.snapshot.generation}
     return [
         (

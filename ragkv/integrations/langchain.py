@@ -38,7 +38,7 @@ try:
 except ModuleNotFoundError as exc:  # said once, naming the extra to install
     raise MissingExtraError("ragkv.integrations.langchain", "langchain", exc.name) from None
 
-from ragkv.config import AskSettings
+from ragkv.config import DEFAULT_RERANK, AskSettings
 from ragkv.errors import InputError
 from ragkv.integrations import adapter
 from ragkv.integrations.adapter import IDENTITY, AnswerOptions
@@ -54,11 +54,14 @@ class RagkvRetriever(BaseRetriever):
     top_k: int = 1
     context: str = "span"  # as `ragkv ask --context`: a hit brings its span's chunks before it
     doc_ids: tuple[str, ...] | None = None
+    rerank: int = DEFAULT_RERANK  # as `ragkv ask --rerank`: candidates the model scores over their stored KV
 
     def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
         return [
             Document(page_content=row.text, metadata={"source": row.source, "score": score, IDENTITY: identity})
-            for row, score, identity in adapter.retrieve(self.engine, query, self.top_k, self.context, self.doc_ids)
+            for row, score, identity in adapter.retrieve(
+                self.engine, query, self.top_k, self.context, self.doc_ids, self.rerank
+            )
         ]
 
 

@@ -29,6 +29,7 @@ try:
 except ModuleNotFoundError as exc:  # said once, naming the extra to install
     raise MissingExtraError("ragkv.integrations.llama_index", "llama-index", exc.name) from None
 
+from ragkv.config import DEFAULT_RERANK
 from ragkv.integrations import adapter
 from ragkv.integrations.adapter import IDENTITY, AnswerOptions
 
@@ -39,13 +40,22 @@ class RagkvNodeRetriever(BaseRetriever):
     chunk_id, kv_key; kept out of the text LLMs and embedders see)."""
 
     def __init__(
-        self, engine, top_k: int = 1, context: str = "span", doc_ids: Sequence[str] | None = None, **kwargs: Any
+        self,
+        engine,
+        top_k: int = 1,
+        context: str = "span",
+        doc_ids: Sequence[str] | None = None,
+        rerank: int = DEFAULT_RERANK,
+        **kwargs: Any,
     ):
         self.engine, self.top_k, self.context, self.doc_ids = engine, top_k, context, doc_ids
+        self.rerank = rerank  # as `ragkv ask --rerank`: candidates the model scores over their stored KV
         super().__init__(**kwargs)
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        found = adapter.retrieve(self.engine, query_bundle.query_str, self.top_k, self.context, self.doc_ids)
+        found = adapter.retrieve(
+            self.engine, query_bundle.query_str, self.top_k, self.context, self.doc_ids, self.rerank
+        )
         return [
             NodeWithScore(
                 score=score,
