@@ -1,5 +1,6 @@
 """`verify --repair`: recompute KV entries that are missing or fail their checksum, re-embed
-chunks missing from the vector index, with the model each entry's profile names."""
+chunks missing from the vector index, with the model each entry's profile names, and rebuild
+damaged lexical files from the chunks' texts."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ class RepairReport:
     entries_recomputed: int = 0
     entries_dropped: int = 0  # bad entries no chunk uses (nothing to recompute them from)
     chunks_reembedded: int = 0
+    lexical_rebuilt: int = 0  # lexical files rebuilt from the chunks' texts
     unrepairable: list[str] = field(default_factory=list)  # why, per profile that could not be loaded
     current_restored: int | None = None  # the generation a damaged CURRENT was pointed back at
     generation: int = 0
@@ -51,6 +53,10 @@ def repair(store: Path | str, device: str = "cpu", wait: bool = False) -> Repair
             _recompute(writer, profile_id, keys, device, report)
         if any(p.kind.startswith("vectors") for p in problems):
             _reindex_vectors(writer, device, report)
+        damaged = {p.file for p in problems if p.kind == "lexical"}
+        if damaged and writer.vectors is not None:
+            writer.vectors.drop_terms(damaged)  # publishing rebuilds them from the chunks' texts
+            report.lexical_rebuilt = len(damaged)
         report.generation = writer.generation
     return report
 
@@ -115,7 +121,7 @@ def _reindex_vectors(writer: StoreWriter, device: str, report: RepairReport) -> 
     embedder: Embedder | None = None
     if writer.vectors is None:  # started empty: the new index replaces the old one even if it holds nothing
         embedder = Embedder.load(catalog.meta()["embedder"], device)
-        writer.ensure_vectors(embedder.dim).num_changes += 1
+        writer.ensure_vectors(embedder.dim).mark_changed()
     vectors = writer.vectors
     assert vectors is not None  # a writer that repairs has opened (or just made) its index
     indexed = set(vectors.ids().tolist())

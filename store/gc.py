@@ -51,7 +51,7 @@ def collect_garbage(
             report.profiles_dropped = len(others)
         report.entries_removed, report.shards_rewritten = drop_dead(writer, rewrite_below)
         vectors = writer.vectors
-        if vectors is not None and (len(vectors.segments) > 1 or len(vectors.gone)):
+        if vectors is not None and vectors.needs_compaction():
             writer.compact_vectors()
             report.vectors_compacted = True
         if writer.catalog.delta_rows() >= COMPACT_ROWS and not writer.compacted:

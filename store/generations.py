@@ -5,7 +5,8 @@
                             store.catalog.overlay; checkpointed, closed, never reopened for writing)
     manifest-000007.json    that generation's base catalog and vector segments
     base-000005.duckdb      a whole catalog some generations' deltas are over (immutable)
-    segments/*.faiss        vector segments (immutable; see store.vectors)
+    segments/               index segments: seg-*.faiss vectors, terms-*.safetensors words
+                            (immutable; see store.segments)
     shards/                 KV shards shared by all generations
     LOCK                    held (flock) by the one writer, with its pid
 
@@ -111,9 +112,15 @@ def write_manifest(root: Path, generation: int, manifest: dict) -> None:
     write_atomic(manifest_path(root, generation), json.dumps(record, indent=1).encode())
 
 
+def segment_files(manifest: dict) -> list[str]:
+    """The names of the files in SEGMENT_DIR a manifest names: each segment's vectors and, when
+    it has one, its lexical file."""
+    return [name for s in manifest.get("segments", []) for name in (s["name"], s.get("terms")) if name]
+
+
 def named_files(manifest: dict) -> set[str]:
-    """The base and segments a manifest names, relative to the store's root."""
-    return {manifest["base"]} | {f"{SEGMENT_DIR}/{s['name']}" for s in manifest.get("segments", [])}
+    """The base and segment files a manifest names, relative to the store's root."""
+    return {manifest["base"]} | {f"{SEGMENT_DIR}/{name}" for name in segment_files(manifest)}
 
 
 def shared_files(root: Path, generations: set[int]) -> set[str]:
@@ -139,7 +146,7 @@ def remove_unshared(root: Path, keep: Set[str] = frozenset()) -> int:
         candidates += [
             p
             for p in (root / SEGMENT_DIR).iterdir()
-            if p.suffix == ".faiss" or (p.name.endswith(".tmp") and now - _mtime(p) > _STALE_TMP_S)
+            if p.suffix in (".faiss", ".safetensors") or (p.name.endswith(".tmp") and now - _mtime(p) > _STALE_TMP_S)
         ]  # a killed build's, not a live download's
     for path in candidates:
         name = path.name if path.parent == root else f"{SEGMENT_DIR}/{path.name}"

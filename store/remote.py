@@ -1,7 +1,7 @@
 """Stores on S3-compatible object storage: `--store s3://bucket/prefix`.
 
 The objects mirror a local store's layout (`CURRENT`, `catalog-N.duckdb`, `manifest-N.json`,
-`base-*.duckdb`, `segments/*.faiss`, `shards/*.safetensors`; see store.generations). Every
+`base-*.duckdb`, `segments/*` (vectors and words), `shards/*.safetensors`; see store.generations). Every
 machine keeps a local mirror under the ragkv cache (`$RAGKV_HOME/s3/BUCKET/PREFIX`) that is
 itself a local store: DuckDB and FAISS only ever open local files (DuckDB's httpfs is not
 needed). A reader moving to a new generation downloads its delta and manifest and only the
@@ -55,6 +55,7 @@ from store.generations import (
     read_manifest,
     remove_retired,
     remove_unshared,
+    segment_files,
     vectors_path,
     write_atomic,
 )
@@ -222,8 +223,8 @@ class RemoteStore:
         named = read_manifest(self.mirror, generation)
         need(named["base"], self.mirror / named["base"], False)
         (self.mirror / SEGMENT_DIR).mkdir(exist_ok=True)
-        for segment in named["segments"]:
-            need(f"{SEGMENT_DIR}/{segment['name']}", self.mirror / SEGMENT_DIR / segment["name"], False)
+        for name in segment_files(named):
+            need(f"{SEGMENT_DIR}/{name}", self.mirror / SEGMENT_DIR / name, False)
 
     def _reset_mirror(self) -> None:
         for path in self.mirror.iterdir():
@@ -253,9 +254,9 @@ class RemoteStore:
         if named["base"] not in self._list():
             self._upload(self.mirror / named["base"], named["base"])
         on_bucket = self._list(SEGMENT_DIR)
-        for segment in named["segments"]:
-            if segment["name"] not in on_bucket:
-                self._upload(self.mirror / SEGMENT_DIR / segment["name"], f"{SEGMENT_DIR}/{segment['name']}")
+        for name in segment_files(named):
+            if name not in on_bucket:
+                self._upload(self.mirror / SEGMENT_DIR / name, f"{SEGMENT_DIR}/{name}")
         for path in (catalog_path(self.mirror, generation), manifest_path(self.mirror, generation)):
             self._upload(path, path.name)
         body = f"{generation}\n{uuid.uuid4().hex}\n".encode()

@@ -18,8 +18,9 @@ from store.generations import (
     vectors_path,
 )
 from store.remote import RemoteStore, is_remote
+from store.segments import SegmentInfo, open_flat_file
 from store.shards import ShardReader
-from store.vectors import SegmentInfo, VectorIndex, open_flat_file
+from store.vectors import VectorIndex
 
 SHARD_DIR = "shards"
 REMOTE_POLL_S = 2.0  # how often a long-lived reader asks an S3 store for a newer generation

@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 
 import duckdb
-import numpy as np
 
 from ragkv.errors import InputError, RagkvError, StoreFormatError, StoreWriteError
 from ragkv.keys import KVKey
@@ -35,20 +34,10 @@ from store.generations import (
 )
 from store.remote import RemoteStore, is_remote, referenced_shards, write_error
 from store.remote_shards import UploadingShardWriter
+from store.segments import Segment, SegmentInfo, open_flat_file
 from store.shards import SealedEntry, ShardReader, ShardWriter, fsync_dir, remove_temporary, sealed_entries, shard_files
 from store.snapshot import SHARD_DIR, StoreSnapshot, open_snapshot
-from store.vectors import (
-    FLAT_SHARE,
-    GONE_SHARE,
-    MAX_FLAT,
-    MAX_SEGMENTS,
-    Segment,
-    SegmentInfo,
-    VectorIndex,
-    build_segment,
-    open_flat_file,
-    segment_vectors,
-)
+from store.vectors import VectorIndex
 
 __all__ = ["SHARD_DIR", "StoreSnapshot", "StoreWriter", "is_store", "open_snapshot", "open_writer"]
 
@@ -120,7 +109,6 @@ class StoreWriter:
                 self.vectors = VectorIndex(
                     dim, self.root / SEGMENT_DIR, infos, self.catalog.gone_vectors(), loaded=self._legacy_loaded
                 )
-            self._base_segments = [i.name for i in infos]
             # What the published generation holds; publishing the same again would be a no-op.
             self._base_rows = (
                 self.catalog.fingerprint()
@@ -274,9 +262,7 @@ class StoreWriter:
         current generation number is returned (`unchanged`)."""
         if self._published:
             return self.generation
-        vectors_changed = self.vectors is not None and (
-            self.vectors.num_changes > 0 or [s.name for s in self.vectors.segments] != self._base_segments
-        )
+        vectors_changed = self.vectors is not None and (self.vectors.changed() or self.vectors.num_without_terms())
         if (
             self._base_rows is not None
             and not vectors_changed
@@ -307,56 +293,18 @@ class StoreWriter:
         return self.generation
 
     def _write_vectors(self) -> dict:
-        """Write the vectors added as a new segment (merging small ones, or compacting when
-        their share or the tombstones' outgrow their bounds: see store.vectors), record the
+        """Write the vector index's changes (store.vectors keeps its own bounds) and record its
         tombstones in the delta; returns the manifest's vector part."""
-        vectors = self.vectors
-        if vectors is None:
+        if self.vectors is None:
             return {"dim": 0, "segments": []}
-        folder, tag = self.root / SEGMENT_DIR, f"{self.generation:06d}"
-        stored = sum(s.count for s in vectors.segments)
-        if vectors.pending_count:
-            ids, added = vectors.take_pending()
-            vectors.segments.append(build_segment(folder, ids, added, tag))  # IVF if large
-            stored += len(ids)
-        flat = [s for s in vectors.segments if s.kind == "flat"]
-        large = stored - sum(s.count for s in flat)
-        if vectors.segments and (
-            len(vectors.gone) > GONE_SHARE * stored
-            or len(vectors.segments) > MAX_SEGMENTS
-            or (large and sum(s.count for s in flat) > FLAT_SHARE * stored)
-        ):
-            self.compact_vectors()
-        elif len(flat) > MAX_FLAT:
-            self._merge(flat)
-        self.catalog.set_gone_vectors(vectors.gone)
-        return {"dim": vectors.dim, "segments": [s.to_dict() for s in vectors.segments]}
-
-    def _merge(self, chosen: list[SegmentInfo]) -> None:
-        """Rewrite the segments `chosen` (small, flat) as one flat segment, less tombstones."""
-        vectors = self.vectors
-        parts = [segment_vectors(vectors.segment(s).index) for s in chosen]
-        ids = np.concatenate([p[0] for p in parts])
-        data = np.concatenate([p[1] for p in parts])
-        keep = ~np.isin(ids, vectors.gone)
-        vectors.gone = vectors.gone[~np.isin(vectors.gone, ids)]
-        merged = build_segment(self.root / SEGMENT_DIR, ids[keep], data[keep], f"{self.generation:06d}", ivf=False)
-        names = {s.name for s in chosen}
-        vectors.segments = [s for s in vectors.segments if s.name not in names] + [merged]
-        vectors.num_changes += 1
+        part = self.vectors.publish(f"{self.generation:06d}", self.catalog.chunk_texts)
+        self.catalog.set_gone_vectors(self.vectors.gone)
+        return part
 
     def compact_vectors(self) -> None:
-        """Rewrite every live vector as one segment: IVF, retrained, for a large store. Costs
-        what the index holds: writers do it only when tombstones or flat segments outgrow
-        their share, `gc` whenever there is more than one segment or any tombstone."""
-        vectors = self.vectors
-        ids, data = vectors.live_vectors()
-        vectors.segments = (
-            [build_segment(self.root / SEGMENT_DIR, ids, data, f"{self.generation:06d}")] if len(ids) else []
-        )
-        vectors.gone = np.empty(0, np.int64)
-        vectors._loaded.clear()
-        vectors.num_changes += 1
+        """Rewrite every live chunk of the index as one segment (see VectorIndex.compact)."""
+        if self.vectors is not None:
+            self.vectors.compact(f"{self.generation:06d}", self.catalog.chunk_texts)
 
     def _keep_current(self) -> int:
         self.catalog.close()

@@ -1,6 +1,7 @@
 """Integrity checks over a published generation: every KV entry readable and matching its
 checksum, every chunk link pointing at an entry, every profile's prefix present, the vector
-index readable and holding exactly the catalog's chunks. (`CURRENT` and the catalog are checked
+index readable and holding exactly the catalog's chunks, each segment's lexical file readable and
+holding its segment's chunks. (`CURRENT` and the catalog are checked
 by opening the generation at all.) Hit-log lines that record no use are reported as warnings:
 popularity skips them, and they harm nothing stored."""
 
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+
+import numpy as np
 
 from ragkv.errors import StoreCorruptError
 from ragkv.keys import KVKey
@@ -18,9 +21,11 @@ from store.snapshot import StoreSnapshot
 @dataclass(frozen=True)
 class Problem:
     kind: str  # "entry" (unreadable / checksum), "link" (chunk points at no entry), "prefix", "vectors"
-    # (missing or stray vectors), "vectors-unreadable" (the index file itself)
+    # (missing or stray vectors), "vectors-unreadable" (the index file itself), "lexical" (a
+    # segment's lexical file unreadable or not matching its segment)
     detail: str
     kv_key: str = ""
+    file: str = ""  # "lexical": the file's name in the segment folder
 
 
 @dataclass
@@ -72,6 +77,7 @@ def verify(snapshot: StoreSnapshot) -> VerifyReport:
                     f"{len(indexed - chunks)} stray vectors",
                 )
             )
+        _verify_lexical(snapshot, report)
     if not snapshot.remote:
         unusable = read_pending(snapshot.root, catalog.folded_offsets()).unusable
         report.warnings += [
@@ -80,3 +86,26 @@ def verify(snapshot: StoreSnapshot) -> VerifyReport:
         ]
     report.seconds = time.perf_counter() - start
     return report
+
+
+def _verify_lexical(snapshot: StoreSnapshot, report: VerifyReport) -> None:
+    """Each segment's lexical file readable and holding exactly its segment's chunks."""
+    vectors = snapshot.vectors
+    for info in vectors.segments:
+        if not info.has_terms:
+            continue
+        segment = vectors.segment(info)
+        try:
+            postings = segment.postings()
+        except StoreCorruptError as exc:
+            report.problems.append(Problem("lexical", str(exc), file=info.terms))
+            continue
+        assert postings is not None  # the segment names a lexical file
+        if not np.array_equal(np.sort(postings.chunk_ids), np.sort(segment.ids())):
+            detail = f"the lexical index file {info.terms} does not hold the chunks of its segment {info.name}"
+            report.problems.append(Problem("lexical", detail, file=info.terms))
+    if missing := vectors.num_without_terms():
+        report.warnings.append(
+            f"the lexical index does not cover {missing} chunks (a store written before it); "
+            "the next write builds it (e.g. ragkv gc)"
+        )

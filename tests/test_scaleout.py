@@ -216,15 +216,17 @@ def test_s3_store_round_trip(s3_env, local_store, corpus, tmp_path, monkeypatch)
         assert reader.latest_generation() == 1  # asked the bucket moments ago: not again yet
         monkeypatch.setattr(snapshot_module, "REMOTE_POLL_S", 0.0)
         assert reader.latest_generation() == 2
-    # The other machine's refresh fetches the new delta, manifest and segment: not the base, not the old segments.
+    # The other machine's refresh fetches the new delta, manifest and segment (its vectors and its
+    # words): not the base, not the old segments.
     elsewhere.downloaded = 0
     assert elsewhere.sync() == 2
     objects = _objects(s3_env, "roundtrip")
     after = json.loads((elsewhere.mirror / "manifest-000002.json").read_text())
     new = {"catalog-000002.duckdb", "manifest-000002.json"} | (
-        {f"segments/{s['name']}" for s in after["segments"]} - {f"segments/{s['name']}" for s in before["segments"]}
+        {f"segments/{f}" for s in after["segments"] for f in (s["name"], s["terms"])}
+        - {f"segments/{f}" for s in before["segments"] for f in (s["name"], s["terms"])}
     )
-    assert after["base"] == before["base"] and len(new) == 3
+    assert after["base"] == before["base"] and len(new) == 4
     assert elsewhere.downloaded == sum(objects[n] for n in new) < sum(objects.values()) / 2
 
 

@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 
 from ragkv.errors import StoreCorruptError
-from store import StoreWriter, collect_garbage, open_snapshot, verify
-from store import vectors as segments
+from store import StoreWriter, collect_garbage, open_snapshot, segments, vectors, verify
 from store.catalog import ChunkRow, DocumentRow
 from store.stats import store_stats
 from tests.conftest import ROOT
@@ -74,8 +73,9 @@ def test_a_large_store_searches_an_ivf_segment_and_a_change_writes_only_itself(t
         assert index["type"] == "ivf-flat" and index["segments"] == 1 and 1 < index["nprobe"] < index["nlist"]
         assert index["tuned_recall_at_10"] >= segments.RECALL_TARGET
         assert recall(snap, stored, near(rng, np.stack(list(stored.values())), 100)) >= 0.93  # fresh queries
-    ivf_file = next((root / "segments").iterdir())
-    ivf_bytes = ivf_file.read_bytes()
+    ivf_file = next((root / "segments").glob("*.faiss"))
+    terms_file = next((root / "segments").glob("terms-*"))
+    ivf_bytes, terms_bytes = ivf_file.read_bytes(), terms_file.read_bytes()
 
     # One document changes: its vectors become tombstones, its new ones a small flat segment.
     with StoreWriter(root) as writer:
@@ -83,6 +83,7 @@ def test_a_large_store_searches_an_ivf_segment_and_a_change_writes_only_itself(t
         assert writer.vectors.remove(old_ids) == 10
         new = add_docs(writer, ["d0007"], rng)
     assert ivf_file.read_bytes() == ivf_bytes  # the big segment was not rewritten
+    assert terms_file.read_bytes() == terms_bytes  # nor its lexical file
     assert min(new) > max(stored)  # chunk ids are never reused: a tombstone names one chunk forever
     with open_snapshot(root) as snap:
         assert len(snap.vectors.segments) == 2 and len(snap.vectors.gone) == 10
@@ -90,6 +91,7 @@ def test_a_large_store_searches_an_ivf_segment_and_a_change_writes_only_itself(t
             assert cid not in {h.chunk_id for h in snap.vectors.search(stored[cid], 10)}
         for cid, vector in new.items():
             assert snap.vectors.search(vector, 1)[0].chunk_id == cid
+        assert {h.chunk_id for h in snap.vectors.search_terms(["d0007"], 50)} == set(new)  # words: the new ones only
         assert len(snap.vectors) == 6000 and verify(snap).ok
         catalog = store_stats(snap)["catalog"]
         assert catalog["base_rows"] >= 6000 and 0 < catalog["delta_rows"] < 100  # the change, not the store
@@ -104,21 +106,21 @@ def test_a_large_store_searches_an_ivf_segment_and_a_change_writes_only_itself(t
         assert len(snap.vectors.segments) == 1 and not len(snap.vectors.gone) and snap.vectors.segments[0].kind == "ivf"
         assert recall(snap, stored, near(rng, np.stack(list(stored.values())), 100)) >= 0.93
         assert verify(snap).ok
-    assert not ivf_file.exists()  # nothing names it any more
+    assert not ivf_file.exists() and not terms_file.exists()  # nothing names them any more
 
 
 def test_small_flat_segments_merge_and_search_stays_exact(tmp_path):
     rng = np.random.default_rng(1)
     root = tmp_path / "s"
     stored = {}
-    for i in range(segments.MAX_FLAT + 2):
+    for i in range(vectors.MAX_FLAT + 2):
         with StoreWriter(root) as writer:
             stored.update(add_docs(writer, [f"d{i}"], rng))
     with open_snapshot(root) as snap:
-        assert all(s.kind == "flat" for s in snap.vectors.segments) and len(snap.vectors.segments) <= segments.MAX_FLAT
+        assert all(s.kind == "flat" for s in snap.vectors.segments) and len(snap.vectors.segments) <= vectors.MAX_FLAT
         assert recall(snap, stored, near(rng, np.stack(list(stored.values())), 20)) == 1.0  # flat is exact
         files = {p.name for p in (root / "segments").iterdir()}
-        assert files == {s.name for s in snap.vectors.segments}  # merged-away segments are deleted
+        assert files == {f for s in snap.vectors.segments for f in s.files()}  # merged-away segments are deleted
 
 
 def test_a_missing_or_damaged_segment_is_one_line_naming_the_repair(tmp_path):
@@ -126,7 +128,7 @@ def test_a_missing_or_damaged_segment_is_one_line_naming_the_repair(tmp_path):
     root = tmp_path / "s"
     with StoreWriter(root) as writer:
         add_docs(writer, ["a", "b"], rng)
-    segment = next((root / "segments").iterdir())
+    segment = next((root / "segments").glob("*.faiss"))
     segment.write_bytes(segment.read_bytes()[:-7])
     with pytest.raises(StoreCorruptError, match=r"truncated.*ragkv verify --repair") as error:
         open_snapshot(root)

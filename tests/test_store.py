@@ -113,7 +113,9 @@ def shared_files(root: Path, generations: set[int] | None = None) -> set[str]:
         named = set()
         for g in generations:
             manifest = json.loads((root / f"manifest-{g:06d}.json").read_text())
-            named |= {manifest["base"]} | {f"segments/{s['name']}" for s in manifest["segments"]}
+            named |= {manifest["base"]} | {
+                f"segments/{f}" for s in manifest["segments"] for f in (s["name"], s["terms"])
+            }
         return named
     return {p.name for p in root.glob("base-*")} | {f"segments/{p.name}" for p in (root / "segments").iterdir()}
 
