@@ -25,12 +25,14 @@ from ragkv.config import (
     DEFAULT_NO_REPEAT_NGRAM,
     DEFAULT_REPETITION_PENALTY,
     DEFAULT_RERANK,
+    DEFAULT_RETRIEVAL,
     DEFAULT_SPAN_TOKENS,
     DEFAULT_STORE,
     DEFAULT_SYSTEM_PROMPT,
     DTYPES,
     AskSettings,
     DecodeSettings,
+    SearchSettings,
 )
 from ragkv.errors import InputError, OutputError, RagkvError
 
@@ -162,6 +164,19 @@ RerankOption = typer.Option(
     "--rerank",
     help="Retrieve this many candidates, score each by how likely the model finds the question after it "
     "(over its stored KV: one batched question prefill), keep the best. 0: retrieval order.",
+)
+RetrievalOption = typer.Option(
+    DEFAULT_RETRIEVAL,
+    "--retrieval",
+    help="How candidates are found: dense (the embedder's vectors), lexical (BM25 over the chunks' words) "
+    "or hybrid (both, fused).",
+)
+FilterOption = typer.Option(
+    None,
+    "--filter",
+    help="Only documents matching FIELD OP VALUE (repeat: all must match). Fields: id, path, title, modified, "
+    "format, source, or a jsonl record's own; OP: = != > >= < <= (= and != take * and ?). "
+    "E.g. --filter 'path=runbooks/*' --filter 'year>=2025'.",
 )
 
 
@@ -537,7 +552,8 @@ def verify(
         if not json_out:
             typer.echo(
                 f"repair: {fixed.problems_found} problems, {fixed.entries_recomputed} entries recomputed, "
-                f"{fixed.entries_dropped} unused entries dropped, {fixed.chunks_reembedded} chunks re-embedded"
+                f"{fixed.entries_dropped} unused entries dropped, {fixed.chunks_reembedded} chunks re-embedded, "
+                f"{fixed.lexical_rebuilt} lexical files rebuilt"
             )
             if fixed.current_restored is not None:
                 typer.echo(f"  CURRENT pointed at no complete generation: it now names {fixed.current_restored}")
@@ -580,6 +596,8 @@ def ask(
     blend_ratio: float | None = BlendRatioOption,
     ape_scale: float = ApeScaleOption,
     doc: str | None = typer.Option(None, "--doc", help="Retrieve only from this document id."),
+    retrieval: str = RetrievalOption,
+    filters: list[str] | None = FilterOption,
     rerank: int = RerankOption,
     json_out: bool = JsonOption,
     model: str | None = typer.Option(None, "--model", "-m", help="Override the model the store was built with."),
@@ -617,9 +635,12 @@ def ask(
         blend_ratio=blend_ratio,
         ape_scale=ape_scale,
         doc_ids=(doc,) if doc else None,
+        retrieval=retrieval,
+        filters=tuple(filters or ()),
         rerank=rerank,
         decoding=decoding,
     )
+    _check_filter_fields(store, settings.search)
     with ragkv.open(store, model=model, embedder=embedder, device=device, dtype=dtype, kv_dtype=kv_dtype) as engine:
         stream = engine.stream(question, settings)
         for delta in stream:
@@ -674,7 +695,9 @@ def search(
     question: str | None = typer.Argument(None, help="The question (or give --file)."),
     store: str = StoreOption,
     top_k: int = typer.Option(5, "--top-k", "-k", help="Chunks to return."),
+    retrieval: str = RetrievalOption,
     rerank: int = RerankOption,
+    filters: list[str] | None = FilterOption,
     doc: str | None = typer.Option(None, "--doc", help="Search only this document id."),
     questions_file: Path | None = typer.Option(
         None, "--file", help='JSONL of {"id", "question", "doc"?}: one JSON line of {"id", "results"} per question.'
@@ -694,18 +717,32 @@ def search(
         raise InputError("give a question or --file questions.jsonl (one of the two)")
     if question is not None and not question.strip():
         raise InputError("the question is empty; ask something")
-    AskSettings(top_k=top_k, rerank=rerank)  # the same bounds as ask's, checked before the model loads
+    settings = SearchSettings(top_k, retrieval, rerank, filters=tuple(filters or ()))  # checked before any model loads
+    _check_filter_fields(store, settings)
     items, errors = read_questions(questions_file) if questions_file else ([Question("1", question or "", doc)], [])
     with ragkv.open(store, device=device) as engine:
         for outcome in errors:
             typer.echo(json.dumps(outcome.to_dict()))
-        for found in search_all(engine, items, top_k, rerank):
+        for found in search_all(engine, items, settings):
             if questions_file or json_out:
                 typer.echo(json.dumps(found if questions_file else {"question": question, **found}))
             elif "error" in found:
                 raise InputError(found["error"])
             else:
                 _print_results(found["results"])
+                for warning in found.get("warnings", []):
+                    typer.echo(f"warning: {warning}", err=True)
+
+
+def _check_filter_fields(store: str, settings: SearchSettings) -> None:
+    """A filter naming a field no document of the store has is refused before any model loads."""
+    if not settings.filters:
+        return
+    from ragkv.filters import check_fields
+    from store import open_snapshot
+
+    with open_snapshot(store, require_documents=False) as snapshot:
+        check_fields(settings.conditions, snapshot.catalog.metadata_fields())
 
 
 def _print_results(results: list[dict]) -> None:
@@ -728,6 +765,8 @@ def batch(
     context: str = ContextOption,
     blend_ratio: float | None = BlendRatioOption,
     max_batch: int = typer.Option(16, "--max-batch", help="Most questions decoded together."),
+    retrieval: str = RetrievalOption,
+    filters: list[str] | None = FilterOption,
     rerank: int = RerankOption,
     device: str = DeviceOption,
     json_out: bool = JsonOption,
@@ -757,9 +796,12 @@ def batch(
         mode=mode,
         context=context,
         blend_ratio=blend_ratio,
+        retrieval=retrieval,
+        filters=tuple(filters or ()),
         rerank=rerank,
         decoding=decoding,
     )
+    _check_filter_fields(store, settings.search)
     items, errors = read_questions(questions)
     sink = _Output(out, "--out")
     started = time.perf_counter()

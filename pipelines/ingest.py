@@ -332,7 +332,16 @@ def _replace_documents(
         if vectors is not None:
             vectors.remove(retired)
         catalog.add_documents(rows, [d.metadata for d in plan.to_chunk], new_chunks)
+        _refresh_metadata(catalog, plan.unchanged)
     return new_chunks
+
+
+def _refresh_metadata(catalog, unchanged: list[Document]) -> None:
+    """Record the metadata of documents whose text is unchanged but whose metadata is not (a
+    file touched, or read before ragkv recorded path, title and modified time): rows only, no
+    chunk is cut or computed again."""
+    stored = catalog.metadata_of([d.doc_id for d in unchanged])
+    catalog.set_metadata({d.doc_id: d.metadata for d in unchanged if stored.get(d.doc_id) != d.metadata})
 
 
 def _chunk_documents(

@@ -11,9 +11,15 @@ from pipelines.read import Document, Skipped
 from ragkv.keys import digest
 from store import DocumentRow
 
+LOCATION_FIELDS = ("path", "title", "modified")  # where a document is and when it changed: not its content
+
 
 def content_hash(doc: Document) -> str:
-    return digest(doc.text, json.dumps(doc.metadata, sort_keys=True, default=str))
+    """The document's text and its own metadata (a jsonl record's fields): what its chunks
+    depend on. Where it was read from and when (LOCATION_FIELDS) are kept out, so a touched
+    file is not re-chunked: its metadata is updated in place."""
+    own = {k: v for k, v in doc.metadata.items() if k not in LOCATION_FIELDS}
+    return digest(doc.text, json.dumps(own, sort_keys=True, default=str))
 
 
 @dataclass

@@ -1,5 +1,9 @@
 """Read documents from files and directory trees: .txt .md .rst .html .jsonl.
 
+Each document carries metadata a filter can use (ragkv.filters): its format, its path (the
+id a file is stored under; a jsonl record: its file's), the file's modified time, a title (the
+first heading; an HTML page's <title>), and a jsonl record's other fields.
+
 A document's id is its path relative to the directory it was found under (or its file name
 when a file was passed directly), or the `id` field of a jsonl record: stable across runs, so
 re-ingesting the same tree finds the same documents.
@@ -16,6 +20,7 @@ import json
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 
 from ragkv.config import DEFAULT_MAX_DOCUMENT_BYTES as MAX_DOCUMENT_BYTES  # a jsonl file is not capped; each record is
@@ -109,53 +114,89 @@ def _read_file(path: Path, doc_id: str, max_document_bytes: int) -> Iterator[Doc
     except UnicodeDecodeError as exc:
         yield Skipped(str(path), f"not valid UTF-8 (byte {exc.start})")
         return
+    where = {"path": doc_id, "modified": _modified(path)}  # a filter's fields (ragkv.filters)
     if suffix in JSONL_SUFFIXES:
-        yield from _read_jsonl(path, text, max_document_bytes)
+        yield from _read_jsonl(path, text, max_document_bytes, where)
         return
+    title = html_title(text) if suffix in HTML_SUFFIXES else text_title(text)
     if suffix in HTML_SUFFIXES:
         text = html_to_text(text)
     text = normalise(text)
     if not text:
         yield Skipped(str(path), "empty")
         return
-    yield Document(doc_id, str(path), text, {"format": suffix.lstrip(".")})
+    yield Document(
+        doc_id, str(path), text, {"format": suffix.lstrip("."), **where, **({"title": title} if title else {})}
+    )
+
+
+def _modified(path: Path) -> str:
+    """The file's modification time, ISO 8601 in UTC to the second (compares as text in time order)."""
+    return datetime.fromtimestamp(path.stat().st_mtime, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+_MD_HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$")
+_UNDERLINE = re.compile(r"^([=\-~^\"'`#*+])\1{2,}\s*$")
+
+
+def text_title(text: str) -> str | None:
+    """A Markdown or reStructuredText document's first heading (`# Title`, or a line
+    underlined with = - ~ and the like), if it opens with one within its first lines."""
+    lines = [line.strip() for line in text.strip().splitlines()[:12]]
+    for i, line in enumerate(lines):
+        if found := _MD_HEADING.match(line):
+            return found[1][:300]
+        if i + 1 < len(lines) and line and _UNDERLINE.match(lines[i + 1]) and not _UNDERLINE.match(line):
+            return line[:300]
+    return None
+
+
+def html_title(html: str) -> str | None:
+    """An HTML page's <title>, else its first <h1>."""
+    from bs4 import BeautifulSoup
+
+    soup = BeautifulSoup(html, "html.parser")
+    for tag in (soup.title, soup.find("h1")):
+        if tag is not None and (title := " ".join(tag.get_text(" ").split())):
+            return title[:300]
+    return None
 
 
 def _too_large(size: int, limit: int) -> str:
     return f"{size:,} bytes of text, over the {limit:,}-byte limit for one document (--max-doc-bytes)"
 
 
-def _read_jsonl(path: Path, text: str, max_document_bytes: int) -> Iterator[Document | Skipped]:
+def _read_jsonl(path: Path, text: str, max_document_bytes: int, where: dict) -> Iterator[Document | Skipped]:
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        where = f"{path}:{number}"
+        line_at = f"{path}:{number}"
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            yield Skipped(where, f"not JSON ({exc.msg})")
+            yield Skipped(line_at, f"not JSON ({exc.msg})")
             continue
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            yield Skipped(where, 'no "text" string field')
+            yield Skipped(line_at, 'no "text" string field')
             continue
         doc_id = record.get("id")
         if isinstance(doc_id, bool) or not isinstance(doc_id, (str, int)) or not 0 < len(str(doc_id)) <= 1024:
-            yield Skipped(where, 'no "id" field (a string of 1 to 1024 characters, or an integer)')
+            yield Skipped(line_at, 'no "id" field (a string of 1 to 1024 characters, or an integer)')
             continue
         body = normalise(record["text"])
         if not body:
-            yield Skipped(where, "empty text")
+            yield Skipped(line_at, "empty text")
             continue
         try:
             size = len(body.encode("utf-8"))
         except UnicodeEncodeError:  # a "\\ud800" escape: no tokenizer takes it
-            yield Skipped(where, "text is not valid Unicode (a lone surrogate escape)")
+            yield Skipped(line_at, "text is not valid Unicode (a lone surrogate escape)")
             continue
         if size > max_document_bytes:
-            yield Skipped(where, _too_large(size, max_document_bytes))
+            yield Skipped(line_at, _too_large(size, max_document_bytes))
             continue
         metadata = {k: v for k, v in record.items() if k not in ("id", "text")}
-        yield Document(str(doc_id), where, body, {"format": "jsonl", **metadata})
+        yield Document(str(doc_id), line_at, body, {"format": "jsonl", **where, **metadata})
 
 
 def html_to_text(html: str) -> str:

@@ -20,9 +20,13 @@ from ragkv.config import (
     DEFAULT_NO_REPEAT_NGRAM,
     DEFAULT_REPETITION_PENALTY,
     DEFAULT_RERANK,
+    DEFAULT_RETRIEVAL,
     MAX_RERANK,
     MAX_SEED,
+    MAX_TOP_K,
     MODES,
+    RETRIEVALS,
+    SearchSettings,
 )
 from ragkv.errors import InputError, ModelError, RagkvError, StoreEmptyError
 from ragkv.guard import BodyTooLarge
@@ -88,6 +92,15 @@ class RagkvOptions(_Body):
     no_cache: bool = False
     doc_ids: list[str] | None = Field(None, max_length=100)
     rerank: int = Field(DEFAULT_RERANK, ge=0, le=MAX_RERANK)  # candidates the model scores (0: off)
+    retrieval: str = DEFAULT_RETRIEVAL  # one of config.RETRIEVALS
+    filters: list[str] = Field(default_factory=list, max_length=32)  # ragkv.filters' grammar, all must match
+
+    @field_validator("retrieval")
+    @classmethod
+    def _known_retrieval(cls, retrieval: str) -> str:
+        if retrieval not in RETRIEVALS:
+            raise ValueError(f"must be one of {', '.join(RETRIEVALS)}")
+        return retrieval
 
     @field_validator("mode")
     @classmethod
@@ -119,9 +132,16 @@ class ChatRequest(_Body):
 
 class RetrieveRequest(_Body):
     query: str = Field(min_length=1, max_length=20_000)
-    top_k: int = Field(5, ge=1, le=100)
+    top_k: int = Field(5, ge=1, le=MAX_TOP_K)
+    retrieval: str = DEFAULT_RETRIEVAL  # one of config.RETRIEVALS (checked by SearchSettings)
     rerank: int = Field(0, ge=0, le=MAX_RERANK)  # score this many candidates with the model (0: off)
     doc_ids: list[str] | None = Field(None, max_length=100)
+    filters: list[str] = Field(default_factory=list, max_length=32)  # ragkv.filters' grammar, all must match
+
+    def settings(self) -> SearchSettings:
+        """As the search's settings (InputError, a 400, for a retrieval or filter it refuses)."""
+        doc_ids = tuple(self.doc_ids) if self.doc_ids is not None else None
+        return SearchSettings(self.top_k, self.retrieval, self.rerank, doc_ids, tuple(self.filters))
 
 
 # -- errors --------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ragkv.answer import Answer
-from ragkv.config import AskSettings
+from ragkv.config import AskSettings, SearchSettings
 from ragkv.conversation import Conversation
 from ragkv.errors import InputError, RagkvError
 from ragkv.scheduler import Ticket
@@ -99,16 +99,20 @@ def answer_all(
                     on_done(1)
 
 
-def search_all(engine, questions: list[Question], top_k: int, rerank: int) -> Iterator[dict]:
-    """Yield `{"id", "results"}` (or `{"id", "line", "error"}`) for every question, in order:
-    the chunks `engine.search` finds for it."""
+def search_all(engine, questions: list[Question], settings: SearchSettings) -> Iterator[dict]:
+    """Yield `{"id", "results"}` (and "warnings" when any; `{"id", "line", "error"}` for a
+    question that cannot be searched) for every question, in order: what `engine.search`
+    finds for it."""
     for question in questions:
+        pinned = dataclasses.replace(settings, doc_ids=(question.doc,)) if question.doc else settings
         try:
-            found = engine.search(question.question, top_k, rerank, (question.doc,) if question.doc else None)
+            found = engine.engine.call(engine.runtime.search, question.question, pinned)
         except RagkvError as exc:
             yield {"id": question.id, "line": question.line, "error": str(exc)}
             continue
-        yield {"id": question.id, "results": [result.to_dict() for result in found]}
+        yield {"id": question.id, "results": [r.to_dict() for r in found]} | (
+            {"warnings": found.warnings} if found.warnings else {}
+        )
 
 
 def _submit(batcher, runtime, question: Question, settings: AskSettings) -> Ticket:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ragkv.errors import InputError
+from ragkv.filters import Filter, parse_filters
 from ragkv.formats import __version__
 from ragkv.text import check_text
 
@@ -39,7 +40,10 @@ MODES = ("exact", "concat", "blend", "epic", "query", "ape")
 APPROXIMATE = "epic"
 DEFAULT_BLEND_RATIOS = {"blend": 0.15, "epic": 0.05, "query": 0.2}  # share recomputed when --blend-ratio is not given
 MAX_RERANK = 100  # candidates one rerank scores, at most
-DEFAULT_RERANK = 0  # candidates `ask` reranks unless told (see the README's "Retrieval")
+DEFAULT_RERANK = 0  # candidates `ask` reranks unless told (docs/retrieval.md says why)
+RETRIEVALS = ("dense", "lexical", "hybrid")  # the first stage (see ragkv.search)
+DEFAULT_RETRIEVAL = "dense"  # docs/retrieval.md says why
+MAX_TOP_K = 100  # chunks one /v1/retrieve request may ask for
 CONTEXTS = ("chunk", "span", "document")  # what a retrieved chunk brings into the prompt (see QueryEngine.prepare)
 KV_DTYPES = ("auto", "bfloat16", "float16", "int8", "int4", "int2")  # see ragkv.codec
 DEVICES = ("auto", "cpu", "cuda")
@@ -250,6 +254,44 @@ DECODE_KEYS = frozenset(f.name for f in dataclasses.fields(DecodeSettings))
 
 
 @dataclass(frozen=True)
+class SearchSettings(_Settings):
+    """How the chunks for a question are found: `ragkv search`, and the first part of `ask`."""
+
+    top_k: int = 5
+    retrieval: str = DEFAULT_RETRIEVAL  # the first stage: dense, lexical or hybrid (ragkv.search)
+    rerank: int = DEFAULT_RERANK  # score this many first-stage candidates with the model, keep the best top_k (0: off)
+    doc_ids: tuple[str, ...] | None = None  # only from these documents
+    filters: tuple[str, ...] = ()  # only from documents matching every one (ragkv.filters' grammar)
+
+    def __post_init__(self):
+        if self.top_k < 1:  # no upper bound: a top-k past the store's size answers with what it holds
+            raise InputError(f"--top-k must be at least 1, got {self.top_k}")
+        if self.retrieval not in RETRIEVALS:
+            raise InputError(
+                f"unknown --retrieval {self.retrieval!r}; use dense (the embedder's vectors), lexical "
+                "(BM25 over the chunks' words) or hybrid (both, fused)"
+            )
+        if not 0 <= self.rerank <= MAX_RERANK:
+            raise InputError(f"--rerank must be between 0 (off) and {MAX_RERANK}, got {self.rerank}")
+        if self.doc_ids is not None:
+            if isinstance(self.doc_ids, str) or not all(
+                isinstance(d, str) and 0 < len(d) <= 1024 for d in self.doc_ids
+            ):
+                raise InputError("doc_ids must be a list of document id strings")
+            object.__setattr__(self, "doc_ids", tuple(self.doc_ids))
+        object.__setattr__(self, "filters", tuple(f.to_string() for f in parse_filters(self.filters)))
+
+    @property
+    def conditions(self) -> tuple[Filter, ...]:
+        return parse_filters(self.filters)
+
+    @property
+    def depth(self) -> int:
+        """Candidates the first stage finds: the rerank's, or top_k."""
+        return max(self.top_k, self.rerank) if self.rerank > 1 else self.top_k
+
+
+@dataclass(frozen=True)
 class AskSettings(_Settings):
     """How `ask` retrieves and generates. `from_dict` also takes `DecodeSettings`' keys
     (repetition_penalty, no_repeat_ngram, temperature, top_p, seed, stop) flat."""
@@ -270,6 +312,8 @@ class AskSettings(_Settings):
     chunks: tuple[tuple[int, float], ...] | None = None  # (chunk id, score): answer from these, not a retrieval
     rerank: int = DEFAULT_RERANK  # score this many first-stage candidates with the model, keep the best top_k (0: off)
     passages: tuple[str, ...] = ()  # texts with no stored KV (another retriever's), after the chunks, prefilled live
+    retrieval: str = DEFAULT_RETRIEVAL  # the first stage: dense, lexical or hybrid (see SearchSettings)
+    filters: tuple[str, ...] = ()  # retrieve only from documents matching every one (ragkv.filters)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]):
@@ -300,16 +344,9 @@ class AskSettings(_Settings):
             )
         if self.blend_ratio is not None and not 0.0 <= self.blend_ratio <= 1.0:
             raise InputError(f"--blend-ratio must be between 0 and 1, got {self.blend_ratio}")
-        if self.top_k < 1:
-            raise InputError(f"--top-k must be at least 1, got {self.top_k}")
-        if not 0 <= self.rerank <= MAX_RERANK:
-            raise InputError(f"--rerank must be between 0 (off) and {MAX_RERANK}, got {self.rerank}")
-        if self.doc_ids is not None:
-            if isinstance(self.doc_ids, str) or not all(
-                isinstance(d, str) and 0 < len(d) <= 1024 for d in self.doc_ids
-            ):
-                raise InputError("doc_ids must be a list of document id strings")
-            object.__setattr__(self, "doc_ids", tuple(self.doc_ids))
+        search = self.search  # validates the retrieval's settings (one place: SearchSettings)
+        object.__setattr__(self, "doc_ids", search.doc_ids)
+        object.__setattr__(self, "filters", search.filters)
         if self.max_new_tokens < 1:
             raise InputError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
         if self.chunks is not None:
@@ -317,3 +354,8 @@ class AskSettings(_Settings):
         object.__setattr__(self, "passages", tuple(check_text(p, "a passage") for p in self.passages))
         if self.chunks is not None and not (self.chunks or self.passages):
             raise InputError("chunks is empty: give chunks or passages to answer from, or None to retrieve")
+
+    @property
+    def search(self) -> SearchSettings:
+        """The retrieval's part of these settings."""
+        return SearchSettings(self.top_k, self.retrieval, self.rerank, self.doc_ids, self.filters)

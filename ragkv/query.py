@@ -12,7 +12,7 @@ import torch
 from ragkv.active import ActiveProfile, open_embedder, open_model
 from ragkv.answer import Answer, AnswerStream, Savings
 from ragkv.assemble import Assembly
-from ragkv.config import KV_DTYPES, AskSettings, resolve_device
+from ragkv.config import DEFAULT_RETRIEVAL, KV_DTYPES, AskSettings, SearchSettings, resolve_device
 from ragkv.conversation import Conversation
 from ragkv.engine import Batcher, Engine
 from ragkv.errors import InputError, ModelError
@@ -20,9 +20,10 @@ from ragkv.generate import prefill
 from ragkv.loader import KVLoader
 from ragkv.lru import ByteLRU
 from ragkv.prefix_cache import PrefixCache
-from ragkv.retrieval import Prompt, Retrieved, Retriever, SearchResult
+from ragkv.retrieval import Prompt, Retrieved, Retriever
 from ragkv.runtime import Prepared, Runtime
 from ragkv.scheduler import BatchSettings
+from ragkv.search import Searched
 from store import ContextRow, StoreSnapshot, open_snapshot
 
 __all__ = ["ActiveProfile", "Prepared", "Prompt", "QueryEngine"]
@@ -106,13 +107,23 @@ class QueryEngine:
 
     # -- the query path -------------------------------------------------------------------
     def search(
-        self, question: str, top_k: int = 5, rerank: int = 0, doc_ids: Sequence[str] | None = None
-    ) -> list[SearchResult]:
-        """The `top_k` chunks for `question`, best first, without generating: the retrieval's,
-        or with `rerank` N > 1 the best of its first N as the model scores them over their
-        stored KV (see `Runtime.search`). `ragkv search`, `/v1/retrieve` and the framework
-        retrievers all call this."""
-        return self.engine.call(self.runtime.search, question, top_k, rerank, doc_ids)
+        self,
+        question: str,
+        top_k: int = 5,
+        *,
+        retrieval: str = DEFAULT_RETRIEVAL,
+        rerank: int = 0,
+        doc_ids: Sequence[str] | None = None,
+        filters: Sequence[str] = (),
+    ) -> Searched:
+        """The `top_k` chunks for `question` (`SearchResult`s), best first, without generating:
+        the first stage's (`retrieval`: dense, lexical or hybrid), or with `rerank` N > 1 the
+        best of its first N as the model scores them over their stored KV (ragkv.rerank); only
+        from the documents `doc_ids` names and `filters` admit (ragkv.filters). Iterate it for
+        the results; `.warnings` says what fell back. `ragkv search`, `/v1/retrieve` and the
+        framework retrievers all call this."""
+        settings = SearchSettings(top_k, retrieval, rerank, _ids(doc_ids), tuple(filters))
+        return self.engine.call(self.runtime.search, question, settings)
 
     def retrieve(
         self,
@@ -121,10 +132,14 @@ class QueryEngine:
         doc_ids: Sequence[str] | None = None,
         context: str = "chunk",
         rerank: int = 0,
+        *,
+        retrieval: str = DEFAULT_RETRIEVAL,
+        filters: Sequence[str] = (),
     ) -> Retrieved:
         """`search`'s chunks as catalog rows with their scores, widened to `context` (see
         `ragkv.retrieval.Retriever.widen`)."""
-        return self.engine.call(self.runtime.retrieve, question, top_k, doc_ids, context, rerank)
+        settings = SearchSettings(top_k, retrieval, rerank, _ids(doc_ids), tuple(filters))
+        return self.engine.call(self.runtime.retrieve, question, settings, context)
 
     def prompt_for(self, question: str, settings: AskSettings) -> Prompt:
         """The question's chunks and prompt ids, without loading any KV (a front for another
@@ -183,3 +198,10 @@ class QueryEngine:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _ids(doc_ids: Sequence[str] | None) -> tuple[str, ...] | None:
+    """As a tuple (a single string is left for SearchSettings to refuse, not split into letters)."""
+    if doc_ids is None or isinstance(doc_ids, str):
+        return doc_ids  # type: ignore[return-value]
+    return tuple(doc_ids)

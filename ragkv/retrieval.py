@@ -4,19 +4,23 @@ or documents -> cut to fit the model's context -> the prompt's ids. One implemen
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
-from ragkv.config import AskSettings
+from ragkv.config import AskSettings, SearchSettings
 from ragkv.embed import Embedder
 from ragkv.errors import InputError, StoreEmptyError
+from ragkv.filters import check_fields
 from ragkv.prompt import PromptLayout, encode_text
+from ragkv.search import Searched, first_stage
 from ragkv.text import check_text
 from store import ContextRow, Hit, StoreSnapshot
 
 MIN_ANSWER_TOKENS = 16  # a prompt must leave at least this much of the context to answer in
 ROW_CACHE_ENTRIES = 100_000  # catalog rows kept per engine (small: text and token ids)
+FILTER_CACHE_ENTRIES = 64  # filters whose admitted chunk ids are kept per generation
 
 Retrieved = list[tuple[ContextRow, float]]  # a prompt's chunks, in prompt order, with their hit's score
 # (question, candidates, top_k) -> the best top_k of them, and warnings (ragkv.rerank.Reranker.best)
@@ -48,7 +52,7 @@ class SearchResult:
     chunk_id: int
     text: str
     score: float  # what the results are ordered by: the rerank's score when reranked, else the retrieval's
-    retrieval_score: float  # the first stage's (cosine similarity)
+    retrieval_score: float  # the first stage's (dense: cosine similarity; lexical: BM25; hybrid: fused)
     likelihood: float | None = None  # reranked: mean log P(question token | chunk), in nats
 
     def to_dict(self) -> dict:
@@ -75,20 +79,25 @@ class Retriever:
         self.max_context = max_context
         self._row_cache: dict[int, ContextRow] = {}  # catalog rows of the open generation
         self._span_cache: dict[tuple[str, int], list[int]] = {}  # (doc, span start) -> its chunk ids
+        self._filter_cache: dict[tuple[str, ...], list[int]] = {}  # filters -> the chunk ids they admit
+        self._fields: list[str] | None = None  # the documents' metadata fields
 
     def switch(self, snapshot: StoreSnapshot) -> None:
         """Search `snapshot` from now on (its rows replace the ones kept)."""
         self.snapshot = snapshot
         self._row_cache.clear()
         self._span_cache.clear()
+        self._filter_cache.clear()
+        self._fields = None
 
     def retrieve(
         self, question: str, top_k: int = 1, doc_ids: Sequence[str] | None = None, context: str = "chunk"
     ) -> Retrieved:
-        """The `top_k` chunks nearest to `question`, best first, with their cosine scores;
-        only chunks of the documents `doc_ids` when given. With `context` "span" or
+        """The `top_k` chunks nearest to `question` (dense), best first, with their cosine
+        scores; only chunks of the documents `doc_ids` when given. With `context` "span" or
         "document", the prompt's chunks around them instead (see `widen`)."""
-        return self.widen(self.rows(self.search(question, top_k, doc_ids)), context)
+        search = SearchSettings(top_k, "dense", 0, tuple(doc_ids) if doc_ids is not None else None)
+        return self.widen(self.rows(self.search(question, search).hits), context)
 
     def prompt_for(self, question: str, settings: AskSettings, rerank: Rerank | None = None) -> Prompt:
         """Retrieve (or take `settings.chunks`), rerank the first `settings.rerank` candidates
@@ -101,12 +110,13 @@ class Retriever:
         reranks = rerank is not None and settings.rerank > 1 and not given
         if given:
             check_text(question)
-        depth = max(settings.rerank, settings.top_k) if reranks else settings.top_k  # candidates to find
-        hits = (
-            [Hit(*chunk) for chunk in settings.chunks or ()]
-            if given
-            else self.search(question, depth, settings.doc_ids)
-        )
+        search = settings.search if reranks else dataclasses.replace(settings.search, rerank=0)
+        if given:
+            hits = [Hit(*chunk) for chunk in settings.chunks or ()]
+        else:
+            searched = self.search(question, search)
+            hits = searched.hits
+            warnings += searched.warnings
         retrieval_ms = _ms(start)
         catalog_start = time.perf_counter()
         retrieved = self.rows(hits)
@@ -192,17 +202,39 @@ class Retriever:
         # No KV for this profile (not computed yet): the text's ids, prefilled live.
         return tuple(encode_text(self.tokenizer, row.text))
 
-    def search(self, question: str, top_k: int, doc_ids: Sequence[str] | None) -> list[Hit]:
+    def search(self, question: str, settings: SearchSettings) -> Searched:
+        """The first stage's `settings.depth` candidates for `question` (see ragkv.search),
+        only from the documents `settings.doc_ids` and `settings.filters` admit."""
         check_text(question)
-        allowed = None
-        if doc_ids is not None:
+        allowed = self.allowed(settings)
+        return first_stage(self.snapshot.vectors, self.embedder, question, settings.depth, settings.retrieval, allowed)
+
+    def allowed(self, settings: SearchSettings) -> list[int] | None:
+        """The chunk ids a search may return (None: any): those of the documents `doc_ids`
+        names and `filters` admit. Kept per generation, by filter (rows never change in one)."""
+        allowed: list[int] | None = None
+        if settings.doc_ids is not None:
             allowed = []
-            for doc_id in doc_ids:
+            for doc_id in settings.doc_ids:
                 chunk_ids = self.snapshot.catalog.chunk_ids_of(doc_id)
                 if not chunk_ids:
                     raise InputError(f"no document {doc_id!r} in the store")
                 allowed += chunk_ids
-        return self.snapshot.vectors.search(self.embedder.embed([question])[0], top_k, allowed)
+        if settings.filters:
+            key = settings.filters
+            if key not in self._filter_cache:
+                check_fields(settings.conditions, self._metadata_fields())
+                if len(self._filter_cache) >= FILTER_CACHE_ENTRIES:
+                    self._filter_cache.pop(next(iter(self._filter_cache)))
+                self._filter_cache[key] = self.snapshot.catalog.chunk_ids_matching(settings.conditions)
+            matching = self._filter_cache[key]
+            allowed = matching if allowed is None else sorted(set(allowed) & set(matching))
+        return allowed
+
+    def _metadata_fields(self) -> list[str]:
+        if self._fields is None:
+            self._fields = self.snapshot.catalog.metadata_fields()
+        return self._fields
 
     def rows(self, hits: list[Hit]) -> Retrieved:
         """Catalog rows of the hits; rows are immutable within a generation, so they are kept."""

@@ -5,19 +5,19 @@ is the one seam a prompt is built through (ask, conversations, the batcher, the 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ragkv import calibration
 from ragkv.active import ActiveProfile
 from ragkv.answer import Savings, Source, Stats
 from ragkv.assemble import Assembly
-from ragkv.config import AskSettings
+from ragkv.config import AskSettings, SearchSettings
 from ragkv.errors import InputError
 from ragkv.loader import KVLoader, Loaded
 from ragkv.model import LoadedModel
 from ragkv.rerank import FIRST_WEIGHT, Reranker
 from ragkv.retrieval import Prompt, Retrieved, Retriever, SearchResult
+from ragkv.search import Searched
 from store import Hit, StoreSnapshot
 
 
@@ -87,24 +87,23 @@ class Runtime:
         stats.computed_tokens = len(live_ids) + computed
         return Prepared(prompt.retrieved, prompt.prompt_ids, prompt.question_ids, live_ids, assembly, stats)
 
-    def search(
-        self, question: str, top_k: int, rerank: int = 0, doc_ids: Sequence[str] | None = None
-    ) -> list[SearchResult]:
-        """The `top_k` chunks for `question`, best first: the retrieval's, or with `rerank` > 1
-        the best `top_k` of its first `rerank` candidates as the model scores them (ragkv.rerank;
-        this uses the model, so call it where the engine's steps run)."""
-        hits = self.retriever.rows(self.retriever.search(question, max(top_k, rerank), doc_ids))
-        if rerank < 2 or len(hits) < 2:
-            return [_result(row, score, score, None) for row, score in hits[:top_k]]
+    def search(self, question: str, settings: SearchSettings) -> Searched:
+        """The `settings.top_k` chunks for `question`, best first, as `SearchResult`s: the first
+        stage's, or with `settings.rerank` > 1 the best of its first N as the model scores them
+        (ragkv.rerank; this uses the model, so call it where the engine's steps run)."""
+        searched = self.retriever.search(question, settings)
+        hits = self.retriever.rows(searched.hits)
+        if settings.rerank < 2 or len(hits) < 2:
+            results = [_result(row, score, score, None) for row, score in hits[: settings.top_k]]
+            return Searched(results, searched.retrieval, searched.warnings)
         reranked = self.reranker.rerank(question, hits)
-        return [_result(s.row, s.score, s.first_score, s.likelihood) for s in reranked.scored[:top_k]]
+        results = [_result(s.row, s.score, s.first_score, s.likelihood) for s in reranked.scored[: settings.top_k]]
+        return Searched(results, searched.retrieval, searched.warnings + reranked.warnings)
 
-    def retrieve(
-        self, question: str, top_k: int, doc_ids: Sequence[str] | None, context: str, rerank: int = 0
-    ) -> Retrieved:
+    def retrieve(self, question: str, settings: SearchSettings, context: str) -> Retrieved:
         """`search`'s chunks as catalog rows with their scores, widened to `context` (see
         `Retriever.widen`)."""
-        found = self.search(question, top_k, rerank, doc_ids)
+        found = self.search(question, settings).hits
         return self.retriever.widen(self.retriever.rows([Hit(r.chunk_id, r.score) for r in found]), context)
 
     def _stats_of(self, prompt: Prompt, loaded: Loaded, settings: AskSettings) -> Stats:

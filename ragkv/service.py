@@ -226,10 +226,14 @@ def _add_info_routes(app: FastAPI, engine, batcher: Engine, metrics: Metrics, au
 
     @app.post("/v1/retrieve", dependencies=[Depends(authorised)])
     async def retrieve(body: RetrieveRequest):
-        found = await asyncio.wrap_future(
-            batcher.call_soon(engine.runtime.search, body.query, body.top_k, body.rerank, body.doc_ids)
-        )
-        return {"object": "list", "data": [result.to_dict() for result in found]}
+        settings = body.settings()
+        found = await asyncio.wrap_future(batcher.call_soon(engine.runtime.search, body.query, settings))
+        return {
+            "object": "list",
+            "data": [result.to_dict() for result in found],
+            "retrieval": found.retrieval,
+            "warnings": found.warnings,
+        }
 
 
 def _ask_settings(body: ChatRequest, max_new_tokens: int) -> AskSettings:
@@ -250,6 +254,8 @@ def _ask_settings(body: ChatRequest, max_new_tokens: int) -> AskSettings:
         max_new_tokens=max_new_tokens,
         doc_ids=tuple(body.ragkv.doc_ids) if body.ragkv.doc_ids is not None else None,
         rerank=body.ragkv.rerank,
+        retrieval=body.ragkv.retrieval,
+        filters=tuple(body.ragkv.filters),
         decoding=decoding,
     )
 

@@ -186,6 +186,8 @@ def build_front_app(engine, vllm_url: str, settings: ServeSettings) -> FastAPI:
             top_k=body.ragkv.top_k,
             context=body.ragkv.context,
             doc_ids=tuple(body.ragkv.doc_ids) if body.ragkv.doc_ids is not None else None,
+            retrieval=body.ragkv.retrieval,  # ragkv retrieves for vLLM: every first stage and filter holds
+            filters=tuple(body.ragkv.filters),
         )
         async with lock:
             engine.refresh()

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CORE = {"ragkv.errors", "ragkv.formats", "ragkv.keys", "ragkv.config", "ragkv.cpu", "ragkv.text"}
+CORE = {"ragkv.errors", "ragkv.formats", "ragkv.keys", "ragkv.config", "ragkv.cpu", "ragkv.text", "ragkv.filters"}
 MODEL_CODE = {
     f"ragkv.{m}"
     for m in (
@@ -36,6 +36,7 @@ MODEL_CODE = {
     )
 }
 ONLINE_LAYERS = [  # bottom up; a module may import its own layer and those below
+    {"ragkv.search"},
     {"ragkv.active", "ragkv.calibration", "ragkv.retrieval", "ragkv.loader", "ragkv.integrations.paged"},
     {"ragkv.rerank"},
     {"ragkv.runtime", "ragkv.integrations.store_match"},

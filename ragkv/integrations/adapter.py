@@ -5,7 +5,7 @@ streamed out of the running batch."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel
@@ -15,9 +15,11 @@ from ragkv.config import (
     DEFAULT_NO_REPEAT_NGRAM,
     DEFAULT_REPETITION_PENALTY,
     DEFAULT_RERANK,
+    DEFAULT_RETRIEVAL,
     AskSettings,
     DecodeSettings,
 )
+from ragkv.errors import InputError
 
 IDENTITY = "ragkv"  # the metadata key under which results carry a chunk's identity
 
@@ -29,6 +31,7 @@ class AnswerOptions(BaseModel):
     context: str = "span"
     mode: str = "exact"
     rerank: int = DEFAULT_RERANK  # retrieving: candidates the model scores (as `ragkv ask --rerank`)
+    retrieval: str = DEFAULT_RETRIEVAL  # retrieving: dense, lexical or hybrid (as `ragkv ask --retrieval`)
     max_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0
@@ -63,15 +66,23 @@ class AnswerOptions(BaseModel):
             chunks=chunks,
             passages=tuple(passages),
             rerank=self.rerank,
+            retrieval=self.retrieval,
         )
 
 
 def retrieve(
-    engine, question: str, top_k: int, context: str, doc_ids: Sequence[str] | None = None, rerank: int = 0
+    engine,
+    question: str,
+    top_k: int,
+    context: str,
+    doc_ids: Sequence[str] | None = None,
+    rerank: int = 0,
+    retrieval: str = DEFAULT_RETRIEVAL,
+    filters: Sequence[str] = (),
 ) -> list[tuple[Any, float, dict]]:
     """(row, score, identity) of the chunks `engine.search` finds for `question` (reranked with
-    `rerank` > 1), widened to `context`."""
-    hits = engine.retrieve(question, top_k, doc_ids, context, rerank)
+    `rerank` > 1; only from documents `filters` admit), widened to `context`."""
+    hits = engine.retrieve(question, top_k, doc_ids, context, rerank, retrieval=retrieval, filters=filters)
     where = {"store": engine.snapshot.location, "generation": engine.snapshot.generation}
     return [
         (
@@ -140,3 +151,31 @@ def answer_metadata(engine, answer: Answer) -> dict:
         "token_ids": answer.token_ids,
         "model": engine.lm.facts.name,
     }
+
+
+_OPERATORS = {"$eq": "=", "$ne": "!=", "$gt": ">", "$gte": ">=", "$lt": "<", "$lte": "<="}
+
+
+def filters_from_mapping(where: Mapping[str, Any] | None) -> tuple[str, ...]:
+    """A vector store's filter dict, as LangChain's retrievers take it (`{"year": 2025}`,
+    `{"year": {"$gte": 2025}}`, `{"$and": [...]}`), as ragkv filters (ragkv.filters). Only
+    conjunctions of comparisons have a form there; anything else is an InputError naming it."""
+    if not where:
+        return ()
+    found: list[str] = []
+    for key, value in where.items():
+        if key == "$and" and isinstance(value, list):
+            for part in value:
+                found += filters_from_mapping(part)
+        elif key.startswith("$"):
+            raise InputError(f"filter operator {key!r} has no ragkv form; ragkv filters are AND-ed comparisons")
+        elif isinstance(value, Mapping):
+            for op, operand in value.items():
+                if op not in _OPERATORS:
+                    raise InputError(
+                        f"filter operator {op!r} on {key!r} has no ragkv form; use one of {list(_OPERATORS)}"
+                    )
+                found.append(f"{key}{_OPERATORS[op]}{operand}")
+        else:
+            found.append(f"{key}={value}")
+    return tuple(found)

@@ -38,7 +38,7 @@ try:
 except ModuleNotFoundError as exc:  # said once, naming the extra to install
     raise MissingExtraError("ragkv.integrations.langchain", "langchain", exc.name) from None
 
-from ragkv.config import DEFAULT_RERANK, AskSettings
+from ragkv.config import DEFAULT_RERANK, DEFAULT_RETRIEVAL, AskSettings
 from ragkv.errors import InputError
 from ragkv.integrations import adapter
 from ragkv.integrations.adapter import IDENTITY, AnswerOptions
@@ -55,14 +55,29 @@ class RagkvRetriever(BaseRetriever):
     context: str = "span"  # as `ragkv ask --context`: a hit brings its span's chunks before it
     doc_ids: tuple[str, ...] | None = None
     rerank: int = DEFAULT_RERANK  # as `ragkv ask --rerank`: candidates the model scores over their stored KV
+    retrieval: str = DEFAULT_RETRIEVAL  # as `ragkv ask --retrieval`: dense, lexical or hybrid
+    # Only documents matching: ragkv filter strings ("year>=2025"), or a vector store's filter
+    # dict ({"year": {"$gte": 2025}}); `invoke(query, filter=...)` adds to them per call.
+    filter: tuple[str, ...] | dict | None = None
 
-    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
+    def _get_relevant_documents(
+        self, query: str, *, run_manager: CallbackManagerForRetrieverRun, filter: Any = None
+    ) -> list[Document]:
+        filters = _filters(self.filter) + _filters(filter)
         return [
             Document(page_content=row.text, metadata={"source": row.source, "score": score, IDENTITY: identity})
             for row, score, identity in adapter.retrieve(
-                self.engine, query, self.top_k, self.context, self.doc_ids, self.rerank
+                self.engine, query, self.top_k, self.context, self.doc_ids, self.rerank, self.retrieval, filters
             )
         ]
+
+
+def _filters(given: Any) -> tuple[str, ...]:
+    if given is None:
+        return ()
+    if isinstance(given, dict):
+        return adapter.filters_from_mapping(given)
+    return (given,) if isinstance(given, str) else tuple(given)
 
 
 def _render(question: str, documents: Sequence[Document]) -> str:

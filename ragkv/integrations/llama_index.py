@@ -25,11 +25,13 @@ try:
     from llama_index.core.query_engine import CustomQueryEngine
     from llama_index.core.retrievers import BaseRetriever
     from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+    from llama_index.core.vector_stores.types import FilterCondition, MetadataFilters
     from pydantic import Field
 except ModuleNotFoundError as exc:  # said once, naming the extra to install
     raise MissingExtraError("ragkv.integrations.llama_index", "llama-index", exc.name) from None
 
-from ragkv.config import DEFAULT_RERANK
+from ragkv.config import DEFAULT_RERANK, DEFAULT_RETRIEVAL
+from ragkv.errors import InputError
 from ragkv.integrations import adapter
 from ragkv.integrations.adapter import IDENTITY, AnswerOptions
 
@@ -46,15 +48,27 @@ class RagkvNodeRetriever(BaseRetriever):
         context: str = "span",
         doc_ids: Sequence[str] | None = None,
         rerank: int = DEFAULT_RERANK,
+        retrieval: str = DEFAULT_RETRIEVAL,
+        filters: MetadataFilters | Sequence[str] | None = None,
         **kwargs: Any,
     ):
         self.engine, self.top_k, self.context, self.doc_ids = engine, top_k, context, doc_ids
         self.rerank = rerank  # as `ragkv ask --rerank`: candidates the model scores over their stored KV
+        self.retrieval = retrieval  # as `ragkv ask --retrieval`: dense, lexical or hybrid
+        # Only documents matching: LlamaIndex's MetadataFilters (AND of comparisons), or ragkv filter strings.
+        self.filters = filters_of(filters)
         super().__init__(**kwargs)
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         found = adapter.retrieve(
-            self.engine, query_bundle.query_str, self.top_k, self.context, self.doc_ids, self.rerank
+            self.engine,
+            query_bundle.query_str,
+            self.top_k,
+            self.context,
+            self.doc_ids,
+            self.rerank,
+            self.retrieval,
+            self.filters,
         )
         return [
             NodeWithScore(
@@ -69,6 +83,33 @@ class RagkvNodeRetriever(BaseRetriever):
             )
             for row, score, identity in found
         ]
+
+
+_OPERATORS = {"==": "=", "!=": "!=", ">": ">", ">=": ">=", "<": "<", "<=": "<="}
+
+
+def filters_of(filters: MetadataFilters | Sequence[str] | None) -> tuple[str, ...]:
+    """LlamaIndex's MetadataFilters (comparisons joined by AND, nested too) as ragkv filters
+    (ragkv.filters); OR, NOT and list operators have no ragkv form: InputError naming them."""
+    if filters is None:
+        return ()
+    if not isinstance(filters, MetadataFilters):
+        return (filters,) if isinstance(filters, str) else tuple(filters)
+    if filters.condition not in (None, FilterCondition.AND):
+        raise InputError(f"MetadataFilters condition {filters.condition.value!r} has no ragkv form: filters are AND-ed")
+    found: list[str] = []
+    for condition in filters.filters:
+        if isinstance(condition, MetadataFilters):
+            found += filters_of(condition)
+            continue
+        op = _OPERATORS.get(condition.operator.value)
+        if op is None:
+            raise InputError(
+                f"filter operator {condition.operator.value!r} on {condition.key!r} has no ragkv form; "
+                f"use one of {list(_OPERATORS)}"
+            )
+        found.append(f"{condition.key}{op}{condition.value}")
+    return tuple(found)
 
 
 class RagkvQueryEngine(AnswerOptions, CustomQueryEngine):

@@ -7,7 +7,17 @@ from collections.abc import Iterable, Sequence
 
 import pyarrow as pa
 
+from ragkv.filters import Filter
 from store.catalog.rows import ChunkRow, DocumentRow
+
+# A filter field's value in SQL (`d`: documents); other fields are keys of the metadata JSON.
+# `path` falls back to the document id, which is a file's path under the folder ingested
+# (documents read before ragkv recorded a path).
+_FIELDS = {
+    "id": "d.doc_id",
+    "source": "d.source",
+    "path": "coalesce(json_extract_string(d.metadata, '$.path'), d.doc_id)",
+}
 
 
 class Documents:
@@ -102,5 +112,70 @@ class Documents:
             ).fetchall()
         ]
 
+    def metadata_of(self, doc_ids: Sequence[str]) -> dict[str, dict]:
+        """Each stored document's metadata (what a filter reads)."""
+        rows = self.con.execute(
+            "SELECT doc_id, metadata FROM documents WHERE doc_id IN (SELECT unnest(?))", [list(doc_ids)]
+        ).fetchall()
+        return {doc_id: json.loads(metadata or "{}") for doc_id, metadata in rows}
+
+    def set_metadata(self, metadata: dict[str, dict]) -> None:
+        """Replace stored documents' metadata (a file touched, its text unchanged)."""
+        if not metadata:
+            return
+        rows = pa.table(
+            {"doc_id": list(metadata), "metadata": [json.dumps(m, sort_keys=True) for m in metadata.values()]}
+        )
+        self._insert(
+            "documents",
+            rows,
+            "SELECT d.doc_id, d.source, d.content_hash, d.chunking, d.num_chunks, r.metadata, d.ingested_at "
+            "FROM documents d JOIN rows r USING (doc_id)",
+            replace=True,
+        )
+
+    def metadata_fields(self) -> list[str]:
+        """The keys any stored document's metadata has."""
+        rows = self.con.execute(
+            "SELECT DISTINCT unnest(json_keys(metadata)) FROM documents WHERE metadata IS NOT NULL"
+        ).fetchall()
+        return sorted(r[0] for r in rows)
+
+    def chunk_ids_matching(self, conditions: Sequence[Filter]) -> list[int]:
+        """The chunks of the documents matching every condition (ragkv.filters; values are
+        bound as parameters, fields are column names or metadata keys checked by the parser)."""
+        clauses, params = [], []
+        for condition in conditions:
+            clause, values = _clause(condition)
+            clauses.append(clause)
+            params += values
+        rows = self.con.execute(
+            "SELECT c.chunk_id FROM chunks c JOIN documents d USING (doc_id) WHERE "
+            + " AND ".join(clauses or ["TRUE"])
+            + " ORDER BY c.chunk_id",
+            params,
+        ).fetchall()
+        return [r[0] for r in rows]
+
     def chunk_ids(self) -> set[int]:
         return {r[0] for r in self.con.execute("SELECT chunk_id FROM chunks").fetchall()}
+
+
+def _clause(condition: Filter) -> tuple[str, list]:
+    """SQL over `d` (documents) true where `condition` holds, and its parameters. A document
+    without the field matches no condition."""
+    if condition.field in _FIELDS:
+        field, params = _FIELDS[condition.field], []
+    else:
+        field, params = "json_extract_string(d.metadata, ?)", [f'$."{condition.field}"']
+    op, value, number = condition.op, condition.value, condition.number
+    if condition.is_pattern:
+        negate = "NOT " if op == "!=" else ""
+        return f"({field} IS NOT NULL AND {negate}({field} GLOB ?))", params * 2 + [value]
+    if number is not None and op in ("=", "!="):
+        negate = "NOT " if op == "!=" else ""
+        same = f"(TRY_CAST({field} AS DOUBLE) = ? OR {field} = ?)"
+        return f"({field} IS NOT NULL AND {negate}{same})", params * 2 + [number] + params + [value]
+    if number is not None:
+        return f"(TRY_CAST({field} AS DOUBLE) {op} ?)", params + [number]
+    return f"({field} {op} ?)", params + [value]
