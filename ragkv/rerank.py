@@ -18,9 +18,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from ragkv import kv
+from ragkv import assemble, kv
+from ragkv.attention_probe import Probe, probed_forward
 from ragkv.errors import StoreCorruptError
 from ragkv.forward import compute_chunks
 from ragkv.loader import KVLoader, Loaded
@@ -30,6 +32,7 @@ from store import ContextRow
 
 FIRST_WEIGHT = 1.5  # the first stage's z-score's weight beside the model's (measured: benchmarks/retrieval.py)
 INSTRUCTION = ""  # "": the answer prompt's own question head ("\n\nQuestion: ")
+CALIBRATION = "N/A"  # attention: the content-free question whose attention is subtracted (ICR's)
 BATCH_TOKENS = 16_384  # rows x (context + question) tokens per forward: bounds the rerank's memory
 
 
@@ -39,7 +42,7 @@ class Scored:
 
     row: ContextRow
     first_score: float  # the retrieval's (cosine, or fused) score
-    likelihood: float  # mean log P(question token | chunk), in nats
+    model_score: float  # likelihood: mean log P(question token | chunk), in nats; attention: calibrated mass
     score: float  # what the candidates are ordered by
 
 
@@ -57,11 +60,19 @@ class Reranker:
     """Scores candidates with the engine's model over their stored KV (the loader's RAM tier and
     verified reads, so the answer that follows finds its chunks loaded)."""
 
-    def __init__(self, loader: KVLoader, retriever: Retriever, first_weight: float, instruction: str = INSTRUCTION):
+    def __init__(
+        self,
+        loader: KVLoader,
+        retriever: Retriever,
+        first_weight: float,
+        instruction: str = INSTRUCTION,
+        score: str = "likelihood",
+    ):
         self.loader = loader
         self.retriever = retriever
         self.first_weight = first_weight
         self.instruction = instruction  # the text between the chunk and the question scored
+        self.score = score  # "likelihood" (each candidate a row) or "attention" (all in one concatenated cache)
 
     def best(self, question: str, candidates: Retrieved, top_k: int) -> tuple[Retrieved, list[str]]:
         """The best `top_k` of `candidates` with their rerank scores, and warnings (what a
@@ -86,13 +97,16 @@ class Reranker:
             contexts.append(context)
             num_from_text += from_text
         prefix = self.loader.prefix_kv()
-        likelihoods = question_likelihoods(
-            self.loader.lm.model, [[prefix, c] for c in contexts], question_ids, num_scored
-        )
-        fused = fuse(likelihoods, [first for _, first in candidates], self.first_weight)
+        model = self.loader.lm.model
+        if self.score == "attention":
+            calibration = [*head, *encode_text(tokenizer, CALIBRATION)]
+            model_scores = attention_mass(model, prefix, contexts, question_ids, calibration)
+        else:
+            model_scores = question_likelihoods(model, [[prefix, c] for c in contexts], question_ids, num_scored)
+        fused = fuse(model_scores, [first for _, first in candidates], self.first_weight)
         scored = [
-            Scored(row, first, likelihood, score)
-            for (row, first), likelihood, score in zip(candidates, likelihoods, fused, strict=True)
+            Scored(row, first, model_score, score)
+            for (row, first), model_score, score in zip(candidates, model_scores, fused, strict=True)
         ]
         scored.sort(key=lambda s: -s.score)
         warnings = [f"{num_from_text} rerank candidates had no stored KV: scored from their text"] * bool(num_from_text)
@@ -114,13 +128,44 @@ class Reranker:
 
 def fuse(likelihoods: Sequence[float], first_scores: Sequence[float], first_weight: float) -> list[float]:
     """z(likelihood) + first_weight * z(first-stage score), each standardised over the candidates."""
-    return [a + first_weight * b for a, b in zip(_z(likelihoods), _z(first_scores), strict=True)]
+    return [a + first_weight * b for a, b in zip(standardised(likelihoods), standardised(first_scores), strict=True)]
 
 
-def _z(values: Sequence[float]) -> list[float]:
+def standardised(values: Sequence[float]) -> list[float]:
     mean = statistics.fmean(values)
     spread = statistics.pstdev(values) or 1.0  # all equal: no information, all zero
     return [(v - mean) / spread for v in values]
+
+
+@torch.inference_mode()
+def attention_mass(
+    model,
+    prefix: torch.Tensor,
+    contexts: Sequence[torch.Tensor],
+    question_ids: Sequence[int],
+    calibration_ids: Sequence[int],
+) -> list[float]:
+    """In-context reranking (ICR, Chen et al. 2024): every candidate's KV `(L, 2, H, T_i, D)`
+    placed after `prefix` in one cache (re-rotated, as `--mode concat` places them), the
+    question run over it once, and each candidate scored by the attention mass the question's
+    tokens put on it (summed over layers and heads, per question token), less the mass a
+    content-free question (`calibration_ids`) puts there: one forward of the question and one
+    of the calibration, whatever the number of candidates."""
+    assembly = assemble.concat(model, prefix, contexts)
+    num_prefix = kv.num_tokens(prefix)
+    bounds = np.cumsum([num_prefix, *(kv.num_tokens(c) for c in contexts)])  # each candidate's [start, stop)
+    masses = [[0.0] * len(contexts), [0.0] * len(contexts)]
+    for which, ids in enumerate((question_ids, calibration_ids)):
+        if not ids:
+            continue
+        probe = Probe(int(bounds[-1]))
+        query = torch.tensor([list(ids)], dtype=torch.long, device=model.device)  # (1, Q)
+        probed_forward(model, probe, input_ids=query, cache=assembly.cache, use_cache=True, logits_to_keep=1)
+        kv.crop(assembly.cache, int(bounds[-1]))
+        assert probe.mass is not None  # the forward above ran the probe
+        per_token = probe.mass.cpu() / len(ids)  # (C,)
+        masses[which] = [float(per_token[bounds[i] : bounds[i + 1]].sum()) for i in range(len(contexts))]
+    return [asked - calibrated for asked, calibrated in zip(*masses, strict=True)]
 
 
 @torch.inference_mode()

@@ -97,7 +97,7 @@ class Runtime:
             results = [_result(row, score, score, None) for row, score in hits[: settings.top_k]]
             return Searched(results, searched.retrieval, searched.warnings)
         reranked = self.reranker.rerank(question, hits)
-        results = [_result(s.row, s.score, s.first_score, s.likelihood) for s in reranked.scored[: settings.top_k]]
+        results = [_result(s.row, s.score, s.first_score, s.model_score) for s in reranked.scored[: settings.top_k]]
         return Searched(results, searched.retrieval, searched.warnings + reranked.warnings)
 
     def retrieve(self, question: str, settings: SearchSettings, context: str) -> Retrieved:

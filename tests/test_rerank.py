@@ -171,3 +171,31 @@ def test_the_service_retrieves_with_the_same_search(tiny_store):
         found = reply.json()["data"]
         assert found == [r.to_dict() for r in engine.search(QUESTIONS[2], top_k=2, rerank=5)]
         assert all(r["likelihood"] is not None for r in found)  # the model scored them
+
+
+def test_the_attention_score_of_one_candidate_is_the_attention_a_full_prefill_pays_it(tiny_llama):
+    """ICR's mass (ragkv.rerank.attention_mass, the probe over stored KV) against the attention
+    weights of a plain forward of the whole prompt (eager attention), each question token's
+    weights over the context taken as a distribution (the probe's softmax is over the context):
+    with one candidate the cache is the exact one, so the two must agree."""
+    from transformers import AutoModelForCausalLM
+
+    from ragkv.rerank import attention_mass
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32, attn_implementation="eager").eval()
+    prefix, chunk, question = [5, 6, 7, 8], list(range(20, 45)), [9, 10, 11, 12, 13]
+    with torch.inference_mode():
+        cache = model(input_ids=torch.tensor([prefix + chunk]), use_cache=True).past_key_values
+        attentions = model(input_ids=torch.tensor([prefix + chunk + question]), output_attentions=True).attentions
+    stored = kv.from_cache(cache)  # (L, 2, H, P + T, D)
+    prefix_kv, chunk_kv = stored[:, :, :, : len(prefix)], stored[:, :, :, len(prefix) :]
+    context = len(prefix) + len(chunk)
+    over_context = [a[0, :, -len(question) :, :context] for a in attentions]  # (H, Q, C) per layer
+    expected = sum(float((w / w.sum(-1, keepdim=True))[..., len(prefix) :].sum()) for w in over_context)
+    model.config._attn_implementation = "sdpa"  # as ragkv runs it: the probe sits beside sdpa
+    (found,) = attention_mass(model, prefix_kv, [chunk_kv], question, [])
+    assert found == pytest.approx(expected / len(question), rel=1e-4)
+    (calibrated,) = attention_mass(model, prefix_kv, [chunk_kv], question, [9])
+    (alone,) = attention_mass(model, prefix_kv, [chunk_kv], [9], [])
+    assert calibrated == pytest.approx(found - alone, rel=1e-4)  # less what a content-free question pays it
