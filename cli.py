@@ -1145,6 +1145,8 @@ def stats(store: str = StoreOption, json_out: bool = JsonOption):
         f"vector index: {index['type']}, {index['vectors']} vectors of {index['dim']} dims in "
         f"{index['segments']} segments ({index['tombstones']} removed ids){tuned}"
     )
+    lexical = f"{index['lexical']}, {_size(index['lexical_bytes'])}"
+    typer.echo(f"lexical index: {lexical} (BM25: --retrieval lexical, hybrid)")
     cat = summary["catalog"]
     typer.echo(
         f"catalog: {cat['base_rows']:,} rows in its base, {cat['delta_rows']:,} in this generation's delta "

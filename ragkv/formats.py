@@ -4,6 +4,7 @@
     catalog schema                   named migrations in store.catalog.schema.MIGRATIONS
     KV shard (safetensors header)    SHARD_FORMAT    "1"
     cache key strings                KEY_FORMAT      1   (`kv1:PROFILE:DIGEST`)
+    lexical file (safetensors)       store.lexical.ANALYSER, recorded in the file and the manifest
 
 The policy:
 - **Read as it is:** every older store format (1 and 2) and every older catalog schema. A
@@ -14,6 +15,10 @@ The policy:
 - **Refused, in one line naming both versions:** a store whose manifest is of a format this
   ragkv does not know (a newer ragkv's), and a catalog with migrations this ragkv lacks. Nothing
   is read or written then; upgrade ragkv.
+- **Added to, not bumped:** a segment's lexical file is an optional part of a format-2 manifest
+  (`terms`, `analyser`): an older ragkv ignores it; a newer one reads a store without it (or
+  with another analyser's) as it is, answers lexical searches with dense retrieval saying so,
+  and its next writer builds it from the chunks' texts.
 - **Never stale:** a change of the key derivation bumps KEY_FORMAT (it is hashed into every
   profile id), so no entry computed under the old rule is ever matched.
 A manifest records the version of the ragkv that wrote it (`ragkv stats` shows it).

@@ -6,13 +6,14 @@ as the vectors do: a publish writes postings only for the chunks it adds, a remo
 a tombstone shared with its vector, merges and compactions rewrite both parts together, and
 an S3 mirror fetches only the new files.
 
-Words are bm25s's tokens (lower-cased runs of two or more word characters, without bm25s's
-long English stop-word list, which drops question words such as "what" and "how": better
-recall@1 on all three sets of benchmarks/retrieval.py than its short list) stemmed by the Snowball English stemmer (PyStemmer); runs of CJK characters, which
-have no spaces to split on, become overlapping character pairs first (as Lucene's CJK
-analyser does). bm25s scores one corpus indexed whole; a segmented index needs its statistics
-summed over segments at query time (as Lucene does), so the scoring is here: BM25 with bm25s's
-defaults (k1 1.5, b 0.75, Lucene's idf), over every live chunk of every segment.
+Words are bm25s's tokens (lower-cased runs of two or more word characters) less its long
+English stop-word list (which drops question words such as "what" and "how"; it gave better
+recall@1 than the short list on all three sets of benchmarks/retrieval.py), stemmed by the
+Snowball English stemmer (PyStemmer); runs of CJK characters, which have no spaces to split
+on, become overlapping character pairs first (as Lucene's CJK analyser does). bm25s scores
+one corpus indexed whole; a segmented index needs its statistics summed over segments at query
+time (as Lucene does), so the scoring is here: BM25 with bm25s's defaults (k1 1.5, b 0.75,
+Lucene's idf), over every live chunk of every segment.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def analyse(texts: Sequence[str]) -> tuple[list[list[int]], list[str]]:
     """Each text's terms as ids into the returned vocabulary (stems), in text order."""
     import bm25s
 
-    tokenized = bm25s.tokenize([_cjk_pairs(t) for t in texts], stopwords="en_plus", stemmer=_stemmer(), show_progress=False)
+    paired = [_cjk_pairs(t) for t in texts]
+    tokenized = bm25s.tokenize(paired, stopwords="en_plus", stemmer=_stemmer(), show_progress=False)
     vocab = [""] * len(tokenized.vocab)
     for term, index in tokenized.vocab.items():
         vocab[index] = term

@@ -76,8 +76,9 @@ def test_bm25_over_segments_equals_bm25s_over_the_live_corpus(tmp_path):
 def test_postings_join_equals_postings_built_whole():
     texts = ["Rotate the API key every 90 days.", "The vault keeps keys.", "数据库管理 and replicas", "lag lag lag"]
     whole = Postings.of_texts([1, 2, 3, 4], texts)
-    first, second = Postings.of_texts([1, 2, 9], [texts[0], texts[1], "dropped words"]), Postings.of_texts(
-        [3, 4], texts[2:]
+    first, second = (
+        Postings.of_texts([1, 2, 9], [texts[0], texts[1], "dropped words"]),
+        Postings.of_texts([3, 4], texts[2:]),
     )
     joined = Postings.joined([(first, np.array([True, True, False])), (second, np.array([True, True]))])
     assert joined.terms == whole.terms and "dropped" not in joined.terms

@@ -24,7 +24,8 @@ def test_every_format_is_read_with_stable_ids(corpus):
     html = by_id["page.html"].text
     assert "canaries" in html and "<p>" not in html and "var a" not in html
     payroll = by_id["payroll"].metadata
-    assert {k: payroll[k] for k in ("format", "team", "path")} == {"format": "jsonl", "team": "people", "path": "faq.jsonl"}
+    expected = {"format": "jsonl", "team": "people", "path": "faq.jsonl"}
+    assert {k: payroll[k] for k in ("format", "team", "path")} == expected
     assert by_id["keys.md"].metadata["path"] == "keys.md" and by_id["keys.md"].metadata["modified"].startswith("20")
     titles = {doc_id: by_id[doc_id].metadata.get("title") for doc_id in ("keys.md", "db.rst", "page.html", "leave.txt")}
     assert titles == {"keys.md": "API keys", "db.rst": "Database failover", "page.html": "x", "leave.txt": None}
