@@ -669,7 +669,7 @@ def _decoding(repetition_penalty, no_repeat_ngram, temperature, top_p, seed, sto
 def _print_answer_footer(answer, sources: bool = True) -> None:
     err = lambda text: typer.echo(text, err=True)  # noqa: E731
     for s in answer.sources if sources else []:
-        err(f"source: {s.source} (chunk {s.chunk_index}, score {s.score:.3f})")
+        err(f"source: {s.source}{_place(s.citation, s.doc_id)} (chunk {s.chunk_index}, score {s.score:.3f})")
     st = answer.stats
     rate = st.generated_tokens / st.decode_s if st.decode_s else 0.0
     recomputed = f"{st.recomputed_tokens} recomputed, " if st.recomputed_tokens else ""
@@ -745,11 +745,18 @@ def _check_filter_fields(store: str, settings: SearchSettings) -> None:
         check_fields(settings.conditions, snapshot.catalog.metadata_fields())
 
 
+def _place(citation: str, doc_id: str) -> str:
+    """A citation's pages and section ("p. 3, § Security"), after a source's path."""
+    place = citation.removeprefix(doc_id).lstrip(", ")
+    return f" {place}" if place else ""
+
+
 def _print_results(results: list[dict]) -> None:
     for rank, r in enumerate(results, start=1):
         snippet = " ".join(r["text"].split())
         snippet = snippet if len(snippet) <= 100 else snippet[:99] + "…"
-        typer.echo(f"{rank}. {r['doc_id']} (chunk {r['chunk_index']}, score {r['score']:.3f})  {snippet}")
+        where = r["citation"] or r["doc_id"]
+        typer.echo(f"{rank}. {where} (chunk {r['chunk_index']}, score {r['score']:.3f})  {snippet}")
 
 
 @app.command()
@@ -898,7 +905,10 @@ def chat(
                 continue
             if message == "/sources":
                 for s in conversation.sources:
-                    typer.echo(f"{s.source} (chunk {s.chunk_index}, score {s.score:.3f})", err=True)
+                    typer.echo(
+                        f"{s.source}{_place(s.citation, s.doc_id)} (chunk {s.chunk_index}, score {s.score:.3f})",
+                        err=True,
+                    )
                 continue
             if not message:
                 continue

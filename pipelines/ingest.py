@@ -14,12 +14,12 @@ import dataclasses
 import math
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pipelines import ray_engine, vllm_engine
-from pipelines.chunk import chunk_text, chunking_id
+from pipelines.chunk import Chunk, chunk_blocks, chunk_text, chunking_id
 from pipelines.plan import DocumentPlan, content_hash, plan_documents
 from pipelines.progress import Reporter
 from pipelines.ray_ingest import RayJob, run_ray_job
@@ -222,7 +222,11 @@ def _write(
             f"store {writer.root} was built with embedder {meta.get('embedder')}; "
             f"ingest with --embedder {meta.get('embedder')} or use a new store"
         )
-    chunking = chunking_id(settings.chunk_tokens) + (f";span={settings.span_tokens}" if settings.span_tokens else "")
+    spans_part = f";span={settings.span_tokens}" if settings.span_tokens else ""
+
+    def chunking(doc: Document) -> str:
+        return chunking_id(settings.chunk_tokens, bool(doc.blocks)) + spans_part
+
     plan = plan_documents(documents, catalog.documents(), chunking, prune)
     report.skipped += plan.conflicts
     report.documents = plan.counts()
@@ -316,7 +320,7 @@ def _within_budget(
 def _replace_documents(
     writer: StoreWriter,
     plan: DocumentPlan,
-    chunking: str,
+    chunking: Callable[[Document], str],
     lm: LoadedModel,
     settings: IngestSettings,
     reporter: Reporter,
@@ -326,7 +330,7 @@ def _replace_documents(
     catalog, vectors = writer.catalog, writer.vectors
     new_chunks = _chunk_documents(plan.to_chunk, lm.tokenizer, settings.chunk_tokens, catalog.next_chunk_id(), reporter)
     per_doc = Counter(c.doc_id for c in new_chunks)
-    rows = [DocumentRow(d.doc_id, d.source, content_hash(d), chunking, per_doc[d.doc_id]) for d in plan.to_chunk]
+    rows = [DocumentRow(d.doc_id, d.source, content_hash(d), chunking(d), per_doc[d.doc_id]) for d in plan.to_chunk]
     with catalog.transaction():
         retired = catalog.delete_documents(plan.retired_ids)
         if vectors is not None:
@@ -350,8 +354,12 @@ def _chunk_documents(
     rows: list[ChunkRow] = []
     reporter.stage("chunking", len(documents), "docs")
     for doc in documents:
-        for index, text in enumerate(chunk_text(doc.text, tokenizer, chunk_tokens)):
-            rows.append(ChunkRow(first_id + len(rows), doc.doc_id, index, text))
+        # A document with headings or pages keeps its sections whole and records each chunk's place.
+        chunks = chunk_blocks(doc.blocks, tokenizer, chunk_tokens) if doc.blocks else None
+        if chunks is None:
+            chunks = [Chunk(text) for text in chunk_text(doc.text, tokenizer, chunk_tokens)]
+        for index, chunk in enumerate(chunks):
+            rows.append(ChunkRow(first_id + len(rows), doc.doc_id, index, chunk.text, chunk.section, chunk.pages))
         reporter.advance(1)
     return rows
 
@@ -375,22 +383,47 @@ def _pending_spans(
     """Chunks of each document, in order, cut into spans of at most `span_tokens` tokens (a
     new span starts where the next chunk would pass it; a longer chunk is a span of its own).
     A span's first chunk is keyed and computed as if alone; every later one continues it:
-    its entry holds separator + chunk, computed after everything before it in the span."""
+    its entry holds separator + chunk, computed after everything before it in the span.
+    Spans keep a document's top-level sections whole as chunks do: a section whose chunks fit
+    in a span but not in what is left of the current one opens a new span."""
     by_doc: dict[str, list[ChunkRow]] = {}
     for chunk in chunks:
         by_doc.setdefault(chunk.doc_id, []).append(chunk)
     pending: list[PendingChunk] = []
     for doc_chunks in by_doc.values():
+        ordered = sorted(doc_chunks, key=lambda c: c.chunk_index)
+        token_ids = [tuple(encode_text(tokenizer, c.text)) for c in ordered]
+        sections = _section_sizes(ordered, [len(spans.segment(1, ids, separator)) for ids in token_ids])
         start, used, key = 0, 0, None
-        for chunk in sorted(doc_chunks, key=lambda c: c.chunk_index):
-            ids = tuple(encode_text(tokenizer, chunk.text))
-            opens = key is None or used + len(spans.segment(1, ids, separator)) > span_tokens
+        for chunk, ids in zip(ordered, token_ids, strict=True):
+            whole = sections.get(chunk.chunk_index)  # a section starts here: its size as one run
+            keeps_section = whole is not None and used + whole > span_tokens >= whole
+            opens = key is None or keeps_section or used + len(spans.segment(1, ids, separator)) > span_tokens
             piece = spans.segment(0 if opens else 1, ids, separator)
             if opens:
                 start, used, key = chunk.chunk_index, 0, None
             used, key = used + len(piece), spans.next_key(profile, key, piece)
             pending.append(PendingChunk(chunk.chunk_id, chunk.text, ids, key.to_string(), start, piece))
     return pending
+
+
+def _section_sizes(ordered: list[ChunkRow], sizes: list[int]) -> dict[int, int]:
+    """{chunk index a top-level section starts at: the tokens its chunks take in a span}. The
+    top level is the outermost heading level at which the document's chunks differ."""
+    depth = next(
+        (d for d in range(1, 4) if len({c.section[:d] for c in ordered}) > 1),
+        0,
+    )
+    if not depth:
+        return {}
+    found: dict[int, int] = {}
+    first, previous = None, None
+    for chunk, size in zip(ordered, sizes, strict=True):
+        if first is None or chunk.section[:depth] != previous:
+            first, previous = chunk.chunk_index, chunk.section[:depth]
+            found[first] = 0
+        found[first] += size
+    return found
 
 
 def _todo(

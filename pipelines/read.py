@@ -1,4 +1,6 @@
-"""Read documents from files and directory trees: .txt .md .rst .html .jsonl.
+"""Read documents from files and directory trees: .txt .md .rst .html .jsonl, and .pdf .docx
+.pptx (pipelines.documents). Each document's structure (headings, pages, table rows) comes
+with it as blocks (pipelines.blocks).
 
 Each document carries metadata a filter can use (ragkv.filters): its format, its path (the
 id a file is stored under; a jsonl record: its file's), the file's modified time, a title (the
@@ -23,14 +25,16 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from pipelines.blocks import Block, html_blocks, markdown_blocks, plain_blocks, rst_blocks, text_of
+from pipelines.chunk import is_structured
+from pipelines.documents import DOCUMENT_SUFFIXES, UNPACKED_LIMIT, Unreadable, read_document
 from ragkv.config import DEFAULT_MAX_DOCUMENT_BYTES as MAX_DOCUMENT_BYTES  # a jsonl file is not capped; each record is
 from ragkv.errors import InputError
 
 TEXT_SUFFIXES = {".txt", ".md", ".markdown", ".rst", ".text"}
 HTML_SUFFIXES = {".html", ".htm"}
 JSONL_SUFFIXES = {".jsonl"}
-SUPPORTED = TEXT_SUFFIXES | HTML_SUFFIXES | JSONL_SUFFIXES
-_BLOCK_TAGS = ["p", "li", "h1", "h2", "h3", "h4", "h5", "h6", "pre", "td", "th", "dt", "dd", "blockquote", "figcaption"]
+SUPPORTED = TEXT_SUFFIXES | HTML_SUFFIXES | JSONL_SUFFIXES | DOCUMENT_SUFFIXES
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,7 @@ class Document:
     source: str  # where it was read from (path, plus line for jsonl)
     text: str
     metadata: dict = field(default_factory=dict)
+    blocks: tuple[Block, ...] = ()  # its structure (headings, pages), when it has any: see pipelines.blocks
 
 
 @dataclass(frozen=True)
@@ -97,10 +102,16 @@ def _read_file(path: Path, doc_id: str, max_document_bytes: int) -> Iterator[Doc
             str(path), f"unsupported file type {suffix or '(none)'}; ragkv reads {', '.join(sorted(SUPPORTED))}"
         )
         return
+    # A PDF or Office file holds images and markup beside its text: its file may be larger.
+    max_file_bytes = UNPACKED_LIMIT * max_document_bytes if suffix in DOCUMENT_SUFFIXES else max_document_bytes
     try:
         size = path.stat().st_size
-        if suffix not in JSONL_SUFFIXES and size > max_document_bytes:
-            yield Skipped(str(path), _too_large(size, max_document_bytes))
+        if suffix not in JSONL_SUFFIXES and size > max_file_bytes:
+            yield Skipped(str(path), _too_large(size, max_file_bytes))
+            return
+        where = {"path": doc_id, "modified": _modified(path)}  # a filter's fields (ragkv.filters)
+        if suffix in DOCUMENT_SUFFIXES:
+            yield _read_document(path, doc_id, suffix, max_document_bytes, where)
             return
         raw = path.read_bytes()
     except OSError as exc:
@@ -114,41 +125,41 @@ def _read_file(path: Path, doc_id: str, max_document_bytes: int) -> Iterator[Doc
     except UnicodeDecodeError as exc:
         yield Skipped(str(path), f"not valid UTF-8 (byte {exc.start})")
         return
-    where = {"path": doc_id, "modified": _modified(path)}  # a filter's fields (ragkv.filters)
     if suffix in JSONL_SUFFIXES:
         yield from _read_jsonl(path, text, max_document_bytes, where)
         return
-    title = html_title(text) if suffix in HTML_SUFFIXES else text_title(text)
     if suffix in HTML_SUFFIXES:
-        text = html_to_text(text)
-    text = normalise(text)
-    if not text:
-        yield Skipped(str(path), "empty")
-        return
-    yield Document(
-        doc_id, str(path), text, {"format": suffix.lstrip("."), **where, **({"title": title} if title else {})}
-    )
+        title = html_title(text)
+        blocks = html_blocks(text)
+    else:
+        text = normalise(text)
+        reader = rst_blocks if suffix == ".rst" else plain_blocks if suffix in (".txt", ".text") else markdown_blocks
+        blocks = reader(text)
+        title = next((b.title for b in blocks if b.level), None)
+    yield _document(doc_id, str(path), blocks, {"format": suffix.lstrip("."), **where}, title)
+
+
+def _read_document(path: Path, doc_id: str, suffix: str, max_bytes: int, where: dict) -> Document | Skipped:
+    try:
+        read = read_document(path, max_bytes)
+    except Unreadable as exc:
+        return Skipped(str(path), str(exc))
+    title = read.metadata.pop("title", None) or next((b.title for b in read.blocks if b.level), None)
+    return _document(doc_id, str(path), read.blocks, {"format": suffix.lstrip("."), **where, **read.metadata}, title)
+
+
+def _document(doc_id: str, source: str, blocks: list[Block], metadata: dict, title: str | None) -> Document | Skipped:
+    """The document of `blocks` (its text: theirs, joined), or why there is none."""
+    text = text_of(blocks)
+    if not text.strip():
+        return Skipped(source, "empty")
+    structured = tuple(blocks) if is_structured(blocks) else ()
+    return Document(doc_id, source, text, {**metadata, **({"title": title} if title else {})}, structured)
 
 
 def _modified(path: Path) -> str:
     """The file's modification time, ISO 8601 in UTC to the second (compares as text in time order)."""
     return datetime.fromtimestamp(path.stat().st_mtime, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-_MD_HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$")
-_UNDERLINE = re.compile(r"^([=\-~^\"'`#*+])\1{2,}\s*$")
-
-
-def text_title(text: str) -> str | None:
-    """A Markdown or reStructuredText document's first heading (`# Title`, or a line
-    underlined with = - ~ and the like), if it opens with one within its first lines."""
-    lines = [line.strip() for line in text.strip().splitlines()[:12]]
-    for i, line in enumerate(lines):
-        if found := _MD_HEADING.match(line):
-            return found[1][:300]
-        if i + 1 < len(lines) and line and _UNDERLINE.match(lines[i + 1]) and not _UNDERLINE.match(line):
-            return line[:300]
-    return None
 
 
 def html_title(html: str) -> str | None:
@@ -197,19 +208,6 @@ def _read_jsonl(path: Path, text: str, max_document_bytes: int, where: dict) -> 
             continue
         metadata = {k: v for k, v in record.items() if k not in ("id", "text")}
         yield Document(str(doc_id), line_at, body, {"format": "jsonl", **where, **metadata})
-
-
-def html_to_text(html: str) -> str:
-    """Visible text of an HTML page, one paragraph per block element; scripts and styles dropped."""
-    from bs4 import BeautifulSoup
-
-    soup = BeautifulSoup(html, "html.parser")
-    for tag in soup(["script", "style", "noscript", "template", "head"]):
-        tag.decompose()
-    blocks = [b for b in soup.find_all(_BLOCK_TAGS) if not b.find(_BLOCK_TAGS)]
-    if not blocks:
-        return soup.get_text(" ")
-    return "\n\n".join(" ".join(b.get_text(" ").split()) for b in blocks)
 
 
 def normalise(text: str) -> str:

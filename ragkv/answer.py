@@ -13,7 +13,34 @@ class Source:
     source: str  # file path (and jsonl line) the document was read from
     chunk_index: int
     chunk_id: int
-    score: float  # cosine similarity of question and chunk (reranked: the rerank's score)
+    score: float  # the retrieval's score (cosine, BM25, fused; reranked: the rerank's)
+    section: tuple[str, ...] = ()  # the deepest section holding the chunk (headings, outermost first)
+    pages: tuple[int, int] | None = None  # the pages (or slides) the chunk covers
+    citation: str = ""  # both in words: "manual.pdf p. 12-13, § Security › Rotating keys" (see `cite`)
+
+    @classmethod
+    def of(cls, row, score: float) -> Source:
+        """The source of a retrieved chunk (a catalog ContextRow)."""
+        section, pages = tuple(row.section), row.pages
+        return cls(
+            row.doc_id,
+            row.source,
+            row.chunk_index,
+            row.chunk_id,
+            score,
+            section,
+            pages,
+            cite(row.doc_id, section, pages),
+        )
+
+
+def cite(doc_id: str, section: tuple[str, ...], pages: tuple[int, int] | None) -> str:
+    """Where a chunk is, in words: the document, its pages (slides are pages too), its section."""
+    parts = [doc_id]
+    if pages is not None:
+        parts.append(f"p. {pages[0]}" if pages[0] == pages[1] else f"p. {pages[0]}-{pages[1]}")
+    where = " ".join(parts)
+    return f"{where}, § {' › '.join(section)}" if section else where
 
 
 @dataclass

@@ -54,9 +54,16 @@ class SearchResult:
     score: float  # what the results are ordered by: the rerank's score when reranked, else the retrieval's
     retrieval_score: float  # the first stage's (dense: cosine similarity; lexical: BM25; hybrid: fused)
     likelihood: float | None = None  # reranked: mean log P(question token | chunk), in nats
+    section: tuple[str, ...] = ()  # where it is: the deepest section holding it
+    pages: tuple[int, int] | None = None  # ... and the pages (or slides) it covers
+    citation: str = ""  # both in words (ragkv.answer.cite)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """As JSON has it (the section and pages as lists)."""
+        found = asdict(self)
+        found["section"] = list(self.section)
+        found["pages"] = list(self.pages) if self.pages is not None else None
+        return found
 
 
 class Retriever:

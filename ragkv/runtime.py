@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ragkv import calibration
 from ragkv.active import ActiveProfile
-from ragkv.answer import Savings, Source, Stats
+from ragkv.answer import Savings, Source, Stats, cite
 from ragkv.assemble import Assembly
 from ragkv.config import AskSettings, SearchSettings
 from ragkv.errors import InputError
@@ -33,7 +33,7 @@ class Prepared:
     stats: Stats  # what retrieving and loading did (counts, timings, warnings)
 
     def sources(self) -> list[Source]:
-        return [Source(r.doc_id, r.source, r.chunk_index, r.chunk_id, score) for r, score in self.retrieved]
+        return [Source.of(r, score) for r, score in self.retrieved]
 
 
 class Runtime:
@@ -138,6 +138,7 @@ class Runtime:
 
 
 def _result(row, score: float, retrieval_score: float, likelihood: float | None) -> SearchResult:
+    place = {"section": tuple(row.section), "pages": row.pages, "citation": cite(row.doc_id, row.section, row.pages)}
     return SearchResult(
-        row.doc_id, row.source, row.chunk_index, row.chunk_id, row.text, score, retrieval_score, likelihood
+        row.doc_id, row.source, row.chunk_index, row.chunk_id, row.text, score, retrieval_score, likelihood, **place
     )

@@ -196,9 +196,7 @@ def build_front_app(engine, vllm_url: str, settings: ServeSettings) -> FastAPI:
             mode="exact", retrieval_ms=prompt.retrieval_ms, catalog_ms=prompt.catalog_ms, warnings=list(prompt.warnings)
         )  # vLLM loads the stored KV at its own positions: exact
         payload = completion_payload(body, prompt, settings, budget)
-        sources = [
-            asdict(Source(r.doc_id, r.source, r.chunk_index, r.chunk_id, score)) for r, score in prompt.retrieved
-        ]
+        sources = [asdict(Source.of(r, score)) for r, score in prompt.retrieved]
         block = {
             "sources": sources,
             "stats": {**stats.to_dict(), "warnings": stats.warnings + warnings},

@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from ragkv.answer import Answer, AnswerStream
+from ragkv.answer import Answer, AnswerStream, cite
 from ragkv.config import (
     DEFAULT_NO_REPEAT_NGRAM,
     DEFAULT_REPETITION_PENALTY,
@@ -151,6 +151,19 @@ def answer_metadata(engine, answer: Answer) -> dict:
         "token_ids": answer.token_ids,
         "model": engine.lm.facts.name,
     }
+
+
+def place(row) -> dict:
+    """A retrieved chunk's source and, when its document has them, its pages, section path and
+    citation ("manual.pdf p. 12-13, § Security › Rotating keys"), as a framework's metadata."""
+    found: dict[str, Any] = {"source": row.source}
+    if row.pages is not None:
+        found["page"] = row.pages[0] if row.pages[0] == row.pages[1] else f"{row.pages[0]}-{row.pages[1]}"
+    if row.section:
+        found["section"] = " › ".join(row.section)
+    if row.pages is not None or row.section:
+        found["citation"] = cite(row.doc_id, row.section, row.pages)
+    return found
 
 
 _OPERATORS = {"$eq": "=", "$ne": "!=", "$gt": ">", "$gte": ">=", "$lt": "<", "$lte": "<="}

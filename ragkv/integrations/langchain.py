@@ -65,7 +65,7 @@ class RagkvRetriever(BaseRetriever):
     ) -> list[Document]:
         filters = _filters(self.filter) + _filters(filter)
         return [
-            Document(page_content=row.text, metadata={"source": row.source, "score": score, IDENTITY: identity})
+            Document(page_content=row.text, metadata={**adapter.place(row), "score": score, IDENTITY: identity})
             for row, score, identity in adapter.retrieve(
                 self.engine, query, self.top_k, self.context, self.doc_ids, self.rerank, self.retrieval, filters
             )

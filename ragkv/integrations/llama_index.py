@@ -76,7 +76,7 @@ class RagkvNodeRetriever(BaseRetriever):
                 node=TextNode(
                     id_=f"ragkv-{identity['generation']}-{row.chunk_id}",
                     text=row.text,
-                    metadata={"source": row.source, IDENTITY: identity},
+                    metadata={**adapter.place(row), IDENTITY: identity},
                     excluded_llm_metadata_keys=[IDENTITY],
                     excluded_embed_metadata_keys=[IDENTITY],
                 ),

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 import pyarrow as pa
 
 from ragkv.filters import Filter
-from store.catalog.rows import ChunkRow, DocumentRow
+from store.catalog.rows import ChunkRow, DocumentRow, pages_of
 
 # A filter field's value in SQL (`d`: documents); other fields are keys of the metadata JSON.
 # `path` falls back to the document id, which is a file's path under the folder ingested
@@ -30,11 +30,11 @@ class Documents:
         if not ids:
             return []
         rows = self.con.execute(
-            "SELECT chunk_id, doc_id, chunk_index, text FROM chunks WHERE doc_id IN (SELECT unnest(?)) "
-            "ORDER BY doc_id, chunk_index",
+            "SELECT chunk_id, doc_id, chunk_index, text, section, page_start, page_end FROM chunks "
+            "WHERE doc_id IN (SELECT unnest(?)) ORDER BY doc_id, chunk_index",
             [ids],
         ).fetchall()
-        return [ChunkRow(*row) for row in rows]
+        return [ChunkRow(row[0], row[1], row[2], row[3], tuple(row[4] or ()), pages_of(row[5], row[6])) for row in rows]
 
     def next_chunk_id(self) -> int:
         """An id no chunk ever had: vector segments keep a removed chunk's id as a tombstone."""
@@ -78,6 +78,9 @@ class Documents:
                 "doc_id": [c.doc_id for c in chunks],
                 "chunk_index": pa.array([c.chunk_index for c in chunks], pa.int32()),
                 "text": [c.text for c in chunks],
+                "section": pa.array([list(c.section) or None for c in chunks], pa.list_(pa.string())),
+                "page_start": pa.array([c.pages[0] if c.pages else None for c in chunks], pa.int32()),
+                "page_end": pa.array([c.pages[1] if c.pages else None for c in chunks], pa.int32()),
             }
         )
         self._insert(

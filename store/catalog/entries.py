@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence, Set
 
 import pyarrow as pa
 
-from store.catalog.rows import ENTRY_COLUMNS, ChunkLink, ContextRow, EntryRow, ProfileRow, SpanLink
+from store.catalog.rows import ENTRY_COLUMNS, ChunkLink, ContextRow, EntryRow, ProfileRow, SpanLink, pages_of
 from store.shards import SealedEntry
 
 
@@ -206,7 +206,8 @@ class Entries:
         rows = self.con.execute(
             """
             SELECT c.chunk_id, c.doc_id, d.source, c.chunk_index, c.text, k.token_ids,
-                   e.kv_key, e.shard, e.tensor, e.num_tokens, e.dtype, e.checksum, e.nbytes, k.span_start
+                   e.kv_key, e.shard, e.tensor, e.num_tokens, e.dtype, e.checksum, e.nbytes, k.span_start,
+                   c.section, c.page_start, c.page_end
             FROM chunks c JOIN documents d USING (doc_id)
             LEFT JOIN chunk_kv k ON k.chunk_id = c.chunk_id AND k.profile_id = ?
             LEFT JOIN kv_entries e ON e.kv_key = k.kv_key
@@ -218,7 +219,18 @@ class Entries:
         for r in rows:
             entry = EntryRow(*r[6:13]) if r[6] is not None else None
             token_ids = tuple(r[5]) if r[5] is not None else None
-            by_id[r[0]] = ContextRow(r[0], r[1], r[2], r[3], r[4], token_ids, entry, r[13])
+            by_id[r[0]] = ContextRow(
+                r[0],
+                r[1],
+                r[2],
+                r[3],
+                r[4],
+                token_ids,
+                entry,
+                r[13],
+                section=tuple(r[14] or ()),
+                pages=pages_of(r[15], r[16]),
+            )
         return [by_id[i] for i in chunk_ids if i in by_id]
 
     def stored_chunks(self, profile_id: str) -> list[tuple[str, int, list[int]]]:

@@ -66,17 +66,18 @@ class Overlay:
         self._attach_once(path)
         self.delta = True
         for table in TABLE_KEYS:
-            # A reader's delta never changes: a table nothing deleted from needs no anti-join.
-            deleted = not self.read_only or self.con.execute(f"SELECT count(*) FROM del_{table}").fetchone()[0]
-            live = (
-                (
-                    f"SELECT * FROM base.{table} b WHERE NOT EXISTS (SELECT 1 FROM del_{table} d WHERE "
-                    f"{_on(table, 'd', 'b')})"
-                )
-                if deleted
-                else f"SELECT * FROM base.{table}"
-            )
-            self.con.execute(f"CREATE OR REPLACE TEMP VIEW {table} AS {live} UNION ALL SELECT * FROM add_{table}")
+            self.con.execute(f"CREATE OR REPLACE TEMP VIEW {table} AS {self.view_sql(table)}")
+
+    def view_sql(self, table: str) -> str:
+        """What a delta's view of `table` reads: the base's rows less `del_t`, plus `add_t`."""
+        # A reader's delta never changes: a table nothing deleted from needs no anti-join.
+        deleted = not self.read_only or self.con.execute(f"SELECT count(*) FROM del_{table}").fetchone()[0]
+        live = (
+            f"SELECT * FROM base.{table} b WHERE NOT EXISTS (SELECT 1 FROM del_{table} d WHERE {_on(table, 'd', 'b')})"
+            if deleted
+            else f"SELECT * FROM base.{table}"
+        )
+        return f"{live} UNION ALL SELECT * FROM add_{table}"
 
     def _attach_once(self, path: Path) -> None:
         """Attach the base as `base`, unless this database instance has it already (DuckDB

@@ -88,6 +88,8 @@ class ChunkRow:
     doc_id: str
     chunk_index: int
     text: str
+    section: tuple[str, ...] = ()  # the deepest section holding the chunk (headings, outermost first)
+    pages: tuple[int, int] | None = None  # the first and last page (or slide) it covers
 
 
 @dataclass(frozen=True)
@@ -116,8 +118,15 @@ class ContextRow:
     entry: EntryRow | None
     span_start: int | None = None  # chunk_index its span starts at; None: its KV stands alone
     live: bool = False  # a passage given as text, not from the store: always prefilled, never stored
+    section: tuple[str, ...] = ()  # where it is in its document: the deepest section holding it
+    pages: tuple[int, int] | None = None  # ... and the pages (or slides) it covers
 
     @property
     def starts_span(self) -> bool:
         """Whether this chunk's KV was computed right after the prefix (loadable on its own)."""
         return self.span_start is None or self.span_start == self.chunk_index
+
+
+def pages_of(start: int | None, end: int | None) -> tuple[int, int] | None:
+    """A chunk's page range from its two columns (None: the format has no pages)."""
+    return (start, end if end is not None else start) if start is not None else None

@@ -52,7 +52,22 @@ MIGRATIONS: list[tuple[str, str]] = [
         CREATE TABLE hit_files (name VARCHAR PRIMARY KEY, folded BIGINT);
         """,
     ),
+    (
+        # Where a chunk is in its document (pipelines.blocks): the deepest section holding it
+        # (headings, outermost first) and the pages (or slides) it covers; NULL: none known.
+        "0004_chunk_places",
+        """
+        ALTER TABLE chunks ADD COLUMN section VARCHAR[];
+        ALTER TABLE chunks ADD COLUMN page_start INTEGER;
+        ALTER TABLE chunks ADD COLUMN page_end INTEGER;
+        """,
+    ),
 ]
+# Migrations that only add columns a reader can take as NULL: an older catalog missing only
+# these is read as it is (its tables seen through views with the columns NULL), not refused.
+ADDITIVE: dict[str, dict[str, dict[str, str]]] = {
+    "0004_chunk_places": {"chunks": {"section": "VARCHAR[]", "page_start": "INTEGER", "page_end": "INTEGER"}},
+}
 
 
 class Schema:
@@ -84,6 +99,9 @@ class Schema:
         if self.delta and not self.read_only:  # the base is shared and read-only: the writer compacts
             self.needs_compaction = True
             return
+        if self.read_only and all(name in ADDITIVE for name, _ in pending):
+            self._read_with_nulls([name for name, _ in pending])
+            return
         if self.read_only:
             raise StoreFormatError(
                 f"store catalog {self.path.name} needs schema migrations {[n for n, _ in pending]}; "
@@ -95,3 +113,16 @@ class Schema:
                 applied.append(name)
             self._set_meta_rows({"migrations": json.dumps(applied), "format_version": str(FORMAT_VERSION)})
         self.migrated = True
+
+    def _read_with_nulls(self, pending: list[str]) -> None:
+        """Read an older catalog as it is: each table missing columns of the additive
+        migrations `pending` is seen through a view that adds them as NULL."""
+        added: dict[str, dict[str, str]] = {}
+        for name in pending:
+            for table, columns in ADDITIVE[name].items():
+                added.setdefault(table, {}).update(columns)
+        database = self.con.execute("SELECT current_database()").fetchone()[0]
+        for table, columns in added.items():
+            nulls = ", ".join(f"NULL::{kind} AS {column}" for column, kind in columns.items())
+            source = self.view_sql(table) if self.delta else f'SELECT * FROM "{database}".main.{table}'
+            self.con.execute(f"CREATE OR REPLACE TEMP VIEW {table} AS SELECT *, {nulls} FROM ({source})")
