@@ -1,7 +1,8 @@
 """The cost curve of a store against its size: what publishing, writing back, refreshing and
 retrieving cost at 10k, 100k and 1M chunks (and 10M by a fit, unless measured).
 
-Synthetic stores, no model: documents of CHUNKS_PER_DOC short texts, random unit vectors of
+Synthetic stores, no model: documents of CHUNKS_PER_DOC short texts (WORDS_PER_CHUNK words
+drawn from a Zipf distribution over VOCABULARY words, as natural text's are), random unit vectors of
 384 dims (all-MiniLM-L6-v2's) with the structure of a corpus: each document near one of
 TOPICS random topic directions, each chunk near its document (uniformly random vectors have
 no neighbours worth the name: every index degrades to a full scan on them, and no text
@@ -17,6 +18,7 @@ what an ingest writes. Measured per size, on the same machine in one run:
       against the bytes the publish wrote;
   (d) retrieval p50/p99 over near-data queries and recall@10 against exact search;
   (e) the catalog lookups of the query path: context_rows (5 chunks), span ids, entry;
+      and lexical search (BM25 over the segments' lexical files) for 4 words of a stored chunk;
   (f) a fresh reader's RAM (in its own process) and the store's disk.
 
     .venv/bin/python -m benchmarks.scale --sizes 10000 100000 1000000 --out benchmarks/results/scale.md
@@ -48,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.machine import describe  # noqa: E402
 from store.catalog import ChunkLink, ChunkRow, DocumentRow, ProfileRow  # noqa: E402
+from store.lexical import query_terms  # noqa: E402
 from store.shards import SealedEntry  # noqa: E402
 from store.store import StoreWriter, open_snapshot  # noqa: E402
 
@@ -60,6 +63,15 @@ QUERIES = 200
 
 
 TOPICS = 512
+VOCABULARY = 50_000
+WORDS_PER_CHUNK = 40
+_WORDS = np.array([f"w{i}" for i in range(VOCABULARY)])
+
+
+def zipf_words(rng, n: int) -> list[str]:
+    """`n` words, word r drawn with probability ~ 1/r (the shape of natural text's frequencies)."""
+    ranks = np.minimum(rng.zipf(1.1, n), VOCABULARY) - 1
+    return _WORDS[ranks].tolist()
 
 
 def unit(rng, n: int) -> np.ndarray:
@@ -81,12 +93,15 @@ def corpus_vectors(rng, docs: int) -> np.ndarray:
     return chunks / np.linalg.norm(chunks, axis=1, keepdims=True)
 
 
-def doc_rows(doc_ids, first_chunk: int, version: int = 0):
+def doc_rows(doc_ids, first_chunk: int, rng, version: int = 0):
     docs, chunks = [], []
+    words = zipf_words(rng, len(doc_ids) * CHUNKS_PER_DOC * WORDS_PER_CHUNK)
     for d in doc_ids:
         docs.append(DocumentRow(d, f"synthetic/{d}.txt", f"hash-{d}-{version}", "synthetic", CHUNKS_PER_DOC))
         for i in range(CHUNKS_PER_DOC):
-            chunks.append(ChunkRow(first_chunk + len(chunks), d, i, f"{d} v{version} part {i}: some words of text"))
+            start = len(chunks) * WORDS_PER_CHUNK
+            text = f"{d} v{version} part {i}: " + " ".join(words[start : start + WORDS_PER_CHUNK])
+            chunks.append(ChunkRow(first_chunk + len(chunks), d, i, text))
     return docs, chunks
 
 
@@ -112,7 +127,7 @@ def build(root: Path, n: int, rng) -> dict:
                 catalog.add_entries(PROFILE, sealed)
                 shard = sealed[0].shard
             docs, chunks = doc_rows(
-                [f"d{i:08d}" for i in range(first, min(num_docs, first + batch_docs))], catalog.next_chunk_id()
+                [f"d{i:08d}" for i in range(first, min(num_docs, first + batch_docs))], catalog.next_chunk_id(), rng
             )
             catalog.add_documents(docs, [{}] * len(docs), chunks)
             with_kv = [c for c in chunks if c.chunk_index != CHUNKS_PER_DOC - 1]  # 90%: the last chunk misses
@@ -140,7 +155,7 @@ def written(before: dict[str, int], after: dict[str, int]) -> int:
     return sum(size for name, size in after.items() if before.get(name) != size)
 
 
-def publish_one_document(root: Path, rng, version: int) -> tuple[float, int]:
+def publish_one_document(root: Path, rng, version: int) -> tuple[float, int, int]:
     with open_snapshot(root) as snap:
         docs = snap.catalog.con.execute("SELECT doc_id FROM documents USING SAMPLE 1 ROWS").fetchall()
     doc_id = docs[0][0]
@@ -150,10 +165,12 @@ def publish_one_document(root: Path, rng, version: int) -> tuple[float, int]:
         catalog = writer.catalog
         removed = catalog.delete_documents([doc_id])
         writer.vectors.remove(removed)
-        new_docs, chunks = doc_rows([doc_id], catalog.next_chunk_id(), version)
+        new_docs, chunks = doc_rows([doc_id], catalog.next_chunk_id(), rng, version)
         catalog.add_documents(new_docs, [{}], chunks)
         writer.vectors.add([c.chunk_id for c in chunks], corpus_vectors(rng, 1))
-    return time.perf_counter() - start, written(before, files(root))
+    after = files(root)
+    lexical = {n: s for n, s in after.items() if n.startswith("segments/terms-")}
+    return time.perf_counter() - start, written(before, after), written(before, lexical)
 
 
 def write_back(root: Path, version: int) -> tuple[float, int]:
@@ -227,8 +244,18 @@ def retrieval(root: Path, rng) -> dict:
             start = time.perf_counter()
             snap.catalog.entry(key)
             lookups["entry"].append(time.perf_counter() - start)
+        texts = snap.catalog.chunk_texts(ids[rng.choice(len(ids), QUERIES, replace=False)].tolist())
+        lexical = []
+        for text in texts.values():
+            words = text.split(": ", 1)[1].split()
+            terms = query_terms(" ".join(rng.choice(words, 4, replace=False)))
+            start = time.perf_counter()
+            snap.vectors.search_terms(terms, 10)
+            lexical.append(time.perf_counter() - start)
         index = snap.vectors.describe()
     out = {
+        "lexical_p50_ms": pct(lexical, 50),
+        "lexical_p99_ms": pct(lexical, 99),
         "search_p50_ms": pct(times, 50),
         "search_p99_ms": pct(times, 99),
         "recall_at_10": float(recall),
@@ -305,7 +332,7 @@ def refresh_s3(root: Path, work: Path, rng, version: int, n: int) -> dict:
         doc_id = snap.catalog.con.execute("SELECT doc_id FROM documents LIMIT 1").fetchone()[0]
     removed = catalog.delete_documents([doc_id])
     writer.vectors.remove(removed)
-    docs, chunks = doc_rows([doc_id], catalog.next_chunk_id(), version)
+    docs, chunks = doc_rows([doc_id], catalog.next_chunk_id(), rng, version)
     catalog.add_documents(docs, [{}], chunks)
     writer.vectors.add([c.chunk_id for c in chunks], corpus_vectors(rng, 1))
     start = time.perf_counter()
@@ -334,8 +361,13 @@ def measure(n: int, work: Path, with_s3: bool) -> dict:
     rng = np.random.default_rng(n)
     root = work / f"store-{n}"
     result = {"chunks": n, **build(root, n, rng)}
-    times, sizes = zip(*(publish_one_document(root, rng, v + 1) for v in range(REPEATS)), strict=False)
-    result.update(publish_s=statistics.median(times), publish_max_s=max(times), publish_bytes=int(np.median(sizes)))
+    times, sizes, lexical = zip(*(publish_one_document(root, rng, v + 1) for v in range(REPEATS)), strict=False)
+    result.update(
+        publish_s=statistics.median(times),
+        publish_max_s=max(times),
+        publish_bytes=int(np.median(sizes)),
+        publish_lexical_bytes=int(np.median(lexical)),
+    )
     times, sizes = zip(*(write_back(root, v) for v in range(REPEATS)), strict=False)
     result.update(
         writeback_s=statistics.median(times), writeback_max_s=max(times), writeback_bytes=int(np.median(sizes))
@@ -407,6 +439,7 @@ def report(results: list[dict], real: dict | None, out: Path, argv: str) -> None
     rows = [
         ("one-document publish (s, median of 5)", "publish_s", "{:.3f}"),
         ("one-document publish, bytes written", "publish_bytes", "{:,}"),
+        ("... of which the lexical index", "publish_lexical_bytes", "{:,}"),
         ("write-back of 16 misses (s, median of 5)", "writeback_s", "{:.3f}"),
         ("write-back, bytes written", "writeback_bytes", "{:,}"),
         ("local refresh to a new generation (s)", "refresh_local_s", "{:.3f}"),
@@ -416,6 +449,8 @@ def report(results: list[dict], real: dict | None, out: Path, argv: str) -> None
         ("retrieval p50 (ms)", "search_p50_ms", "{:.2f}"),
         ("retrieval p99 (ms)", "search_p99_ms", "{:.2f}"),
         ("recall@10 vs exact", "recall_at_10", "{:.3f}"),
+        ("lexical search p50 (ms)", "lexical_p50_ms", "{:.2f}"),
+        ("lexical search p99 (ms)", "lexical_p99_ms", "{:.2f}"),
         ("context_rows p50 (ms)", "context_rows_p50_ms", "{:.2f}"),
         ("span_chunk_ids p50 (ms)", "span_chunk_ids_p50_ms", "{:.2f}"),
         ("entry p50 (ms)", "entry_p50_ms", "{:.2f}"),
@@ -445,7 +480,7 @@ def report(results: list[dict], real: dict | None, out: Path, argv: str) -> None
         "Index per size: "
         + "; ".join(
             f"{r['chunks']:,}: {r['index']['type']}, {r['index']['segments']} segments, nlist {r['index']['nlist']}, "
-            f"nprobe {r['index']['nprobe']}"
+            f"nprobe {r['index']['nprobe']}, lexical files {r['index'].get('lexical_bytes', 0) / 2**20:.1f} MiB"
             for r in results
         ),
     ]
