@@ -30,7 +30,7 @@ from ragkv.prompt import encode_text
 from ragkv.retrieval import Retrieved, Retriever
 from store import ContextRow
 
-FIRST_WEIGHT = 1.5  # the first stage's z-score's weight beside the model's (measured: benchmarks/retrieval.py)
+FIRST_WEIGHT = 3.0  # the first stage's z-score's weight beside the model's (benchmarks/retrieval.py: dev halves)
 INSTRUCTION = ""  # "": the answer prompt's own question head ("\n\nQuestion: ")
 CALIBRATION = "N/A"  # attention: the content-free question whose attention is subtracted (ICR's)
 BATCH_TOKENS = 16_384  # rows x (context + question) tokens per forward: bounds the rerank's memory
