@@ -17,9 +17,9 @@ def run(*args):
 
 def test_ingest_reports_what_it_did(sample_store):
     _, report = sample_store
-    assert report["documents"] == {"added": 35, "changed": 0, "unchanged": 0, "removed": 0}
+    assert report["documents"] == {"added": 37, "changed": 0, "unchanged": 0, "removed": 0}
     assert report["skipped"] == [] and report["generation"] == 1
-    assert report["kv_computed"] == report["chunks_embedded"] >= 35
+    assert report["kv_computed"] == report["chunks_embedded"] >= 37
     assert report["tokens_computed"] > 3000 and report["tokens_per_s"] > 0
     assert (report["model"], report["dtype"], report["device"]) == ("smollm2", "float32", "cpu")
 
@@ -31,7 +31,16 @@ def test_ask_json_reuses_stored_kv_and_matches_a_full_prefill(sample_store):
     full = json.loads(run("ask", question, "--store", store, "--json", "--max-new-tokens", "32", "--no-cache").stdout)
     assert set(cached) == {"question", "answer", "token_ids", "sources", "stats"}
     assert cached["sources"][0]["source"].endswith("runbooks/rotate-api-key.md")
-    assert set(cached["sources"][0]) == {"doc_id", "source", "chunk_index", "chunk_id", "score"}
+    assert set(cached["sources"][0]) == {
+        "doc_id",
+        "source",
+        "chunk_index",
+        "chunk_id",
+        "score",
+        "section",
+        "pages",
+        "citation",
+    }
     stats = cached["stats"]
     for key in ("reused_tokens", "computed_tokens", "ttft_s", "retrieval_ms", "kv_load_ms", "prefill_ms", "total_s"):
         assert key in stats
@@ -63,7 +72,7 @@ def test_re_ingesting_the_same_corpus_computes_nothing(sample_store, tmp_path):
 def test_stats_describes_the_store(sample_store):
     store, report = sample_store
     stats = json.loads(run("stats", "--store", store, "--json").stdout)
-    assert stats["documents"] == 35 and stats["chunks"] == stats["vectors"] == report["chunks_embedded"]
+    assert stats["documents"] == 37 and stats["chunks"] == stats["vectors"] == report["chunks_embedded"]
     (profile,) = stats["profiles"]
     assert (profile["model"], profile["dtype"]) == ("smollm2", "float32")
     assert profile["tokens"] == report["tokens_computed"] and profile["chunks"] == report["chunks_embedded"]
