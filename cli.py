@@ -18,6 +18,7 @@ try:  # typer 0.2x carries its own copy of click, whose exceptions its parser ra
 except ImportError:  # older typer runs on click itself
     from click.exceptions import ClickException, UsageError
 
+from ragkv import output as text
 from ragkv.config import (
     DEFAULT_EMBEDDER,
     DEFAULT_MAX_NEW_TOKENS,
@@ -34,7 +35,7 @@ from ragkv.config import (
     DecodeSettings,
     SearchSettings,
 )
-from ragkv.errors import InputError, OutputError, RagkvError
+from ragkv.errors import InputError, RagkvError
 
 
 class _StderrHandler(logging.Handler):
@@ -372,70 +373,13 @@ def ingest(
         engine=engine,
         workers=workers,
     )
-    if json_out:
-        typer.echo(json.dumps(report.to_dict()))
-        return
-    _print_ingest(report.to_dict())
+    _print(report.to_dict(), json_out, text.ingest_lines)
 
 
 def _use_vllm_python(python: str | None) -> None:
     """--vllm-python: where --engine vllm finds vLLM (pipelines.vllm_engine reads the variable)."""
     if python:
         os.environ["RAGKV_VLLM_PYTHON"] = python
-
-
-class _Output:
-    """A file the user asked for (`--out`, `--report`), checked before any model loads; a
-    failed write (disk full, permissions) is an OutputError naming it."""
-
-    def __init__(self, path: Path, what: str):
-        if path.is_dir():
-            raise InputError(f"{what} {path} is a folder; name a file to write")
-        if not path.parent.is_dir():
-            raise InputError(f"{what} {path}: the folder {path.parent} does not exist")
-        self.path, self.what, self._file = path, what, None
-
-    def __enter__(self):
-        self._file = self._call(open, self.path, "w", encoding="utf-8")
-        return self
-
-    def write(self, text: str) -> None:
-        self._call(self._file.write, text)
-
-    def __exit__(self, *exc):
-        self._call(self._file.close)
-
-    def _call(self, fn, *args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except OSError as exc:
-            raise OutputError(f"cannot write {self.what} {self.path}: {exc.strerror or exc}") from None
-
-
-def _print_ingest(report: dict) -> None:
-    docs = report["documents"]
-    typer.echo(
-        f"Store {report['store']} (generation {report['generation']}): {docs['added']} added, "
-        f"{docs['changed']} changed, {docs['unchanged']} unchanged, {docs['removed']} removed documents"
-    )
-    adopted = f", {report['kv_adopted']} recovered from an interrupted run" if report["kv_adopted"] else ""
-    if report["kv_deferred"] or report["kv_evicted"] or report["kv_budget"] is not None:
-        budget = f" of a {_size(report['kv_budget'])} budget" if report["kv_budget"] is not None else ""
-        adopted += (
-            f"; {report['kv_deferred']} chunks left to compute on their first question, "
-            f"{report['kv_evicted']} evicted; KV takes {_size(report['kv_bytes'])}{budget}"
-        )
-    engine = {"ray": " (Ray)", "vllm": " (vLLM)"}.get(report.get("engine"), "")
-    typer.echo(
-        f"KV: {report['kv_computed']} chunks computed ({report['tokens_computed']:,} tokens, "
-        f"{report['tokens_per_s']:,.0f} tokens/s), {report['kv_reused']} already stored "
-        f"({report['tokens_skipped']:,} tokens skipped){adopted}; {report['model']} {report['dtype']} on "
-        f"{report['device']}{engine}; {report['total_s']:.1f} s"
-    )
-    if report["skipped"]:
-        typer.echo(f"Skipped {len(report['skipped'])} file(s):")
-        for item in report["skipped"]:
-            typer.echo(f"  {item['source']}: {item['reason']}")
 
 
 @app.command()
@@ -473,7 +417,7 @@ def reindex(
     model_settings, settings = _settings(
         model, embedder, device, dtype, chunk_tokens, system_prompt, batch_tokens, kv_dtype, span_tokens, max_doc_bytes
     )
-    output = _Output(report_file, "--report") if report_file else None
+    output = text.OutputFile(report_file, "--report") if report_file else None
     report = run_nightly(
         paths,
         store,
@@ -492,11 +436,9 @@ def reindex(
     if json_out:
         typer.echo(json.dumps(report.to_dict()))
     else:
-        _print_ingest(report.ingest)
-        if report.gc:
-            _print_gc(report.gc)
-        if report.verify:
-            _print_verify(report.verify)
+        _echo(text.ingest_lines(report.ingest))
+        _echo(text.gc_lines(report.gc) if report.gc else [])
+        _echo(text.verify_lines(report.verify) if report.verify else [])
     raise typer.Exit(report.exit_code)
 
 
@@ -514,22 +456,7 @@ def gc(
     large store). Costs what the store holds; run it nightly, not per change."""
     from store import collect_garbage
 
-    report = collect_garbage(store, other_models=other_models, wait=wait).to_dict()
-    if json_out:
-        typer.echo(json.dumps(report))
-        return
-    _print_gc(report)
-
-
-def _print_gc(report: dict) -> None:
-    held = report["generations_kept_for_readers"]
-    typer.echo(
-        f"gc: {report['entries_removed']} KV entries removed, {report['shards_rewritten']} shards rewritten, "
-        f"{report['shards_deleted']} shard files deleted, {report['bytes_reclaimed'] / 2**20:.1f} MiB reclaimed"
-        + (f"; generations {held} kept for readers that still use them" if held else "")
-        + ("; catalog compacted" if report.get("catalog_compacted") else "")
-        + ("; vector segments compacted" if report.get("vectors_compacted") else "")
-    )
+    _print(collect_garbage(store, other_models=other_models, wait=wait).to_dict(), json_out, text.gc_lines)
 
 
 @app.command()
@@ -549,35 +476,11 @@ def verify(
         from pipelines.repair import repair as repair_store
 
         fixed = repair_store(store, device=resolve_device(device))
-        if not json_out:
-            typer.echo(
-                f"repair: {fixed.problems_found} problems, {fixed.entries_recomputed} entries recomputed, "
-                f"{fixed.entries_dropped} unused entries dropped, {fixed.chunks_reembedded} chunks re-embedded, "
-                f"{fixed.lexical_rebuilt} lexical files rebuilt"
-            )
-            if fixed.current_restored is not None:
-                typer.echo(f"  CURRENT pointed at no complete generation: it now names {fixed.current_restored}")
-            for reason in fixed.unrepairable:
-                typer.echo(f"  cannot repair: {reason}")
+        _echo([] if json_out else text.repair_lines(fixed))
     with open_snapshot(store, require_documents=False, lenient=True) as snapshot:
         report = verify_store(snapshot).to_dict()
-    if json_out:
-        typer.echo(json.dumps(report))
-    else:
-        _print_verify(report)
+    _print(report, json_out, text.verify_lines)
     raise typer.Exit(0 if report["ok"] else 4)
-
-
-def _print_verify(report: dict) -> None:
-    mb = report["bytes_checked"] / 2**20
-    typer.echo(
-        f"verify: generation {report['generation']}, {report['entries_checked']} entries ({mb:.1f} MiB) "
-        f"checked in {report['seconds']:.2f} s: " + ("ok" if report["ok"] else f"{len(report['problems'])} problems")
-    )
-    for problem in report["problems"]:
-        typer.echo(f"  {problem['kind']}: {problem['detail']}")
-    for warning in report.get("warnings", []):
-        typer.echo(f"  warning: {warning}")
 
 
 @app.command()
@@ -652,7 +555,7 @@ def ask(
         typer.echo(json.dumps(answer.to_dict()))
         return
     typer.echo("")
-    _print_answer_footer(answer)
+    _echo(text.answer_footer(answer), err=True)
 
 
 def _decoding(repetition_penalty, no_repeat_ngram, temperature, top_p, seed, stop) -> DecodeSettings:
@@ -664,30 +567,6 @@ def _decoding(repetition_penalty, no_repeat_ngram, temperature, top_p, seed, sto
         seed=seed,
         stop=tuple(stop or ()),
     )
-
-
-def _print_answer_footer(answer, sources: bool = True) -> None:
-    err = lambda text: typer.echo(text, err=True)  # noqa: E731
-    for s in answer.sources if sources else []:
-        err(f"source: {s.source}{_place(s.citation, s.doc_id)} (chunk {s.chunk_index}, score {s.score:.3f})")
-    st = answer.stats
-    rate = st.generated_tokens / st.decode_s if st.decode_s else 0.0
-    recomputed = f"{st.recomputed_tokens} recomputed, " if st.recomputed_tokens else ""
-    stored_as = f" (KV stored as {st.kv_quant}: approximate)" if st.kv_quant != "none" else ""
-    mode = f"{st.mode} (approximate: may differ from a full prefill)" if st.is_approximate else st.mode
-    if st.kv_source:
-        mode += {"computed": " (chunk KV computed now: not stored yet)", "ram": " (chunk KV from RAM)", "store": ""}[
-            st.kv_source
-        ]
-    err(
-        f"{mode}{stored_as}: {st.reused_tokens} tokens reused, {recomputed}{st.computed_tokens} computed, "
-        f"{st.generated_tokens} generated | "
-        f"retrieval {st.retrieval_ms:.0f} ms, catalog {st.catalog_ms:.0f} ms, KV load {st.kv_load_ms:.0f} ms, "
-        f"prefill {st.prefill_ms:.0f} ms, "
-        f"TTFT {st.ttft_s:.2f} s, total {st.total_s:.2f} s ({rate:.1f} tokens/s)"
-    )
-    for warning in st.warnings:
-        err(f"warning: {warning}")
 
 
 @app.command()
@@ -729,9 +608,8 @@ def search(
             elif "error" in found:
                 raise InputError(found["error"])
             else:
-                _print_results(found["results"])
-                for warning in found.get("warnings", []):
-                    typer.echo(f"warning: {warning}", err=True)
+                _echo(text.search_lines(found["results"]))
+                _echo([f"warning: {warning}" for warning in found.get("warnings", [])], err=True)
 
 
 def _check_filter_fields(store: str, settings: SearchSettings) -> None:
@@ -743,20 +621,6 @@ def _check_filter_fields(store: str, settings: SearchSettings) -> None:
 
     with open_snapshot(store, require_documents=False) as snapshot:
         check_fields(settings.conditions, snapshot.catalog.metadata_fields())
-
-
-def _place(citation: str, doc_id: str) -> str:
-    """A citation's pages and section ("p. 3, § Security"), after a source's path."""
-    place = citation.removeprefix(doc_id).lstrip(", ")
-    return f" {place}" if place else ""
-
-
-def _print_results(results: list[dict]) -> None:
-    for rank, r in enumerate(results, start=1):
-        snippet = " ".join(r["text"].split())
-        snippet = snippet if len(snippet) <= 100 else snippet[:99] + "…"
-        where = r["citation"] or r["doc_id"]
-        typer.echo(f"{rank}. {where} (chunk {r['chunk_index']}, score {r['score']:.3f})  {snippet}")
 
 
 @app.command()
@@ -788,11 +652,9 @@ def batch(
     """Answer a file of questions, decoded together on the continuous batcher (as `ragkv serve`
     does): each answer equals `ragkv ask`'s, and is counted and logged like one."""
     _quiet_libraries()
-    import time
-
     import ragkv
     from pipelines.progress import default_reporter
-    from ragkv.batch import answer_all, read_questions
+    from ragkv.batch import read_questions, run_batch
 
     if max_batch < 1:
         raise InputError(f"--max-batch must be at least 1, got {max_batch}")
@@ -810,43 +672,15 @@ def batch(
     )
     _check_filter_fields(store, settings.search)
     items, errors = read_questions(questions)
-    sink = _Output(out, "--out")
-    started = time.perf_counter()
-    reporter = default_reporter(quiet or json_out)
+    sink = text.OutputFile(out, "--out")
     with ragkv.open(store, device=device) as engine, sink:
-        for outcome in errors:
-            sink.write(json.dumps(outcome.to_dict()) + "\n")
-        reporter.stage("questions", len(items), "questions")
-        answered = 0
-        for outcome in answer_all(engine, items, settings, max_batch=max_batch, on_done=reporter.advance):
-            sink.write(json.dumps(outcome.to_dict()) + "\n")
-            answered += outcome.error is None
-            if outcome.error:
-                errors.append(outcome)
-        reporter.done()
-        savings = engine.savings.to_dict()
-    seconds = time.perf_counter() - started
-    summary = {
-        "questions": answered + len(errors),
-        "answered": answered,
-        "errors": [e.error for e in errors],
-        "seconds": round(seconds, 3),
-        "questions_per_s": round(answered / seconds, 3) if seconds else 0.0,
-        "savings": savings,
-    }
+        reporter = default_reporter(quiet or json_out)
+        summary = run_batch(engine, items, errors, settings, sink.write, reporter, max_batch=max_batch)
     if json_out:
         typer.echo(json.dumps(summary))
         return
-    typer.echo(
-        f"{answered} answered, {len(errors)} errors, {seconds:.1f} s ({summary['questions_per_s']} questions/s) "
-        f"-> {out}"
-    )
-    for error in errors:
-        typer.echo(f"  {error.error}", err=True)
-    typer.echo(
-        f"prefill: {savings['prompt_tokens']:,} prompt tokens, {savings['prefilled_tokens']:,} prefilled "
-        f"({savings['saved_pct']}% saved over {savings['requests']} requests)"
-    )
+    _echo(text.batch_lines(summary, out))
+    _echo([f"  {error}" for error in summary["errors"]], err=True)
 
 
 @app.command()
@@ -904,11 +738,7 @@ def chat(
                 conversation.reset()
                 continue
             if message == "/sources":
-                for s in conversation.sources:
-                    typer.echo(
-                        f"{s.source}{_place(s.citation, s.doc_id)} (chunk {s.chunk_index}, score {s.score:.3f})",
-                        err=True,
-                    )
+                _echo([text.source_line(s) for s in conversation.sources], err=True)
                 continue
             if not message:
                 continue
@@ -917,7 +747,7 @@ def chat(
                 sys.stdout.write(delta)
                 sys.stdout.flush()
             typer.echo("")
-            _print_answer_footer(stream.answer, sources=len(conversation.turns) == 1)
+            _echo(text.answer_footer(stream.answer, sources=len(conversation.turns) == 1), err=True)
 
 
 @app.command()
@@ -975,11 +805,9 @@ def serve(
     """Serve the store over HTTP: OpenAI-compatible /v1/chat/completions (streaming too),
     /v1/retrieve, /v1/models, /healthz, /metrics. Picks up re-indexed generations live."""
     _quiet_libraries()
-    import uvicorn
-
     import ragkv
     from ragkv.api import ServeSettings
-    from ragkv.service import build_app
+    from ragkv.service import serve as serve_engine
 
     settings = ServeSettings(
         host=host,
@@ -992,59 +820,17 @@ def serve(
         prefill_chunk=prefill_chunk,
         write_back=write_back,
     )
+    announce = lambda line: typer.echo(line, err=True)  # noqa: E731
     if engine_name == "vllm":
-        _serve_vllm(store, model, settings, vllm_python or sys.executable, vllm_port, vllm_args or "")
+        from ragkv.vllm_front import serve_on_vllm
+
+        with ragkv.open(store, model=model, device="cpu", weights=False) as engine:
+            serve_on_vllm(engine, store, settings, vllm_python or sys.executable, vllm_port, vllm_args or "", announce)
         return
     if engine_name != "ragkv":
         raise InputError(f"unknown --engine {engine_name!r}; use ragkv or vllm")
     with ragkv.open(store, model=model, device=device, write_back=write_back) as engine:
-        app = build_app(engine, settings)
-        typer.echo(f"ragkv serving {store} ({engine.lm.facts.name}) on http://{host}:{port}", err=True)
-        uvicorn.run(
-            app,
-            host=host,
-            port=port,
-            log_level="warning",
-            limit_concurrency=settings.max_queue * 4 + 16,
-            timeout_graceful_shutdown=settings.shutdown_grace_s,
-        )
-
-
-def _serve_vllm(store: str, model: str | None, settings, python: str, vllm_port: int, args: str) -> None:
-    import shlex
-
-    import uvicorn
-
-    import ragkv
-    from ragkv.vllm_front import VllmServer, build_front_app
-
-    with ragkv.open(store, model=model, device="cpu", weights=False) as engine:
-        facts = engine.lm.facts
-        server = VllmServer(
-            python, facts.path, facts.dtype, store, vllm_port, tuple(shlex.split(args)), write_back=settings.write_back
-        )
-        typer.echo(f"starting vLLM ({python}) for {facts.name} on port {vllm_port}", err=True)
-        server.start(timeout_s=1800)
-        try:
-            app = build_front_app(engine, server.url, settings)
-            typer.echo(
-                f"ragkv serving {store} ({facts.name}, engine vllm) on http://{settings.host}:{settings.port}", err=True
-            )
-            uvicorn.run(
-                app,
-                host=settings.host,
-                port=settings.port,
-                log_level="warning",
-                timeout_graceful_shutdown=settings.shutdown_grace_s,
-            )
-        finally:
-            server.stop()
-
-
-def _size(size: int) -> str:
-    from store.budget import format_bytes
-
-    return format_bytes(size)
+        serve_engine(engine, store, settings, announce)
 
 
 @app.command()
@@ -1071,17 +857,7 @@ def calibrate(
     if json_out:
         typer.echo(json.dumps({**json.loads(result.to_json()), "summary": result.describe()}))
         return
-    for m in result.measured:
-        typer.echo(
-            f"  {m.mode:6} {m.share:4.0%}: first token {m.first_token:4.0%}, teacher-forced "
-            f"{m.teacher_forced:4.0%}, TTFT {m.ttft_ratio:.2f}x full"
-        )
-    typer.echo(f"  exact: TTFT {result.exact_ttft_ratio:.2f}x full")
-    typer.echo(
-        f"--mode approximate on {store}: "
-        + (f"{result.chosen.mode} {result.chosen.share:.0%}" if result.chosen else "exact (gated)")
-        + f" ({result.describe()})"
-    )
+    _echo(text.calibrate_lines(result, store))
 
 
 @app.command()
@@ -1097,28 +873,15 @@ def budget(
     """Show or change the store's KV budget. A smaller budget evicts the least-asked chunks' KV now
     (LFU with ageing: each question adds 1, halving every 7 days); they are computed again on a miss."""
     from ragkv.config import parse_size
-    from store import open_snapshot
-    from store.budget import set_budget
+    from store.budget import budget_status, set_budget
 
     if size is None:
-        with open_snapshot(store, require_documents=False) as snapshot:
-            summary = {
-                "store": snapshot.location,
-                "kv_budget": snapshot.catalog.kv_budget(),
-                "kv_bytes": snapshot.catalog.kv_bytes(),
-            }
+        report = budget_status(store)
     else:
-        limit = None if size.strip().lower() in ("off", "none") else parse_size(size, "budget")
-        summary = set_budget(store, limit, wait=wait).to_dict()
-    if json_out:
-        typer.echo(json.dumps(summary))
-        return
-    limit = summary["kv_budget"]
-    evicted = f"; {summary['evicted']} chunks' KV evicted" if summary.get("evicted") else ""
-    typer.echo(
-        f"{summary['store']}: KV takes {_size(summary['kv_bytes'])} of "
-        f"{_size(limit) + ' budget' if limit is not None else 'no budget (all KV kept)'}{evicted}"
-    )
+        report = set_budget(
+            store, None if size.strip().lower() in ("off", "none") else parse_size(size, "budget"), wait
+        )
+    _print(report.to_dict(), json_out, text.budget_lines)
 
 
 @app.command()
@@ -1129,53 +892,17 @@ def stats(store: str = StoreOption, json_out: bool = JsonOption):
 
     with open_snapshot(store, require_documents=False) as snapshot:
         summary = store_stats(snapshot)
-    if json_out:
-        typer.echo(json.dumps(summary))
-        return
-    mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
-    typer.echo(
-        f"{summary['store']} generation {summary['generation']} (written by ragkv {summary['written_by']}): "
-        f"{summary['documents']} documents, "
-        f"{summary['chunks']} chunks, {summary['kv_entries']} KV entries; embedder {summary['embedder']}"
-    )
-    for p in summary["profiles"]:
-        typer.echo(f"  {p['model']} ({p['dtype']}): {p['chunks']} chunks, {p['tokens']:,} tokens, {mib(p['kv_bytes'])}")
-    typer.echo(
-        f"shards: {summary['shards']} files, {mib(summary['shard_bytes'])} on disk, {mib(summary['live_bytes'])} live, "
-        f"{mib(summary['dead_bytes'])} dead ({summary['shards_unreferenced']} unreferenced files)"
-    )
-    typer.echo("  dead bytes: retired KV; `ragkv gc` deletes unreferenced files and rewrites shards under half live")
-    index = summary["index"]
-    tuned = (
-        f", nlist {index['nlist']}, nprobe {index['nprobe']} (recall@10 {index['tuned_recall_at_10']:.2f} when built)"
-        if index["type"] != "flat"
-        else ", exact search"
-    )
-    typer.echo(
-        f"vector index: {index['type']}, {index['vectors']} vectors of {index['dim']} dims in "
-        f"{index['segments']} segments ({index['tombstones']} removed ids){tuned}"
-    )
-    lexical = f"{index['lexical']}, {_size(index['lexical_bytes'])}"
-    typer.echo(f"lexical index: {lexical} (BM25: --retrieval lexical, hybrid)")
-    cat = summary["catalog"]
-    typer.echo(
-        f"catalog: {cat['base_rows']:,} rows in its base, {cat['delta_rows']:,} in this generation's delta "
-        "(`ragkv gc` compacts the delta and the segments)"
-    )
-    limit = summary["kv_budget"]
-    typer.echo(
-        f"KV budget: {_size(limit) + ', ' + _size(summary['live_bytes']) + ' used' if limit is not None else 'none'}"
-    )
-    if summary["uses"]:
-        rate = summary["hit_rate"]
-        typer.echo(
-            f"questions used chunks {summary['uses']} times; KV hit rate "
-            f"{'n/a' if rate is None else f'{rate:.1%}'} ({summary['kv_hits']} ready, "
-            f"{summary['kv_misses']} computed on a miss)"
-        )
-        show = lambda d: f"{d['doc_id']} ({d['uses']} uses, score {d['score']:.1f})"  # noqa: E731
-        typer.echo("  hottest: " + ", ".join(show(d) for d in summary["hottest"]))
-        typer.echo("  coldest: " + ", ".join(show(d) for d in summary["coldest"]))
+    _print(summary, json_out, text.stats_lines)
+
+
+def _echo(lines: list[str], err: bool = False) -> None:
+    for line in lines:
+        typer.echo(line, err=err)
+
+
+def _print(report: dict, json_out: bool, lines) -> None:
+    """A report as one JSON object (--json), or as the `lines` (a ragkv.output function) of it."""
+    _echo([json.dumps(report)] if json_out else lines(report))
 
 
 def main() -> None:

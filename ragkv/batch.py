@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
@@ -97,6 +98,40 @@ def answer_all(
                 yield _outcome(running.pop(future), future)
                 if on_done:
                     on_done(1)
+
+
+def run_batch(
+    engine,
+    questions: list[Question],
+    errors: list[BatchOutcome],
+    settings: AskSettings,
+    write,
+    reporter,
+    max_batch: int = 16,
+) -> dict:
+    """`ragkv batch`: every outcome written as a JSON line through `write` (the unusable lines'
+    errors first), progress to `reporter`; returns the summary (counts, time, prefill savings)."""
+    started = time.perf_counter()
+    for outcome in errors:
+        write(json.dumps(outcome.to_dict()) + "\n")
+    failed = [outcome.error for outcome in errors]
+    reporter.stage("questions", len(questions), "questions")
+    answered = 0
+    for outcome in answer_all(engine, questions, settings, max_batch=max_batch, on_done=reporter.advance):
+        write(json.dumps(outcome.to_dict()) + "\n")
+        answered += outcome.error is None
+        if outcome.error:
+            failed.append(outcome.error)
+    reporter.done()
+    seconds = time.perf_counter() - started
+    return {
+        "questions": answered + len(failed),
+        "answered": answered,
+        "errors": failed,
+        "seconds": round(seconds, 3),
+        "questions_per_s": round(answered / seconds, 3) if seconds else 0.0,
+        "savings": engine.savings.to_dict(),
+    }
 
 
 def search_all(engine, questions: list[Question], settings: SearchSettings) -> Iterator[dict]:

@@ -205,6 +205,22 @@ def build_app(engine, settings: ServeSettings) -> FastAPI:
     return app
 
 
+def serve(engine, store: str, settings: ServeSettings, announce) -> None:
+    """`ragkv serve`: the app on uvicorn until interrupted; `announce` gets the line saying where."""
+    import uvicorn
+
+    app = build_app(engine, settings)
+    announce(f"ragkv serving {store} ({engine.lm.facts.name}) on http://{settings.host}:{settings.port}")
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="warning",
+        limit_concurrency=settings.max_queue * 4 + 16,
+        timeout_graceful_shutdown=settings.shutdown_grace_s,
+    )
+
+
 def _add_info_routes(app: FastAPI, engine, batcher: Engine, metrics: Metrics, authorised) -> None:
     @app.get("/healthz")
     async def healthz():

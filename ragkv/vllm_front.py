@@ -143,6 +143,31 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 
 
+def serve_on_vllm(engine, store: str, settings: ServeSettings, python: str, port: int, args: str, announce) -> None:
+    """`ragkv serve --engine vllm`: starts vLLM (with the ragkv connector) on `port`, serves the
+    front on uvicorn until interrupted, then stops vLLM. `engine` is opened without weights."""
+    import shlex
+
+    import uvicorn
+
+    facts = engine.lm.facts
+    server = VllmServer(python, facts.path, facts.dtype, store, port, tuple(shlex.split(args)), settings.write_back)
+    announce(f"starting vLLM ({python}) for {facts.name} on port {port}")
+    server.start(timeout_s=1800)
+    try:
+        app = build_front_app(engine, server.url, settings)
+        announce(f"ragkv serving {store} ({facts.name}, engine vllm) on http://{settings.host}:{settings.port}")
+        uvicorn.run(
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_level="warning",
+            timeout_graceful_shutdown=settings.shutdown_grace_s,
+        )
+    finally:
+        server.stop()
+
+
 def build_front_app(engine, vllm_url: str, settings: ServeSettings) -> FastAPI:
     """The OpenAI-compatible front: `engine` (a QueryEngine opened with weights=False) retrieves
     and lays out; vLLM at `vllm_url` generates."""

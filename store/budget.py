@@ -159,6 +159,15 @@ def set_budget(root, size: int | None, wait: bool = False) -> BudgetReport:
     return report
 
 
+def budget_status(root) -> BudgetReport:
+    """The store's KV budget and the bytes its KV takes, read from the current generation."""
+    from store.snapshot import open_snapshot
+
+    with open_snapshot(root, require_documents=False) as snapshot:
+        catalog = snapshot.catalog
+        return BudgetReport(snapshot.location, catalog.kv_budget(), catalog.kv_bytes(), generation=snapshot.generation)
+
+
 def check_budget(budget: int, prefix_bytes: int) -> None:
     if budget < prefix_bytes:
         raise InputError(

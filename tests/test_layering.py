@@ -45,6 +45,7 @@ ONLINE_LAYERS = [  # bottom up; a module may import its own layer and those belo
     {
         "ragkv.query",
         "ragkv.batch",
+        "ragkv.output",
         "ragkv.service",
         "ragkv.vllm_front",
         "ragkv.integrations",
