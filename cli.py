@@ -231,7 +231,7 @@ ModeOption = typer.Option(
     help="With several chunks: exact (equals a full prefill; the "
     "first chunk's KV, or the hits' spans, from the store, the rest prefilled), or approximate "
     "(faster: the mode and share `ragkv calibrate` measured reaching its target on this store, "
-    "or exact when none did; epic 5% on a store never calibrated). The approximate modes: "
+    "or exact when none did; query 20% on a store never calibrated). The approximate modes: "
     "concat (every chunk's stored KV, re-rotated), blend (concat, then the most-deviating "
     "tokens recomputed, chosen layer by layer), epic (concat, then the first tokens of every "
     "chunk after the first recomputed), query (concat, then the tokens the question attends to "

@@ -34,10 +34,12 @@ DEFAULT_SPAN_TOKENS = 0  # see IngestSettings.span_tokens
 DEFAULT_MAX_DOCUMENT_BYTES = 8 << 20
 DTYPES = ("float32", "bfloat16", "float16")
 MODES = ("exact", "concat", "blend", "epic", "query", "ape")
-# `--mode approximate` on a store never calibrated (`ragkv calibrate`): on the Python FAQ set at
-# 5 passages, epic recomputing 5% kept 91% teacher-forced agreement and F1 within 0.01 of a full
-# prefill at 0.15 of its time to first token (benchmarks/results/passages.md).
-APPROXIMATE = "epic"
+# `--mode approximate` on a store never calibrated (`ragkv calibrate`): of the approximate modes
+# at their default shares, query 20% kept the first token of a full prefill most often held out,
+# at K = 3, 5 and 10 on the Python FAQ (96%, 91%, 87%; epic 5%: 80%, 71%, 60%) and at K = 3 and 5
+# on the sample corpus (71%, 71%; epic 5%: 71%, 43%), at ~0.4 of the full prefill's time to first
+# token (epic: ~0.2) (benchmarks/results/approximate.md).
+APPROXIMATE = "query"
 DEFAULT_BLEND_RATIOS = {"blend": 0.15, "epic": 0.05, "query": 0.2}  # share recomputed when --blend-ratio is not given
 MAX_RERANK = 100  # candidates one rerank scores, at most
 # Off: on 2 CPU cores a rerank of 10 costs ~3.5 cached TTFTs (docs/retrieval.md); ask for it.

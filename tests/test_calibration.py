@@ -54,7 +54,7 @@ def test_approximate_resolves_to_the_calibrated_mode_or_exact_and_other_modes_st
     gated = resolve(asked, Calibration(0.9, 5, 12, 0.8, None, [FAILED]))
     assert gated.settings.mode == "exact" and "answered exactly" in gated.warning and "60%" in gated.warning
     unmeasured = resolve(asked, None)
-    assert (unmeasured.settings.mode, unmeasured.settings.blend_ratio) == ("epic", 0.05)
+    assert (unmeasured.settings.mode, unmeasured.settings.blend_ratio) == ("query", 0.2)
     assert "not calibrated" in unmeasured.warning
     own_share = resolve(AskSettings(mode="approximate", blend_ratio=0.5), Calibration(0.9, 5, 12, 0.8, PASSED, []))
     assert own_share.settings.blend_ratio == 0.5

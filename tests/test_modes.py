@@ -154,8 +154,8 @@ def test_approximate_modes_answer_and_say_what_they_did(tiny_store, mode):
         assert engine.ask(QUESTIONS[0], top_k=1, mode=mode, max_new_tokens=2).stats.recomputed_tokens == 0
     stats = answer.stats
     if mode == "approximate":  # this store was never calibrated: the default, said to be unmeasured
-        assert stats.approximation == "epic 5%, uncalibrated" and "not calibrated" in stats.warnings[0]
-        mode = "epic"
+        assert stats.approximation == "query 20%, uncalibrated" and "not calibrated" in stats.warnings[0]
+        mode = "query"
     assert stats.mode == mode and len(answer.sources) == 3
     assert answer.to_dict()["stats"]["approximate"] is True
     assert engine.ask(QUESTIONS[0], top_k=3, max_new_tokens=1).to_dict()["stats"]["approximate"] is False
