@@ -394,16 +394,21 @@ def _pending_spans(
         ordered = sorted(doc_chunks, key=lambda c: c.chunk_index)
         token_ids = [tuple(encode_text(tokenizer, c.text)) for c in ordered]
         sections = _section_sizes(ordered, [len(spans.segment(1, ids, separator)) for ids in token_ids])
-        start, used, key = 0, 0, None
+        grouped: list[list[tuple[ChunkRow, tuple[int, ...]]]] = []  # the document's spans
+        used = 0
         for chunk, ids in zip(ordered, token_ids, strict=True):
             whole = sections.get(chunk.chunk_index)  # a section starts here: its size as one run
             keeps_section = whole is not None and used + whole > span_tokens >= whole
-            opens = key is None or keeps_section or used + len(spans.segment(1, ids, separator)) > span_tokens
-            piece = spans.segment(0 if opens else 1, ids, separator)
-            if opens:
-                start, used, key = chunk.chunk_index, 0, None
-            used, key = used + len(piece), spans.next_key(profile, key, piece)
-            pending.append(PendingChunk(chunk.chunk_id, chunk.text, ids, key.to_string(), start, piece))
+            if not grouped or keeps_section or used + len(spans.segment(1, ids, separator)) > span_tokens:
+                grouped.append([])
+                used = 0
+            used += len(spans.segment(0 if not grouped[-1] else 1, ids, separator))
+            grouped[-1].append((chunk, ids))
+        for run in grouped:
+            start, chunk_ids = run[0][0].chunk_index, [ids for _, ids in run]
+            keys = spans.span_keys(profile, chunk_ids, separator)
+            for (chunk, ids), key, piece in zip(run, keys, spans.segments(chunk_ids, separator), strict=True):
+                pending.append(PendingChunk(chunk.chunk_id, chunk.text, ids, key.to_string(), start, piece))
     return pending
 
 

@@ -194,22 +194,21 @@ class KVLoader:
         against the tokens before it and its bytes verified. A chunk stored on its own that has
         no KV is computed now (a miss, written back). Read buffers from `slot` on are used.
         Raises StoreCorruptError when an entry is missing or does not verify."""
-        parts, key = [], None
+        if len(run) == 1 and run[0].entry is None and run[0].span_start is None:
+            return self._computed_kv(run[0], loaded)  # a miss: compute it now
+        entries, chunk_ids = [], []
         for row in run:
-            if row.entry is None and row.span_start is None and len(run) == 1:
-                parts.append(self._computed_kv(row, loaded))  # a miss: compute it now
-                continue
             if row.entry is None or row.token_ids is None:
                 raise StoreCorruptError(f"chunk {row.chunk_id} has no stored KV for this model")
-            key = spans.next_key(
-                self.active.profile,
-                key,
-                spans.segment(0 if key is None else 1, row.token_ids, self.active.layout.separator_ids),
-            )
-            if key.to_string() != row.entry.kv_key:
+            entries.append(row.entry)
+            chunk_ids.append(row.token_ids)
+        keys = spans.span_keys(self.active.profile, chunk_ids, self.active.layout.separator_ids)
+        parts = []
+        for row, entry, key in zip(run, entries, keys, strict=True):
+            if key.to_string() != entry.kv_key:
                 raise StoreCorruptError(f"chunk {row.chunk_id}'s stored KV key does not match its tokens")
             hits = loaded.ram_hits
-            parts.append(self._chunk_kv(row.entry, loaded, slot))
+            parts.append(self._chunk_kv(entry, loaded, slot))
             loaded.kv_sources[row.chunk_id] = "ram" if loaded.ram_hits > hits else "store"
             slot += 1
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=kv.TOKEN_DIM)
