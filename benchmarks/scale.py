@@ -311,7 +311,7 @@ def refresh_s3(root: Path, work: Path, rng, version: int, n: int) -> dict:
     """Upload the store, let a reader's mirror copy it, publish one document through an S3
     writer (its own mirror), then time the reader's refresh and count what it downloads."""
     from store.remote import RemoteStore
-    from store.store import RemoteStoreWriter
+    from store.writer import RemoteStoreWriter
     from tests import s3server
 
     uri = f"s3://{s3server.BUCKET}/scale-{n}"

@@ -28,7 +28,7 @@ from ragkv.calibration import Calibration, Measured, meta_key
 from ragkv.config import AskSettings
 from ragkv.errors import InputError
 from ragkv.query import QueryEngine
-from store.store import open_writer
+from store.writer import open_writer
 
 SENTENCE_END = re.compile(r"(?<=[.!?])\s|\n")
 PLAIN = {"repetition_penalty": 1.0, "no_repeat_ngram": 0}  # the reference answer is the argmax path

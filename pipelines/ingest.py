@@ -11,7 +11,6 @@ again, and a chunk whose KV key is already in the store is not computed again.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -20,21 +19,22 @@ from pathlib import Path
 
 from pipelines import ray_engine, vllm_engine
 from pipelines.chunk import Chunk, chunk_blocks, chunk_text, chunking_id
+from pipelines.pending import PendingChunk, Unit, pending_alone, pending_spans, units_of, within_budget
 from pipelines.plan import DocumentPlan, content_hash, plan_documents
 from pipelines.progress import Reporter
 from pipelines.ray_ingest import RayJob, run_ray_job
 from pipelines.read import Document, Skipped, read_documents
-from ragkv import codec, spans
+from ragkv import codec
 from ragkv.config import IngestSettings, ModelSettings
 from ragkv.embed import Embedder
 from ragkv.errors import InputError, ModelError
 from ragkv.forward import compute_chunks, compute_prefix, shard_metadata, split_segments
 from ragkv.keys import KVKey, Profile
 from ragkv.model import LoadedModel, load_model
-from ragkv.prompt import PromptLayout, encode_text
+from ragkv.prompt import PromptLayout
 from store import ChunkRow, DocumentRow, StoreWriter, budget
 from store.catalog import ChunkLink, ProfileRow
-from store.store import open_writer
+from store.writer import open_writer
 
 ENGINES = ("local", "ray", "vllm")
 ROOM_FOR_QUESTION = 64  # tokens a chunk must leave free in the context for question and answer
@@ -74,33 +74,6 @@ class IngestReport:
         out["tokens_per_s"] = round(self.tokens_per_s, 1)
         out["skipped"] = [asdict(s) for s in self.skipped]
         return out
-
-
-@dataclass(frozen=True)
-class PendingChunk:
-    chunk_id: int
-    text: str
-    token_ids: tuple[int, ...]
-    key: str
-    span_start: int | None = None  # chunk_index of the span this chunk's KV continues (None: alone)
-    segment: tuple[int, ...] = ()  # ids its entry holds: the chunk's, after a separator within a span
-
-    @property
-    def ids(self) -> tuple[int, ...]:
-        return self.segment or self.token_ids
-
-
-@dataclass(frozen=True)
-class Unit:
-    """One sequence computed after the prefix: a chunk alone, or a span of a document's
-    chunks. Its KV is cut into the chunks' entries; only those not stored yet are written."""
-
-    chunks: list[PendingChunk]
-    store: list[bool]  # per chunk: whether its key still needs writing
-
-    @property
-    def ids(self) -> list[int]:
-        return [t for c in self.chunks for t in c.ids]
 
 
 def ingest(
@@ -244,11 +217,11 @@ def _write(
         report.kv_reused, report.tokens_skipped = catalog.linked_totals(
             profile.profile_id, [d for d in unchanged_ids if d not in unlinked_docs]
         )
-        pending = _pending_spans(candidates, lm.tokenizer, profile, layout.separator_ids, settings.span_tokens)
+        pending = pending_spans(candidates, lm.tokenizer, profile, layout.separator_ids, settings.span_tokens)
     else:
         candidates = new_chunks + [c for c in stored_chunks if c.chunk_id not in linked]
         report.kv_reused, report.tokens_skipped = catalog.linked_totals(profile.profile_id, unchanged_ids)
-        pending = [_pending(c, lm.tokenizer, profile) for c in candidates]
+        pending = [pending_alone(c, lm.tokenizer, profile) for c in candidates]
     _check_chunks_fit(pending, lm, layout)
     catalog.add_profile(_profile_row(profile, lm, settings.system_prompt))
     limit = settings.kv_budget if settings.kv_budget is not None else catalog.kv_budget()
@@ -258,7 +231,10 @@ def _write(
             raise InputError(
                 f"store {writer.root} has a KV budget, which keeps chunks' KV one by one; ingest without --span-tokens"
             )
-        pending = _within_budget(writer, pending, lm, profile, limit, settings.precompute, report)
+        admitted = within_budget(writer, pending, lm, profile, limit, settings.precompute)
+        pending = admitted.pending
+        report.kv_evicted += admitted.num_evicted
+        report.kv_deferred = admitted.num_deferred
     work, prefix_key = _todo(catalog, pending, profile, report)
     if job:
         chunks = [u.chunks[0] for u in work]  # without spans every unit is one chunk
@@ -280,41 +256,6 @@ def _write(
             "last_profile": profile.profile_id,
         }
     )
-
-
-def _within_budget(
-    writer: StoreWriter,
-    pending: list[PendingChunk],
-    lm: LoadedModel,
-    profile: Profile,
-    limit: int | None,
-    precompute: int | None,
-    report: IngestReport,
-) -> list[PendingChunk]:
-    """The chunks whose KV to compute now: the most popular that fit the budget `limit` (and,
-    of new KV, at most `precompute` bytes), chunks whose KV is stored already always. Stored
-    KV colder than what is chosen is evicted. The rest stay without KV (computed on a miss)."""
-    catalog = writer.catalog
-    prefix_parts = codec.encode(compute_prefix(lm.model, profile.prefix_ids), profile.kv_quant)
-    prefix_bytes = sum(t.numel() * t.element_size() for t in prefix_parts.values())
-    if limit is not None:
-        budget.check_budget(limit, prefix_bytes)
-    per_token = prefix_bytes / max(len(profile.prefix_ids), 1)
-    stored_keys = catalog.existing_keys(p.key for p in pending)
-    fresh = [p for p in pending if p.key not in stored_keys]
-    writes_prefix = not catalog.existing_keys([KVKey.for_prefix(profile).to_string()])
-    decision = budget.admit(
-        writer,
-        profile.profile_id,
-        [(p.key, math.ceil(len(p.token_ids) * per_token), p.chunk_id) for p in fresh],
-        limit,
-        precompute,
-        reserved=prefix_bytes if writes_prefix else 0,
-    )
-    report.kv_evicted += len(decision.evict)
-    chosen = set(decision.compute)
-    report.kv_deferred = len(fresh) - len(chosen)
-    return [p for p in pending if p.key in stored_keys or p.key in chosen]
 
 
 def _replace_documents(
@@ -372,65 +313,6 @@ def _embed(chunks: list[ChunkRow], embedder: Embedder, vectors, reporter: Report
         reporter.advance(len(part))
 
 
-def _pending(chunk: ChunkRow, tokenizer, profile: Profile) -> PendingChunk:
-    ids = tuple(encode_text(tokenizer, chunk.text))
-    return PendingChunk(chunk.chunk_id, chunk.text, ids, KVKey.for_chunk(profile, ids).to_string())
-
-
-def _pending_spans(
-    chunks: list[ChunkRow], tokenizer, profile: Profile, separator: Sequence[int], span_tokens: int
-) -> list[PendingChunk]:
-    """Chunks of each document, in order, cut into spans of at most `span_tokens` tokens (a
-    new span starts where the next chunk would pass it; a longer chunk is a span of its own).
-    A span's first chunk is keyed and computed as if alone; every later one continues it:
-    its entry holds separator + chunk, computed after everything before it in the span.
-    Spans keep a document's top-level sections whole as chunks do: a section whose chunks fit
-    in a span but not in what is left of the current one opens a new span."""
-    by_doc: dict[str, list[ChunkRow]] = {}
-    for chunk in chunks:
-        by_doc.setdefault(chunk.doc_id, []).append(chunk)
-    pending: list[PendingChunk] = []
-    for doc_chunks in by_doc.values():
-        ordered = sorted(doc_chunks, key=lambda c: c.chunk_index)
-        token_ids = [tuple(encode_text(tokenizer, c.text)) for c in ordered]
-        sections = _section_sizes(ordered, [len(spans.segment(1, ids, separator)) for ids in token_ids])
-        grouped: list[list[tuple[ChunkRow, tuple[int, ...]]]] = []  # the document's spans
-        used = 0
-        for chunk, ids in zip(ordered, token_ids, strict=True):
-            whole = sections.get(chunk.chunk_index)  # a section starts here: its size as one run
-            keeps_section = whole is not None and used + whole > span_tokens >= whole
-            if not grouped or keeps_section or used + len(spans.segment(1, ids, separator)) > span_tokens:
-                grouped.append([])
-                used = 0
-            used += len(spans.segment(0 if not grouped[-1] else 1, ids, separator))
-            grouped[-1].append((chunk, ids))
-        for run in grouped:
-            start, chunk_ids = run[0][0].chunk_index, [ids for _, ids in run]
-            keys = spans.span_keys(profile, chunk_ids, separator)
-            for (chunk, ids), key, piece in zip(run, keys, spans.segments(chunk_ids, separator), strict=True):
-                pending.append(PendingChunk(chunk.chunk_id, chunk.text, ids, key.to_string(), start, piece))
-    return pending
-
-
-def _section_sizes(ordered: list[ChunkRow], sizes: list[int]) -> dict[int, int]:
-    """{chunk index a top-level section starts at: the tokens its chunks take in a span}. The
-    top level is the outermost heading level at which the document's chunks differ."""
-    depth = next(
-        (d for d in range(1, 4) if len({c.section[:d] for c in ordered}) > 1),
-        0,
-    )
-    if not depth:
-        return {}
-    found: dict[int, int] = {}
-    first, previous = None, None
-    for chunk, size in zip(ordered, sizes, strict=True):
-        if first is None or chunk.section[:depth] != previous:
-            first, previous = chunk.chunk_index, chunk.section[:depth]
-            found[first] = 0
-        found[first] += size
-    return found
-
-
 def _todo(
     catalog, pending: list[PendingChunk], profile: Profile, report: IngestReport
 ) -> tuple[list[Unit], str | None]:
@@ -439,7 +321,7 @@ def _todo(
     prefix_key = KVKey.for_prefix(profile).to_string()
     stored = catalog.existing_keys([prefix_key] + [p.key for p in pending])
     units: list[Unit] = []
-    for group in _units_of(pending):
+    for group in units_of(pending):
         store = []
         for p in group:
             new = p.key not in stored
@@ -451,16 +333,6 @@ def _todo(
         if any(store):
             units.append(Unit(group, store))
     return units, None if prefix_key in stored else prefix_key
-
-
-def _units_of(pending: list[PendingChunk]) -> list[list[PendingChunk]]:
-    """Chunks alone, and spans (consecutive chunks sharing a span start), in order."""
-    return spans.runs(
-        pending,
-        lambda previous, p: (
-            p.span_start is not None and p.segment != p.token_ids and previous.span_start == p.span_start
-        ),
-    )
 
 
 def _compute_and_store(

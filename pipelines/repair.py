@@ -18,7 +18,7 @@ from ragkv.prompt import PromptLayout
 from store import StoreWriter, open_snapshot, verify
 from store.generations import restore_current
 from store.remote import is_remote
-from store.store import open_writer
+from store.writer import open_writer
 
 
 @dataclass

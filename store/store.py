@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -10,10 +9,11 @@ from pathlib import Path
 
 import duckdb
 
-from ragkv.errors import InputError, RagkvError, StoreFormatError, StoreWriteError
+from ragkv.errors import InputError, StoreFormatError, StoreWriteError
 from ragkv.keys import KVKey
 from store.catalog import Catalog
 from store.catalog.overlay import Overlay
+from store.format1 import migrate as migrate_format1
 from store.generations import (
     SEGMENT_DIR,
     WriteLock,
@@ -29,17 +29,14 @@ from store.generations import (
     remove_retired,
     remove_unpublished,
     remove_unshared,
-    vectors_path,
     write_manifest,
 )
-from store.remote import RemoteStore, is_remote, referenced_shards, write_error
-from store.remote_shards import UploadingShardWriter
-from store.segments import Segment, SegmentInfo, open_flat_file
+from store.segments import Segment, SegmentInfo
 from store.shards import SealedEntry, ShardReader, ShardWriter, fsync_dir, remove_temporary, sealed_entries, shard_files
 from store.snapshot import SHARD_DIR, StoreSnapshot, open_snapshot
 from store.vectors import VectorIndex
 
-__all__ = ["SHARD_DIR", "StoreSnapshot", "StoreWriter", "is_store", "open_snapshot", "open_writer"]
+__all__ = ["SHARD_DIR", "StoreSnapshot", "StoreWriter", "is_store", "open_snapshot"]
 
 log = logging.getLogger("ragkv")
 _WRITE_ERRORS = (OSError, duckdb.IOException, duckdb.FatalException)  # FatalException: a failed checkpoint
@@ -166,34 +163,12 @@ class StoreWriter:
         self.catalog = self._open_partial()
 
     def _migrate_format(self) -> tuple[list[SegmentInfo], int]:
-        """Bring a format-1 generation forward, once: its whole catalog becomes the first base
-        and its index the first segment (hard links: nothing is copied), unless the catalog's
-        schema is older, when a migrated copy becomes the base."""
-        old_catalog, old_vectors = (
-            catalog_path(self.root, self.base_generation),
-            vectors_path(self.root, self.base_generation),
-        )
-        log.warning(
-            "store %s: migrating from format 1 (one whole catalog and index per generation) to "
-            "segments (a delta per generation); this happens once",
-            self.root,
-        )
-        base = base_name(self.generation)
-        if _current_schema(old_catalog):
-            _link_or_copy(old_catalog, self.root / base)
-        else:
-            shutil.copyfile(old_catalog, self.root / base)
-            Catalog(self.root / base, read_only=False).close()  # applies the schema migrations
-        self._new_delta(base)
+        """Bring a format-1 generation forward, once (store.format1), and open a delta over it."""
+        migrated = migrate_format1(self.root, self.base_generation or 0, self.generation)
+        self._new_delta(migrated.base)
         self.migrated_format = True
-        name = f"seg-{self.generation:06d}-format1.faiss"
-        segment = open_flat_file(old_vectors, name, self.root)
-        if not segment.info.count:
-            return [], segment.index.d
-        (self.root / SEGMENT_DIR).mkdir(exist_ok=True)
-        _link_or_copy(old_vectors, self.root / SEGMENT_DIR / name)
-        self._legacy_loaded = {name: segment}
-        return [segment.info], segment.index.d
+        self._legacy_loaded = migrated.loaded
+        return migrated.segments, migrated.dim
 
     def compact(self) -> None:
         """Write the catalog as it reads now into a new base and start an empty delta over it
@@ -363,134 +338,9 @@ class StoreWriter:
             raise _write_error(self.root, exc) from exc
 
 
-def _current_schema(path: Path) -> bool:
-    """Whether the plain catalog at `path` has exactly this code's schema migrations."""
-    from store.catalog import schema
-
-    try:
-        con = duckdb.connect(str(path), read_only=True)
-    except duckdb.Error as exc:
-        raise StoreFormatError(f"cannot open catalog {path}: {exc}".splitlines()[0]) from exc
-    try:
-        row = con.execute("SELECT value FROM meta WHERE key = 'migrations'").fetchone()
-    except duckdb.Error:
-        row = None
-    finally:
-        con.close()
-    return row is not None and json.loads(row[0]) == [name for name, _ in schema.MIGRATIONS]
-
-
-def _link_or_copy(source: Path, target: Path) -> None:
-    """`target` as a second name of `source` (both immutable from now on), or a copy where the
-    file system has no hard links."""
-    target.unlink(missing_ok=True)
-    try:
-        os.link(source, target)
-    except OSError:
-        shutil.copyfile(source, target)
-
-
 def _is_key(name: str) -> bool:
     try:
         KVKey.from_string(name)
         return True
     except StoreFormatError:
         return False
-
-
-class RemoteStoreWriter(StoreWriter):
-    """A StoreWriter for an S3 store: builds the next generation in the local mirror (see
-    store.remote), uploads each shard as it is sealed and publishes catalog, index and then
-    CURRENT to the bucket. Holds the bucket's LOCK object as well as the mirror's lock."""
-
-    def __init__(self, uri: str, wait: bool = False, rebuild_vectors: bool = False):
-        self.remote = RemoteStore(uri)
-        try:
-            self._token = self.remote.lock(wait)
-        except OSError as exc:
-            raise write_error(uri, exc) from exc
-        try:
-            self.remote_base = self.remote.sync()
-            super().__init__(self.remote.mirror, wait, rebuild_vectors)
-            if self.base_generation != self.remote_base:
-                raise StoreWriteError(f"store {uri}: the local mirror {self.root} changed while opening; try again")
-        except BaseException:
-            self.remote.unlock(self._token)
-            raise
-
-    @property
-    def location(self) -> str:
-        return self.remote.location.uri
-
-    def shard_writer(self, max_bytes: int, metadata: dict[str, str]) -> ShardWriter:
-        return UploadingShardWriter(self.remote, max_bytes, metadata)
-
-    def shard_sizes(self) -> dict[str, int]:
-        return self.remote.shards()
-
-    def shard_reader(self) -> ShardReader:
-        return ShardReader(self.shard_dir, self.remote)
-
-    def adopt_orphans(self) -> list[SealedEntry]:
-        adopted = super().adopt_orphans()  # sealed in the mirror by a killed writer: maybe never uploaded
-        on_bucket = self.remote.shards()
-        for shard in {e.shard for e in adopted} - set(on_bucket):
-            self.remote.upload_shard(shard)
-        return adopted
-
-    def publish(self) -> int:
-        if self._published:
-            return self.generation
-        try:
-            missing = self.catalog.shards() - set(self.remote.shards())
-            for shard in sorted(missing):
-                if not (self.shard_dir / shard).exists():
-                    raise StoreWriteError(
-                        f"cannot publish {self.location}: shard {shard} is neither on the bucket "
-                        "nor in the local mirror"
-                    )
-                self.remote.upload_shard(shard)
-        except OSError as exc:
-            self.abort()
-            raise write_error(self.location, exc) from exc
-        except BaseException:
-            self.abort()
-            raise
-        generation = super().publish()
-        if self.unchanged:
-            return generation
-        try:
-            self.remote.upload_generation(generation)
-        except OSError as exc:
-            # The mirror is ahead of the bucket; the next sync puts it back.
-            raise write_error(self.location, exc) from exc
-        try:
-            self.remote.trim_generations(generation)
-        except OSError as exc:  # published already; old generations stay until the next writer
-            log.warning("store %s: could not delete old generations: %s", self.location, exc)
-        return generation
-
-    def delete_unreferenced_shards(self) -> tuple[int, int]:
-        """Also delete shards on the bucket that no kept generation references."""
-        files, freed = super().delete_unreferenced_shards()
-        referenced = referenced_shards(self.remote, self.remote.remote_generations())
-        for shard, size in self.remote.shards().items():
-            if shard not in referenced:
-                self.remote.delete_shard(shard)
-                files, freed = files + 1, freed + size
-        return files, freed
-
-    def release(self) -> None:
-        super().release()
-        try:
-            self.remote.unlock(self._token)
-        except (OSError, RagkvError) as exc:
-            log.warning("store %s: could not delete its LOCK object (%s); delete it by hand", self.location, exc)
-
-
-def open_writer(location: Path | str, wait: bool = False, rebuild_vectors: bool = False) -> StoreWriter:
-    """A writer for the store at `location`: a folder, or s3://bucket/prefix. `rebuild_vectors`:
-    start from an empty vector index instead of the published one (for repair)."""
-    if is_remote(location):
-        return RemoteStoreWriter(str(location), wait, rebuild_vectors)
-    return StoreWriter(location, wait, rebuild_vectors)

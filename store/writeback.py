@@ -27,7 +27,7 @@ from ragkv.errors import RagkvError, StoreLockedError
 from store import budget
 from store.catalog import ChunkLink
 from store.gc import drop_dead
-from store.store import open_writer
+from store.writer import open_writer
 
 log = logging.getLogger("ragkv")
 

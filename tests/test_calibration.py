@@ -15,7 +15,7 @@ from ragkv.calibration import Calibration, Measured, meta_key, resolve
 from ragkv.config import AskSettings
 from ragkv.errors import InputError
 from store import open_snapshot, verify
-from store.store import open_writer
+from store.writer import open_writer
 from tests.conftest import QUESTIONS, run_cli
 
 PASSED = Measured("query", 0.3, 0.95, 0.97, 0.4)

@@ -316,7 +316,7 @@ def test_a_save_behind_another_writer_waits_then_gives_up_and_a_full_disk_warns_
 
     from store import writeback
     from store.shards import ShardWriter
-    from store.store import open_writer
+    from store.writer import open_writer
 
     full, lazy = full_and_lazy
     targets, kvs, profile = saves_for(str(full), str(lazy), str(tiny_llama))

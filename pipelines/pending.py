@@ -1,0 +1,155 @@
+"""The chunks whose KV ingest computes, each with the key its entry is stored under: a chunk
+alone, or a document's chunks cut into spans (computed as one sequence, keyed by the chain of
+ragkv.spans); and the units one sequence computes."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ragkv import codec, spans
+from ragkv.forward import compute_prefix
+from ragkv.keys import KVKey, Profile
+from ragkv.model import LoadedModel
+from ragkv.prompt import encode_text
+from store import ChunkRow, StoreWriter, budget
+
+
+@dataclass(frozen=True)
+class PendingChunk:
+    chunk_id: int
+    text: str
+    token_ids: tuple[int, ...]
+    key: str
+    span_start: int | None = None  # chunk_index of the span this chunk's KV continues (None: alone)
+    segment: tuple[int, ...] = ()  # ids its entry holds: the chunk's, after a separator within a span
+
+    @property
+    def ids(self) -> tuple[int, ...]:
+        return self.segment or self.token_ids
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One sequence computed after the prefix: a chunk alone, or a span of a document's
+    chunks. Its KV is cut into the chunks' entries; only those not stored yet are written."""
+
+    chunks: list[PendingChunk]
+    store: list[bool]  # per chunk: whether its key still needs writing
+
+    @property
+    def ids(self) -> list[int]:
+        return [t for c in self.chunks for t in c.ids]
+
+
+def pending_alone(chunk: ChunkRow, tokenizer, profile: Profile) -> PendingChunk:
+    ids = tuple(encode_text(tokenizer, chunk.text))
+    return PendingChunk(chunk.chunk_id, chunk.text, ids, KVKey.for_chunk(profile, ids).to_string())
+
+
+def pending_spans(
+    chunks: list[ChunkRow], tokenizer, profile: Profile, separator: Sequence[int], span_tokens: int
+) -> list[PendingChunk]:
+    """Chunks of each document, in order, cut into spans of at most `span_tokens` tokens (a
+    new span starts where the next chunk would pass it; a longer chunk is a span of its own).
+    A span's first chunk is keyed and computed as if alone; every later one continues it:
+    its entry holds separator + chunk, computed after everything before it in the span.
+    Spans keep a document's top-level sections whole as chunks do: a section whose chunks fit
+    in a span but not in what is left of the current one opens a new span."""
+    by_doc: dict[str, list[ChunkRow]] = {}
+    for chunk in chunks:
+        by_doc.setdefault(chunk.doc_id, []).append(chunk)
+    pending: list[PendingChunk] = []
+    for doc_chunks in by_doc.values():
+        ordered = sorted(doc_chunks, key=lambda c: c.chunk_index)
+        token_ids = [tuple(encode_text(tokenizer, c.text)) for c in ordered]
+        sections = _section_sizes(ordered, [len(spans.segment(1, ids, separator)) for ids in token_ids])
+        grouped: list[list[tuple[ChunkRow, tuple[int, ...]]]] = []  # the document's spans
+        used = 0
+        for chunk, ids in zip(ordered, token_ids, strict=True):
+            whole = sections.get(chunk.chunk_index)  # a section starts here: its size as one run
+            keeps_section = whole is not None and used + whole > span_tokens >= whole
+            if not grouped or keeps_section or used + len(spans.segment(1, ids, separator)) > span_tokens:
+                grouped.append([])
+                used = 0
+            used += len(spans.segment(0 if not grouped[-1] else 1, ids, separator))
+            grouped[-1].append((chunk, ids))
+        for run in grouped:
+            start, chunk_ids = run[0][0].chunk_index, [ids for _, ids in run]
+            keys = spans.span_keys(profile, chunk_ids, separator)
+            for (chunk, ids), key, piece in zip(run, keys, spans.segments(chunk_ids, separator), strict=True):
+                pending.append(PendingChunk(chunk.chunk_id, chunk.text, ids, key.to_string(), start, piece))
+    return pending
+
+
+def _section_sizes(ordered: list[ChunkRow], sizes: list[int]) -> dict[int, int]:
+    """{chunk index a top-level section starts at: the tokens its chunks take in a span}. The
+    top level is the outermost heading level at which the document's chunks differ."""
+    depth = next(
+        (d for d in range(1, 4) if len({c.section[:d] for c in ordered}) > 1),
+        0,
+    )
+    if not depth:
+        return {}
+    found: dict[int, int] = {}
+    first, previous = None, None
+    for chunk, size in zip(ordered, sizes, strict=True):
+        if first is None or chunk.section[:depth] != previous:
+            first, previous = chunk.chunk_index, chunk.section[:depth]
+            found[first] = 0
+        found[first] += size
+    return found
+
+
+def units_of(pending: list[PendingChunk]) -> list[list[PendingChunk]]:
+    """Chunks alone, and spans (consecutive chunks sharing a span start), in order."""
+    return spans.runs(
+        pending,
+        lambda previous, p: (
+            p.span_start is not None and p.segment != p.token_ids and previous.span_start == p.span_start
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """What a KV budget lets ingest compute now."""
+
+    pending: list[PendingChunk]  # the chunks to compute (or stored already)
+    num_evicted: int  # stored chunk KV dropped for more popular chunks
+    num_deferred: int  # chunks left without KV: computed on their first miss
+
+
+def within_budget(
+    writer: StoreWriter,
+    pending: list[PendingChunk],
+    lm: LoadedModel,
+    profile: Profile,
+    limit: int | None,
+    precompute: int | None,
+) -> Admitted:
+    """The chunks whose KV to compute now: the most popular that fit the budget `limit` (and,
+    of new KV, at most `precompute` bytes), chunks whose KV is stored already always. Stored
+    KV colder than what is chosen is evicted. The rest stay without KV (computed on a miss)."""
+    catalog = writer.catalog
+    prefix_parts = codec.encode(compute_prefix(lm.model, profile.prefix_ids), profile.kv_quant)
+    prefix_bytes = sum(t.numel() * t.element_size() for t in prefix_parts.values())
+    if limit is not None:
+        budget.check_budget(limit, prefix_bytes)
+    per_token = prefix_bytes / max(len(profile.prefix_ids), 1)
+    stored_keys = catalog.existing_keys(p.key for p in pending)
+    fresh = [p for p in pending if p.key not in stored_keys]
+    writes_prefix = not catalog.existing_keys([KVKey.for_prefix(profile).to_string()])
+    decision = budget.admit(
+        writer,
+        profile.profile_id,
+        [(p.key, math.ceil(len(p.token_ids) * per_token), p.chunk_id) for p in fresh],
+        limit,
+        precompute,
+        reserved=prefix_bytes if writes_prefix else 0,
+    )
+    chosen = set(decision.compute)
+    return Admitted(
+        [p for p in pending if p.key in stored_keys or p.key in chosen], len(decision.evict), len(fresh) - len(chosen)
+    )

@@ -1,0 +1,114 @@
+"""Opening a store to write: `open_writer` gives a folder's StoreWriter, or for an S3 store a
+RemoteStoreWriter, which builds the next generation in the local mirror (store.remote) and
+publishes it to the bucket."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from ragkv.errors import RagkvError, StoreWriteError
+from store.remote import RemoteStore, is_remote, referenced_shards, write_error
+from store.remote_shards import UploadingShardWriter
+from store.shards import SealedEntry, ShardReader, ShardWriter
+from store.store import StoreWriter
+
+log = logging.getLogger("ragkv")
+
+
+class RemoteStoreWriter(StoreWriter):
+    """A StoreWriter for an S3 store: builds the next generation in the local mirror (see
+    store.remote), uploads each shard as it is sealed and publishes catalog, index and then
+    CURRENT to the bucket. Holds the bucket's LOCK object as well as the mirror's lock."""
+
+    def __init__(self, uri: str, wait: bool = False, rebuild_vectors: bool = False):
+        self.remote = RemoteStore(uri)
+        try:
+            self._token = self.remote.lock(wait)
+        except OSError as exc:
+            raise write_error(uri, exc) from exc
+        try:
+            self.remote_base = self.remote.sync()
+            super().__init__(self.remote.mirror, wait, rebuild_vectors)
+            if self.base_generation != self.remote_base:
+                raise StoreWriteError(f"store {uri}: the local mirror {self.root} changed while opening; try again")
+        except BaseException:
+            self.remote.unlock(self._token)
+            raise
+
+    @property
+    def location(self) -> str:
+        return self.remote.location.uri
+
+    def shard_writer(self, max_bytes: int, metadata: dict[str, str]) -> ShardWriter:
+        return UploadingShardWriter(self.remote, max_bytes, metadata)
+
+    def shard_sizes(self) -> dict[str, int]:
+        return self.remote.shards()
+
+    def shard_reader(self) -> ShardReader:
+        return ShardReader(self.shard_dir, self.remote)
+
+    def adopt_orphans(self) -> list[SealedEntry]:
+        adopted = super().adopt_orphans()  # sealed in the mirror by a killed writer: maybe never uploaded
+        on_bucket = self.remote.shards()
+        for shard in {e.shard for e in adopted} - set(on_bucket):
+            self.remote.upload_shard(shard)
+        return adopted
+
+    def publish(self) -> int:
+        if self._published:
+            return self.generation
+        try:
+            missing = self.catalog.shards() - set(self.remote.shards())
+            for shard in sorted(missing):
+                if not (self.shard_dir / shard).exists():
+                    raise StoreWriteError(
+                        f"cannot publish {self.location}: shard {shard} is neither on the bucket "
+                        "nor in the local mirror"
+                    )
+                self.remote.upload_shard(shard)
+        except OSError as exc:
+            self.abort()
+            raise write_error(self.location, exc) from exc
+        except BaseException:
+            self.abort()
+            raise
+        generation = super().publish()
+        if self.unchanged:
+            return generation
+        try:
+            self.remote.upload_generation(generation)
+        except OSError as exc:
+            # The mirror is ahead of the bucket; the next sync puts it back.
+            raise write_error(self.location, exc) from exc
+        try:
+            self.remote.trim_generations(generation)
+        except OSError as exc:  # published already; old generations stay until the next writer
+            log.warning("store %s: could not delete old generations: %s", self.location, exc)
+        return generation
+
+    def delete_unreferenced_shards(self) -> tuple[int, int]:
+        """Also delete shards on the bucket that no kept generation references."""
+        files, freed = super().delete_unreferenced_shards()
+        referenced = referenced_shards(self.remote, self.remote.remote_generations())
+        for shard, size in self.remote.shards().items():
+            if shard not in referenced:
+                self.remote.delete_shard(shard)
+                files, freed = files + 1, freed + size
+        return files, freed
+
+    def release(self) -> None:
+        super().release()
+        try:
+            self.remote.unlock(self._token)
+        except (OSError, RagkvError) as exc:
+            log.warning("store %s: could not delete its LOCK object (%s); delete it by hand", self.location, exc)
+
+
+def open_writer(location: Path | str, wait: bool = False, rebuild_vectors: bool = False) -> StoreWriter:
+    """A writer for the store at `location`: a folder, or s3://bucket/prefix. `rebuild_vectors`:
+    start from an empty vector index instead of the published one (for repair)."""
+    if is_remote(location):
+        return RemoteStoreWriter(str(location), wait, rebuild_vectors)
+    return StoreWriter(location, wait, rebuild_vectors)
