@@ -10,11 +10,11 @@ change costs to fetch is what changed. A shard's first read fetches just the ent
 (ranged GETs) while the whole shard is copied down in the background for later reads, and
 copies are evicted least-recently-used beyond `$RAGKV_S3_CACHE_BYTES` (default 8 GiB).
 
-Writing: `RemoteStoreWriter` (store.writer) takes the store's `LOCK` object, builds the next generation in
-the mirror, uploads each shard as it is sealed, and publishes by uploading the new base and
-segments (if any), the delta and manifest, and then `CURRENT` (one PUT, atomic on S3). A writer
-killed at any moment leaves the published objects as they were; shards it uploaded are
-unreferenced until `gc` deletes them.
+Writing: `RemoteStoreWriter` (store.writer) takes the store's `LOCK` object (`BucketLock`),
+builds the next generation in the mirror, uploads each shard as it is sealed, and publishes
+by uploading the new base and segments (if any), the delta and manifest, and then `CURRENT`
+(one PUT, atomic on S3). A writer killed at any moment leaves the published objects as they
+were; shards it uploaded are unreferenced until `gc` deletes them.
 The last KEEP_GENERATIONS published generations stay on the bucket for readers that open
 one while a writer publishes the next.
 
@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import threading
 import time
 import uuid
@@ -131,7 +130,7 @@ class RemoteStore:
         self._fetching_lock = threading.Lock()
 
     # -- objects ------------------------------------------------------------------------------
-    def _read(self, name: str) -> bytes | None:
+    def read_object(self, name: str) -> bytes | None:
         try:
             with self.fs.open_input_stream(self.location.key(name)) as f:
                 return f.read()
@@ -140,9 +139,12 @@ class RemoteStore:
         except OSError as exc:
             raise _read_error(self.location, exc) from exc
 
-    def _put(self, name: str, data: bytes) -> None:
+    def put_object(self, name: str, data: bytes) -> None:
         with self.fs.open_output_stream(self.location.key(name)) as f:
             f.write(data)
+
+    def delete_object(self, name: str) -> None:
+        self.fs.delete_file(self.location.key(name))
 
     def _upload(self, path: Path, name: str) -> None:
         with open(path, "rb") as src, self.fs.open_output_stream(self.location.key(name)) as dst:
@@ -179,7 +181,7 @@ class RemoteStore:
         nothing is published. CURRENT on the bucket carries a token per publish, so a bucket
         emptied and rebuilt (same generation numbers, other content) is never mistaken for
         what the mirror holds."""
-        body = self._read(CURRENT)
+        body = self.read_object(CURRENT)
         marker = self.mirror / SYNCED
         seen = marker.read_bytes() if marker.exists() else None
         if body is None:
@@ -260,7 +262,7 @@ class RemoteStore:
         for path in (catalog_path(self.mirror, generation), manifest_path(self.mirror, generation)):
             self._upload(path, path.name)
         body = f"{generation}\n{uuid.uuid4().hex}\n".encode()
-        self._put(CURRENT, body)
+        self.put_object(CURRENT, body)
         write_atomic(self.mirror / SYNCED, body)
 
     def remote_generations(self) -> set[int]:
@@ -282,7 +284,7 @@ class RemoteStore:
                     self.fs.delete_file(self.location.key(path.name))
         wanted: set[str] = set()
         for generation in self.remote_generations():
-            body = self._read(manifest_path(self.mirror, generation).name)
+            body = self.read_object(manifest_path(self.mirror, generation).name)
             if body is not None:
                 wanted |= named_files(json.loads(body))
         for name in names:
@@ -379,67 +381,7 @@ class RemoteStore:
                 freed += size
         return freed
 
-    # -- the writer's lock --------------------------------------------------------------------
-    def lock(self, wait: bool) -> str:
-        token = uuid.uuid4().hex
-        holder = {
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "token": token,
-        }
-        while (data := self._read("LOCK")) is not None:
-            other = _parse_lock(data)
-            if other.get("host") == socket.gethostname() and not _alive(other.get("pid")):
-                break  # left by a writer on this machine that died (killed, crashed): take over
-            if not wait:
-                raise StoreLockedError(
-                    f"store {self.location.uri} is being written by {other.get('host')} pid {other.get('pid')} "
-                    f"since {other.get('since')}; wait for it, pass --wait, or delete {self.location.uri}/LOCK "
-                    "if that writer is gone"
-                )
-            time.sleep(1.0)
-        self._put("LOCK", json.dumps(holder).encode())
-        return token
-
-    def unlock(self, token: str) -> None:
-        data = self._read("LOCK")
-        if data is not None and _parse_lock(data).get("token") == token:
-            self.fs.delete_file(self.location.key("LOCK"))
-
-
-def _parse_lock(data: bytes) -> dict:
-    try:
-        return json.loads(data or b"{}")
-    except ValueError:
-        return {}
-
-
-def _alive(pid) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return True  # unknown: assume held
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
-
 
 def _read_error(location: Location, exc: BaseException) -> StoreNotFoundError:
     reason = str(exc).splitlines()[0]
     return StoreNotFoundError(f"cannot read store {location.uri}: {reason}")
-
-
-def referenced_shards(remote: RemoteStore, generations: set[int]) -> set[str]:
-    """Shards the catalogs of `generations` on the bucket reference (catalogs copied down)."""
-    from store.catalog import Catalog
-
-    referenced: set[str] = set()
-    for generation in generations:
-        path = catalog_path(remote.mirror, generation)
-        remote.fetch_generation(generation, fresh=False)
-        with Catalog(path, read_only=True) as catalog:
-            referenced |= catalog.shards()
-    return referenced

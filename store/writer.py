@@ -4,11 +4,17 @@ publishes it to the bucket."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import socket
+import time
+import uuid
 from pathlib import Path
 
-from ragkv.errors import RagkvError, StoreWriteError
-from store.remote import RemoteStore, is_remote, referenced_shards, write_error
+from ragkv.errors import RagkvError, StoreLockedError, StoreWriteError
+from store.generations import LOCK, catalog_path
+from store.remote import RemoteStore, is_remote, write_error
 from store.remote_shards import UploadingShardWriter
 from store.shards import SealedEntry, ShardReader, ShardWriter
 from store.store import StoreWriter
@@ -24,7 +30,8 @@ class RemoteStoreWriter(StoreWriter):
     def __init__(self, uri: str, wait: bool = False, rebuild_vectors: bool = False):
         self.remote = RemoteStore(uri)
         try:
-            self._token = self.remote.lock(wait)
+            self._bucket_lock = BucketLock(self.remote)
+            self._bucket_lock.take(wait)
         except OSError as exc:
             raise write_error(uri, exc) from exc
         try:
@@ -33,7 +40,7 @@ class RemoteStoreWriter(StoreWriter):
             if self.base_generation != self.remote_base:
                 raise StoreWriteError(f"store {uri}: the local mirror {self.root} changed while opening; try again")
         except BaseException:
-            self.remote.unlock(self._token)
+            self._bucket_lock.release()
             raise
 
     @property
@@ -101,9 +108,46 @@ class RemoteStoreWriter(StoreWriter):
     def release(self) -> None:
         super().release()
         try:
-            self.remote.unlock(self._token)
+            self._bucket_lock.release()
         except (OSError, RagkvError) as exc:
             log.warning("store %s: could not delete its LOCK object (%s); delete it by hand", self.location, exc)
+
+
+class BucketLock:
+    """An S3 store's `LOCK` object, held by its one writer. Advisory (S3 offers no atomic
+    create here): a LOCK left by a dead writer on this machine is taken over; one from another
+    machine names its holder, to be deleted by hand if it is gone."""
+
+    def __init__(self, remote: RemoteStore):
+        self.remote = remote
+        self.token = uuid.uuid4().hex
+
+    def take(self, wait: bool) -> None:
+        holder = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "token": self.token,
+        }
+        uri = self.remote.location.uri
+        while (data := self.remote.read_object(LOCK)) is not None:
+            other = _parse_lock(data)
+            if other.get("host") == socket.gethostname() and not _alive(other.get("pid")):
+                break  # left by a writer on this machine that died (killed, crashed): take over
+            if not wait:
+                raise StoreLockedError(
+                    f"store {uri} is being written by {other.get('host')} pid {other.get('pid')} "
+                    f"since {other.get('since')}; wait for it, pass --wait, or delete {uri}/LOCK "
+                    "if that writer is gone"
+                )
+            time.sleep(1.0)
+        self.remote.put_object(LOCK, json.dumps(holder).encode())
+
+    def release(self) -> None:
+        """Delete the LOCK object if it is still this writer's."""
+        data = self.remote.read_object(LOCK)
+        if data is not None and _parse_lock(data).get("token") == self.token:
+            self.remote.delete_object(LOCK)
 
 
 def open_writer(location: Path | str, wait: bool = False, rebuild_vectors: bool = False) -> StoreWriter:
@@ -112,3 +156,35 @@ def open_writer(location: Path | str, wait: bool = False, rebuild_vectors: bool 
     if is_remote(location):
         return RemoteStoreWriter(str(location), wait, rebuild_vectors)
     return StoreWriter(location, wait, rebuild_vectors)
+
+
+def _parse_lock(data: bytes) -> dict:
+    try:
+        return json.loads(data or b"{}")
+    except ValueError:
+        return {}
+
+
+def _alive(pid) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return True  # unknown: assume held
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def referenced_shards(remote: RemoteStore, generations: set[int]) -> set[str]:
+    """Shards the catalogs of `generations` on the bucket reference (catalogs copied down)."""
+    from store.catalog import Catalog
+
+    referenced: set[str] = set()
+    for generation in generations:
+        path = catalog_path(remote.mirror, generation)
+        remote.fetch_generation(generation, fresh=False)
+        with Catalog(path, read_only=True) as catalog:
+            referenced |= catalog.shards()
+    return referenced
