@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pipelines import ray_engine, vllm_engine
 from pipelines.chunk import Chunk, chunk_blocks, chunk_text, chunking_id
-from pipelines.pending import PendingChunk, Unit, pending_alone, pending_spans, units_of, within_budget
+from pipelines.pending import PendingChunk, Unit, pending_alone, pending_spans, plan_work, within_budget
 from pipelines.plan import DocumentPlan, content_hash, plan_documents
 from pipelines.progress import Reporter
 from pipelines.ray_ingest import RayJob, run_ray_job
@@ -29,7 +29,7 @@ from ragkv.config import IngestSettings, ModelSettings
 from ragkv.embed import Embedder
 from ragkv.errors import InputError, ModelError
 from ragkv.forward import compute_chunks, compute_prefix, shard_metadata, split_segments
-from ragkv.keys import KVKey, Profile
+from ragkv.keys import Profile
 from ragkv.model import LoadedModel, load_model
 from ragkv.prompt import PromptLayout
 from store import ChunkRow, DocumentRow, StoreWriter, budget
@@ -104,25 +104,14 @@ def ingest(
     if not found.documents:
         reasons = "; ".join(f"{s.source}: {s.reason}" for s in found.skipped[:3]) or "no files"
         raise InputError(f"no documents to ingest under {', '.join(map(str, paths))} ({reasons})")
-    if engine not in ENGINES:
-        raise InputError(f"unknown --engine {engine!r}; use one of {', '.join(ENGINES)}")
-    if engine == "ray" and settings.span_tokens:
-        raise InputError("--span-tokens runs with --engine local only (the Ray job computes chunks one by one)")
-    if engine == "vllm":
-        vllm_engine.check(store, settings)
-        settings = dataclasses.replace(settings, precompute=0)  # the chunks' KV: vLLM's, after the publish
+    settings = _for_engine(engine, store, settings)
     job = RayJob(*ray_engine.connect(workers), model=model) if engine == "ray" else None
     here = "cpu" if job else model.device  # with Ray, this process only plans: the workers compute
     lm = load_model(model.model, here, model.dtype)
     embedder = Embedder.load(model.embedder, here)
     layout = PromptLayout.build(lm.tokenizer, settings.system_prompt)
-    _check_fits(lm, layout, settings.chunk_tokens)
-    if settings.span_tokens > _chunk_room(lm, layout):
-        raise InputError(
-            f"--span-tokens {settings.span_tokens} does not fit the model's context of "
-            f"{lm.facts.max_context} tokens with the {len(layout.prefix_ids)}-token system prompt; use at "
-            f"most {_chunk_room(lm, layout)}"
-        )
+    _check_fits(lm, layout, settings.chunk_tokens, "--chunk-tokens")
+    _check_fits(lm, layout, settings.span_tokens, "--span-tokens")
     profile = Profile(
         lm.facts.fingerprint,
         lm.facts.tokenizer_fingerprint,
@@ -156,10 +145,23 @@ def _chunk_room(lm: LoadedModel, layout: PromptLayout) -> int:
     return lm.facts.max_context - len(layout.prefix_ids) - ROOM_FOR_QUESTION
 
 
-def _check_fits(lm: LoadedModel, layout: PromptLayout, chunk_tokens: int) -> None:
-    if chunk_tokens > _chunk_room(lm, layout):
+def _for_engine(engine: str, store: Path | str, settings: IngestSettings) -> IngestSettings:
+    """`settings` checked against the engine that computes the KV (and, for vLLM, the store)."""
+    if engine not in ENGINES:
+        raise InputError(f"unknown --engine {engine!r}; use one of {', '.join(ENGINES)}")
+    if engine == "ray" and settings.span_tokens:
+        raise InputError("--span-tokens runs with --engine local only (the Ray job computes chunks one by one)")
+    if engine == "vllm":
+        vllm_engine.check(store, settings)
+        return dataclasses.replace(settings, precompute=0)  # the chunks' KV: vLLM's, after the publish
+    return settings
+
+
+def _check_fits(lm: LoadedModel, layout: PromptLayout, tokens: int, option: str) -> None:
+    """`option`'s `tokens` (of a chunk or a span) fit the model's context after the prefix."""
+    if tokens > _chunk_room(lm, layout):
         raise InputError(
-            f"--chunk-tokens {chunk_tokens} does not fit the model's context of {lm.facts.max_context} tokens "
+            f"{option} {tokens} does not fit the model's context of {lm.facts.max_context} tokens "
             f"with the {len(layout.prefix_ids)}-token system prompt; use at most {_chunk_room(lm, layout)}"
         )
 
@@ -189,12 +191,7 @@ def _write(
     job: RayJob | None,
 ) -> None:
     catalog = writer.catalog
-    meta = catalog.meta()
-    if meta.get("embedder_fingerprint", embedder.fingerprint) != embedder.fingerprint:
-        raise ModelError(
-            f"store {writer.root} was built with embedder {meta.get('embedder')}; "
-            f"ingest with --embedder {meta.get('embedder')} or use a new store"
-        )
+    _check_embedder(writer, embedder)
     spans_part = f";span={settings.span_tokens}" if settings.span_tokens else ""
 
     def chunking(doc: Document) -> str:
@@ -207,21 +204,7 @@ def _write(
     vectors = writer.ensure_vectors(embedder.dim)
     report.chunks_embedded = len(new_chunks)
 
-    # KV: every chunk without a link under this profile; compute only keys not stored yet.
-    unchanged_ids = [d.doc_id for d in plan.unchanged]
-    linked = catalog.linked_chunk_ids(profile.profile_id)
-    stored_chunks = catalog.chunks_of(unchanged_ids)
-    unlinked_docs = {c.doc_id for c in stored_chunks if c.chunk_id not in linked}
-    if settings.span_tokens:  # a span's keys chain through its chunks: take whole documents
-        candidates = new_chunks + [c for c in stored_chunks if c.doc_id in unlinked_docs]
-        report.kv_reused, report.tokens_skipped = catalog.linked_totals(
-            profile.profile_id, [d for d in unchanged_ids if d not in unlinked_docs]
-        )
-        pending = pending_spans(candidates, lm.tokenizer, profile, layout.separator_ids, settings.span_tokens)
-    else:
-        candidates = new_chunks + [c for c in stored_chunks if c.chunk_id not in linked]
-        report.kv_reused, report.tokens_skipped = catalog.linked_totals(profile.profile_id, unchanged_ids)
-        pending = [pending_alone(c, lm.tokenizer, profile) for c in candidates]
+    pending = _unlinked(catalog, plan, new_chunks, lm, layout, profile, settings, report)
     _check_chunks_fit(pending, lm, layout)
     catalog.add_profile(_profile_row(profile, lm, settings.system_prompt))
     limit = settings.kv_budget if settings.kv_budget is not None else catalog.kv_budget()
@@ -235,7 +218,10 @@ def _write(
         pending = admitted.pending
         report.kv_evicted += admitted.num_evicted
         report.kv_deferred = admitted.num_deferred
-    work, prefix_key = _todo(catalog, pending, profile, report)
+    todo = plan_work(catalog, pending, profile)
+    work, prefix_key = todo.units, todo.prefix_key
+    report.kv_reused += todo.num_reused
+    report.tokens_skipped += todo.tokens_reused
     if job:
         chunks = [u.chunks[0] for u in work]  # without spans every unit is one chunk
         done = run_ray_job(job, writer, new_chunks, chunks, prefix_key, lm, profile, settings, vectors, reporter)
@@ -256,6 +242,42 @@ def _write(
             "last_profile": profile.profile_id,
         }
     )
+
+
+def _check_embedder(writer: StoreWriter, embedder: Embedder) -> None:
+    meta = writer.catalog.meta()
+    if meta.get("embedder_fingerprint", embedder.fingerprint) != embedder.fingerprint:
+        raise ModelError(
+            f"store {writer.root} was built with embedder {meta.get('embedder')}; "
+            f"ingest with --embedder {meta.get('embedder')} or use a new store"
+        )
+
+
+def _unlinked(
+    catalog,
+    plan: DocumentPlan,
+    new_chunks: list[ChunkRow],
+    lm: LoadedModel,
+    layout: PromptLayout,
+    profile: Profile,
+    settings: IngestSettings,
+    report: IngestReport,
+) -> list[PendingChunk]:
+    """Every chunk without a link under this profile, keyed (only keys not stored yet are
+    computed, later); the linked chunks of unchanged documents are counted as reused."""
+    unchanged_ids = [d.doc_id for d in plan.unchanged]
+    linked = catalog.linked_chunk_ids(profile.profile_id)
+    stored_chunks = catalog.chunks_of(unchanged_ids)
+    unlinked_docs = {c.doc_id for c in stored_chunks if c.chunk_id not in linked}
+    if settings.span_tokens:  # a span's keys chain through its chunks: take whole documents
+        candidates = new_chunks + [c for c in stored_chunks if c.doc_id in unlinked_docs]
+        report.kv_reused, report.tokens_skipped = catalog.linked_totals(
+            profile.profile_id, [d for d in unchanged_ids if d not in unlinked_docs]
+        )
+        return pending_spans(candidates, lm.tokenizer, profile, layout.separator_ids, settings.span_tokens)
+    candidates = new_chunks + [c for c in stored_chunks if c.chunk_id not in linked]
+    report.kv_reused, report.tokens_skipped = catalog.linked_totals(profile.profile_id, unchanged_ids)
+    return [pending_alone(c, lm.tokenizer, profile) for c in candidates]
 
 
 def _replace_documents(
@@ -311,28 +333,6 @@ def _embed(chunks: list[ChunkRow], embedder: Embedder, vectors, reporter: Report
         part = chunks[start : start + batch]
         vectors.add([c.chunk_id for c in part], embedder.embed([c.text for c in part]))
         reporter.advance(len(part))
-
-
-def _todo(
-    catalog, pending: list[PendingChunk], profile: Profile, report: IngestReport
-) -> tuple[list[Unit], str | None]:
-    """What to compute: a unit per chunk alone, or per span, holding a key not stored yet
-    (each distinct key written once), and the prefix key if the store lacks the prefix entry."""
-    prefix_key = KVKey.for_prefix(profile).to_string()
-    stored = catalog.existing_keys([prefix_key] + [p.key for p in pending])
-    units: list[Unit] = []
-    for group in units_of(pending):
-        store = []
-        for p in group:
-            new = p.key not in stored
-            stored.add(p.key)
-            store.append(new)
-            if not new:  # stored already, or identical to another chunk of this run
-                report.kv_reused += 1
-                report.tokens_skipped += len(p.token_ids)
-        if any(store):
-            units.append(Unit(group, store))
-    return units, None if prefix_key in stored else prefix_key
 
 
 def _compute_and_store(

@@ -113,6 +113,38 @@ def units_of(pending: list[PendingChunk]) -> list[list[PendingChunk]]:
 
 
 @dataclass(frozen=True)
+class Work:
+    """What ingest computes: the units holding a key not stored yet, and the prefix's key when
+    the store lacks its entry; chunks whose key is stored (or repeated) are reused."""
+
+    units: list[Unit]
+    prefix_key: str | None
+    num_reused: int
+    tokens_reused: int
+
+
+def plan_work(catalog, pending: list[PendingChunk], profile: Profile) -> Work:
+    """A unit per chunk alone, or per span, holding a key not stored yet (each distinct key
+    written once)."""
+    prefix_key = KVKey.for_prefix(profile).to_string()
+    stored = catalog.existing_keys([prefix_key] + [p.key for p in pending])
+    units: list[Unit] = []
+    num_reused = tokens_reused = 0
+    for group in units_of(pending):
+        store = []
+        for p in group:
+            new = p.key not in stored
+            stored.add(p.key)
+            store.append(new)
+            if not new:  # stored already, or identical to another chunk of this run
+                num_reused += 1
+                tokens_reused += len(p.token_ids)
+        if any(store):
+            units.append(Unit(group, store))
+    return Work(units, None if prefix_key in stored else prefix_key, num_reused, tokens_reused)
+
+
+@dataclass(frozen=True)
 class Admitted:
     """What a KV budget lets ingest compute now."""
 

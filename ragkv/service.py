@@ -125,24 +125,9 @@ class Metrics:
 
 
 def build_app(engine, settings: ServeSettings) -> FastAPI:
-    conversations = Conversations(engine, settings.conversation_bytes)
-
-    def refresh() -> None:  # before admitting new requests: the newest published generation
-        try:
-            engine.refresh()
-        except RagkvError as exc:  # keep serving the generation we have
-            log.warning("not switching store generation: %s", exc)
-
-    batcher: Engine = engine.engine
-    batcher.start(
-        BatchSettings(
-            max_batch=settings.max_batch,
-            max_batch_tokens=settings.max_batch_tokens,
-            prefill_chunk=settings.prefill_chunk,
-            max_queue=settings.max_queue,
-        ),
-        before_admit=refresh,
-    )
+    """The service's app over `engine`: its scheduler steps on a background thread until the
+    app's lifespan ends."""
+    batcher = _start_batcher(engine, settings)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -151,8 +136,6 @@ def build_app(engine, settings: ServeSettings) -> FastAPI:
 
     app = FastAPI(title="ragkv", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     metrics = Metrics(engine, batcher)
-    model_id = SERVED_MODEL_ID  # one id for the RAG service; the LLM behind it is its "root"
-    accepted_ids = {SERVED_MODEL_ID, engine.lm.facts.name}
     app.state.batcher = batcher
 
     app.add_middleware(
@@ -168,6 +151,38 @@ def build_app(engine, settings: ServeSettings) -> FastAPI:
         return json_error(503, "the model is busy; retry shortly", "server_busy", headers={"Retry-After": "1"})
 
     _add_info_routes(app, engine, batcher, metrics, authorised)
+    _add_chat_route(app, engine, settings, metrics, authorised)
+    return app
+
+
+def _start_batcher(engine, settings: ServeSettings) -> Engine:
+    """The engine's scheduler stepping on a background thread, moving to the store's newest
+    published generation before it admits new requests."""
+
+    def refresh() -> None:
+        try:
+            engine.refresh()
+        except RagkvError as exc:  # keep serving the generation we have
+            log.warning("not switching store generation: %s", exc)
+
+    batcher: Engine = engine.engine
+    batcher.start(
+        BatchSettings(
+            max_batch=settings.max_batch,
+            max_batch_tokens=settings.max_batch_tokens,
+            prefill_chunk=settings.prefill_chunk,
+            max_queue=settings.max_queue,
+        ),
+        before_admit=refresh,
+    )
+    return batcher
+
+
+def _add_chat_route(app: FastAPI, engine, settings: ServeSettings, metrics: Metrics, authorised) -> None:
+    batcher: Engine = engine.engine
+    conversations = Conversations(engine, settings.conversation_bytes)
+    model_id = SERVED_MODEL_ID  # one id for the RAG service; the LLM behind it is its "root"
+    accepted_ids = {SERVED_MODEL_ID, engine.lm.facts.name}
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorised)])
     async def chat(body: ChatRequest, request: Request):
@@ -201,8 +216,6 @@ def build_app(engine, settings: ServeSettings) -> FastAPI:
             _stream(ticket, opened, queue, reply_id, created, model_id, warnings, metrics),
             media_type="text/event-stream",
         )
-
-    return app
 
 
 def serve(engine, store: str, settings: ServeSettings, announce) -> None:

@@ -207,26 +207,11 @@ def build_front_app(engine, vllm_url: str, settings: ServeSettings) -> FastAPI:
         if history:
             raise InputError("--engine vllm answers one question per request; send only the last user message")
         budget = max_tokens(body, settings, warnings)
-        ask = AskSettings(
-            top_k=body.ragkv.top_k,
-            context=body.ragkv.context,
-            doc_ids=tuple(body.ragkv.doc_ids) if body.ragkv.doc_ids is not None else None,
-            retrieval=body.ragkv.retrieval,  # ragkv retrieves for vLLM: every first stage and filter holds
-            filters=tuple(body.ragkv.filters),
-        )
         async with lock:
             engine.refresh()
-            prompt = await asyncio.to_thread(engine.prompt_for, question, ask)
-        stats = Stats(
-            mode="exact", retrieval_ms=prompt.retrieval_ms, catalog_ms=prompt.catalog_ms, warnings=list(prompt.warnings)
-        )  # vLLM loads the stored KV at its own positions: exact
+            prompt = await asyncio.to_thread(engine.prompt_for, question, _ask_settings(body))
         payload = completion_payload(body, prompt, settings, budget)
-        sources = [asdict(Source.of(r, score)) for r, score in prompt.retrieved]
-        block = {
-            "sources": sources,
-            "stats": {**stats.to_dict(), "warnings": stats.warnings + warnings},
-            "prompt_tokens": len(prompt.prompt_ids),
-        }
+        block = _ragkv_block(prompt, warnings)
         created, reply_id = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
         if not body.stream:
             reply = await client.post("/v1/completions", json=payload)
@@ -245,6 +230,30 @@ def build_front_app(engine, vllm_url: str, settings: ServeSettings) -> FastAPI:
         return StreamingResponse(_relay(client, payload, reply_id, created, block), media_type="text/event-stream")
 
     return app
+
+
+def _ask_settings(body: ChatRequest) -> AskSettings:
+    """What ragkv retrieves and lays out for vLLM: every first stage and filter holds."""
+    options = body.ragkv
+    return AskSettings(
+        top_k=options.top_k,
+        context=options.context,
+        doc_ids=tuple(options.doc_ids) if options.doc_ids is not None else None,
+        retrieval=options.retrieval,
+        filters=tuple(options.filters),
+    )
+
+
+def _ragkv_block(prompt, warnings: list[str]) -> dict:
+    """The reply's `ragkv` block: sources, stats (of the retrieval: vLLM generates) and prompt size."""
+    stats = Stats(
+        mode="exact", retrieval_ms=prompt.retrieval_ms, catalog_ms=prompt.catalog_ms, warnings=list(prompt.warnings)
+    )  # vLLM loads the stored KV at its own positions: exact
+    return {
+        "sources": [asdict(Source.of(r, score)) for r, score in prompt.retrieved],
+        "stats": {**stats.to_dict(), "warnings": stats.warnings + warnings},
+        "prompt_tokens": len(prompt.prompt_ids),
+    }
 
 
 def completion_payload(body: ChatRequest, prompt, settings: ServeSettings, budget: int) -> dict:
