@@ -15,7 +15,6 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-SECTION_SEPARATOR = " › "  # between the headings of a section path, outermost first
 _MD_HEADING = re.compile(r"^(#{1,6})\s+(.+?)\s*#*\s*$")
 _UNDERLINE = re.compile(r"^([=\-~^\"'`#*+])\1{2,}\s*$")
 

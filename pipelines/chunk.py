@@ -15,8 +15,7 @@ A document with structure (headings, pages: pipelines.blocks) is chunked by its 
 one shares a chunk with its neighbours rather than becoming a crumb); one that does not fit is
 split by its subsections the same way, and at the bottom by paragraphs and sentences as above.
 Each chunk records its section path (the deepest section holding all of it) and the pages it
-covers. A document with no
-headings and no pages is chunked exactly as by `chunk_text`.
+covers. A document with no headings and no pages is chunked exactly as by `chunk_text`.
 """
 
 from __future__ import annotations

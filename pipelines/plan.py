@@ -52,7 +52,7 @@ class DocumentPlan:
 
 
 def plan_documents(
-    documents: list[Document], stored: dict[str, DocumentRow], chunking: str | Callable[[Document], str], prune: bool
+    documents: list[Document], stored: dict[str, DocumentRow], chunking: Callable[[Document], str], prune: bool
 ) -> DocumentPlan:
     """Compare documents read now with those stored. With `prune`, stored documents not read
     now are removed (the paths given are the whole corpus). Without it, a changed document
@@ -64,7 +64,7 @@ def plan_documents(
         old = stored.get(doc.doc_id)
         if old is None:
             plan.added.append(doc)
-        elif old.content_hash != content_hash(doc) or old.chunking != _chunking_of(doc, chunking):
+        elif old.content_hash != content_hash(doc) or old.chunking != chunking(doc):
             if not prune and is_other_file(old.source, doc.source):
                 plan.conflicts.append(
                     Skipped(
@@ -82,10 +82,6 @@ def plan_documents(
         present = {d.doc_id for d in documents}
         plan.removed = sorted(doc_id for doc_id in stored if doc_id not in present)
     return plan
-
-
-def _chunking_of(doc: Document, chunking: str | Callable[[Document], str]) -> str:
-    return chunking(doc) if callable(chunking) else chunking
 
 
 _LINE = re.compile(r":\d+$")  # a jsonl record's source: FILE:LINE

@@ -34,13 +34,16 @@ class Source:
         )
 
 
+SECTION_SEPARATOR = " › "  # between the headings of a section path, outermost first
+
+
 def cite(doc_id: str, section: tuple[str, ...], pages: tuple[int, int] | None) -> str:
     """Where a chunk is, in words: the document, its pages (slides are pages too), its section."""
     parts = [doc_id]
     if pages is not None:
         parts.append(f"p. {pages[0]}" if pages[0] == pages[1] else f"p. {pages[0]}-{pages[1]}")
     where = " ".join(parts)
-    return f"{where}, § {' › '.join(section)}" if section else where
+    return f"{where}, § {SECTION_SEPARATOR.join(section)}" if section else where
 
 
 @dataclass

@@ -149,6 +149,21 @@ def json_error(status: int, message: str, kind: str, headers: dict | None = None
     return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status, headers=headers)
 
 
+def run_server(app: FastAPI, settings: ServeSettings, **options) -> None:
+    """Serve `app` on uvicorn at the settings' address until interrupted (both fronts);
+    `options`: more of uvicorn's settings."""
+    import uvicorn
+
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="warning",
+        timeout_graceful_shutdown=settings.shutdown_grace_s,
+        **options,
+    )
+
+
 SERVED_MODEL_ID = "ragkv"  # what /v1/models lists and replies name; requests may also name the LLM itself
 _STATUS = {InputError: 400, StoreEmptyError: 404, ModelError: 409}
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ragkv import calibration
 from ragkv.active import ActiveProfile
-from ragkv.answer import Savings, Source, Stats, cite
+from ragkv.answer import Savings, Source, Stats
 from ragkv.assemble import Assembly
 from ragkv.config import AskSettings, SearchSettings
 from ragkv.errors import InputError
@@ -138,7 +138,17 @@ class Runtime:
 
 
 def _result(row, score: float, retrieval_score: float, likelihood: float | None) -> SearchResult:
-    place = {"section": tuple(row.section), "pages": row.pages, "citation": cite(row.doc_id, row.section, row.pages)}
+    source = Source.of(row, score)  # where it is: section, pages and their citation
     return SearchResult(
-        row.doc_id, row.source, row.chunk_index, row.chunk_id, row.text, score, retrieval_score, likelihood, **place
+        row.doc_id,
+        row.source,
+        row.chunk_index,
+        row.chunk_id,
+        row.text,
+        score,
+        retrieval_score,
+        likelihood,
+        source.section,
+        source.pages,
+        source.citation,
     )

@@ -38,6 +38,7 @@ from ragkv.api import (
     json_error,
     max_tokens,
     models_listing,
+    run_server,
     split_messages,
 )
 from ragkv.config import AskSettings, DecodeSettings
@@ -220,18 +221,9 @@ def _add_chat_route(app: FastAPI, engine, settings: ServeSettings, metrics: Metr
 
 def serve(engine, store: str, settings: ServeSettings, announce) -> None:
     """`ragkv serve`: the app on uvicorn until interrupted; `announce` gets the line saying where."""
-    import uvicorn
-
     app = build_app(engine, settings)
     announce(f"ragkv serving {store} ({engine.lm.facts.name}) on http://{settings.host}:{settings.port}")
-    uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level="warning",
-        limit_concurrency=settings.max_queue * 4 + 16,
-        timeout_graceful_shutdown=settings.shutdown_grace_s,
-    )
+    run_server(app, settings, limit_concurrency=settings.max_queue * 4 + 16)
 
 
 def _add_info_routes(app: FastAPI, engine, batcher: Engine, metrics: Metrics, authorised) -> None:

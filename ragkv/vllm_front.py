@@ -46,6 +46,7 @@ from ragkv.api import (
     install_errors,
     max_tokens,
     models_listing,
+    run_server,
     split_messages,
 )
 from ragkv.config import AskSettings, import_path
@@ -148,8 +149,6 @@ def serve_on_vllm(engine, store: str, settings: ServeSettings, python: str, port
     front on uvicorn until interrupted, then stops vLLM. `engine` is opened without weights."""
     import shlex
 
-    import uvicorn
-
     facts = engine.lm.facts
     server = VllmServer(python, facts.path, facts.dtype, store, port, tuple(shlex.split(args)), settings.write_back)
     announce(f"starting vLLM ({python}) for {facts.name} on port {port}")
@@ -157,13 +156,7 @@ def serve_on_vllm(engine, store: str, settings: ServeSettings, python: str, port
     try:
         app = build_front_app(engine, server.url, settings)
         announce(f"ragkv serving {store} ({facts.name}, engine vllm) on http://{settings.host}:{settings.port}")
-        uvicorn.run(
-            app,
-            host=settings.host,
-            port=settings.port,
-            log_level="warning",
-            timeout_graceful_shutdown=settings.shutdown_grace_s,
-        )
+        run_server(app, settings)
     finally:
         server.stop()
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from ragkv.answer import Answer, AnswerStream, cite
+from ragkv.answer import SECTION_SEPARATOR, Answer, AnswerStream, cite
 from ragkv.config import (
     DEFAULT_NO_REPEAT_NGRAM,
     DEFAULT_REPETITION_PENALTY,
@@ -160,7 +160,7 @@ def place(row) -> dict:
     if row.pages is not None:
         found["page"] = row.pages[0] if row.pages[0] == row.pages[1] else f"{row.pages[0]}-{row.pages[1]}"
     if row.section:
-        found["section"] = " › ".join(row.section)
+        found["section"] = SECTION_SEPARATOR.join(row.section)
     if row.pages is not None or row.section:
         found["citation"] = cite(row.doc_id, row.section, row.pages)
     return found

@@ -11,6 +11,18 @@ from ragkv.formats import __version__
 
 FORMAT_VERSION = 1
 
+_CHUNK_PLACES = {"chunks": {"section": "VARCHAR[]", "page_start": "INTEGER", "page_end": "INTEGER"}}
+
+
+def _add_columns(tables: dict[str, dict[str, str]]) -> str:
+    """The SQL of a migration that only adds columns: {table: {column: type}}."""
+    return "\n".join(
+        f"ALTER TABLE {table} ADD COLUMN {column} {kind};"
+        for table, columns in tables.items()
+        for column, kind in columns.items()
+    )
+
+
 MIGRATIONS: list[tuple[str, str]] = [
     (
         "0001_initial",
@@ -56,18 +68,12 @@ MIGRATIONS: list[tuple[str, str]] = [
         # Where a chunk is in its document (pipelines.blocks): the deepest section holding it
         # (headings, outermost first) and the pages (or slides) it covers; NULL: none known.
         "0004_chunk_places",
-        """
-        ALTER TABLE chunks ADD COLUMN section VARCHAR[];
-        ALTER TABLE chunks ADD COLUMN page_start INTEGER;
-        ALTER TABLE chunks ADD COLUMN page_end INTEGER;
-        """,
+        _add_columns(_CHUNK_PLACES),
     ),
 ]
 # Migrations that only add columns a reader can take as NULL: an older catalog missing only
 # these is read as it is (its tables seen through views with the columns NULL), not refused.
-ADDITIVE: dict[str, dict[str, dict[str, str]]] = {
-    "0004_chunk_places": {"chunks": {"section": "VARCHAR[]", "page_start": "INTEGER", "page_end": "INTEGER"}},
-}
+ADDITIVE: dict[str, dict[str, dict[str, str]]] = {"0004_chunk_places": _CHUNK_PLACES}
 
 
 class Schema:
