@@ -149,12 +149,19 @@ def json_error(status: int, message: str, kind: str, headers: dict | None = None
     return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status, headers=headers)
 
 
-def run_server(app: FastAPI, settings: ServeSettings, **options) -> None:
-    """Serve `app` on uvicorn at the settings' address until interrupted (both fronts);
-    `options`: more of uvicorn's settings."""
+def run_server(app: FastAPI, settings: ServeSettings, announce, line: str, **options) -> None:
+    """Serve `app` on uvicorn at the settings' address until interrupted (both fronts); `announce`
+    gets `line` once the socket listens, not before, so a client that waits for the line can
+    connect. `options`: more of uvicorn's settings."""
     import uvicorn
 
-    uvicorn.run(
+    class Announcing(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                announce(line)
+
+    config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
@@ -162,6 +169,7 @@ def run_server(app: FastAPI, settings: ServeSettings, **options) -> None:
         timeout_graceful_shutdown=settings.shutdown_grace_s,
         **options,
     )
+    Announcing(config).run()
 
 
 SERVED_MODEL_ID = "ragkv"  # what /v1/models lists and replies name; requests may also name the LLM itself

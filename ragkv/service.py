@@ -222,8 +222,8 @@ def _add_chat_route(app: FastAPI, engine, settings: ServeSettings, metrics: Metr
 def serve(engine, store: str, settings: ServeSettings, announce) -> None:
     """`ragkv serve`: the app on uvicorn until interrupted; `announce` gets the line saying where."""
     app = build_app(engine, settings)
-    announce(f"ragkv serving {store} ({engine.lm.facts.name}) on http://{settings.host}:{settings.port}")
-    run_server(app, settings, limit_concurrency=settings.max_queue * 4 + 16)
+    line = f"ragkv serving {store} ({engine.lm.facts.name}) on http://{settings.host}:{settings.port}"
+    run_server(app, settings, announce, line, limit_concurrency=settings.max_queue * 4 + 16)
 
 
 def _add_info_routes(app: FastAPI, engine, batcher: Engine, metrics: Metrics, authorised) -> None:

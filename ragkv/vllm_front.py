@@ -155,8 +155,8 @@ def serve_on_vllm(engine, store: str, settings: ServeSettings, python: str, port
     server.start(timeout_s=1800)
     try:
         app = build_front_app(engine, server.url, settings)
-        announce(f"ragkv serving {store} ({facts.name}, engine vllm) on http://{settings.host}:{settings.port}")
-        run_server(app, settings)
+        line = f"ragkv serving {store} ({facts.name}, engine vllm) on http://{settings.host}:{settings.port}"
+        run_server(app, settings, announce, line)
     finally:
         server.stop()
 
