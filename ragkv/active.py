@@ -3,25 +3,15 @@ loaded and checked against what the store was built with."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from ragkv import codec
 from ragkv.config import resolve_dtype
 from ragkv.embed import Embedder
 from ragkv.errors import ModelError, StoreEmptyError
-from ragkv.keys import Profile
 from ragkv.model import LoadedModel, load_model, model_name
-from ragkv.prompt import PromptLayout
+from ragkv.profiles import ActiveProfile, candidates, first_matching
 from store import StoreSnapshot
 
-
-@dataclass(frozen=True)
-class ActiveProfile:
-    """The stored profile an engine answers with, checked against the live model."""
-
-    profile: Profile
-    layout: PromptLayout
-    system_prompt: str
+__all__ = ["ActiveProfile", "open_embedder", "open_model"]
 
 
 def open_model(
@@ -61,24 +51,17 @@ def open_model(
     if not any(r.dtype == dtype for r in rows):  # said before the weights load, not after
         raise no_kv()
     lm = load_model(name, device, dtype, weights)
-    candidates = [
-        r
-        for r in rows
-        if r.model_fingerprint == lm.facts.fingerprint
-        and r.dtype == dtype
-        and (kv_dtype is None or r.kv_quant == codec.kv_quant(kv_dtype, dtype))
-    ]
-    if not candidates:
+    quant = codec.kv_quant(kv_dtype, dtype) if kv_dtype is not None else None
+    matching = candidates(rows, last, lm.facts.fingerprint, dtype, quant)
+    if not matching:
         raise no_kv()
-    row = next((r for r in candidates if r.profile_id == last), candidates[0])
-    layout = PromptLayout.build(lm.tokenizer, row.system_prompt)
-    profile = Profile.from_row(row, lm.facts.fingerprint, lm.facts.tokenizer_fingerprint, layout)
-    if profile is None:
+    active = first_matching(matching, lm.facts.fingerprint, lm.facts.tokenizer_fingerprint, lm.tokenizer)
+    if active is None:
         raise ModelError(
             f"model {name}'s tokenizer or chat template differs from when store {snapshot.location} was built; "
             "re-run ragkv ingest to recompute the KV"
         )
-    return lm, ActiveProfile(profile, layout, row.system_prompt)
+    return lm, active
 
 
 def open_embedder(snapshot: StoreSnapshot, name: str | None, device: str) -> Embedder:

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 import torch
 
 from ragkv import assemble, codec, kv, spans
-from ragkv.active import ActiveProfile
 from ragkv.assemble import Assembly
 from ragkv.config import AskSettings
 from ragkv.errors import StoreCorruptError
@@ -21,6 +20,7 @@ from ragkv.keys import KVKey
 from ragkv.lru import ByteLRU
 from ragkv.model import LoadedModel
 from ragkv.prefix_cache import PrefixCache
+from ragkv.profiles import ActiveProfile
 from ragkv.prompt import encode_text
 from store import ContextRow, StoreSnapshot
 from store.popularity import HitLog, Use

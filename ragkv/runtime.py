@@ -8,13 +8,13 @@ import time
 from dataclasses import dataclass
 
 from ragkv import calibration
-from ragkv.active import ActiveProfile
 from ragkv.answer import Savings, Source, Stats
 from ragkv.assemble import Assembly
 from ragkv.config import AskSettings, SearchSettings
 from ragkv.errors import InputError
 from ragkv.loader import KVLoader, Loaded
 from ragkv.model import LoadedModel
+from ragkv.profiles import ActiveProfile
 from ragkv.rerank import FIRST_WEIGHT, Reranker
 from ragkv.retrieval import Prompt, Retrieved, Retriever, SearchResult
 from ragkv.search import Searched

@@ -33,6 +33,20 @@ def next_key(profile: Profile, key: KVKey | None, segment_ids: Sequence[int]) ->
     return KVKey.for_chunk(profile, segment_ids) if key is None else key.then(segment_ids)
 
 
+def continuations(
+    profile: Profile, key: KVKey | None, ids: Sequence[int], pos: int, lengths: Iterable[int]
+) -> dict[str, tuple[KVKey, list[int]]]:
+    """Every segment of one of `lengths` that could continue `ids` at `pos` after the entry
+    `key` names (none: opening a span), by its key's string: the key and the segment's ids."""
+    found = {}
+    for n in lengths:
+        if pos + n <= len(ids):
+            segment_ids = list(ids[pos : pos + n])
+            continued = next_key(profile, key, segment_ids)
+            found[continued.to_string()] = (continued, segment_ids)
+    return found
+
+
 def chain(root: KVKey, segment_list: Iterable[Sequence[int]]) -> list[KVKey]:
     """The keys of segments that follow, one after another, the entry `root` names."""
     keys, key = [], root

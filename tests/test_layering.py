@@ -30,6 +30,7 @@ MODEL_CODE = {
         "lru",
         "model",
         "prefix_cache",
+        "profiles",
         "prompt",
         "rope",
         "spans",

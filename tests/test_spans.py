@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 import ragkv
+from ragkv import spans
 from ragkv.config import AskSettings, IngestSettings
 from ragkv.errors import InputError
 from ragkv.keys import KVKey, Profile
@@ -160,6 +161,20 @@ def test_keys_chain_through_every_earlier_chunk():
     assert first.then([9, 7]) != KVKey.for_chunk(profile, [5, 7]).then([9, 7])
     assert first.then([9, 7]) == KVKey.for_chunk(profile, [5, 6]).then([9, 7])
     assert first.then([9, 7]).then([8]) != first.then([9, 8]).then([8])
+
+
+def test_a_prompt_walked_segment_by_segment_finds_the_keys_ingest_gave_its_span():
+    profile, separator = Profile("m", "t", "p", (1, 2), "float32"), [0]
+    chunks = [[5, 6, 7], [8, 9], [4]]
+    prompt = [*chunks[0], *separator, *chunks[1], *separator, *chunks[2], 3]
+    walked, key, pos = [], None, 0
+    for n in (3, 3, 2):  # each segment's length: a chunk alone, then separator + chunk
+        found = spans.continuations(profile, key, prompt, pos, lengths=(n, 40))  # 40 runs past the prompt
+        assert len(found) == 1
+        ((key, segment),) = found.values()
+        walked.append(key)
+        pos += len(segment)
+    assert walked == spans.span_keys(profile, chunks, separator)
 
 
 def test_bad_span_settings_are_one_line_errors(tmp_path, tiny_llama):

@@ -36,6 +36,7 @@ import torch
 from ragkv import codec, kv, spans
 from ragkv.errors import InputError, ModelError
 from ragkv.keys import KVKey, Profile
+from ragkv.profiles import candidates, first_matching
 from store import EntryRow, open_snapshot
 from store.popularity import Use
 from store.shards import ShardReader
@@ -155,19 +156,18 @@ class ModelIdentity:
 def profile_for(store: str | Path, identity: ModelIdentity) -> Profile:
     """The store's profile whose KV this model computes: same weights, tokenizer, dtype, and a
     template that lays out the same prefix. ModelError (one line) when there is none."""
-    from ragkv.prompt import PromptLayout
-
     with open_snapshot(store, require_documents=False) as snapshot:
         rows = snapshot.catalog.profiles()
         last = snapshot.catalog.meta().get("last_profile")
-    rows.sort(key=lambda r: r.profile_id != last)
-    for row in rows:
-        if row.model_fingerprint != identity.model_fingerprint or row.dtype != identity.dtype:
-            continue
-        layout = PromptLayout.build(identity.tokenizer, row.system_prompt)
-        profile = Profile.from_row(row, identity.model_fingerprint, identity.tokenizer_fingerprint, layout)
-        if profile is not None:
-            return profile
+    fingerprint = identity.model_fingerprint
+    active = first_matching(
+        candidates(rows, last, fingerprint, identity.dtype),
+        fingerprint,
+        identity.tokenizer_fingerprint,
+        identity.tokenizer,
+    )
+    if active is not None:
+        return active.profile
     held = ", ".join(sorted({f"{r.model_name} ({r.dtype})" for r in rows})) or "nothing"
     raise ModelError(
         f"store {store} holds no KV for this model in {identity.dtype} with this tokenizer (it holds "
@@ -216,21 +216,15 @@ class StoreMatcher:
 
     def _next(self, prompt_ids: Sequence[int], pos: int, key: KVKey | None) -> tuple[KVKey, EntryRow] | None:
         """The longest stored entry continuing the prompt at `pos` (after `key`'s entry)."""
-        candidates = {}
-        for n in self.lengths:
-            if pos + n > len(prompt_ids):
-                continue
-            segment = list(prompt_ids[pos : pos + n])
-            next_key = spans.next_key(self.profile, key, segment)
-            candidates[next_key.to_string()] = (next_key, segment)
+        candidates = spans.continuations(self.profile, key, prompt_ids, pos, self.lengths)
         catalog = self.snapshot.catalog
         for name in sorted(catalog.existing_keys(candidates), key=lambda k: -len(candidates[k][1])):
-            next_key, segment = candidates[name]
+            found_key, segment = candidates[name]
             stored = catalog.token_ids_of(name)  # the chunk's own ids (a span segment: after its separator)
             chunk = segment if key is None else segment[len(self.separator_ids) :]
             entry = catalog.entry(name) if stored is not None and list(stored) == chunk else None
             if entry is not None:
-                return next_key, entry
+                return found_key, entry
         return None
 
     def plan(
