@@ -55,6 +55,15 @@ def decode(parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     return torch.stack([keys, values], dim=1).to(dtype)
 
 
+def read(shards, entry, dtype: torch.dtype, device: str | torch.device = "cpu", out=None) -> torch.Tensor:
+    """The stored KV of catalog `entry` (its shard, tensor and checksum), `(L, 2, H, T, D)` in
+    `dtype` on `device`: read from `shards` (a store.shards.ShardReader, into buffer `out` when
+    given), verified, and decoded. From pinned host memory the copy to a GPU is asynchronous;
+    work queued after it on the same stream sees the data."""
+    parts = shards.read_parts(entry.shard, entry.tensor, entry.checksum, out=out)
+    return decode({name: t.to(device, non_blocking=True) for name, t in parts.items()}, dtype)
+
+
 def _encode_packed(data: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
     """data: float `(L, 2, H, T, D)`, D a multiple of 8 / bits."""
     if data.shape[-1] % (8 // bits):

@@ -222,11 +222,8 @@ class KVLoader:
             return kv_tensor
         loaded.ram_misses += 1
         buffer = self._read_buffer(slot, entry.nbytes + 64) if entry.nbytes else None  # + alignment of parts
-        parts = self.snapshot.shards.read_parts(entry.shard, entry.tensor, entry.checksum, out=buffer)
-        # From pinned host memory the copy to the GPU is asynchronous; the prefill that uses
-        # the KV runs after it on the same stream, and its first token synchronises.
-        parts = {name: t.to(self.device, non_blocking=True) for name, t in parts.items()}
-        kv_tensor = codec.decode(parts, self.lm.model.dtype)
+        # The prefill that uses the KV runs after its copy on the same stream.
+        kv_tensor = codec.read(self.snapshot.shards, entry, self.lm.model.dtype, self.device, out=buffer)
         if kv_tensor.numel() * kv_tensor.element_size() <= self.ram.max_bytes:
             kv_tensor = kv_tensor.clone() if kv_tensor.device.type == "cpu" else kv_tensor  # own memory
             self.ram.put(entry.kv_key, kv_tensor)
@@ -308,8 +305,7 @@ class KVLoader:
             entry = self.snapshot.catalog.entry(KVKey.for_prefix(self.active.profile).to_string())
             if entry is None:
                 raise StoreCorruptError("the system-prompt KV is missing from the store")
-            parts = self.snapshot.shards.read_parts(entry.shard, entry.tensor, entry.checksum)
-            self._prefix_kv = codec.decode(parts, self.lm.model.dtype).to(self.device)
+            self._prefix_kv = codec.read(self.snapshot.shards, entry, self.lm.model.dtype, self.device)
         return self._prefix_kv
 
     def _separator_kv(self) -> torch.Tensor:

@@ -277,8 +277,7 @@ class StoreMatcher:
 
 def load_kv(shards: ShardReader, entries: Sequence[EntryRow], dtype: torch.dtype) -> torch.Tensor:
     """The entries' KV joined along the tokens, `(L, 2, H, T, D)` in `dtype`, each verified."""
-    parts = [codec.decode(shards.read_parts(e.shard, e.tensor, e.checksum), dtype) for e in entries]
-    return torch.cat(parts, dim=kv.TOKEN_DIM)
+    return torch.cat([codec.read(shards, e, dtype) for e in entries], dim=kv.TOKEN_DIM)
 
 
 def slot_mapping(block_ids: Sequence[int], block_size: int, start: int, end: int) -> torch.Tensor:
