@@ -24,11 +24,12 @@ from pipelines.plan import DocumentPlan, content_hash, plan_documents
 from pipelines.progress import Reporter
 from pipelines.ray_ingest import RayJob, run_ray_job
 from pipelines.read import Document, Skipped, read_documents
+from pipelines.stored_kv import StoredKV
 from ragkv import codec
 from ragkv.config import IngestSettings, ModelSettings
 from ragkv.embed import Embedder
 from ragkv.errors import InputError, ModelError
-from ragkv.forward import compute_chunks, compute_prefix, shard_metadata, split_segments
+from ragkv.forward import compute_prefix, compute_spans, shard_metadata
 from ragkv.keys import Profile
 from ragkv.model import LoadedModel, load_model
 from ragkv.prompt import PromptLayout
@@ -345,28 +346,25 @@ def _compute_and_store(
     reporter: Reporter,
     report: IngestReport,
 ) -> None:
-    catalog = writer.catalog
-    shards = writer.shard_writer(settings.shard_bytes, shard_metadata(profile.profile_id, lm.facts.name, profile.dtype))
+    metadata = shard_metadata(profile.profile_id, lm.facts.name, profile.dtype)
+    out = StoredKV(writer, profile.profile_id, profile.kv_quant, prefix_key, settings.shard_bytes, metadata)
     reporter.stage("KV", sum(len(u.chunks) for u in work))
     compute_started = time.perf_counter()
     prefix_kv = compute_prefix(lm.model, profile.prefix_ids)
     if prefix_key:
-        sealed = shards.add(prefix_key, codec.encode(prefix_kv, profile.kv_quant)) + shards.flush()
-        catalog.add_entries(profile.profile_id, sealed, {prefix_key})
+        out.put(prefix_key, prefix_kv)
+        out.flush()
     batch_tokens = settings.batch_tokens_for(lm.device)
-    for result in compute_chunks(lm.model, prefix_kv, [u.ids for u in work], batch_tokens, lm.pad_id):
-        unit = work[result.index]
-        for chunk, new, part in zip(
-            unit.chunks, unit.store, split_segments(result.kv, [len(c.ids) for c in unit.chunks]), strict=False
-        ):
+    span_list = [[c.ids for c in u.chunks] for u in work]
+    for index, parts in compute_spans(lm.model, prefix_kv, span_list, batch_tokens, lm.pad_id):
+        unit = work[index]
+        for chunk, new, part in zip(unit.chunks, unit.store, parts, strict=True):
             if new:
-                sealed = shards.add(chunk.key, codec.encode(part, profile.kv_quant))
-                if sealed:
-                    catalog.add_entries(profile.profile_id, sealed)
+                out.put(chunk.key, part)
                 report.kv_computed += 1
         report.tokens_computed += len(unit.ids)
         reporter.advance(len(unit.chunks), tokens=len(unit.ids))
-    catalog.add_entries(profile.profile_id, shards.flush())
+    out.flush()
     report.compute_s = time.perf_counter() - compute_started
 
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ragkv import codec, spans
+from pipelines.stored_kv import StoredKV
+from ragkv import spans
 from ragkv.config import IngestSettings
 from ragkv.embed import Embedder
 from ragkv.errors import ModelError
-from ragkv.forward import compute_chunks, compute_prefix, shard_metadata, split_segments
+from ragkv.forward import compute_prefix, compute_spans, shard_metadata
 from ragkv.keys import KVKey
 from ragkv.model import load_model
 from ragkv.prompt import PromptLayout
@@ -75,27 +76,25 @@ def _recompute(writer: StoreWriter, profile_id: str, keys: list[str], device: st
     if lm.facts.fingerprint != row.model_fingerprint:
         report.unrepairable.append(f"{row.model_name}: weights differ from those the KV was computed with")
         return
-    shards = writer.shard_writer(IngestSettings().shard_bytes, shard_metadata(profile_id, row.model_name, row.dtype))
     prefix_key = KVKey.prefix_of(profile_id).to_string()
+    metadata = shard_metadata(profile_id, row.model_name, row.dtype)
+    out = StoredKV(writer, profile_id, row.kv_quant, prefix_key, IngestSettings().shard_bytes, metadata, replace=True)
     prefix_kv = compute_prefix(lm.model, row.prefix_ids)
-    quant = row.kv_quant
-    sealed = shards.add(prefix_key, codec.encode(prefix_kv, quant)) if prefix_key in keys else []
+    if prefix_key in keys:
+        out.put(prefix_key, prefix_kv)
     chunk_keys = [k for k in keys if k != prefix_key and catalog.token_ids_of(k) is not None]
     unused = [k for k in keys if k != prefix_key and k not in chunk_keys]
     catalog.delete_entries(unused)
     report.entries_dropped += len(unused)
     separator = PromptLayout.build(lm.tokenizer, row.system_prompt).separator_ids
     to_compute = _spans_of(catalog, chunk_keys, separator)
-    sequences = [[t for segment in segments for t in segment] for _, segments in to_compute]
-    for result in compute_chunks(lm.model, prefix_kv, sequences, IngestSettings().batch_tokens_for(device), lm.pad_id):
-        span_keys, segments = to_compute[result.index]
-        for key, part in zip(span_keys, split_segments(result.kv, [len(s) for s in segments]), strict=False):
+    batch_tokens = IngestSettings().batch_tokens_for(device)
+    for index, parts in compute_spans(lm.model, prefix_kv, [s for _, s in to_compute], batch_tokens, lm.pad_id):
+        for key, part in zip(to_compute[index][0], parts, strict=True):
             if key in chunk_keys:
-                sealed += shards.add(key, codec.encode(part, quant))
-    sealed += shards.flush()
-    catalog.delete_entries(e.name for e in sealed)
-    catalog.add_entries(profile_id, sealed, {prefix_key})
-    report.entries_recomputed += len(sealed)
+                out.put(key, part)
+    out.flush()
+    report.entries_recomputed += out.written
 
 
 def _spans_of(catalog, keys: list[str], separator) -> list[tuple[list[str], list[tuple[int, ...]]]]:

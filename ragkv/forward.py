@@ -68,6 +68,17 @@ def compute_chunks(
             yield ChunkKV(index, chunk.cpu())
 
 
+def compute_spans(
+    model, prefix_kv: torch.Tensor, span_list: Sequence[Sequence[Sequence[int]]], batch_tokens: int, pad_id: int
+) -> Iterator[tuple[int, list[torch.Tensor]]]:
+    """Each span's index in `span_list` and its segments' KV (`(L, 2, H, T, D)` each, see
+    `split_segments`): a span's segments computed as one sequence after `prefix_kv`, batch by
+    batch (a chunk stored alone is a span of one segment)."""
+    sequences = [[t for segment in span for t in segment] for span in span_list]
+    for result in compute_chunks(model, prefix_kv, sequences, batch_tokens, pad_id):
+        yield result.index, split_segments(result.kv, [len(s) for s in span_list[result.index]])
+
+
 def split_segments(kv_tensor: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
     """Cut a sequence's KV `(L, 2, H, sum(lengths), D)` into consecutive parts of `lengths`
     tokens (contiguous copies: each is stored on its own)."""
