@@ -70,6 +70,12 @@ _SIZE_UNITS = {
 }
 
 
+def parse_precompute(text: str) -> int | None:
+    """`--precompute`: all (None: as much as the budget holds), none (0), or a size in bytes."""
+    limits: dict[str, int | None] = {"all": None, "none": 0}
+    return limits[text] if text in limits else parse_size(text, "--precompute (all, none or a size)")
+
+
 def parse_size(text: str, what: str = "size") -> int:
     """Bytes in a size such as "20GB", "512MiB", "1.5G" or "4096" (GB = 10^9, GiB = 2^30)."""
     match = _SIZE.match(str(text))

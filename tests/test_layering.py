@@ -47,6 +47,8 @@ ONLINE_LAYERS = [  # bottom up; a module may import its own layer and those belo
         "ragkv.query",
         "ragkv.batch",
         "ragkv.output",
+        "ragkv.cli_options",
+        "ragkv.command",
         "ragkv.service",
         "ragkv.vllm_front",
         "ragkv.integrations",
@@ -55,6 +57,7 @@ ONLINE_LAYERS = [  # bottom up; a module may import its own layer and those belo
         "ragkv.integrations.llama_index",
         "ragkv.integrations.vllm",
         "ragkv.integrations.vllm_fill",
+        "ragkv.integrations.vllm_load",
     },
 ]
 FACADE = ROOT / "ragkv" / "__init__.py"

@@ -1,0 +1,124 @@
+"""Stored KV written into a paged attention cache: the worker side of ragkv's vLLM connector
+(ragkv.integrations.vllm). Each layer's tokens go into the request's blocks through the
+attention backend's own cache-update op (the write vLLM's forward makes, so any paged layout
+is respected): all before the forward, or, on CUDA, layer by layer on a side stream from
+page-locked memory, each attention layer waiting only for its own copy."""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+import torch
+
+log = logging.getLogger("ragkv")
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+class PagedLoader:
+    """Loads into the attention layers of one worker. `layerwise`: True or False, or None for
+    layer by layer on CUDA only. The first layer-by-layer step also waits for the whole load
+    and shows whether the backend waits per layer; one that does not gets loads before the
+    forward from then on."""
+
+    def __init__(self, layerwise: bool | None):
+        self.layers: dict[int, tuple[str, Any]] = {}  # layer index -> (name, attention layer)
+        self.layerwise = layerwise
+        self.layer_waits = 0  # wait_for_layer calls that waited on a layer's copy (tests)
+        self._events: dict[str, Any] = {}
+        self._checked = False  # has a forward been seen to wait for every layer?
+        self._this_step = False
+        self._inflight: list[torch.Tensor] = []  # host buffers the side stream still reads
+        self._stream: torch.cuda.Stream | None = None
+
+    def find_layers(self, forward_context) -> None:
+        """The attention layers holding a KV cache, by index (once)."""
+        if self.layers:
+            return
+        for name, layer in forward_context.no_compile_layers.items():
+            found = _LAYER_INDEX.search(name)
+            if found and getattr(layer, "kv_cache", None) is not None and hasattr(layer, "impl"):
+                self.layers[int(found.group(1))] = (name, layer)
+
+    @staticmethod
+    def cache(layer, forward_context) -> torch.Tensor:
+        cache = layer.kv_cache
+        if isinstance(cache, (list, tuple)):  # older vLLM: one cache per virtual engine
+            cache = cache[getattr(forward_context, "virtual_engine", 0)]
+        return cache
+
+    def load(self, kv_tensor: torch.Tensor, slots: torch.Tensor, forward_context) -> None:
+        """`kv_tensor` `(L, 2, H, T, D)` into cache `slots` `(T,)` of every layer."""
+        if kv_tensor.shape[0] != len(self.layers):
+            raise RuntimeError(f"ragkv store KV has {kv_tensor.shape[0]} layers, the model {len(self.layers)}")
+        device = self.cache(next(iter(self.layers.values()))[1], forward_context).device
+        if self.layerwise if self.layerwise is not None else device.type == "cuda":
+            self._load_layerwise(kv_tensor, slots, forward_context, device.type == "cuda")
+        else:
+            self._load_now(kv_tensor, slots, forward_context)
+
+    def _load_now(self, kv_tensor: torch.Tensor, slots: torch.Tensor, forward_context) -> None:
+        """Every layer's KV written into its blocks, before the forward."""
+        for index, (_, layer) in sorted(self.layers.items()):
+            cache = self.cache(layer, forward_context)
+            key = kv_tensor[index, 0].transpose(0, 1).contiguous().to(cache.device)  # (T, H, D)
+            value = kv_tensor[index, 1].transpose(0, 1).contiguous().to(cache.device)
+            layer.impl.do_kv_cache_update(layer, key, value, cache, slots.to(cache.device))
+
+    def _load_layerwise(self, kv_tensor: torch.Tensor, slots: torch.Tensor, forward_context, cuda: bool) -> None:
+        """Each layer's copy started on a side stream (CUDA: from page-locked memory, so it is
+        asynchronous), with an event per layer that `wait_for_layer` makes the forward wait
+        on; on a CPU the same steps run in order (a test of the bookkeeping)."""
+        host = kv_tensor.permute(0, 1, 3, 2, 4).contiguous()  # (L, 2, T, H, D): one contiguous copy per layer
+        if cuda:
+            host = host.pin_memory()
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()
+            self._stream.wait_stream(torch.cuda.current_stream())  # after vLLM zeroes new blocks
+            self._inflight.append(host)
+        for index, (name, layer) in sorted(self.layers.items()):
+            cache = self.cache(layer, forward_context)
+            if cuda:
+                with torch.cuda.stream(self._stream):
+                    key = host[index, 0].to(cache.device, non_blocking=True)
+                    value = host[index, 1].to(cache.device, non_blocking=True)
+                    layer.impl.do_kv_cache_update(layer, key, value, cache, slots.to(cache.device, non_blocking=True))
+                    copied = torch.cuda.Event()
+                    copied.record(self._stream)
+                    event: torch.cuda.Event | bool = copied
+            else:
+                layer.impl.do_kv_cache_update(layer, host[index, 0], host[index, 1], cache, slots)
+                event = True
+            self._events[name] = event
+        self._this_step = True
+        if cuda and not self._checked:
+            # Until a forward is seen to wait per layer, it also waits for the whole load: safe
+            # even where an attention backend never calls wait_for_layer_load.
+            torch.cuda.current_stream().wait_event(copied)  # the last layer's copy
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """The forward's attention `layer_name` waits for its layer's copy, if one is under way."""
+        event = self._events.pop(layer_name, None)
+        if event is None:
+            return
+        self.layer_waits += 1
+        if event is not True:
+            torch.cuda.current_stream().wait_event(event)
+
+    def end_step(self) -> None:
+        """After the forward: whether it waited for every layer is known (once), and the side
+        stream's buffers are free."""
+        if self._this_step:
+            self._this_step = False
+            if self._events and not self._checked:  # some layer's attention never waited
+                log.warning(
+                    "ragkv connector: this attention backend does not wait for each layer's load; loads are "
+                    "made before the forward from now on"
+                )
+                self.layerwise = False
+            self._checked = True
+            self._events.clear()
+        if self._inflight and self._stream is not None:
+            self._stream.synchronize()  # the forward waited on every layer's copy: done already
+        self._inflight.clear()
