@@ -113,14 +113,8 @@ def ingest(
     layout = PromptLayout.build(lm.tokenizer, settings.system_prompt)
     _check_fits(lm, layout, settings.chunk_tokens, "--chunk-tokens")
     _check_fits(lm, layout, settings.span_tokens, "--span-tokens")
-    profile = Profile(
-        lm.facts.fingerprint,
-        lm.facts.tokenizer_fingerprint,
-        layout.template_fingerprint,
-        layout.prefix_ids,
-        model.dtype,
-        codec.kv_quant(settings.kv_dtype, model.dtype),
-    )
+    fingerprints = (lm.facts.fingerprint, lm.facts.tokenizer_fingerprint, layout.template_fingerprint)
+    profile = Profile(*fingerprints, layout.prefix_ids, model.dtype, codec.kv_quant(settings.kv_dtype, model.dtype))
     report = IngestReport(
         str(store), model=lm.facts.name, dtype=model.dtype, device=model.device, engine=engine, skipped=found.skipped
     )
@@ -209,16 +203,7 @@ def _write(
     _check_chunks_fit(pending, lm, layout)
     catalog.add_profile(_profile_row(profile, lm, settings.system_prompt))
     limit = settings.kv_budget if settings.kv_budget is not None else catalog.kv_budget()
-    report.kv_budget = limit
-    if limit is not None or settings.precompute is not None:
-        if settings.span_tokens:
-            raise InputError(
-                f"store {writer.root} has a KV budget, which keeps chunks' KV one by one; ingest without --span-tokens"
-            )
-        admitted = within_budget(writer, pending, lm, profile, limit, settings.precompute)
-        pending = admitted.pending
-        report.kv_evicted += admitted.num_evicted
-        report.kv_deferred = admitted.num_deferred
+    pending = _admitted(writer, pending, lm, profile, limit, settings, report)
     todo = plan_work(catalog, pending, profile)
     work, prefix_key = todo.units, todo.prefix_key
     report.kv_reused += todo.num_reused
@@ -243,6 +228,30 @@ def _write(
             "last_profile": profile.profile_id,
         }
     )
+
+
+def _admitted(
+    writer: StoreWriter,
+    pending: list[PendingChunk],
+    lm: LoadedModel,
+    profile: Profile,
+    limit: int | None,
+    settings: IngestSettings,
+    report: IngestReport,
+) -> list[PendingChunk]:
+    """The pending chunks whose KV is computed now: all of them, or, under a KV budget (`limit`)
+    or a --precompute limit, those that earn a place (others' KV is evicted or deferred)."""
+    report.kv_budget = limit
+    if limit is None and settings.precompute is None:
+        return pending
+    if settings.span_tokens:
+        raise InputError(
+            f"store {writer.root} has a KV budget, which keeps chunks' KV one by one; ingest without --span-tokens"
+        )
+    admitted = within_budget(writer, pending, lm, profile, limit, settings.precompute)
+    report.kv_evicted += admitted.num_evicted
+    report.kv_deferred = admitted.num_deferred
+    return admitted.pending
 
 
 def _check_embedder(writer: StoreWriter, embedder: Embedder) -> None:

@@ -50,15 +50,7 @@ def run_ray_job(
     """Embed `to_embed` and compute `work` (ingest's pending chunks, and the prefix when
     `prefix_key`) on Ray; commit what comes back to `writer`'s catalog and `vectors`."""
     outcome = RayOutcome()
-    rows: dict[int, dict] = {
-        c.chunk_id: {"chunk_id": c.chunk_id, "text": c.text, "embed": True, "key": "", "token_ids": [], "prefix": False}
-        for c in to_embed
-    }
-    for p in work:
-        row = rows.setdefault(p.chunk_id, {"chunk_id": p.chunk_id, "text": p.text, "embed": False, "prefix": False})
-        row.update(key=p.key, token_ids=list(p.token_ids))
-    if prefix_key:
-        rows[-1] = {"chunk_id": -1, "text": "", "embed": False, "key": prefix_key, "token_ids": [], "prefix": True}
+    rows = _rows(to_embed, work, prefix_key)
     if not rows:
         return outcome
     spec = ray_engine.WorkerSpec(
@@ -85,18 +77,7 @@ def run_ray_job(
         embedded = np.flatnonzero(batch["embed"])
         if len(embedded):
             vectors.add([int(batch["chunk_id"][i]) for i in embedded], batch["vector"][embedded])
-        entries = [
-            SealedEntry(
-                str(batch["key"][i]),
-                str(batch["shard"][i]),
-                int(batch["num_tokens"][i]),
-                str(batch["dtype"][i]),
-                int(batch["nbytes"][i]),
-                str(batch["checksum"][i]),
-            )
-            for i in range(len(batch["key"]))
-            if batch["shard"][i]
-        ]
+        entries = _sealed(batch)
         writer.catalog.add_entries(profile.profile_id, entries, {prefix_key} if prefix_key else set())
         computed = [tokens[e.name] for e in entries if e.name in tokens]
         outcome.kv_computed += len(computed)
@@ -104,3 +85,29 @@ def run_ray_job(
         reporter.advance(len(batch["chunk_id"]), tokens=sum(computed))
     outcome.compute_s = time.perf_counter() - started  # the whole job: embedding, KV, shard writes
     return outcome
+
+
+def _rows(to_embed: list[ChunkRow], work: list, prefix_key: str | None) -> dict[int, dict]:
+    """The job's input rows by chunk id: chunks to embed, chunks whose KV to compute (both,
+    for a new chunk), and the prefix (-1) when `prefix_key`."""
+    rows: dict[int, dict] = {
+        c.chunk_id: {"chunk_id": c.chunk_id, "text": c.text, "embed": True, "key": "", "token_ids": [], "prefix": False}
+        for c in to_embed
+    }
+    for p in work:
+        row = rows.setdefault(p.chunk_id, {"chunk_id": p.chunk_id, "text": p.text, "embed": False, "prefix": False})
+        row.update(key=p.key, token_ids=list(p.token_ids))
+    if prefix_key:
+        rows[-1] = {"chunk_id": -1, "text": "", "embed": False, "key": prefix_key, "token_ids": [], "prefix": True}
+    return rows
+
+
+def _sealed(batch: dict) -> list[SealedEntry]:
+    """The entries a batch of the job's output sealed into shards (a row without a shard has no KV)."""
+    fields = ("key", "shard", "num_tokens", "dtype", "nbytes", "checksum")
+    kinds = (str, str, int, str, int, str)
+    return [
+        SealedEntry(*(kind(batch[name][i]) for name, kind in zip(fields, kinds, strict=True)))
+        for i in range(len(batch["key"]))
+        if batch["shard"][i]
+    ]

@@ -207,22 +207,20 @@ def build_front_app(engine, vllm_url: str, settings: ServeSettings) -> FastAPI:
         block = _ragkv_block(prompt, warnings)
         created, reply_id = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
         if not body.stream:
-            reply = await client.post("/v1/completions", json=payload)
-            reply.raise_for_status()
-            data = reply.json()
-            choice = data["choices"][0]
-            return completion(
-                reply_id,
-                created,
-                SERVED_MODEL_ID,
-                choice["text"],
-                choice.get("finish_reason") or "stop",
-                data.get("usage"),
-                block,
-            )
+            return await _complete(client, payload, reply_id, created, block)
         return StreamingResponse(_relay(client, payload, reply_id, created, block), media_type="text/event-stream")
 
     return app
+
+
+async def _complete(client: httpx.AsyncClient, payload: dict, reply_id: str, created: int, block: dict) -> dict:
+    """A whole reply: vLLM's completion of the laid-out prompt, as a chat completion."""
+    reply = await client.post("/v1/completions", json=payload)
+    reply.raise_for_status()
+    data = reply.json()
+    choice = data["choices"][0]
+    finish = choice.get("finish_reason") or "stop"
+    return completion(reply_id, created, SERVED_MODEL_ID, choice["text"], finish, data.get("usage"), block)
 
 
 def _ask_settings(body: ChatRequest) -> AskSettings:

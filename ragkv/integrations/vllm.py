@@ -41,7 +41,6 @@ refused with one line, as is a quantised vLLM KV cache. Import this module only 
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -71,6 +70,7 @@ from ragkv.integrations.store_match import (
     profile_for,
     slot_mapping,
 )
+from ragkv.integrations.vllm_load import PagedLoader
 from store import EntryRow
 from store.popularity import HitLog
 from store.shards import ShardReader
@@ -84,7 +84,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("ragkv")
-_LAYER_INDEX = re.compile(r"\.(\d+)\.")
 ENGINE = "vllm"  # recorded in the header of the shards this connector writes
 
 
@@ -159,15 +158,8 @@ class RagkvConnector(KVConnectorBase_V1):
             self._warned_params = False
         else:
             self._shards = ShardReader(Path(store) / SHARD_DIR)
-            self._layers: dict[int, tuple[str, Any]] = {}  # layer index -> (name, attention layer)
             layerwise = self._kv_transfer_config.get_from_extra_config("layerwise", "auto")
-            self._layerwise = layerwise if isinstance(layerwise, bool) else None  # None: on CUDA only
-            self._layer_events: dict[str, Any] = {}
-            self._layerwise_checked = False  # has a forward been seen to wait for every layer?
-            self._layerwise_this_step = False
-            self._inflight: list[torch.Tensor] = []  # host buffers the side stream still reads
-            self._load_stream: torch.cuda.Stream | None = None
-            self.layer_waits = 0  # wait_for_layer_load calls that waited on a layer's copy (tests)
+            self._loader = PagedLoader(layerwise if isinstance(layerwise, bool) else None)  # None: on CUDA only
             self.load_ms: deque[tuple[float, float]] = deque(maxlen=TIMINGS_KEPT)  # per load: (shard read, copies) ms
             self._paged: PagedLayout | None = None
             self._saver: KVSaver | None = None
@@ -275,11 +267,7 @@ class RagkvConnector(KVConnectorBase_V1):
 
     # -- worker side ----------------------------------------------------------------------
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        if not self._layers:
-            for name, layer in forward_context.no_compile_layers.items():
-                found = _LAYER_INDEX.search(name)
-                if found and getattr(layer, "kv_cache", None) is not None and hasattr(layer, "impl"):
-                    self._layers[int(found.group(1))] = (name, layer)
+        self._loader.find_layers(forward_context)
         meta = self._get_connector_metadata()
         if not isinstance(meta, RagkvConnectorMetadata) or not meta.loads:
             return
@@ -289,89 +277,23 @@ class RagkvConnector(KVConnectorBase_V1):
                 :, :, :, load.start : load.end
             ]  # (L, 2, H, T, D)
             read = time.perf_counter()
-            if kv_tensor.shape[0] != len(self._layers):
-                raise RuntimeError(f"ragkv store KV has {kv_tensor.shape[0]} layers, the model {len(self._layers)}")
             slots = slot_mapping(load.block_ids, self._block_size, load.start, load.end)
-            device = self._cache(next(iter(self._layers.values()))[1], forward_context).device
-            layerwise = self._layerwise if self._layerwise is not None else device.type == "cuda"
-            if layerwise:
-                self._load_layerwise(kv_tensor, slots, forward_context, device.type == "cuda")
-            else:
-                self._load_now(kv_tensor, slots, forward_context)
+            self._loader.load(kv_tensor, slots, forward_context)
             self.load_ms.append(((read - started) * 1000.0, (time.perf_counter() - read) * 1000.0))
 
-    @staticmethod
-    def _cache(layer, forward_context) -> torch.Tensor:
-        cache = layer.kv_cache
-        if isinstance(cache, (list, tuple)):  # older vLLM: one cache per virtual engine
-            cache = cache[getattr(forward_context, "virtual_engine", 0)]
-        return cache
-
-    def _load_now(self, kv_tensor: torch.Tensor, slots: torch.Tensor, forward_context) -> None:
-        """Every layer's KV written into its blocks, before the forward."""
-        for index, (_, layer) in sorted(self._layers.items()):
-            cache = self._cache(layer, forward_context)
-            key = kv_tensor[index, 0].transpose(0, 1).contiguous().to(cache.device)  # (T, H, D)
-            value = kv_tensor[index, 1].transpose(0, 1).contiguous().to(cache.device)
-            layer.impl.do_kv_cache_update(layer, key, value, cache, slots.to(cache.device))
-
-    def _load_layerwise(self, kv_tensor: torch.Tensor, slots: torch.Tensor, forward_context, cuda: bool) -> None:
-        """Each layer's copy started on a side stream (CUDA: from page-locked memory, so it is
-        asynchronous), with an event per layer that `wait_for_layer_load` makes the forward
-        wait on; on a CPU the same steps run in order (a test of the bookkeeping)."""
-        host = kv_tensor.permute(0, 1, 3, 2, 4).contiguous()  # (L, 2, T, H, D): one contiguous copy per layer
-        if cuda:
-            host = host.pin_memory()
-            if self._load_stream is None:
-                self._load_stream = torch.cuda.Stream()
-            stream = self._load_stream
-            stream.wait_stream(torch.cuda.current_stream())  # after vLLM zeroes new blocks
-            self._inflight.append(host)
-        for index, (name, layer) in sorted(self._layers.items()):
-            cache = self._cache(layer, forward_context)
-            if cuda:
-                with torch.cuda.stream(self._load_stream):
-                    key = host[index, 0].to(cache.device, non_blocking=True)
-                    value = host[index, 1].to(cache.device, non_blocking=True)
-                    layer.impl.do_kv_cache_update(layer, key, value, cache, slots.to(cache.device, non_blocking=True))
-                    copied = torch.cuda.Event()
-                    copied.record(self._load_stream)
-                    event: torch.cuda.Event | bool = copied
-            else:
-                layer.impl.do_kv_cache_update(layer, host[index, 0], host[index, 1], cache, slots)
-                event = True
-            self._layer_events[name] = event
-        self._layerwise_this_step = True
-        if cuda and not self._layerwise_checked:
-            # Until a forward is seen to wait per layer, it also waits for the whole load: safe
-            # even where an attention backend never calls wait_for_layer_load.
-            torch.cuda.current_stream().wait_event(copied)  # the last layer's copy
-
     def wait_for_layer_load(self, layer_name: str) -> None:
-        event = self._layer_events.pop(layer_name, None)
-        if event is None:
-            return
-        self.layer_waits += 1
-        if event is not True:
-            torch.cuda.current_stream().wait_event(event)
+        self._loader.wait_for_layer(layer_name)
+
+    @property
+    def layer_waits(self) -> int:
+        """wait_for_layer_load calls that waited on a layer's copy (tests)."""
+        return self._loader.layer_waits
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         return  # saves are gathered once per step, over all layers, in wait_for_save
 
     def wait_for_save(self) -> None:
-        if self._layerwise_this_step:
-            self._layerwise_this_step = False
-            if self._layer_events and not self._layerwise_checked:  # some layer's attention never waited
-                log.warning(
-                    "ragkv connector: this attention backend does not wait for each layer's load; loads are "
-                    "made before the forward from now on"
-                )
-                self._layerwise = False
-            self._layerwise_checked = True
-            self._layer_events.clear()
-        if self._inflight and self._load_stream is not None:
-            self._load_stream.synchronize()  # the forward waited on every layer's copy: done already
-        self._inflight.clear()
+        self._loader.end_step()
         meta = self._get_connector_metadata()
         if not isinstance(meta, RagkvConnectorMetadata) or not meta.saves or self._saving_broken:
             return
@@ -400,8 +322,8 @@ class RagkvConnector(KVConnectorBase_V1):
     def _gather(self, spec: SaveSpec) -> tuple[torch.Tensor, Any]:
         """The target's KV `(L, 2, H, T, D)` copied out of every layer's blocks (on CUDA, into
         page-locked host memory, asynchronously: with the event that says it is there)."""
-        layers = [layer for _, (_, layer) in sorted(self._layers.items())]
-        caches = [self._cache(layer, None) for layer in layers]
+        layers = [layer for _, (_, layer) in sorted(self._loader.layers.items())]
+        caches = [PagedLoader.cache(layer, None) for layer in layers]
         if self._paged is None:
             first, cache = layers[0], caches[0]
             block_dim = block_dim_of(cache, self._kv_cache_config.num_blocks)
