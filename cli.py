@@ -295,7 +295,7 @@ def _check_filter_fields(store: str, settings: SearchSettings) -> None:
     from store import open_snapshot
 
     with open_snapshot(store, require_documents=False) as snapshot:
-        check_fields(settings.conditions, snapshot.catalog.metadata_fields())
+        check_fields(settings.conditions, snapshot.catalog.documents.metadata_fields())
 
 
 @app.command()

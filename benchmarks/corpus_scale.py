@@ -188,15 +188,15 @@ def main() -> None:
         shutil.rmtree(store, ignore_errors=True)
     ingest_s = {"all": ingest(docs, stores["all"])}
     with open_snapshot(stores["all"]) as snapshot:
-        full_bytes = snapshot.catalog.kv_bytes()
-        prefix_bytes = snapshot.catalog.prefix_bytes()
+        full_bytes = snapshot.catalog.reports.kv_bytes()
+        prefix_bytes = snapshot.catalog.reports.prefix_bytes()
         sizes = {
             cid: nbytes
             for cid, nbytes in snapshot.catalog.con.execute(
                 "SELECT k.chunk_id, e.nbytes FROM chunk_kv k JOIN kv_entries e USING (kv_key)"
             ).fetchall()
         }
-        num_chunks = snapshot.catalog.counts()["chunks"]
+        num_chunks = snapshot.catalog.reports.counts()["chunks"]
     limit = int(full_bytes * BUDGET_SHARE)
     ingest_s["budget"] = ingest(docs, stores["budget"], kv_budget=limit)
     ingest_s["none"] = ingest(docs, stores["none"], precompute=0)
@@ -217,7 +217,7 @@ def main() -> None:
     live_bytes = {}
     for name, store in stores.items():
         with open_snapshot(store) as snapshot:
-            live_bytes[name] = snapshot.catalog.kv_bytes()
+            live_bytes[name] = snapshot.catalog.reports.kv_bytes()
     live_bytes["budget, day 2"] = live_bytes["budget"]
     trace = [r["chunk"] for r in runs["all"]]
     room = limit - prefix_bytes

@@ -140,7 +140,7 @@ def main() -> None:
         store = work / re.sub(r"\W+", "-", name)
         ragkv.ingest([docs], store, model=ModelSettings(device="cpu", dtype="float32"))
         with ragkv.open(store, device="cpu") as engine:
-            chunks = engine.snapshot.catalog.counts()["chunks"]
+            chunks = engine.snapshot.catalog.reports.counts()["chunks"]
             results[name] = (chunks, evaluate(engine, questions, args.tokens))
     args.out.write_text(render(results, args.tokens))
     print(args.out.read_text())

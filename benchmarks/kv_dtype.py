@@ -48,7 +48,7 @@ def main() -> None:
                 settings=IngestSettings(kv_dtype=kv_dtype),
             )
             with ragkv.open(store, device="cpu", ram_bytes=0) as engine:
-                kv_bytes = engine.snapshot.catalog.kv_bytes()
+                kv_bytes = engine.snapshot.catalog.reports.kv_bytes()
                 engine.ask(QUESTIONS[0], max_new_tokens=1)  # warm
                 whole = first8 = 0
                 kls, load_ms, agreement = [], [], []

@@ -264,7 +264,7 @@ def main() -> None:
         [docs], store, model=ModelSettings(device="cpu", dtype="float32"), settings=IngestSettings(chunk_tokens=256)
     )
     with ragkv.open(store, device="cpu") as engine:
-        chunks = engine.snapshot.catalog.counts()["chunks"]
+        chunks = engine.snapshot.catalog.reports.counts()["chunks"]
         configs = configurations(
             [float(r) for r in args.ratios.split(",")], args.modes.split(","), APE_GRID if args.ape_grid else APE_POINTS
         )

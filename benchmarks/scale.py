@@ -118,23 +118,25 @@ def build(root: Path, n: int, rng) -> dict:
     for first in range(0, num_docs, batch_docs):
         with StoreWriter(root) as writer:
             catalog = writer.catalog
-            catalog.add_profile(profile)
+            catalog.entries.add_profile(profile)
             if not shard:  # one real shard file the synthetic rows name (their bytes are never read)
                 import torch
 
                 shards = writer.shard_writer(1 << 20, {})
                 sealed = shards.add("synthetic-seed", torch.zeros(1, 2, 1, 1, 2)) + shards.flush()
-                catalog.add_entries(PROFILE, sealed)
+                catalog.entries.add_entries(PROFILE, sealed)
                 shard = sealed[0].shard
             docs, chunks = doc_rows(
-                [f"d{i:08d}" for i in range(first, min(num_docs, first + batch_docs))], catalog.next_chunk_id(), rng
+                [f"d{i:08d}" for i in range(first, min(num_docs, first + batch_docs))],
+                catalog.documents.next_chunk_id(),
+                rng,
             )
-            catalog.add_documents(docs, [{}] * len(docs), chunks)
+            catalog.documents.add_documents(docs, [{}] * len(docs), chunks)
             with_kv = [c for c in chunks if c.chunk_index != CHUNKS_PER_DOC - 1]  # 90%: the last chunk misses
-            catalog.add_entries(
+            catalog.entries.add_entries(
                 PROFILE, [SealedEntry(f"kv-{c.chunk_id}", shard, TOKENS, "float32", 512, "0") for c in with_kv]
             )
-            catalog.link_chunks(
+            catalog.entries.link_chunks(
                 PROFILE, [ChunkLink(c.chunk_id, f"kv-{c.chunk_id}", tuple(range(TOKENS))) for c in with_kv]
             )
             writer.ensure_vectors(DIM).add([c.chunk_id for c in chunks], corpus_vectors(rng, len(docs)))
@@ -163,10 +165,10 @@ def publish_one_document(root: Path, rng, version: int) -> tuple[float, int, int
     start = time.perf_counter()
     with StoreWriter(root) as writer:
         catalog = writer.catalog
-        removed = catalog.delete_documents([doc_id])
+        removed = catalog.documents.delete_documents([doc_id])
         writer.vectors.remove(removed)
-        new_docs, chunks = doc_rows([doc_id], catalog.next_chunk_id(), rng, version)
-        catalog.add_documents(new_docs, [{}], chunks)
+        new_docs, chunks = doc_rows([doc_id], catalog.documents.next_chunk_id(), rng, version)
+        catalog.documents.add_documents(new_docs, [{}], chunks)
         writer.vectors.add([c.chunk_id for c in chunks], corpus_vectors(rng, 1))
     after = files(root)
     lexical = {n: s for n, s in after.items() if n.startswith("segments/terms-")}
@@ -235,16 +237,16 @@ def retrieval(root: Path, rng) -> dict:
         lookups = {"context_rows": [], "span_chunk_ids": [], "entry": []}
         for group in chunk_ids:
             start = time.perf_counter()
-            rows = snap.catalog.context_rows(PROFILE, group)
+            rows = snap.catalog.entries.context_rows(PROFILE, group)
             lookups["context_rows"].append(time.perf_counter() - start)
             start = time.perf_counter()
-            snap.catalog.span_chunk_ids(PROFILE, rows[0].doc_id, 0)
+            snap.catalog.entries.span_chunk_ids(PROFILE, rows[0].doc_id, 0)
             lookups["span_chunk_ids"].append(time.perf_counter() - start)
             key = next((r.entry.kv_key for r in rows if r.entry), "kv-0")
             start = time.perf_counter()
-            snap.catalog.entry(key)
+            snap.catalog.entries.entry(key)
             lookups["entry"].append(time.perf_counter() - start)
-        texts = snap.catalog.chunk_texts(ids[rng.choice(len(ids), QUERIES, replace=False)].tolist())
+        texts = snap.catalog.documents.chunk_texts(ids[rng.choice(len(ids), QUERIES, replace=False)].tolist())
         lexical = []
         for text in texts.values():
             words = text.split(": ", 1)[1].split()
@@ -279,7 +281,7 @@ def reader_ram(root: Path) -> int:
         "rss = lambda: int(open('/proc/self/statm').read().split()[1]) * 4096\n"
         "before = rss()\n"
         f"s = open_snapshot({str(root)!r}); v = np.ones({DIM}, np.float32); s.vectors.search(v / np.linalg.norm(v), 10)\n"
-        f"s.catalog.context_rows({PROFILE!r}, [0, 1, 2])\n"
+        f"s.catalog.entries.context_rows({PROFILE!r}, [0, 1, 2])\n"
         "print(rss() - before)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -330,10 +332,10 @@ def refresh_s3(root: Path, work: Path, rng, version: int, n: int) -> dict:
     catalog = writer.catalog
     with open_snapshot(root) as snap:
         doc_id = snap.catalog.con.execute("SELECT doc_id FROM documents LIMIT 1").fetchone()[0]
-    removed = catalog.delete_documents([doc_id])
+    removed = catalog.documents.delete_documents([doc_id])
     writer.vectors.remove(removed)
-    docs, chunks = doc_rows([doc_id], catalog.next_chunk_id(), rng, version)
-    catalog.add_documents(docs, [{}], chunks)
+    docs, chunks = doc_rows([doc_id], catalog.documents.next_chunk_id(), rng, version)
+    catalog.documents.add_documents(docs, [{}], chunks)
     writer.vectors.add([c.chunk_id for c in chunks], corpus_vectors(rng, 1))
     start = time.perf_counter()
     writer.commit()

@@ -66,8 +66,8 @@ def first_token_and_answer(engine, rows, question: str, settings: AskSettings, t
 
 def rows_of(engine, doc_id: str, indexes: list[int]):
     catalog = engine.snapshot.catalog
-    ids = catalog.chunk_ids_of(doc_id)
-    rows = catalog.context_rows(engine.active.profile.profile_id, [ids[i] for i in indexes])
+    ids = catalog.documents.chunk_ids_of(doc_id)
+    rows = catalog.entries.context_rows(engine.active.profile.profile_id, [ids[i] for i in indexes])
     assert [r.chunk_index for r in rows] == indexes
     return rows
 
@@ -100,7 +100,10 @@ def main() -> None:
         k: {"exact": [], "span": [], "full": [], "agree_exact": 0, "agree_span": 0, "n": 0, "prompt": []} for k in KS
     }
     with ragkv.open(stores["spans"], device="cpu") as spans, ragkv.open(stores["chunks"], device="cpu") as chunks:
-        bytes_on_disk = {"spans": spans.snapshot.catalog.kv_bytes(), "chunks": chunks.snapshot.catalog.kv_bytes()}
+        bytes_on_disk = {
+            "spans": spans.snapshot.catalog.reports.kv_bytes(),
+            "chunks": chunks.snapshot.catalog.reports.kv_bytes(),
+        }
         first_token_and_answer(spans, [spans.retrieve(questions[0])[0][0]], questions[0], AskSettings(), 2)  # warm up
         for question in questions:
             ((hit, _),) = spans.retrieve(question, top_k=1)

@@ -106,7 +106,7 @@ def kv_agreement(a: Path, b: Path) -> dict:
     with open_snapshot(a) as left, open_snapshot(b) as right:
         keys = [r[0] for r in left.catalog.con.execute("SELECT kv_key FROM kv_entries WHERE kind = 'chunk'").fetchall()]
         for key in keys:
-            x, y = left.catalog.entry(key), right.catalog.entry(key)
+            x, y = left.catalog.entries.entry(key), right.catalog.entries.entry(key)
             if y is None:
                 continue
             kx = codec.decode(left.shards.read_parts(x.shard, x.tensor, x.checksum), torch.float32)
@@ -218,7 +218,7 @@ def main() -> None:
     kv = kv_agreement(stores["all-local"], stores["all-vllm"])
     answers = answers_agree(stores["all-vllm"], stores["all-local"], questions[:40], 24)
     with open_snapshot(stores["budget-vllm"]) as snapshot:
-        budget_entries = snapshot.catalog.counts()["kv_entries"]
+        budget_entries = snapshot.catalog.reports.counts()["kv_entries"]
 
     def ttft(result: dict, names: list[str] | None = None) -> list[float]:
         return [

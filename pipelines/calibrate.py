@@ -62,10 +62,10 @@ class Reference:
 
 def held_in_questions(catalog, count: int) -> list[str]:
     """Up to `count` questions, each about one chunk's first sentence, chunks spread evenly."""
-    ids = sorted(catalog.chunk_ids())
+    ids = sorted(catalog.documents.chunk_ids())
     picked = ids[:: max(1, len(ids) // count)][:count]
     questions = []
-    for text in catalog.chunk_texts(picked).values():
+    for text in catalog.documents.chunk_texts(picked).values():
         sentence = " ".join(SENTENCE_END.split(text.strip(), maxsplit=1)[0].split()[:20]).rstrip(".!?:;,")
         if sentence:
             questions.append(f"What does the text say about {sentence}?")

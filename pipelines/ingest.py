@@ -123,7 +123,7 @@ def ingest(
             report.kv_adopted = len(writer.adopt_orphans())
             report.uses_folded = budget.fold_hits(writer)
             _write(writer, found.documents, lm, embedder, layout, profile, settings, reporter, report, prune, job)
-            report.kv_bytes = writer.catalog.kv_bytes()
+            report.kv_bytes = writer.catalog.reports.kv_bytes()
             report.generation = writer.publish()
             if job or report.kv_evicted:  # shards of killed, retried attempts (duplicates), or evicted KV
                 report.shards_discarded = writer.delete_unreferenced_shards()[0]
@@ -192,7 +192,7 @@ def _write(
     def chunking(doc: Document) -> str:
         return chunking_id(settings.chunk_tokens, bool(doc.blocks)) + spans_part
 
-    plan = plan_documents(documents, catalog.documents(), chunking, prune)
+    plan = plan_documents(documents, catalog.documents.all(), chunking, prune)
     report.skipped += plan.conflicts
     report.documents = plan.counts()
     new_chunks = _replace_documents(writer, plan, chunking, lm, settings, reporter)
@@ -201,8 +201,8 @@ def _write(
 
     pending = _unlinked(catalog, plan, new_chunks, lm, layout, profile, settings, report)
     _check_chunks_fit(pending, lm, layout)
-    catalog.add_profile(_profile_row(profile, lm, settings.system_prompt))
-    limit = settings.kv_budget if settings.kv_budget is not None else catalog.kv_budget()
+    catalog.entries.add_profile(_profile_row(profile, lm, settings.system_prompt))
+    limit = settings.kv_budget if settings.kv_budget is not None else catalog.usage.kv_budget()
     pending = _admitted(writer, pending, lm, profile, limit, settings, report)
     todo = plan_work(catalog, pending, profile)
     work, prefix_key = todo.units, todo.prefix_key
@@ -217,7 +217,9 @@ def _write(
     else:
         _embed(new_chunks, embedder, vectors, reporter)
         _compute_and_store(writer, work, prefix_key, lm, profile, settings, reporter, report)
-    catalog.link_chunks(profile.profile_id, [ChunkLink(p.chunk_id, p.key, p.token_ids, p.span_start) for p in pending])
+    catalog.entries.link_chunks(
+        profile.profile_id, [ChunkLink(p.chunk_id, p.key, p.token_ids, p.span_start) for p in pending]
+    )
     if limit is not None:  # estimates planned the work; the bytes written decide
         report.kv_evicted += len(budget.enforce(writer, profile.profile_id, limit))
         catalog.set_meta({"kv_budget": str(limit)})
@@ -276,17 +278,17 @@ def _unlinked(
     """Every chunk without a link under this profile, keyed (only keys not stored yet are
     computed, later); the linked chunks of unchanged documents are counted as reused."""
     unchanged_ids = [d.doc_id for d in plan.unchanged]
-    linked = catalog.linked_chunk_ids(profile.profile_id)
-    stored_chunks = catalog.chunks_of(unchanged_ids)
+    linked = catalog.entries.linked_chunk_ids(profile.profile_id)
+    stored_chunks = catalog.documents.chunks_of(unchanged_ids)
     unlinked_docs = {c.doc_id for c in stored_chunks if c.chunk_id not in linked}
     if settings.span_tokens:  # a span's keys chain through its chunks: take whole documents
         candidates = new_chunks + [c for c in stored_chunks if c.doc_id in unlinked_docs]
-        report.kv_reused, report.tokens_skipped = catalog.linked_totals(
+        report.kv_reused, report.tokens_skipped = catalog.entries.linked_totals(
             profile.profile_id, [d for d in unchanged_ids if d not in unlinked_docs]
         )
         return pending_spans(candidates, lm.tokenizer, profile, layout.separator_ids, settings.span_tokens)
     candidates = new_chunks + [c for c in stored_chunks if c.chunk_id not in linked]
-    report.kv_reused, report.tokens_skipped = catalog.linked_totals(profile.profile_id, unchanged_ids)
+    report.kv_reused, report.tokens_skipped = catalog.entries.linked_totals(profile.profile_id, unchanged_ids)
     return [pending_alone(c, lm.tokenizer, profile) for c in candidates]
 
 
@@ -301,14 +303,16 @@ def _replace_documents(
     """Retire the chunks (and vectors) of changed and removed documents; chunk new and changed
     ones. Returns the new chunks, still to be embedded."""
     catalog, vectors = writer.catalog, writer.vectors
-    new_chunks = _chunk_documents(plan.to_chunk, lm.tokenizer, settings.chunk_tokens, catalog.next_chunk_id(), reporter)
+    new_chunks = _chunk_documents(
+        plan.to_chunk, lm.tokenizer, settings.chunk_tokens, catalog.documents.next_chunk_id(), reporter
+    )
     per_doc = Counter(c.doc_id for c in new_chunks)
     rows = [DocumentRow(d.doc_id, d.source, content_hash(d), chunking(d), per_doc[d.doc_id]) for d in plan.to_chunk]
     with catalog.transaction():
-        retired = catalog.delete_documents(plan.retired_ids)
+        retired = catalog.documents.delete_documents(plan.retired_ids)
         if vectors is not None:
             vectors.remove(retired)
-        catalog.add_documents(rows, [d.metadata for d in plan.to_chunk], new_chunks)
+        catalog.documents.add_documents(rows, [d.metadata for d in plan.to_chunk], new_chunks)
         _refresh_metadata(catalog, plan.unchanged)
     return new_chunks
 
@@ -317,8 +321,8 @@ def _refresh_metadata(catalog, unchanged: list[Document]) -> None:
     """Record the metadata of documents whose text is unchanged but whose metadata is not (a
     file touched, or read before ragkv recorded path, title and modified time): rows only, no
     chunk is cut or computed again."""
-    stored = catalog.metadata_of([d.doc_id for d in unchanged])
-    catalog.set_metadata({d.doc_id: d.metadata for d in unchanged if stored.get(d.doc_id) != d.metadata})
+    stored = catalog.documents.metadata_of([d.doc_id for d in unchanged])
+    catalog.documents.set_metadata({d.doc_id: d.metadata for d in unchanged if stored.get(d.doc_id) != d.metadata})
 
 
 def _chunk_documents(

@@ -127,7 +127,7 @@ def plan_work(catalog, pending: list[PendingChunk], profile: Profile) -> Work:
     """A unit per chunk alone, or per span, holding a key not stored yet (each distinct key
     written once)."""
     prefix_key = KVKey.for_prefix(profile).to_string()
-    stored = catalog.existing_keys([prefix_key] + [p.key for p in pending])
+    stored = catalog.entries.existing_keys([prefix_key] + [p.key for p in pending])
     units: list[Unit] = []
     num_reused = tokens_reused = 0
     for group in units_of(pending):
@@ -170,9 +170,9 @@ def within_budget(
     if limit is not None:
         budget.check_budget(limit, prefix_bytes)
     per_token = prefix_bytes / max(len(profile.prefix_ids), 1)
-    stored_keys = catalog.existing_keys(p.key for p in pending)
+    stored_keys = catalog.entries.existing_keys(p.key for p in pending)
     fresh = [p for p in pending if p.key not in stored_keys]
-    writes_prefix = not catalog.existing_keys([KVKey.for_prefix(profile).to_string()])
+    writes_prefix = not catalog.entries.existing_keys([KVKey.for_prefix(profile).to_string()])
     decision = budget.admit(
         writer,
         profile.profile_id,

@@ -78,7 +78,7 @@ def run_ray_job(
         if len(embedded):
             vectors.add([int(batch["chunk_id"][i]) for i in embedded], batch["vector"][embedded])
         entries = _sealed(batch)
-        writer.catalog.add_entries(profile.profile_id, entries, {prefix_key} if prefix_key else set())
+        writer.catalog.entries.add_entries(profile.profile_id, entries, {prefix_key} if prefix_key else set())
         computed = [tokens[e.name] for e in entries if e.name in tokens]
         outcome.kv_computed += len(computed)
         outcome.tokens_computed += sum(computed)

@@ -64,7 +64,7 @@ def repair(store: Path | str, device: str = "cpu", wait: bool = False) -> Repair
 
 def _recompute(writer: StoreWriter, profile_id: str, keys: list[str], device: str, report: RepairReport) -> None:
     catalog = writer.catalog
-    row = catalog.profile(profile_id)
+    row = catalog.entries.profile(profile_id)
     if row is None:
         report.unrepairable.append(f"profile {profile_id[:16]} is not in the catalog")
         return
@@ -82,9 +82,9 @@ def _recompute(writer: StoreWriter, profile_id: str, keys: list[str], device: st
     prefix_kv = compute_prefix(lm.model, row.prefix_ids)
     if prefix_key in keys:
         out.put(prefix_key, prefix_kv)
-    chunk_keys = [k for k in keys if k != prefix_key and catalog.token_ids_of(k) is not None]
+    chunk_keys = [k for k in keys if k != prefix_key and catalog.entries.token_ids_of(k) is not None]
     unused = [k for k in keys if k != prefix_key and k not in chunk_keys]
-    catalog.delete_entries(unused)
+    catalog.entries.delete_entries(unused)
     report.entries_dropped += len(unused)
     separator = PromptLayout.build(lm.tokenizer, row.system_prompt).separator_ids
     to_compute = _spans_of(catalog, chunk_keys, separator)
@@ -105,7 +105,7 @@ def _spans_of(catalog, keys: list[str], separator) -> list[tuple[list[str], list
     for key in keys:
         if key in covered:
             continue
-        links = catalog.span_links(key)
+        links = catalog.entries.span_links(key)
         span_keys = [link.kv_key for link in links]
         segments = spans.segments([link.token_ids for link in links], separator)
         covered.update(span_keys)
@@ -124,11 +124,11 @@ def _reindex_vectors(writer: StoreWriter, device: str, report: RepairReport) -> 
     vectors = writer.vectors
     assert vectors is not None  # a writer that repairs has opened (or just made) its index
     indexed = set(vectors.ids().tolist())
-    chunks = catalog.chunk_ids()
+    chunks = catalog.documents.chunk_ids()
     vectors.remove(sorted(indexed - chunks))
     missing = sorted(chunks - indexed)
     if missing:
         embedder = embedder or Embedder.load(catalog.meta()["embedder"], device)
-        texts = catalog.chunk_texts(missing)
+        texts = catalog.documents.chunk_texts(missing)
         vectors.add(missing, embedder.embed([texts[i] for i in missing]))
     report.chunks_reembedded = len(missing)

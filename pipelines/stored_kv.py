@@ -43,6 +43,6 @@ class StoredKV:
         if not sealed:
             return
         if self.replace:
-            self.catalog.delete_entries(e.name for e in sealed)
-        self.catalog.add_entries(self.profile_id, sealed, self.prefix_keys)
+            self.catalog.entries.delete_entries(e.name for e in sealed)
+        self.catalog.entries.add_entries(self.profile_id, sealed, self.prefix_keys)
         self.written += len(sealed)

@@ -70,5 +70,5 @@ def fill(store, model_folder: str | Path, dtype: str, report) -> None:
     report.tokens_computed += result["tokens"]
     report.compute_s += result.get("compute_s", 0.0)  # vLLM's prefill and the copies out; not its start
     with open_snapshot(store) as snapshot:
-        report.kv_bytes = snapshot.catalog.kv_bytes()
+        report.kv_bytes = snapshot.catalog.reports.kv_bytes()
         report.generation = snapshot.generation

@@ -25,7 +25,7 @@ def open_model(
     """Load the model `name` (default: the one the store was last ingested with) in `dtype`
     and pick its stored profile (KV stored as `kv_dtype`, when given). Raises StoreEmptyError
     or ModelError, naming what the store holds, when there is none to answer with."""
-    rows = snapshot.catalog.profiles()
+    rows = snapshot.catalog.entries.profiles()
     if not rows:
         raise StoreEmptyError(f"store {snapshot.location} holds no KV; add documents with: ragkv ingest DOCS")
     last = snapshot.catalog.meta().get("last_profile")

@@ -302,7 +302,7 @@ class KVLoader:
     def prefix_kv(self) -> torch.Tensor:
         """The system-prompt KV `(L, 2, H, P, D)`, read once and kept."""
         if self._prefix_kv is None:
-            entry = self.snapshot.catalog.entry(KVKey.for_prefix(self.active.profile).to_string())
+            entry = self.snapshot.catalog.entries.entry(KVKey.for_prefix(self.active.profile).to_string())
             if entry is None:
                 raise StoreCorruptError("the system-prompt KV is missing from the store")
             self._prefix_kv = codec.read(self.snapshot.shards, entry, self.lm.model.dtype, self.device)

@@ -97,7 +97,7 @@ class QueryEngine:
             return False
         snapshot = open_snapshot(self.snapshot.location)
         profile_id = self.active.profile.profile_id
-        if all(p.profile_id != profile_id for p in snapshot.catalog.profiles()):
+        if all(p.profile_id != profile_id for p in snapshot.catalog.entries.profiles()):
             snapshot.close()
             raise ModelError(f"the store's new generation no longer holds KV for model {self.lm.facts.name}; reopen it")
         old = self.snapshot

@@ -223,7 +223,7 @@ class Retriever:
         if settings.doc_ids is not None:
             allowed = []
             for doc_id in settings.doc_ids:
-                chunk_ids = self.snapshot.catalog.chunk_ids_of(doc_id)
+                chunk_ids = self.snapshot.catalog.documents.chunk_ids_of(doc_id)
                 if not chunk_ids:
                     raise InputError(f"no document {doc_id!r} in the store")
                 allowed += chunk_ids
@@ -233,14 +233,14 @@ class Retriever:
                 check_fields(settings.conditions, self._metadata_fields())
                 if len(self._filter_cache) >= FILTER_CACHE_ENTRIES:
                     self._filter_cache.pop(next(iter(self._filter_cache)))
-                self._filter_cache[key] = self.snapshot.catalog.chunk_ids_matching(settings.conditions)
+                self._filter_cache[key] = self.snapshot.catalog.documents.chunk_ids_matching(settings.conditions)
             matching = self._filter_cache[key]
             allowed = matching if allowed is None else sorted(set(allowed) & set(matching))
         return allowed
 
     def _metadata_fields(self) -> list[str]:
         if self._fields is None:
-            self._fields = self.snapshot.catalog.metadata_fields()
+            self._fields = self.snapshot.catalog.documents.metadata_fields()
         return self._fields
 
     def rows(self, hits: list[Hit]) -> Retrieved:
@@ -249,7 +249,7 @@ class Retriever:
         if missing:
             if len(self._row_cache) > ROW_CACHE_ENTRIES:
                 self._row_cache.clear()
-            for row in self.snapshot.catalog.context_rows(self.profile_id, missing):
+            for row in self.snapshot.catalog.entries.context_rows(self.profile_id, missing):
                 self._row_cache[row.chunk_id] = row
         return [(self._row_cache[h.chunk_id], h.score) for h in hits if h.chunk_id in self._row_cache]
 
@@ -257,7 +257,9 @@ class Retriever:
         assert row.span_start is not None  # asked only of a row inside a span
         key = (row.doc_id, row.span_start)
         if key not in self._span_cache:
-            self._span_cache[key] = self.snapshot.catalog.span_chunk_ids(self.profile_id, row.doc_id, row.span_start)
+            self._span_cache[key] = self.snapshot.catalog.entries.span_chunk_ids(
+                self.profile_id, row.doc_id, row.span_start
+            )
         return self._span_cache[key]
 
 

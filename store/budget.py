@@ -61,14 +61,14 @@ def plan(candidates: Sequence[Candidate], room: int | None, compute_limit: int |
 def fold_hits(writer: StoreWriter) -> int:
     """Fold the readers' hit logs into the writer's catalog; returns the uses folded."""
     catalog = writer.catalog
-    pending = read_pending(writer.root, catalog.folded_offsets())
+    pending = read_pending(writer.root, catalog.usage.folded_offsets())
     if pending.unusable:  # said once: the offsets move past these lines
         log.warning(
             "hit logs: skipped %d lines that record no use (%s); popularity counts the rest",
             sum(pending.unusable.values()),
             ", ".join(f"{HITS_DIR}/{name}" for name in sorted(pending.unusable)),
         )
-    folded = catalog.fold_uses(pending, catalog.half_life_s())
+    folded = catalog.usage.fold_uses(pending, catalog.usage.half_life_s())
     remove_finished(writer.root, pending.finished)
     return folded
 
@@ -76,8 +76,10 @@ def fold_hits(writer: StoreWriter) -> int:
 def stored_candidates(catalog: Catalog, profile_id: str, now: float | None = None) -> list[Candidate]:
     """The chunk KV of `profile_id` the budget may evict, scored (a key shared by several
     chunks takes the best of their scores)."""
-    stored = catalog.stored_chunks(profile_id)
-    scores = catalog.chunk_scores([i for _, _, ids in stored for i in ids], now or time.time(), catalog.half_life_s())
+    stored = catalog.entries.stored_chunks(profile_id)
+    scores = catalog.usage.chunk_scores(
+        [i for _, _, ids in stored for i in ids], now or time.time(), catalog.usage.half_life_s()
+    )
     return [Candidate(key, nbytes, max(scores[i] for i in ids), True, min(ids)) for key, nbytes, ids in stored]
 
 
@@ -85,7 +87,7 @@ def room_for_chunks(catalog: Catalog, budget: int | None, stored: Sequence[Candi
     """Bytes of the budget left for evictable chunk KV: the budget less every other entry."""
     if budget is None:
         return None
-    fixed = catalog.kv_bytes() - sum(c.nbytes for c in stored)
+    fixed = catalog.reports.kv_bytes() - sum(c.nbytes for c in stored)
     return budget - fixed
 
 
@@ -102,13 +104,13 @@ def admit(
     be written outside the plan); the stored KV it outranks is unlinked now (see `drop_dead`)."""
     catalog = writer.catalog
     now = time.time()
-    scores = catalog.chunk_scores([chunk_id for _, _, chunk_id in fresh], now, catalog.half_life_s())
+    scores = catalog.usage.chunk_scores([chunk_id for _, _, chunk_id in fresh], now, catalog.usage.half_life_s())
     candidates = [Candidate(key, nbytes, scores[chunk_id], False, chunk_id) for key, nbytes, chunk_id in fresh]
     stored = stored_candidates(catalog, profile_id, now)
     room = room_for_chunks(catalog, limit, stored)
     decision = plan(stored + candidates, None if room is None else room - reserved, compute_limit)
     if decision.evict:
-        catalog.unlink_keys(profile_id, decision.evict)
+        catalog.entries.unlink_keys(profile_id, decision.evict)
     return decision
 
 
@@ -122,7 +124,7 @@ def enforce(writer: StoreWriter, profile_id: str, budget: int | None) -> list[st
     stored = stored_candidates(catalog, profile_id)
     evicted = plan(stored, room_for_chunks(catalog, budget, stored)).evict
     if evicted:
-        catalog.unlink_keys(profile_id, evicted)
+        catalog.entries.unlink_keys(profile_id, evicted)
         drop_dead(writer)
     return evicted
 
@@ -149,11 +151,11 @@ def set_budget(root, size: int | None, wait: bool = False) -> BudgetReport:
         fold_hits(writer)
         report = BudgetReport(writer.location, size, 0)
         if size is not None:
-            check_budget(size, catalog.prefix_bytes())
-            for profile in catalog.profiles():
+            check_budget(size, catalog.reports.prefix_bytes())
+            for profile in catalog.entries.profiles():
                 report.evicted += len(enforce(writer, profile.profile_id, size))
         catalog.set_meta({"kv_budget": "" if size is None else str(size)})
-        report.kv_bytes = catalog.kv_bytes()
+        report.kv_bytes = catalog.reports.kv_bytes()
         report.generation = writer.publish()
         report.shards_deleted, report.bytes_reclaimed = writer.delete_unreferenced_shards()
     return report
@@ -165,7 +167,9 @@ def budget_status(root) -> BudgetReport:
 
     with open_snapshot(root, require_documents=False) as snapshot:
         catalog = snapshot.catalog
-        return BudgetReport(snapshot.location, catalog.kv_budget(), catalog.kv_bytes(), generation=snapshot.generation)
+        return BudgetReport(
+            snapshot.location, catalog.usage.kv_budget(), catalog.reports.kv_bytes(), generation=snapshot.generation
+        )
 
 
 def check_budget(budget: int, prefix_bytes: int) -> None:

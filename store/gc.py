@@ -47,8 +47,8 @@ def collect_garbage(
         catalog = writer.catalog
         if other_models:
             keep = catalog.meta().get("last_profile")
-            others = [p.profile_id for p in catalog.profiles() if p.profile_id != keep]
-            catalog.drop_profiles(others)
+            others = [p.profile_id for p in catalog.entries.profiles() if p.profile_id != keep]
+            catalog.entries.drop_profiles(others)
             report.profiles_dropped = len(others)
         report.entries_removed, report.shards_rewritten = drop_dead(writer, rewrite_below)
         vectors = writer.vectors
@@ -83,8 +83,8 @@ def maintaining(root: Path | str, wait: bool = False) -> Iterator[StoreWriter]:
 def drop_dead(writer: StoreWriter, rewrite_below: float = REWRITE_BELOW) -> tuple[int, int]:
     """Delete dead entry rows and rewrite mostly-dead shards (their files go after publish,
     in `delete_unreferenced_shards`). Returns (entries dropped, shards rewritten)."""
-    dead = writer.catalog.dead_entries()
-    writer.catalog.delete_entries(e.kv_key for e in dead)
+    dead = writer.catalog.entries.dead_entries()
+    writer.catalog.entries.delete_entries(e.kv_key for e in dead)
     return len(dead), rewrite_sparse_shards(writer, rewrite_below)
 
 
@@ -95,19 +95,19 @@ def rewrite_sparse_shards(writer: StoreWriter, rewrite_below: float) -> int:
     sizes = writer.shard_sizes()
     sparse = [
         shard
-        for shard, live in catalog.live_bytes_by_shard().items()
+        for shard, live in catalog.reports.live_bytes_by_shard().items()
         if shard in sizes and live < rewrite_below * sizes[shard]
     ]
     reader = writer.shard_reader()
     shards = writer.shard_writer(max_bytes=max(sizes.values(), default=1), metadata={"rewritten_by": "gc"})
     sealed = []
     for shard in sparse:
-        for entry in catalog.entries_in(shard):
+        for entry in catalog.entries.entries_in(shard):
             try:
                 sealed += shards.add(entry.kv_key, reader.read_parts(shard, entry.tensor, entry.checksum))
             except StoreCorruptError:
                 continue  # left where it is, for `verify --repair` to see and fix
     sealed += shards.flush()
-    catalog.move_entries(sealed)
+    catalog.entries.move_entries(sealed)
     reader.close()
     return len(sparse)

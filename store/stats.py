@@ -17,14 +17,14 @@ def store_stats(snapshot: StoreSnapshot) -> dict:
     generation's entries) vs dead (anything else in shard files: gc reclaims it)."""
     catalog = snapshot.catalog
     files = snapshot.remote.shards() if snapshot.remote else shard_files(snapshot.root / "shards")
-    referenced = catalog.shards()
-    live_bytes = catalog.kv_bytes()
+    referenced = catalog.reports.shards()
+    live_bytes = catalog.reports.kv_bytes()
     disk_bytes = sum(files.values())
     return {
         "store": snapshot.location,
         "generation": snapshot.generation,
         "written_by": snapshot.written_by,
-        **catalog.counts(),
+        **catalog.reports.counts(),
         "vectors": len(snapshot.vectors),
         "index": snapshot.vectors.describe(),
         "catalog": {
@@ -44,14 +44,14 @@ def store_stats(snapshot: StoreSnapshot) -> dict:
                 "tokens": p.tokens,
                 "kv_bytes": p.kv_bytes,
             }
-            for p in catalog.profile_totals()
+            for p in catalog.reports.profile_totals()
         ],
         "shards": len(files),
         "shards_unreferenced": len(set(files) - referenced),
         "shard_bytes": disk_bytes,
         "live_bytes": live_bytes,
         "dead_bytes": max(disk_bytes - live_bytes, 0),
-        "kv_budget": catalog.kv_budget(),
+        "kv_budget": catalog.usage.kv_budget(),
         **popularity(snapshot),
     }
 
@@ -60,14 +60,14 @@ def popularity(snapshot: StoreSnapshot) -> dict:
     """Hit rate (uses whose chunk KV was ready, of those that needed it) and the hottest and
     coldest documents by ageing score, counting uses logged since the last fold too."""
     catalog = snapshot.catalog
-    half_life = catalog.half_life_s()
-    rows = catalog.chunk_hits()
-    pending = [] if snapshot.remote else read_pending(snapshot.root, catalog.folded_offsets()).uses
+    half_life = catalog.usage.half_life_s()
+    rows = catalog.usage.chunk_hits()
+    pending = [] if snapshot.remote else read_pending(snapshot.root, catalog.usage.folded_offsets()).uses
     tally(rows, pending, half_life)
     now = time.time()
     hits = sum(r.hits for r in rows.values())
     misses = sum(r.misses for r in rows.values())
-    docs: dict[str, dict[str, Any]] = {d: {"doc_id": d, "uses": 0, "score": 0.0} for d in catalog.documents()}
+    docs: dict[str, dict[str, Any]] = {d: {"doc_id": d, "uses": 0, "score": 0.0} for d in catalog.documents.all()}
     for (doc_id, _), row in rows.items():
         if doc_id in docs:
             docs[doc_id]["uses"] += row.uses

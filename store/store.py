@@ -213,14 +213,14 @@ class StoreWriter:
         """Commit rows for verified entries of sealed shards the catalog does not reference:
         the work of a writer killed after sealing them. KV is content-addressed, so such an
         entry is valid for its key whatever happened to the writer. Returns the adopted entries."""
-        referenced = self.catalog.shards()
+        referenced = self.catalog.reports.shards()
         adopted = []
         for shard in sorted(set(shard_files(self.shard_dir)) - referenced):
             entries = [e for e in sealed_entries(self.shard_dir, shard) if _is_key(e.name)]
             for profile_id in {KVKey.from_string(e.name).profile_id for e in entries}:
                 mine = [e for e in entries if KVKey.from_string(e.name).profile_id == profile_id]
                 prefix = {e.name for e in mine if KVKey.from_string(e.name).is_prefix}
-                self.catalog.add_entries(profile_id, mine, prefix)
+                self.catalog.entries.add_entries(profile_id, mine, prefix)
             adopted += entries
         return adopted
 
@@ -272,14 +272,14 @@ class StoreWriter:
         tombstones in the delta; returns the manifest's vector part."""
         if self.vectors is None:
             return {"dim": 0, "segments": []}
-        part = self.vectors.publish(f"{self.generation:06d}", self.catalog.chunk_texts)
+        part = self.vectors.publish(f"{self.generation:06d}", self.catalog.documents.chunk_texts)
         self.catalog.set_gone_vectors(self.vectors.gone)
         return part
 
     def compact_vectors(self) -> None:
         """Rewrite every live chunk of the index as one segment (see VectorIndex.compact)."""
         if self.vectors is not None:
-            self.vectors.compact(f"{self.generation:06d}", self.catalog.chunk_texts)
+            self.vectors.compact(f"{self.generation:06d}", self.catalog.documents.chunk_texts)
 
     def _keep_current(self) -> int:
         self.catalog.close()
@@ -296,7 +296,7 @@ class StoreWriter:
         referenced: set[str] = set()
         for generation in generations_on_disk(self.root):
             with Catalog(catalog_path(self.root, generation), read_only=True) as catalog:
-                referenced |= catalog.shards()
+                referenced |= catalog.reports.shards()
         files, freed = 0, remove_temporary(self.shard_dir)
         for shard, size in shard_files(self.shard_dir).items():
             if shard not in referenced:

@@ -49,26 +49,26 @@ def verify(snapshot: StoreSnapshot) -> VerifyReport:
     start = time.perf_counter()
     report = VerifyReport(snapshot.generation)
     catalog = snapshot.catalog
-    for entry in catalog.all_entries():
+    for entry in catalog.reports.all_entries():
         try:
             parts = snapshot.shards.read_parts(entry.shard, entry.tensor, entry.checksum)
             report.bytes_checked += sum(t.numel() * t.element_size() for t in parts.values())
         except StoreCorruptError as exc:
             report.problems.append(Problem("entry", str(exc), entry.kv_key))
         report.entries_checked += 1
-    for chunk_id, _, kv_key in catalog.links_without_entries():
+    for chunk_id, _, kv_key in catalog.entries.links_without_entries():
         report.problems.append(
             Problem("link", f"chunk {chunk_id} points at a KV entry that is not in the catalog", kv_key)
         )
-    for profile_id in catalog.linked_profiles():
+    for profile_id in catalog.entries.linked_profiles():
         key = KVKey.prefix_of(profile_id).to_string()
-        if catalog.entry(key) is None:
+        if catalog.entries.entry(key) is None:
             report.problems.append(Problem("prefix", f"profile {profile_id[:16]} has no system-prompt KV", key))
     if snapshot.vectors_damage:
         report.problems.append(Problem("vectors-unreadable", snapshot.vectors_damage))
     else:
         indexed = set(snapshot.vectors.ids().tolist())
-        chunks = catalog.chunk_ids()
+        chunks = catalog.documents.chunk_ids()
         if indexed != chunks:
             report.problems.append(
                 Problem(
@@ -79,7 +79,7 @@ def verify(snapshot: StoreSnapshot) -> VerifyReport:
             )
         _verify_lexical(snapshot, report)
     if not snapshot.remote:
-        unusable = read_pending(snapshot.root, catalog.folded_offsets()).unusable
+        unusable = read_pending(snapshot.root, catalog.usage.folded_offsets()).unusable
         report.warnings += [
             f"{HITS_DIR}/{name}: {count} lines record no use (popularity skips them)"
             for name, count in sorted(unusable.items())

@@ -151,25 +151,27 @@ class WriteBack:
             catalog = writer.catalog
             budget.fold_hits(writer)
             by_key = {b.kv_key: b for b in batch}
-            alive = set(catalog.chunk_texts([b.chunk_id for b in batch]))  # a re-ingest may have replaced some
-            stored = catalog.existing_keys(by_key)
+            alive = set(
+                catalog.documents.chunk_texts([b.chunk_id for b in batch])
+            )  # a re-ingest may have replaced some
+            stored = catalog.entries.existing_keys(by_key)
             new = [b for b in by_key.values() if b.kv_key not in stored and b.chunk_id in alive]
-            limit = catalog.kv_budget()
+            limit = catalog.usage.kv_budget()
             profile_id = batch[0].profile_id
             if limit is not None and new:
                 new = self._within_budget(writer, profile_id, new, limit)
             if new:
                 shards = writer.shard_writer(SHARD_BYTES, new[0].shard_metadata)
                 for item in new:
-                    catalog.add_entries(item.profile_id, shards.add(item.kv_key, item.parts))
-                catalog.add_entries(profile_id, shards.flush())
+                    catalog.entries.add_entries(item.profile_id, shards.add(item.kv_key, item.parts))
+                catalog.entries.add_entries(profile_id, shards.flush())
             written = {b.kv_key for b in new} | stored
             links = {
                 b.chunk_id: ChunkLink(b.chunk_id, b.kv_key, b.token_ids)
                 for b in batch
                 if b.chunk_id in alive and b.kv_key in written
             }  # one per chunk: it may have missed twice
-            catalog.link_chunks(profile_id, list(links.values()))
+            catalog.entries.link_chunks(profile_id, list(links.values()))
             self.report.stored += len(new)
             self.report.linked += sum(1 for b in by_key.values() if b.kv_key in stored)
             writer.publish()

@@ -67,7 +67,7 @@ class RemoteStoreWriter(StoreWriter):
         if self._published:
             return self.generation
         try:
-            missing = self.catalog.shards() - set(self.remote.shards())
+            missing = self.catalog.reports.shards() - set(self.remote.shards())
             for shard in sorted(missing):
                 if not (self.shard_dir / shard).exists():
                     raise StoreWriteError(
@@ -186,5 +186,5 @@ def referenced_shards(remote: RemoteStore, generations: set[int]) -> set[str]:
         path = catalog_path(remote.mirror, generation)
         remote.fetch_generation(generation, fresh=False)
         with Catalog(path, read_only=True) as catalog:
-            referenced |= catalog.shards()
+            referenced |= catalog.reports.shards()
     return referenced

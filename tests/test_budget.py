@@ -59,14 +59,14 @@ def test_hit_log_folds_once_and_its_file_goes_when_its_reader_has(tmp_path):
     with open(file, "ab") as f:
         f.write(b'{"t": 1, "doc": "torn')  # a line a killed reader never finished
     catalog = Catalog(tmp_path / "c.duckdb", read_only=False)
-    pending = read_pending(tmp_path, catalog.folded_offsets())
-    assert catalog.fold_uses(pending, 3600.0) == 3 and pending.finished == []
-    rows = catalog.chunk_hits()
+    pending = read_pending(tmp_path, catalog.usage.folded_offsets())
+    assert catalog.usage.fold_uses(pending, 3600.0) == 3 and pending.finished == []
+    rows = catalog.usage.chunk_hits()
     assert (rows[("a", 0)].hits, rows[("a", 0)].misses, rows[("a", 0)].uses) == (1, 1, 2)
     assert rows[("b", 1)].hits == 1 and rows[("a", 0)].score == pytest.approx(2.0)
-    assert catalog.fold_uses(read_pending(tmp_path, catalog.folded_offsets()), 3600.0) == 0  # nothing twice
+    assert catalog.usage.fold_uses(read_pending(tmp_path, catalog.usage.folded_offsets()), 3600.0) == 0  # nothing twice
     log.close()
-    pending = read_pending(tmp_path, catalog.folded_offsets())
+    pending = read_pending(tmp_path, catalog.usage.folded_offsets())
     assert pending.finished == [] and pending.uses == []  # the torn tail is not "folded in full"
     catalog.close()
 
@@ -103,7 +103,7 @@ def test_a_miss_computes_the_kv_token_identical_then_the_store_serves_it(stores)
         )
     with open_snapshot(lazy) as snapshot:
         assert verify(snapshot).ok
-        assert snapshot.catalog.counts()["kv_entries"] == 5  # the prefix and the four chunks asked about
+        assert snapshot.catalog.reports.counts()["kv_entries"] == 5  # the prefix and the four chunks asked about
 
 
 def test_ram_serves_a_repeat_miss_before_the_write_lands(stores):
@@ -115,7 +115,7 @@ def test_ram_serves_a_repeat_miss_before_the_write_lands(stores):
         assert first.token_ids == second.token_ids
         assert json.loads(json.dumps(second.to_dict()))["stats"]["kv_source"] == "ram"
     with open_snapshot(lazy) as snapshot:  # write_back=False: nothing stored
-        assert snapshot.catalog.counts()["kv_entries"] == 1
+        assert snapshot.catalog.reports.counts()["kv_entries"] == 1
 
 
 def test_uses_survive_a_restart_and_stats_report_the_hit_rate(stores):
@@ -135,7 +135,7 @@ def test_uses_survive_a_restart_and_stats_report_the_hit_rate(stores):
 def _entry_bytes(store) -> tuple[int, int]:
     """(prefix bytes, largest chunk entry bytes) of a store."""
     with open_snapshot(store) as snapshot:
-        return snapshot.catalog.prefix_bytes(), max(e.nbytes for e in snapshot.catalog.all_entries())
+        return snapshot.catalog.reports.prefix_bytes(), max(e.nbytes for e in snapshot.catalog.reports.all_entries())
 
 
 def test_a_budget_keeps_the_most_asked_chunks_within_its_bytes(stores, tiny_llama, corpus, tmp_path):
@@ -151,7 +151,7 @@ def test_a_budget_keeps_the_most_asked_chunks_within_its_bytes(stores, tiny_llam
             engine.flush()
             engine.refresh()
         assert engine.ask(hot, max_new_tokens=1).stats.kv_source == "store"
-        with_kv = engine.snapshot.catalog.kv_bytes()
+        with_kv = engine.snapshot.catalog.reports.kv_bytes()
         assert with_kv <= limit
         ((row, _),) = engine.retrieve(hot)
         assert row.entry is not None  # the hot chunk holds a place
@@ -162,7 +162,7 @@ def test_a_budget_keeps_the_most_asked_chunks_within_its_bytes(stores, tiny_llam
     with ragkv.open(tmp_path / "b", device="cpu") as engine:
         assert engine.ask(hot, max_new_tokens=1).stats.kv_source == "store"
     with open_snapshot(tmp_path / "b") as snapshot:
-        assert verify(snapshot).ok and snapshot.catalog.kv_budget() == prefix + largest
+        assert verify(snapshot).ok and snapshot.catalog.usage.kv_budget() == prefix + largest
         assert sum(shard_files(tmp_path / "b" / "shards").values()) <= summary["kv_bytes"] + 64 * 1024
     bad = run_cli("budget", "1KB", "--store", tmp_path / "b")
     assert bad.exit_code != 0 and "smaller than the system prompt's KV" in bad.output
@@ -177,7 +177,7 @@ def test_ingest_refuses_a_budget_below_the_prefix_and_leaves_the_store(tiny_llam
     with pytest.raises(InputError, match="smaller than the system prompt's KV"):
         build_store(corpus, tmp_path / "s", str(tiny_llama), kv_budget=1000)
     with open_snapshot(tmp_path / "s") as snapshot:
-        assert snapshot.generation == generation and snapshot.catalog.kv_budget() is None
+        assert snapshot.generation == generation and snapshot.catalog.usage.kv_budget() is None
     result = run_cli("ingest", corpus, "--store", tmp_path / "s", "--kv-budget", "lots", "--model", tiny_llama)
     assert result.exit_code != 0 and "--kv-budget 'lots' is not a size" in result.output
 
@@ -186,7 +186,7 @@ def test_reingest_recomputes_a_changed_hot_document_before_cold_ones(stores, tin
     full, _ = stores
     prefix, _ = _entry_bytes(full)
     with open_snapshot(full) as snapshot:
-        per_token = prefix // len(snapshot.catalog.profiles()[0].prefix_ids)
+        per_token = prefix // len(snapshot.catalog.entries.profiles()[0].prefix_ids)
     limit = prefix + 30 * per_token  # room for one of the two changed chunks (about 20 tokens each)
     docs = tmp_path / "docs"
     shutil.copytree(corpus, docs)
@@ -216,7 +216,7 @@ def test_concurrent_misses_of_one_chunk_store_one_entry(stores):
         assert a.loader.writer.report.stored + b.loader.writer.report.stored == 1
         assert a.loader.writer.report.linked + b.loader.writer.report.linked == 1
     with open_snapshot(lazy) as snapshot:
-        assert snapshot.catalog.counts()["kv_entries"] == 2 and verify(snapshot).ok
+        assert snapshot.catalog.reports.counts()["kv_entries"] == 2 and verify(snapshot).ok
         assert len(shard_files(lazy / "shards")) == 2  # the prefix's shard and one chunk shard
 
 
@@ -242,12 +242,12 @@ def test_a_kill_during_write_back_leaves_a_store_that_verifies(stores):
     assert proc.returncode == -9 and proc.stdout.split() == ["computed"], proc.stderr[-2000:]
     assert len(shard_files(lazy / "shards")) == 2  # the sealed, never committed shard is an orphan
     with open_snapshot(lazy) as snapshot:
-        assert verify(snapshot).ok and snapshot.catalog.counts()["kv_entries"] == 1
+        assert verify(snapshot).ok and snapshot.catalog.reports.counts()["kv_entries"] == 1
     with ragkv.open(lazy, device="cpu") as engine:
         assert engine.ask(QUESTIONS[3], max_new_tokens=1).stats.kv_source == "computed"
     with open_snapshot(lazy) as snapshot:  # stored now; the next writer deleted the orphan
-        assert verify(snapshot).ok and snapshot.catalog.counts()["kv_entries"] == 2
-        assert set(shard_files(lazy / "shards")) == snapshot.catalog.shards()
+        assert verify(snapshot).ok and snapshot.catalog.reports.counts()["kv_entries"] == 2
+        assert set(shard_files(lazy / "shards")) == snapshot.catalog.reports.shards()
 
 
 def test_a_full_disk_during_write_back_warns_once_and_answers_go_on(stores, monkeypatch, caplog):
@@ -266,4 +266,4 @@ def test_a_full_disk_during_write_back_warns_once_and_answers_go_on(stores, monk
     warnings = [r for r in caplog.records if "could not store computed KV" in r.getMessage()]
     assert len(warnings) == 1 and "No space left on device" in warnings[0].getMessage()
     with open_snapshot(lazy) as snapshot:
-        assert verify(snapshot).ok and snapshot.catalog.counts()["kv_entries"] == 1
+        assert verify(snapshot).ok and snapshot.catalog.reports.counts()["kv_entries"] == 1

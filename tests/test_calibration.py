@@ -102,7 +102,7 @@ def test_calibrate_measures_stops_at_the_target_and_records_what_approximate_use
 def test_held_in_questions_come_from_the_stores_chunks(store):
     with open_snapshot(store) as snapshot:
         questions = held_in_questions(snapshot.catalog, 4)
-        texts = snapshot.catalog.chunk_texts(sorted(snapshot.catalog.chunk_ids())).values()
+        texts = snapshot.catalog.documents.chunk_texts(sorted(snapshot.catalog.documents.chunk_ids())).values()
     assert len(questions) == 4 and len(set(questions)) == 4
     for question in questions:
         topic = question.removeprefix("What does the text say about ").removesuffix("?")

@@ -84,7 +84,7 @@ def test_an_integer_store_is_smaller_named_and_close(tiny_llama, corpus, tmp_pat
     build_store(corpus, tmp_path / "full", str(tiny_llama))
     build_store(corpus, tmp_path / quant, str(tiny_llama), kv_dtype=quant)
     with open_snapshot(tmp_path / "full") as full, open_snapshot(tmp_path / quant) as small:
-        assert small.catalog.kv_bytes() < most_bytes * full.catalog.kv_bytes()
+        assert small.catalog.reports.kv_bytes() < most_bytes * full.catalog.reports.kv_bytes()
     with ragkv.open(tmp_path / quant, device="cpu") as engine:
         answer = engine.ask(QUESTIONS[0], max_new_tokens=4)
         assert answer.stats.kv_quant == quant and answer.stats.reused_tokens > 0

@@ -72,8 +72,8 @@ def crash_setup(tmp_path_factory, tiny_llama):
     shutil.copytree(root / "base", root / "reference")
     ingest(root / "docs", root / "reference", tiny_llama)
     with open_snapshot(root / "reference") as snap:
-        reference_keys = {e.kv_key for e in snap.catalog.all_entries()}
-        num_documents = snap.catalog.counts()["documents"]
+        reference_keys = {e.kv_key for e in snap.catalog.reports.all_entries()}
+        num_documents = snap.catalog.reports.counts()["documents"]
     return root, reference_keys, num_documents
 
 
@@ -82,7 +82,7 @@ def sealed_but_unreferenced(store: Path) -> set[str]:
     referenced = set()
     if read_current(store) is not None:
         with open_snapshot(store, require_documents=False) as snap:
-            referenced = snap.catalog.shards()
+            referenced = snap.catalog.reports.shards()
     names = set()
     for shard in set(shard_files(store / "shards")) - referenced:
         with safe_open(str(store / "shards" / shard), framework="pt") as f:
@@ -115,7 +115,7 @@ def kill_trial(trial: int, crash_setup, tiny_llama, tmp_path) -> str:
         with open_snapshot(store, require_documents=False) as snap:
             report = verify(snap)
             assert report.ok, (trial, report.problems)
-            assert snap.catalog.counts()["documents"] in ({0, 10} if not fresh else {0}) | {num_documents}
+            assert snap.catalog.reports.counts()["documents"] in ({0, 10} if not fresh else {0}) | {num_documents}
     sealed = sealed_but_unreferenced(store) & reference_keys
 
     published = read_current(store) is not None and read_current(store) > (0 if fresh else 1)
@@ -123,8 +123,8 @@ def kill_trial(trial: int, crash_setup, tiny_llama, tmp_path) -> str:
     assert rerun.kv_adopted == len(sealed), trial
     with open_snapshot(store) as snap:
         assert verify(snap).ok
-        assert snap.catalog.counts()["documents"] == num_documents
-        keys = {e.kv_key for e in snap.catalog.all_entries()}
+        assert snap.catalog.reports.counts()["documents"] == num_documents
+        keys = {e.kv_key for e in snap.catalog.reports.all_entries()}
     assert keys == reference_keys, trial
     already = set() if fresh else _base_keys(root)
     if rerun.documents["unchanged"] == num_documents:  # the killed run had published
@@ -145,7 +145,7 @@ _BASE_KEYS: dict[Path, set[str]] = {}
 def _base_keys(root: Path) -> set[str]:
     if root not in _BASE_KEYS:
         with open_snapshot(root / "base") as snap:
-            _BASE_KEYS[root] = {e.kv_key for e in snap.catalog.all_entries()}
+            _BASE_KEYS[root] = {e.kv_key for e in snap.catalog.reports.all_entries()}
     return _BASE_KEYS[root]
 
 

@@ -226,7 +226,7 @@ def test_a_catalog_written_before_chunk_places_is_read_as_it_is_and_migrated_by_
     store = tmp_path / "older"
     shutil.copytree(tiny_store, store)
     with open_snapshot(store) as snap:
-        generation, base, expected = snap.generation, snap.catalog.base_name(), snap.catalog.chunk_ids()
+        generation, base, expected = snap.generation, snap.catalog.base_name(), snap.catalog.documents.chunk_ids()
     for path, table in ((store / base, "chunks"), (store / f"catalog-{generation:06d}.duckdb", "add_chunks")):
         con = duckdb.connect(str(path))  # as a ragkv before 0004_chunk_places wrote it
         for column in ("section", "page_start", "page_end"):
@@ -241,5 +241,5 @@ def test_a_catalog_written_before_chunk_places_is_read_as_it_is_and_migrated_by_
     with StoreWriter(store) as writer:  # the first writer migrates (by compacting: the base is shared)
         assert writer.compacted
     with open_snapshot(store) as snap:
-        assert snap.catalog.chunk_ids() == expected
+        assert snap.catalog.documents.chunk_ids() == expected
         assert snap.catalog.con.execute("SELECT count(*) FROM chunks WHERE section IS NULL").fetchone()[0] > 0

@@ -92,7 +92,7 @@ def test_bfloat16_store_is_lossless_and_logits_agree(model, captured_kv, corpus,
     build_store(corpus, tmp_path / "s", name, dtype="bfloat16")
     with ragkv.open(tmp_path / "s", device="cpu") as engine:
         assert engine.lm.facts.dtype == "bfloat16"
-        entries = engine.snapshot.catalog.all_entries()
+        entries = engine.snapshot.catalog.reports.all_entries()
         assert {e.kv_key for e in entries} == set(captured_kv)
         for entry in entries:
             loaded = engine.snapshot.shards.read(entry.shard, entry.tensor, entry.checksum)

@@ -113,15 +113,15 @@ def test_a_touched_file_updates_its_metadata_without_rechunking(tmp_path, tiny_l
     (docs / "a.md").write_text("# Alpha\n\nThe alpha service restarts nightly.")
     build_store(docs, tmp_path / "store", str(tiny_llama))
     with open_snapshot(tmp_path / "store") as snap:
-        before = snap.catalog.metadata_of(["a.md"])["a.md"]
-        chunks = snap.catalog.chunk_ids()
+        before = snap.catalog.documents.metadata_of(["a.md"])["a.md"]
+        chunks = snap.catalog.documents.chunk_ids()
     os.utime(docs / "a.md", (1_900_000_000, 1_900_000_000))  # 2030
     report = build_store(docs, tmp_path / "store", str(tiny_llama))
     assert report.documents["unchanged"] == 1 and report.chunks_embedded == 0
     with open_snapshot(tmp_path / "store") as snap:
-        after = snap.catalog.metadata_of(["a.md"])["a.md"]
+        after = snap.catalog.documents.metadata_of(["a.md"])["a.md"]
         assert after["modified"] == "2030-03-17T17:46:40Z" != before["modified"] and after["title"] == "Alpha"
-        assert snap.catalog.chunk_ids() == chunks
+        assert snap.catalog.documents.chunk_ids() == chunks
 
 
 def test_the_service_and_the_adapters_take_the_same_filters(filtered_store):

@@ -31,7 +31,7 @@ def test_a_changed_document_is_recomputed_and_its_old_chunks_retired(tiny_llama,
     assert report.documents == {"added": 0, "changed": 1, "unchanged": 5, "removed": 0}
     assert report.kv_computed == 1 and report.chunks_embedded == 1
     with ragkv.open(tmp_path / "s", device="cpu") as engine:
-        assert engine.snapshot.catalog.counts()["chunks"] == 6 == len(engine.snapshot.vectors)
+        assert engine.snapshot.catalog.reports.counts()["chunks"] == 6 == len(engine.snapshot.vectors)
         ((row, _),) = engine.retrieve("Who rotates API keys?")
         assert row.text.startswith("API keys are rotated by the platform team")
 

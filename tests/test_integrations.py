@@ -271,7 +271,7 @@ def saves_for(full: str, lazy: str, model: str):
                 len(separator),
             ).chunks
             target = matcher.plan(prompt.prompt_ids, chunks, True, matcher.match(prompt.prompt_ids)).save
-            entry = reference.catalog.entry(target.kv_key)
+            entry = reference.catalog.entries.entry(target.kv_key)
             kvs.append(
                 codec.decode(reference.shards.read_parts(entry.shard, entry.tensor, entry.checksum), torch.float32)
             )
@@ -298,8 +298,8 @@ def test_saved_kv_is_served_token_identically_and_counted_once(full_and_lazy, ti
     assert saver.write_back.report.failures == 0
     with open_snapshot(lazy) as snapshot:
         assert verify(snapshot).ok
-        assert snapshot.catalog.counts()["kv_entries"] == 1 + len({t.kv_key for t in targets})
-        shard = next((lazy / "shards").rglob(snapshot.catalog.entry(targets[0].kv_key).shard))
+        assert snapshot.catalog.reports.counts()["kv_entries"] == 1 + len({t.kv_key for t in targets})
+        shard = next((lazy / "shards").rglob(snapshot.catalog.entries.entry(targets[0].kv_key).shard))
         assert safe_open(str(shard), "pt").metadata()["engine"] == "test"  # which engine computed it
     with ragkv.open(lazy, device="cpu") as served, ragkv.open(full, device="cpu") as reference:
         for question in QUESTIONS:
@@ -340,7 +340,7 @@ def test_a_save_behind_another_writer_waits_then_gives_up_and_a_full_disk_warns_
     assert len([r for r in caplog.records if "could not store computed KV" in r.getMessage()]) == 1
     with open_snapshot(lazy) as snapshot:  # nothing stored, nothing harmed
         assert verify(snapshot).ok and snapshot.generation == generation
-        assert snapshot.catalog.counts()["kv_entries"] == 1
+        assert snapshot.catalog.reports.counts()["kv_entries"] == 1
 
 
 def test_a_kill_mid_save_leaves_the_store_as_published(full_and_lazy, tiny_llama):
@@ -354,7 +354,7 @@ def test_a_kill_mid_save_leaves_the_store_as_published(full_and_lazy, tiny_llama
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert proc.returncode == -9 and "not killed" not in proc.stdout, proc.stderr[-2000:]
     with open_snapshot(lazy) as snapshot:  # the sealed shard was never committed: an orphan gc removes
-        assert verify(snapshot).ok and snapshot.catalog.counts()["kv_entries"] == 1
+        assert verify(snapshot).ok and snapshot.catalog.reports.counts()["kv_entries"] == 1
 
 
 def test_ingest_on_vllm_without_vllm_is_one_line_and_writes_nothing(tmp_path):

@@ -27,13 +27,13 @@ WORDS = "key rotate vault admin leave manager salary paid deploy canary traffic 
 def write_docs(writer: StoreWriter, texts: dict[str, list[str]], rng) -> dict[int, str]:
     """Documents of the given chunk texts, with random vectors; returns {chunk id: text}."""
     catalog = writer.catalog
-    next_id = catalog.next_chunk_id()
+    next_id = catalog.documents.next_chunk_id()
     chunks: list[ChunkRow] = []
     for doc, parts in texts.items():
         for i, text in enumerate(parts):
             chunks.append(ChunkRow(next_id + len(chunks), doc, i, text))
     docs = [DocumentRow(d, d, f"h-{d}-{next_id}", "t", len(p)) for d, p in texts.items()]
-    catalog.add_documents(docs, [{}] * len(docs), chunks)
+    catalog.documents.add_documents(docs, [{}] * len(docs), chunks)
     vectors = rng.standard_normal((len(chunks), 8)).astype(np.float32)
     writer.ensure_vectors(8).add([c.chunk_id for c in chunks], vectors / np.linalg.norm(vectors, axis=1)[:, None])
     return {c.chunk_id: c.text for c in chunks}
@@ -51,7 +51,7 @@ def test_bm25_over_segments_equals_bm25s_over_the_live_corpus(tmp_path):
         with StoreWriter(root) as writer:
             live.update(write_docs(writer, {f"d{round_}-{i}": random_texts(rng, 4) for i in range(5)}, rng))
     with StoreWriter(root) as writer:  # one document goes: its chunks become tombstones
-        for chunk_id in writer.catalog.delete_documents(["d1-2"]):
+        for chunk_id in writer.catalog.documents.delete_documents(["d1-2"]):
             writer.vectors.remove([chunk_id])
             live.pop(chunk_id)
     with open_snapshot(root) as snap:

@@ -162,14 +162,14 @@ def test_approximate_modes_answer_and_say_what_they_did(tiny_store, mode):
     assert stats.reused_tokens + stats.recomputed_tokens + stats.computed_tokens == len(answer.prompt_ids)
     context = len(answer.prompt_ids) - stats.computed_tokens
     first_chunk = len(
-        engine.snapshot.catalog.context_rows(engine.active.profile.profile_id, [answer.sources[0].chunk_id])[
+        engine.snapshot.catalog.entries.context_rows(engine.active.profile.profile_id, [answer.sources[0].chunk_id])[
             0
         ].token_ids
     )
     if mode == "blend":  # this model has only the 2 selection layers, computed exactly for every token
         assert stats.recomputed_tokens == context - len(engine.active.layout.prefix_ids) - first_chunk
     elif mode == "epic":  # the first 5% by default (at least one token) of each later chunk, its separator included
-        rows = engine.snapshot.catalog.context_rows(
+        rows = engine.snapshot.catalog.entries.context_rows(
             engine.active.profile.profile_id, [s.chunk_id for s in answer.sources[1:]]
         )
         separator = len(engine.active.layout.separator_ids)

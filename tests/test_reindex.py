@@ -59,7 +59,7 @@ def test_reindex_adds_changes_removes_and_reports(docs, store, tiny_llama):
     with ragkv.open(store, device="cpu") as engine:
         docs_now = {row.doc_id for row, _ in engine.retrieve("leave", top_k=10)}
         assert "leave.txt" not in docs_now and "new.md" in docs_now
-        assert len(engine.snapshot.vectors) == engine.snapshot.catalog.counts()["chunks"] == 6
+        assert len(engine.snapshot.vectors) == engine.snapshot.catalog.reports.counts()["chunks"] == 6
     assert_cached_equals_full(store, QUESTIONS[:2], max_new_tokens=8)
 
 
@@ -120,7 +120,7 @@ def test_gc_reclaims_space_and_keeps_everything_live_exact(tiny_llama, tmp_path)
     assert report.bytes_reclaimed == before - after > 0
     with open_snapshot(tmp_path / "s") as snap:
         assert verify(snap).ok
-        assert snap.catalog.counts()["documents"] == 3
+        assert snap.catalog.reports.counts()["documents"] == 3
     assert_cached_equals_full(
         tmp_path / "s", ["When does service 10 restart?", "Which team does service 11 page?"], max_new_tokens=8
     )
@@ -147,7 +147,7 @@ def test_gc_never_deletes_what_a_reader_still_uses(docs, store, tiny_llama):
 def test_verify_finds_damage_and_repair_fixes_it(store, damage):
     with open_snapshot(store) as snap:
         (key,) = snap.catalog.con.execute("SELECT kv_key FROM kv_entries WHERE kind = 'chunk' LIMIT 1").fetchone()
-        entry = snap.catalog.entry(key)
+        entry = snap.catalog.entries.entry(key)
     shard = store / "shards" / entry.shard
     if damage == "flip":
         flip_bit_of_entry(shard, entry.tensor)
@@ -205,13 +205,13 @@ def test_hostile_ids_and_catalog_rows_cannot_escape(tiny_llama, tmp_path):
     )
     build_store(docs, tmp_path / "s", str(tiny_llama))
     with open_snapshot(tmp_path / "s") as snap:
-        assert sorted(snap.catalog.documents()) == sorted(hostile)
+        assert sorted(snap.catalog.documents.all()) == sorted(hostile)
         assert verify(snap).ok
     assert not (tmp_path / "etc").exists()
     # A catalog row naming a path outside the shard folder is refused, and the query falls back.
     with StoreWriter(tmp_path / "s") as writer:
-        chunk_entries = [e for e in writer.catalog.all_entries() if not KVKey.from_string(e.kv_key).is_prefix]
-        writer.catalog.move_entries(
+        chunk_entries = [e for e in writer.catalog.reports.all_entries() if not KVKey.from_string(e.kv_key).is_prefix]
+        writer.catalog.entries.move_entries(
             [
                 SealedEntry(e.kv_key, "../../../etc/passwd", e.num_tokens, e.dtype, e.nbytes, e.checksum)
                 for e in chunk_entries
@@ -304,4 +304,4 @@ def test_a_new_system_prompt_or_dtype_recomputes_kv_but_not_chunks(change, docs,
     assert report.documents["unchanged"] == 6 and report.chunks_embedded == 0
     assert report.kv_computed == 6 and report.kv_reused == 0
     with open_snapshot(store) as snap:
-        assert len(snap.catalog.profiles()) == 2
+        assert len(snap.catalog.entries.profiles()) == 2

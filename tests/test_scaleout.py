@@ -115,7 +115,7 @@ def test_a_killed_ray_worker_is_retried_without_duplicates(ray_cluster, local_st
     assert report.shards_discarded >= 1  # its shard: unreferenced duplicates, deleted after publish
     with open_snapshot(tmp_path / "kv") as snapshot:
         assert verify(snapshot).ok
-        assert set(os.listdir(tmp_path / "kv" / "shards")) == snapshot.catalog.shards()
+        assert set(os.listdir(tmp_path / "kv" / "shards")) == snapshot.catalog.reports.shards()
     _assert_same_store(local_store, tmp_path / "kv")
 
 
@@ -262,7 +262,7 @@ def test_s3_reindex_gc_and_verify(s3_env, corpus, tmp_path):
     shards = {k for k in objects if k.startswith("shards/")}
     assert shards - first  # the changed document's KV
     with open_snapshot(uri) as snapshot:
-        assert {f"shards/{s}" for s in snapshot.catalog.shards()} == shards  # nothing unreferenced left
+        assert {f"shards/{s}" for s in snapshot.catalog.reports.shards()} == shards  # nothing unreferenced left
         assert verify(snapshot).ok
 
 
@@ -304,7 +304,7 @@ def test_a_killed_s3_writer_leaves_the_published_store_intact(s3_env, tiny_llama
     reference = tmp_path / "reference"
     ragkv.ingest(tmp_path / "docs", reference, model=model, settings=IngestSettings(**SMALL_SHARDS))
     with open_snapshot(reference) as snapshot:
-        expected = {e.kv_key for e in snapshot.catalog.all_entries()}
+        expected = {e.kv_key for e in snapshot.catalog.reports.all_entries()}
 
     rng = random.Random(7)
     killed, unpublished = 0, []
@@ -323,13 +323,13 @@ def test_a_killed_s3_writer_leaves_the_published_store_intact(s3_env, tiny_llama
         killed += process.wait() == -signal.SIGKILL
         with open_snapshot(uri, require_documents=False) as snapshot:
             assert verify(snapshot).ok
-            unpublished.append(len(set(snapshot.remote.shards()) - snapshot.catalog.shards()))
+            unpublished.append(len(set(snapshot.remote.shards()) - snapshot.catalog.reports.shards()))
     assert killed >= 1 and max(unpublished) > 0  # killed while shards were being uploaded
     report = ragkv.ingest(tmp_path / "docs", uri, model=model, settings=IngestSettings(**SMALL_SHARDS))
     assert report.documents["added"] + report.documents["unchanged"] == 16
     with open_snapshot(uri) as snapshot:
         assert verify(snapshot).ok
-        assert {e.kv_key for e in snapshot.catalog.all_entries()} == expected
+        assert {e.kv_key for e in snapshot.catalog.reports.all_entries()} == expected
 
 
 def test_a_rebuilt_bucket_is_not_confused_with_the_local_mirror(s3_env, tiny_llama, corpus, tmp_path):
@@ -339,7 +339,7 @@ def test_a_rebuilt_bucket_is_not_confused_with_the_local_mirror(s3_env, tiny_lla
     uri = "s3://ragkv/rebuilt"
     ragkv.ingest(corpus, uri, model=model, settings=SETTINGS)
     with open_snapshot(uri) as snapshot:
-        assert len(snapshot.catalog.documents()) > 1
+        assert len(snapshot.catalog.documents.all()) > 1
     s3_env["fs"].delete_dir("ragkv/rebuilt")
     with pytest.raises(StoreNotFoundError):
         open_snapshot(uri)
@@ -349,7 +349,7 @@ def test_a_rebuilt_bucket_is_not_confused_with_the_local_mirror(s3_env, tiny_lla
     report = ragkv.ingest(only, uri, model=model, settings=SETTINGS)
     assert report.generation == 1 and report.documents["added"] == 1 and report.kv_adopted == 0
     with open_snapshot(uri) as snapshot:
-        assert list(snapshot.catalog.documents()) == ["keys.md"] and verify(snapshot).ok
+        assert list(snapshot.catalog.documents.all()) == ["keys.md"] and verify(snapshot).ok
 
 
 def test_a_worker_with_other_weights_fails_the_job_in_one_line(ray_cluster, tiny_llama, tmp_path):

@@ -31,11 +31,13 @@ def unit(rng, n: int, dim: int = DIM) -> np.ndarray:
 
 def add_docs(writer: StoreWriter, names: list[str], rng, per_doc: int = 10) -> dict[int, np.ndarray]:
     catalog = writer.catalog
-    first = catalog.next_chunk_id()
+    first = catalog.documents.next_chunk_id()
     chunks = [
         ChunkRow(first + i * per_doc + j, d, j, f"{d} part {j}") for i, d in enumerate(names) for j in range(per_doc)
     ]
-    catalog.add_documents([DocumentRow(d, d, f"h-{d}-{first}", "t", per_doc) for d in names], [{}] * len(names), chunks)
+    catalog.documents.add_documents(
+        [DocumentRow(d, d, f"h-{d}-{first}", "t", per_doc) for d in names], [{}] * len(names), chunks
+    )
     vectors = unit(rng, len(chunks))
     writer.ensure_vectors(DIM).add([c.chunk_id for c in chunks], vectors)
     return {c.chunk_id: v for c, v in zip(chunks, vectors, strict=False)}
@@ -79,7 +81,7 @@ def test_a_large_store_searches_an_ivf_segment_and_a_change_writes_only_itself(t
 
     # One document changes: its vectors become tombstones, its new ones a small flat segment.
     with StoreWriter(root) as writer:
-        old_ids = writer.catalog.delete_documents(["d0007"])
+        old_ids = writer.catalog.documents.delete_documents(["d0007"])
         assert writer.vectors.remove(old_ids) == 10
         new = add_docs(writer, ["d0007"], rng)
     assert ivf_file.read_bytes() == ivf_bytes  # the big segment was not rewritten
@@ -147,10 +149,10 @@ def test_a_store_of_format_1_is_read_as_it_is_and_migrated_once(tmp_path, caplog
         archive.extractall(tmp_path, filter="data")
     root = tmp_path / "format1"
     with open_snapshot(root) as snap:  # read without migrating
-        assert snap.generation == 2 and snap.catalog.counts()["chunks"] == 24 and verify(snap).ok
+        assert snap.generation == 2 and snap.catalog.reports.counts()["chunks"] == 24 and verify(snap).ok
         ids, vectors = snap.vectors.live_vectors()
         before = [[h.chunk_id for h in snap.vectors.search(v, 5)] for v in vectors]
-        rows = snap.catalog.context_rows("p-format1", ids.tolist())
+        rows = snap.catalog.entries.context_rows("p-format1", ids.tolist())
     assert sorted(p.name for p in root.iterdir() if p.is_file()) == [
         "CURRENT",
         "catalog-000002.duckdb",
@@ -168,7 +170,7 @@ def test_a_store_of_format_1_is_read_as_it_is_and_migrated_once(tmp_path, caplog
         and names[2:] == ["catalog-000003.duckdb", "manifest-000003.json"]
     )  # generation 2's files retired
     with open_snapshot(root) as snap:
-        assert verify(snap).ok and snap.catalog.context_rows("p-format1", ids.tolist()) == rows
+        assert verify(snap).ok and snap.catalog.entries.context_rows("p-format1", ids.tolist()) == rows
         assert [[h.chunk_id for h in snap.vectors.search(v, 5)] for v in vectors] == before
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="ragkv"):
@@ -185,7 +187,7 @@ KILL_MID_COMPACTION = textwrap.dedent("""
 
     kill_mid_compaction()
     with StoreWriter({store!r}) as writer:
-        writer.vectors.remove(writer.catalog.delete_documents(["d0"]))
+        writer.vectors.remove(writer.catalog.documents.delete_documents(["d0"]))
         writer.compact()
     print("not killed")
 """)
@@ -197,7 +199,7 @@ def test_a_kill_during_compaction_leaves_the_published_generation(tmp_path):
     with StoreWriter(root) as writer:
         add_docs(writer, [f"d{i}" for i in range(5)], rng)
     with open_snapshot(root) as snap:
-        generation, counts, bases = snap.generation, snap.catalog.counts(), sorted(root.glob("base-*"))
+        generation, counts, bases = snap.generation, snap.catalog.reports.counts(), sorted(root.glob("base-*"))
     result = subprocess.run(
         [sys.executable, "-c", KILL_MID_COMPACTION.format(root=str(ROOT), store=str(root))],
         capture_output=True,
@@ -206,12 +208,12 @@ def test_a_kill_during_compaction_leaves_the_published_generation(tmp_path):
     assert result.returncode == -9 and "not killed" not in result.stdout, result.stderr
     assert len(list(root.glob("base-*"))) > len(bases)  # the half-written base is there ...
     with open_snapshot(root) as snap:  # ... and nothing reads it
-        assert snap.generation == generation and snap.catalog.counts() == counts and verify(snap).ok
+        assert snap.generation == generation and snap.catalog.reports.counts() == counts and verify(snap).ok
     with StoreWriter(root) as writer:  # the next writer removes it and goes on
-        writer.vectors.remove(writer.catalog.delete_documents(["d0"]))
+        writer.vectors.remove(writer.catalog.documents.delete_documents(["d0"]))
     assert sorted(root.glob("base-*")) == bases
     with open_snapshot(root) as snap:
-        assert snap.catalog.counts()["documents"] == 4 and verify(snap).ok
+        assert snap.catalog.reports.counts()["documents"] == 4 and verify(snap).ok
 
 
 def test_a_delta_reads_like_the_whole_catalog(tmp_path):
@@ -224,16 +226,16 @@ def test_a_delta_reads_like_the_whole_catalog(tmp_path):
         writer.compact()  # the three documents now live in a base
     with StoreWriter(root) as writer:
         catalog = writer.catalog
-        writer.vectors.remove(catalog.delete_documents(["d1"]))  # base rows: tombstones
+        writer.vectors.remove(catalog.documents.delete_documents(["d1"]))  # base rows: tombstones
         add_docs(writer, ["d3"], rng)
-        writer.vectors.remove(catalog.delete_documents(["d3"]))  # delta rows: gone from the delta
+        writer.vectors.remove(catalog.documents.delete_documents(["d3"]))  # delta rows: gone from the delta
         add_docs(writer, ["d1"], rng)  # a key deleted from the base, added again
         catalog.set_meta({"embedder": "x"})
         catalog.set_meta({"embedder": "y"})  # replaced twice
     with open_snapshot(root) as snap:
-        docs = snap.catalog.documents()
+        docs = snap.catalog.documents.all()
         assert sorted(docs) == ["d0", "d1", "d2"] and snap.catalog.meta()["embedder"] == "y"
-        assert len(snap.catalog.chunks_of(["d1"])) == 10 and len(snap.vectors) == 30 and verify(snap).ok
+        assert len(snap.catalog.documents.chunks_of(["d1"])) == 10 and len(snap.vectors) == 30 and verify(snap).ok
     plain = tmp_path / "plain.duckdb"
     writer = StoreWriter(root)
     writer.catalog.compact_into(plain)  # what a compaction would write
@@ -263,7 +265,7 @@ SWITCHING_READER = textwrap.dedent("""
         # As a reader switching generations: the new catalog opens before the old one closes.
         new = Catalog(catalog_path(root, generations[(i + 1) % 2]), read_only=True)
         if i % 100 == 0:
-            assert new.counts()["documents"] == 2 + (i + 1) % 2
+            assert new.reports.counts()["documents"] == 2 + (i + 1) % 2
         old.close()
         old = new
     old.close()

@@ -247,7 +247,7 @@ def test_a_chunk_without_kv_is_computed_then_kept_in_ram(served):
     """Runs last: it evicts the served store's chunk KV (a budget of the prefix alone)."""
     base, store, _ = served
     with open_snapshot(store) as snapshot:
-        prefix_bytes = snapshot.catalog.prefix_bytes()
+        prefix_bytes = snapshot.catalog.reports.prefix_bytes()
     assert run_cli("budget", prefix_bytes, "--store", store).exit_code == 0
     body = {
         "messages": [{"role": "user", "content": "Which network do guests use, and where is its password?"}],

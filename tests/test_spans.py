@@ -44,9 +44,9 @@ def span_store(tiny_llama, tmp_path):
 
 def _rows(store):
     with open_snapshot(store) as snapshot:
-        profile_id = snapshot.catalog.profiles()[0].profile_id
-        ids = sorted(snapshot.catalog.chunk_ids())
-        return sorted(snapshot.catalog.context_rows(profile_id, ids), key=lambda r: (r.doc_id, r.chunk_index))
+        profile_id = snapshot.catalog.entries.profiles()[0].profile_id
+        ids = sorted(snapshot.catalog.documents.chunk_ids())
+        return sorted(snapshot.catalog.entries.context_rows(profile_id, ids), key=lambda r: (r.doc_id, r.chunk_index))
 
 
 def test_ingest_chains_a_documents_chunks_into_bounded_spans(span_store):

@@ -83,10 +83,10 @@ def test_corruption_is_detected_before_use(tmp_path):
 
 def _commit_one(root: Path, name="e0", seed=0):
     with StoreWriter(root) as writer:
-        writer.ensure_vectors(4).add([len(writer.catalog.all_entries())], np.ones((1, 4), dtype=np.float32) / 2)
+        writer.ensure_vectors(4).add([len(writer.catalog.reports.all_entries())], np.ones((1, 4), dtype=np.float32) / 2)
         shards = writer.shard_writer(1 << 30, {})
         shards.add(name, kv(4, seed=seed))
-        writer.catalog.add_entries("p", shards.flush())
+        writer.catalog.entries.add_entries("p", shards.flush())
 
 
 def test_generations_publish_catalog_and_index_together(tmp_path):
@@ -96,7 +96,7 @@ def test_generations_publish_catalog_and_index_together(tmp_path):
     assert read_current(root) == 2
     with open_snapshot(root) as snap:
         assert snap.generation == 2
-        assert sorted(e.kv_key for e in snap.catalog.all_entries()) == ["e0", "e1"]
+        assert sorted(e.kv_key for e in snap.catalog.reports.all_entries()) == ["e0", "e1"]
         assert len(snap.vectors) == 2
     _commit_one(root, "e2", seed=2)
     assert generation_files(root) == ["catalog-000003.duckdb", "manifest-000003.json"]  # nobody reads 1 or 2
@@ -133,7 +133,7 @@ def test_a_generation_a_reader_holds_is_kept_until_it_lets_go(tmp_path):
         "manifest-000003.json",
     ]
     assert shared_files(root) == shared_files(root, generations={1, 3})
-    assert [e.kv_key for e in reader.catalog.all_entries()] == ["e0"]  # still answers from generation 1
+    assert [e.kv_key for e in reader.catalog.reports.all_entries()] == ["e0"]  # still answers from generation 1
     assert len(reader.vectors) == 1
     reader.close()
     _commit_one(root, "e3", seed=3)
@@ -147,12 +147,12 @@ def test_readers_keep_their_generation_while_a_writer_works(tmp_path):
     writer = StoreWriter(root)
     shards = writer.shard_writer(1 << 30, {})
     shards.add("new", kv(4, seed=9))
-    writer.catalog.add_entries("p", shards.flush())
+    writer.catalog.entries.add_entries("p", shards.flush())
     with open_snapshot(root) as snap:  # DuckDB would refuse this if the writer held the same file
-        assert snap.generation == 1 and len(snap.catalog.all_entries()) == 1
+        assert snap.generation == 1 and len(snap.catalog.reports.all_entries()) == 1
     writer.commit()
     with open_snapshot(root) as snap:
-        assert snap.generation == 2 and len(snap.catalog.all_entries()) == 2
+        assert snap.generation == 2 and len(snap.catalog.reports.all_entries()) == 2
 
 
 def test_abort_leaves_the_published_store_as_it_was_and_keeps_sealed_work(tmp_path):
@@ -163,14 +163,14 @@ def test_abort_leaves_the_published_store_as_it_was_and_keeps_sealed_work(tmp_pa
     with pytest.raises(RuntimeError):
         with StoreWriter(root) as writer:
             shards = writer.shard_writer(1, {})
-            writer.catalog.add_entries("p", shards.add(key, kv(4, seed=3)))
+            writer.catalog.entries.add_entries("p", shards.add(key, kv(4, seed=3)))
             raise RuntimeError("boom")
     assert generation_files(root) + [(root / "CURRENT").read_text()] == published
     with open_snapshot(root) as snap:
-        assert [e.kv_key for e in snap.catalog.all_entries()] == ["e0"]
+        assert [e.kv_key for e in snap.catalog.reports.all_entries()] == ["e0"]
     with StoreWriter(root) as writer:  # the sealed entry is verified and adopted, not lost
         assert [e.name for e in writer.adopt_orphans()] == [key]
-        assert writer.catalog.entry(key) is not None
+        assert writer.catalog.entries.entry(key) is not None
     fresh = tmp_path / "new"
     with pytest.raises(RuntimeError):
         with StoreWriter(fresh):
@@ -205,10 +205,10 @@ def test_a_failed_seal_leaves_no_file_and_no_row(tmp_path, monkeypatch):
             shards = writer.shard_writer(1 << 30, {})
             shards.add("x", kv(4, seed=3))
             monkeypatch.setattr(os, "rename", failing_rename)
-            writer.catalog.add_entries("p", shards.flush())
+            writer.catalog.entries.add_entries("p", shards.flush())
     monkeypatch.undo()
     with open_snapshot(root) as snap:
-        assert [e.kv_key for e in snap.catalog.all_entries()] == ["e0"]
+        assert [e.kv_key for e in snap.catalog.reports.all_entries()] == ["e0"]
     assert len(list((root / "shards").iterdir())) == 1
 
 
@@ -224,7 +224,7 @@ CRASH_BEFORE_SEAL = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("after", ["", "writer.catalog.add_entries('p', shards.flush())"])
+@pytest.mark.parametrize("after", ["", "writer.catalog.entries.add_entries('p', shards.flush())"])
 def test_a_crash_before_commit_leaves_no_row_pointing_at_nothing(tmp_path, after):
     root = tmp_path / "s"
     _commit_one(root)
@@ -232,7 +232,7 @@ def test_a_crash_before_commit_leaves_no_row_pointing_at_nothing(tmp_path, after
     assert subprocess.run([sys.executable, "-c", script]).returncode == 1
     with open_snapshot(root) as snap:
         assert snap.generation == 1
-        entries = snap.catalog.all_entries()
+        entries = snap.catalog.reports.all_entries()
         assert [e.kv_key for e in entries] == ["e0"]
         for e in entries:  # every row's shard exists and verifies
             snap.shards.read(e.shard, e.tensor, e.checksum)

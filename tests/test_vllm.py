@@ -139,11 +139,11 @@ def test_vllm_stores_what_it_computes_and_logs_each_use(sample_store, lazy_sampl
 
     with open_snapshot(store) as snapshot:
         assert verify(snapshot).ok
-        assert snapshot.catalog.counts()["kv_entries"] == 1 + len(keys)  # the prefix and each chunk asked about
+        assert snapshot.catalog.reports.counts()["kv_entries"] == 1 + len(keys)  # the prefix and each chunk asked about
     # Cross-engine agreement: vLLM's KV of each chunk against transformers' (ingest's) KV.
     with open_snapshot(full_store) as reference, open_snapshot(store) as ours:
         for key in keys:
-            theirs, mine = reference.catalog.entry(key), ours.catalog.entry(key)
+            theirs, mine = reference.catalog.entries.entry(key), ours.catalog.entries.entry(key)
             assert theirs is not None  # the same key ingest gave the chunk
             want = codec.decode(
                 reference.shards.read_parts(theirs.shard, theirs.tensor, theirs.checksum), torch.float32
@@ -261,7 +261,7 @@ def test_ingest_on_vllm_builds_the_store_ingest_builds(sample_store, tmp_path):
     assert report["tokens_per_s"] > 0
     with open_snapshot(store) as ours, open_snapshot(full_store) as reference:
         assert verify(ours).ok
-        assert ours.catalog.counts()["kv_entries"] == reference.catalog.counts()["kv_entries"]
+        assert ours.catalog.reports.counts()["kv_entries"] == reference.catalog.reports.counts()["kv_entries"]
     with ragkv.open(store, device="cpu") as served, ragkv.open(full_store, device="cpu") as local:
         for question in QUESTIONS:
             got = served.ask(question, max_new_tokens=12)

@@ -138,7 +138,7 @@ def source_texts(engine, answer: Answer, passages: Sequence[str]) -> list[tuple[
     """(Source, its text) for each of the answer's sources: stored chunks' text from the catalog
     (read between two steps, which own the catalog), passages' from `passages`."""
     stored = [s.chunk_id for s in answer.sources if s.chunk_id >= 0]
-    texts = engine.engine.call(engine.snapshot.catalog.chunk_texts, stored) if stored else {}
+    texts = engine.engine.call(engine.snapshot.catalog.documents.chunk_texts, stored) if stored else {}
     # A passage's Source has chunk id -1 - its index (see ragkv.retrieval.live_rows).
     return [(s, texts.get(s.chunk_id, "") if s.chunk_id >= 0 else passages[-1 - s.chunk_id]) for s in answer.sources]
 

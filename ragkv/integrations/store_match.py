@@ -157,7 +157,7 @@ def profile_for(store: str | Path, identity: ModelIdentity) -> Profile:
     """The store's profile whose KV this model computes: same weights, tokenizer, dtype, and a
     template that lays out the same prefix. ModelError (one line) when there is none."""
     with open_snapshot(store, require_documents=False) as snapshot:
-        rows = snapshot.catalog.profiles()
+        rows = snapshot.catalog.entries.profiles()
         last = snapshot.catalog.meta().get("last_profile")
     fingerprint = identity.model_fingerprint
     active = first_matching(
@@ -189,8 +189,10 @@ class StoreMatcher:
 
     def _load(self) -> None:
         catalog = self.snapshot.catalog
-        self.prefix_entry = catalog.entry(KVKey.for_prefix(self.profile).to_string())
-        self.lengths = catalog.entry_lengths(self.profile.profile_id)  # longest first: the longest continuation wins
+        self.prefix_entry = catalog.entries.entry(KVKey.for_prefix(self.profile).to_string())
+        self.lengths = catalog.entries.entry_lengths(
+            self.profile.profile_id
+        )  # longest first: the longest continuation wins
 
     def refresh(self) -> None:
         if self.snapshot.latest_generation() != self.snapshot.generation:
@@ -218,11 +220,11 @@ class StoreMatcher:
         """The longest stored entry continuing the prompt at `pos` (after `key`'s entry)."""
         candidates = spans.continuations(self.profile, key, prompt_ids, pos, self.lengths)
         catalog = self.snapshot.catalog
-        for name in sorted(catalog.existing_keys(candidates), key=lambda k: -len(candidates[k][1])):
+        for name in sorted(catalog.entries.existing_keys(candidates), key=lambda k: -len(candidates[k][1])):
             found_key, segment = candidates[name]
-            stored = catalog.token_ids_of(name)  # the chunk's own ids (a span segment: after its separator)
+            stored = catalog.entries.token_ids_of(name)  # the chunk's own ids (a span segment: after its separator)
             chunk = segment if key is None else segment[len(self.separator_ids) :]
-            entry = catalog.entry(name) if stored is not None and list(stored) == chunk else None
+            entry = catalog.entries.entry(name) if stored is not None and list(stored) == chunk else None
             if entry is not None:
                 return found_key, entry
         return None
@@ -234,7 +236,7 @@ class StoreMatcher:
         holds) and, with `write_back`, the first chunk to save when the store lacks it."""
         from ragkv.prompt import encode_text
 
-        refs = self.snapshot.catalog.chunk_refs([c.chunk_id for c in chunks]) if chunks else {}
+        refs = self.snapshot.catalog.documents.chunk_refs([c.chunk_id for c in chunks]) if chunks else {}
         save = None
         first = chunks[0] if chunks else None
         if (
@@ -245,7 +247,7 @@ class StoreMatcher:
             and match.num_tokens <= first.start
         ):
             token_ids = tuple(prompt_ids[first.start : first.end])
-            known = self.snapshot.catalog.linked_token_ids(first.chunk_id, self.profile.profile_id)
+            known = self.snapshot.catalog.entries.linked_token_ids(first.chunk_id, self.profile.profile_id)
             if token_ids == (
                 known if known is not None else tuple(encode_text(self.tokenizer, refs[first.chunk_id][2]))
             ):

@@ -38,7 +38,7 @@ def main() -> None:
     with open_snapshot(store) as snapshot:  # a chunk without KV is keyed by its text's ids, as on a miss
         chunks = [
             (chunk_id, tuple(encode_text(identity.tokenizer, text)))
-            for chunk_id, text in snapshot.catalog.deferred_chunks(profile.profile_id)
+            for chunk_id, text in snapshot.catalog.entries.deferred_chunks(profile.profile_id)
         ]
     result: dict[str, float] = {"chunks": len(chunks), "tokens": sum(len(ids) for _, ids in chunks), "stored": 0}
     if chunks:

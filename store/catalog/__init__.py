@@ -1,22 +1,21 @@
 """The DuckDB catalog: documents, chunks, model profiles and KV entries of one generation.
 
-One `Catalog` object per open file, its methods grouped by table family: `schema` (migrations),
-`documents` (documents, chunks), `entries` (profiles, KV entries, chunk links, spans), `usage`
-(popularity, the KV budget) and `reports` (totals). It returns the small rows of `rows`.
+One `Catalog` object per open file: the connection, transactions, `meta`, the overlay (a
+generation's delta over a shared base) and the schema's migrations, and its parts, one per
+table family, each a small object of its own: `catalog.documents` (documents, chunks),
+`catalog.entries` (profiles, KV entries, chunk links, spans), `catalog.usage` (popularity, the
+KV budget) and `catalog.reports` (totals). They return the small rows of `rows`.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from pathlib import Path
 
 import duckdb
-import pyarrow as pa
 
 from ragkv.errors import StoreFormatError
 from store.catalog.documents import Documents
 from store.catalog.entries import Entries
-from store.catalog.overlay import Overlay
 from store.catalog.reports import Reports
 from store.catalog.rows import (
     ChunkLink,
@@ -45,7 +44,7 @@ __all__ = [
 ]
 
 
-class Catalog(Overlay, Schema, Documents, Entries, Usage, Reports):
+class Catalog(Schema):
     """One catalog file, plain or a delta over a base (see `overlay`). Open read-only for
     queries, or writable inside a store write."""
 
@@ -65,6 +64,10 @@ class Catalog(Overlay, Schema, Documents, Entries, Usage, Reports):
         except BaseException:
             self.con.close()
             raise
+        self.documents = Documents(self)
+        self.entries = Entries(self)
+        self.usage = Usage(self)
+        self.reports = Reports(self)
 
     def fingerprint(self) -> tuple:
         """Row count and an order-independent hash of the rows of every table of this file (of
@@ -81,16 +84,6 @@ class Catalog(Overlay, Schema, Documents, Entries, Usage, Reports):
         }
         return tuple((name, *(row or ())) for name, row in counts.items())
 
-    @contextmanager
-    def transaction(self):
-        self.con.execute("BEGIN TRANSACTION")
-        try:
-            yield
-        except BaseException:
-            self.con.execute("ROLLBACK")
-            raise
-        self.con.execute("COMMIT")
-
     def close(self) -> None:
         if not self.read_only:
             self.con.execute("CHECKPOINT")
@@ -102,13 +95,6 @@ class Catalog(Overlay, Schema, Documents, Entries, Usage, Reports):
     def __exit__(self, *exc):
         self.close()
 
-    def meta(self) -> dict[str, str]:
-        return dict(self.con.execute("SELECT key, value FROM meta").fetchall())
-
     def set_meta(self, values: dict[str, str]) -> None:
         with self.transaction():
-            self._set_meta_rows(values)
-
-    def _set_meta_rows(self, values: dict[str, str]) -> None:
-        rows = pa.table({"key": list(values), "value": [str(v) for v in values.values()]})
-        self._insert("meta", rows, replace=True)
+            self.set_meta_rows(values)

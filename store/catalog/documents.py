@@ -1,4 +1,4 @@
-"""Documents and their chunks (mixed into `Catalog`)."""
+"""Documents and their chunks (a part of `Catalog`: `catalog.documents`)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections.abc import Iterable, Sequence
 import pyarrow as pa
 
 from ragkv.filters import Filter
+from store.catalog.part import Part
 from store.catalog.rows import ChunkRow, DocumentRow, pages_of
 
 # A filter field's value in SQL (`d`: documents); other fields are keys of the metadata JSON.
@@ -20,8 +21,8 @@ _FIELDS = {
 }
 
 
-class Documents:
-    def documents(self) -> dict[str, DocumentRow]:
+class Documents(Part):
+    def all(self) -> dict[str, DocumentRow]:
         rows = self.con.execute("SELECT doc_id, source, content_hash, chunking, num_chunks FROM documents").fetchall()
         return {row[0]: DocumentRow(*row) for row in rows}
 
@@ -39,7 +40,7 @@ class Documents:
     def next_chunk_id(self) -> int:
         """An id no chunk ever had: vector segments keep a removed chunk's id as a tombstone."""
         high = self.con.execute("SELECT value FROM meta WHERE key = 'next_chunk_id'").fetchone()
-        current = self.con.execute("SELECT coalesce(max(chunk_id), -1) + 1 FROM chunks").fetchone()[0]
+        current = self.one("SELECT coalesce(max(chunk_id), -1) + 1 FROM chunks")[0]
         return max(current, int(high[0]) if high else 0)
 
     def delete_documents(self, doc_ids: Sequence[str]) -> list[int]:
@@ -54,9 +55,9 @@ class Documents:
                 "SELECT chunk_id FROM chunks WHERE doc_id IN (SELECT unnest(?))", [ids]
             ).fetchall()
         ]
-        self._delete("chunk_kv", "chunk_id IN (SELECT unnest(?))", [chunk_ids])
-        self._delete("chunks", "doc_id IN (SELECT unnest(?))", [ids])
-        self._delete("documents", "doc_id IN (SELECT unnest(?))", [ids])
+        self.catalog.delete_rows("chunk_kv", "chunk_id IN (SELECT unnest(?))", [chunk_ids])
+        self.catalog.delete_rows("chunks", "doc_id IN (SELECT unnest(?))", [ids])
+        self.catalog.delete_rows("documents", "doc_id IN (SELECT unnest(?))", [ids])
         return chunk_ids
 
     def add_documents(
@@ -83,15 +84,17 @@ class Documents:
                 "page_end": pa.array([c.pages[1] if c.pages else None for c in chunks], pa.int32()),
             }
         )
-        self._insert(
+        self.catalog.insert_rows(
             "documents",
             new_docs,
             "SELECT doc_id, source, content_hash, chunking, num_chunks, metadata, "
             "current_timestamp::TIMESTAMP AS ingested_at FROM rows",
         )
-        self._insert("chunks", new_chunks)
+        self.catalog.insert_rows("chunks", new_chunks)
         if chunks:
-            self._set_meta_rows({"next_chunk_id": str(max(self.next_chunk_id(), max(c.chunk_id for c in chunks) + 1))})
+            self.catalog.set_meta_rows(
+                {"next_chunk_id": str(max(self.next_chunk_id(), max(c.chunk_id for c in chunks) + 1))}
+            )
 
     def chunk_texts(self, chunk_ids: Sequence[int]) -> dict[int, str]:
         rows = self.con.execute(
@@ -129,7 +132,7 @@ class Documents:
         rows = pa.table(
             {"doc_id": list(metadata), "metadata": [json.dumps(m, sort_keys=True) for m in metadata.values()]}
         )
-        self._insert(
+        self.catalog.insert_rows(
             "documents",
             rows,
             "SELECT d.doc_id, d.source, d.content_hash, d.chunking, d.num_chunks, r.metadata, d.ingested_at "

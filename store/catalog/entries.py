@@ -1,5 +1,5 @@
 """Profiles, KV entries, and the links from chunks to the entries holding their KV, spans
-included (mixed into `Catalog`)."""
+included (a part of `Catalog`: `catalog.entries`)."""
 
 from __future__ import annotations
 
@@ -7,17 +7,18 @@ from collections.abc import Iterable, Sequence, Set
 
 import pyarrow as pa
 
+from store.catalog.part import Part
 from store.catalog.rows import ENTRY_COLUMNS, ChunkLink, ContextRow, EntryRow, ProfileRow, SpanLink, pages_of
 from store.shards import SealedEntry
 
 
-class Entries:
+class Entries(Part):
     def add_profile(self, row: ProfileRow) -> None:
         """Insert a profile row unless its id is already present."""
         exists = self.con.execute("SELECT 1 FROM profiles WHERE profile_id = ?", [row.profile_id]).fetchone()
         if not exists:
             values = [list(v) if isinstance(v, tuple) else v for v in (getattr(row, c) for c in ProfileRow.COLUMNS)]
-            self._insert(
+            self.catalog.insert_rows(
                 "profiles",
                 select=f"SELECT {', '.join(f'? AS {c}' for c in ProfileRow.COLUMNS)}, "
                 "current_timestamp::TIMESTAMP AS created_at",
@@ -50,8 +51,8 @@ class Entries:
                 "checksum": [e.checksum for e in entries],
             }
         )
-        with self.transaction():
-            self._insert(
+        with self.catalog.transaction():
+            self.catalog.insert_rows(
                 "kv_entries",
                 new_entries,
                 "SELECT DISTINCT ON (kv_key) *, current_timestamp::TIMESTAMP AS created_at "
@@ -80,8 +81,12 @@ class Entries:
                 "span_start": pa.array([link.span_start for link in links], pa.int32()),
             }
         )
-        self._delete("chunk_kv", "profile_id = ? AND chunk_id IN (SELECT chunk_id FROM rows)", [profile_id], new_links)
-        self._insert("chunk_kv", new_links, "SELECT chunk_id, profile_id, kv_key, token_ids, span_start FROM rows")
+        self.catalog.delete_rows(
+            "chunk_kv", "profile_id = ? AND chunk_id IN (SELECT chunk_id FROM rows)", [profile_id], new_links
+        )
+        self.catalog.insert_rows(
+            "chunk_kv", new_links, "SELECT chunk_id, profile_id, kv_key, token_ids, span_start FROM rows"
+        )
 
     def span_chunk_ids(self, profile_id: str, doc_id: str, span_start: int) -> list[int]:
         """Chunk ids of the span of `doc_id` that starts at chunk_index `span_start`, in order."""
@@ -111,11 +116,11 @@ class Entries:
 
     def linked_totals(self, profile_id: str, doc_ids: Sequence[str]) -> tuple[int, int]:
         """(chunks, tokens) of `doc_ids` that already have KV under `profile_id`."""
-        row = self.con.execute(
+        row = self.one(
             "SELECT count(*), coalesce(sum(len(k.token_ids)), 0) FROM chunk_kv k JOIN chunks c USING (chunk_id) "
             "WHERE k.profile_id = ? AND c.doc_id IN (SELECT unnest(?))",
             [profile_id, list(doc_ids)],
-        ).fetchone()
+        )
         return int(row[0]), int(row[1])
 
     def linked_chunk_ids(self, profile_id: str) -> set[int]:
@@ -126,7 +131,7 @@ class Entries:
         """Forget profiles with their chunk links and KV entry rows (files stay until gc)."""
         ids = list(profile_ids)
         for table in ("chunk_kv", "kv_entries", "profiles"):
-            self._delete(table, "profile_id IN (SELECT unnest(?))", [ids])
+            self.catalog.delete_rows(table, "profile_id IN (SELECT unnest(?))", [ids])
 
     def dead_entries(self) -> list[EntryRow]:
         """Entries nothing needs: chunk KV no chunk links to; prefix KV of dropped profiles, or
@@ -141,13 +146,13 @@ class Entries:
         return [EntryRow(*r) for r in rows]
 
     def delete_entries(self, kv_keys: Iterable[str]) -> None:
-        self._delete("kv_entries", "kv_key IN (SELECT unnest(?))", [list(kv_keys)])
+        self.catalog.delete_rows("kv_entries", "kv_key IN (SELECT unnest(?))", [list(kv_keys)])
 
     def move_entries(self, sealed: Sequence[SealedEntry]) -> None:
         """Point existing entry rows at the shards their bytes were copied into."""
         moves = pa.table({"kv_key": [e.name for e in sealed], "shard": [e.shard for e in sealed]})
-        with self.transaction():
-            self._insert(
+        with self.catalog.transaction():
+            self.catalog.insert_rows(
                 "kv_entries",
                 moves,
                 "SELECT e.* REPLACE (m.shard AS shard, m.kv_key AS tensor) "
@@ -246,4 +251,6 @@ class Entries:
 
     def unlink_keys(self, profile_id: str, kv_keys: Sequence[str]) -> None:
         """Drop the chunk links to `kv_keys` (their entries become dead: gc or reclaim drops them)."""
-        self._delete("chunk_kv", "profile_id = ? AND kv_key IN (SELECT unnest(?))", [profile_id, list(kv_keys)])
+        self.catalog.delete_rows(
+            "chunk_kv", "profile_id = ? AND kv_key IN (SELECT unnest(?))", [profile_id, list(kv_keys)]
+        )

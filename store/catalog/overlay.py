@@ -5,7 +5,7 @@ generation's own file (`catalog-N.duckdb`) is a delta: for every table `t`, `add
 rows added or replaced since the base and `del_t` the keys of base rows deleted or replaced.
 Opening the delta attaches the base read-only and defines a temporary view `t` for each table
 (the base's rows less `del_t`, plus `add_t`), so every query reads the tables by their plain
-names. Writes go through `_insert` / `_delete`, which keep the delta's two halves consistent.
+names. Writes go through `insert_rows` / `delete_rows`, which keep the delta's two halves consistent.
 
 A writer copies the previous delta (small: the changes since the last compaction), never the
 base; `compact_into` writes the views out as a new base once the delta outgrows its share.
@@ -13,7 +13,9 @@ base; `compact_into` writes the views out as a new base once the delta outgrows 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import duckdb
 import numpy as np
@@ -41,20 +43,49 @@ def _on(table: str, left: str, right: str) -> str:
 
 
 class Overlay:
+    """Mixed into `Catalog`, which opens `con` on the file at `path`."""
+
+    con: duckdb.DuckDBPyConnection
+    path: Path
+    read_only: bool
     delta = False  # whether this catalog is a delta over a base (else: a plain, whole catalog)
+
+    def value(self, sql: str, params: list | None = None) -> Any:
+        """The first column of the one row `sql` gives (a count, a setting that is there)."""
+        row = self.con.execute(sql, params or []).fetchone()
+        assert row is not None, sql
+        return row[0]
+
+    @contextmanager
+    def transaction(self):
+        self.con.execute("BEGIN TRANSACTION")
+        try:
+            yield
+        except BaseException:
+            self.con.execute("ROLLBACK")
+            raise
+        self.con.execute("COMMIT")
+
+    def meta(self) -> dict[str, str]:
+        return dict(self.con.execute("SELECT key, value FROM meta").fetchall())
+
+    def set_meta_rows(self, values: dict[str, str]) -> None:
+        """Set `meta` keys (inside a transaction)."""
+        rows = pa.table({"key": list(values), "value": [str(v) for v in values.values()]})
+        self.insert_rows("meta", rows, replace=True)
 
     # -- opening -------------------------------------------------------------------------------
     def _is_delta_file(self) -> bool:
         return bool(
-            self.con.execute(
+            self.value(
                 "SELECT count(*) FROM information_schema.tables WHERE table_name = ? "
                 "AND table_catalog = current_database()",
                 [DELTA_INFO],
-            ).fetchone()[0]
+            )
         )
 
     def base_name(self) -> str:
-        return self.con.execute(f"SELECT value FROM {DELTA_INFO} WHERE key = 'base'").fetchone()[0]
+        return self.value(f"SELECT value FROM {DELTA_INFO} WHERE key = 'base'")
 
     def _attach_base(self) -> None:
         path = self.path.parent / self.base_name()
@@ -71,7 +102,7 @@ class Overlay:
     def view_sql(self, table: str) -> str:
         """What a delta's view of `table` reads: the base's rows less `del_t`, plus `add_t`."""
         # A reader's delta never changes: a table nothing deleted from needs no anti-join.
-        deleted = not self.read_only or self.con.execute(f"SELECT count(*) FROM del_{table}").fetchone()[0]
+        deleted = not self.read_only or self.value(f"SELECT count(*) FROM del_{table}")
         live = (
             f"SELECT * FROM base.{table} b WHERE NOT EXISTS (SELECT 1 FROM del_{table} d WHERE {_on(table, 'd', 'b')})"
             if deleted
@@ -95,11 +126,7 @@ class Overlay:
                     raise
 
     def _base_attached(self) -> bool:
-        return bool(
-            self.con.execute(
-                "SELECT count(*) FROM duckdb_databases() WHERE database_name = 'base' AND NOT internal"
-            ).fetchone()[0]
-        )
+        return bool(self.value("SELECT count(*) FROM duckdb_databases() WHERE database_name = 'base' AND NOT internal"))
 
     @staticmethod
     def create_delta(con, base_name: str) -> None:
@@ -112,7 +139,7 @@ class Overlay:
         con.execute(f"CREATE TABLE {GONE_VECTORS} (chunk_id BIGINT PRIMARY KEY)")
 
     # -- writing -------------------------------------------------------------------------------
-    def _insert(
+    def insert_rows(
         self,
         table: str,
         rows: pa.Table | None = None,
@@ -132,7 +159,7 @@ class Overlay:
         self.con.execute(f"INSERT INTO add_{table} BY NAME SELECT * FROM _new")
         self.con.execute("DROP TABLE _new")
 
-    def _delete(self, table: str, where: str, params=(), rows: pa.Table | None = None) -> None:
+    def delete_rows(self, table: str, where: str, params=(), rows: pa.Table | None = None) -> None:
         """Delete the rows of `table` matching `where` (over its plain column names)."""
         if not self.delta:  # `rows`, if given, is found by DuckDB's replacement scan
             self.con.execute(f"DELETE FROM {table} WHERE {where}", list(params))
@@ -163,19 +190,19 @@ class Overlay:
         if not self.delta:
             return 0
         total = sum(
-            self.con.execute(f"SELECT (SELECT count(*) FROM add_{t}) + (SELECT count(*) FROM del_{t})").fetchone()[0]
-            for t in TABLE_KEYS
+            self.value(f"SELECT (SELECT count(*) FROM add_{t}) + (SELECT count(*) FROM del_{t})") for t in TABLE_KEYS
         )
         return total + self.gone_vector_count()
 
     def base_rows(self) -> int:
         source = "base." if self.delta else ""
-        return sum(self.con.execute(f"SELECT count(*) FROM {source}{t}").fetchone()[0] for t in TABLE_KEYS)
+        return sum(self.value(f"SELECT count(*) FROM {source}{t}") for t in TABLE_KEYS)
 
     def compact_into(self, path: Path) -> None:
         """Write every table as this catalog reads it into a new plain catalog at `path` (the
         current schema: rows of an older one get its new columns' defaults)."""
-        type(self)(path, read_only=False).close()  # type: ignore[call-arg] # Catalog's constructor  # empty, every migration applied
+        fresh = type(self)(path, read_only=False)  # type: ignore[call-arg] # Catalog's constructor
+        fresh.close()  # type: ignore[attr-defined] # empty, every migration applied
         self.con.execute(f"ATTACH '{path}' AS fresh")
         try:
             for table in TABLE_KEYS:
@@ -201,7 +228,7 @@ class Overlay:
         )
 
     def gone_vector_count(self) -> int:
-        return self.con.execute(f"SELECT count(*) FROM {GONE_VECTORS}").fetchone()[0] if self.delta else 0
+        return self.value(f"SELECT count(*) FROM {GONE_VECTORS}") if self.delta else 0
 
     def set_gone_vectors(self, ids) -> None:
         gone_ids = pa.table({"chunk_id": pa.array(list(map(int, ids)), pa.int64())})  # noqa: F841 (read by SQL)

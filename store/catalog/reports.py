@@ -1,11 +1,12 @@
-"""Totals for `ragkv stats`, `verify` and `gc` (mixed into `Catalog`)."""
+"""Totals for `ragkv stats`, `verify` and `gc` (a part of `Catalog`: `catalog.reports`)."""
 
 from __future__ import annotations
 
+from store.catalog.part import Part
 from store.catalog.rows import ENTRY_COLUMNS, EntryRow, ProfileTotals
 
 
-class Reports:
+class Reports(Part):
     def profile_totals(self) -> list[ProfileTotals]:
         """Per profile, newest first: its entries and their bytes, the chunks linked and their tokens."""
         cursor = self.con.execute("""
@@ -26,14 +27,14 @@ class Reports:
 
     def counts(self) -> dict[str, int]:
         tables = ("documents", "chunks", "kv_entries", "profiles")
-        return {t: self.con.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in tables}
+        return {t: self.one(f"SELECT count(*) FROM {t}")[0] for t in tables}
 
     def prefix_bytes(self) -> int:
         """Bytes of the system-prompt KV entries (of every profile): what no budget evicts."""
-        return self.con.execute("SELECT coalesce(sum(nbytes), 0) FROM kv_entries WHERE kind = 'prefix'").fetchone()[0]
+        return self.one("SELECT coalesce(sum(nbytes), 0) FROM kv_entries WHERE kind = 'prefix'")[0]
 
     def kv_bytes(self) -> int:
-        return self.con.execute("SELECT coalesce(sum(nbytes), 0) FROM kv_entries").fetchone()[0]
+        return self.one("SELECT coalesce(sum(nbytes), 0) FROM kv_entries")[0]
 
     def all_entries(self) -> list[EntryRow]:
         rows = self.con.execute(f"SELECT {ENTRY_COLUMNS} FROM kv_entries e ORDER BY shard, tensor").fetchall()

@@ -8,6 +8,7 @@ import json
 
 from ragkv.errors import StoreFormatError
 from ragkv.formats import __version__
+from store.catalog.overlay import Overlay
 
 FORMAT_VERSION = 1
 
@@ -76,16 +77,14 @@ MIGRATIONS: list[tuple[str, str]] = [
 ADDITIVE: dict[str, dict[str, dict[str, str]]] = {"0004_chunk_places": _CHUNK_PLACES}
 
 
-class Schema:
+class Schema(Overlay):
     """Applies the migrations a catalog lacks (mixed into `Catalog`)."""
 
     def _applied(self) -> list[str]:
         if self.delta:  # the base's migrations (a delta never changes them)
             row = self.con.execute("SELECT value FROM meta WHERE key = 'migrations'").fetchone()
             return json.loads(row[0]) if row else []
-        has_meta = self.con.execute(
-            "SELECT count(*) FROM information_schema.tables WHERE table_name = 'meta'"
-        ).fetchone()[0]
+        has_meta = self.value("SELECT count(*) FROM information_schema.tables WHERE table_name = 'meta'")
         if not has_meta:
             return []
         row = self.con.execute("SELECT value FROM meta WHERE key = 'migrations'").fetchone()
@@ -117,7 +116,7 @@ class Schema:
             for name, sql in pending:
                 self.con.execute(sql)
                 applied.append(name)
-            self._set_meta_rows({"migrations": json.dumps(applied), "format_version": str(FORMAT_VERSION)})
+            self.set_meta_rows({"migrations": json.dumps(applied), "format_version": str(FORMAT_VERSION)})
         self.migrated = True
 
     def _read_with_nulls(self, pending: list[str]) -> None:
@@ -127,7 +126,7 @@ class Schema:
         for name in pending:
             for table, columns in ADDITIVE[name].items():
                 added.setdefault(table, {}).update(columns)
-        database = self.con.execute("SELECT current_database()").fetchone()[0]
+        database = self.value("SELECT current_database()")
         for table, columns in added.items():
             nulls = ", ".join(f"NULL::{kind} AS {column}" for column, kind in columns.items())
             source = self.view_sql(table) if self.delta else f'SELECT * FROM "{database}".main.{table}'

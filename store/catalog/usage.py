@@ -1,5 +1,5 @@
-"""Popularity (uses per chunk, folded from the readers' hit logs) and the KV budget (mixed into
-`Catalog`)."""
+"""Popularity (uses per chunk, folded from the readers' hit logs) and the KV budget (a part of
+`Catalog`: `catalog.usage`)."""
 
 from __future__ import annotations
 
@@ -7,18 +7,19 @@ from collections.abc import Iterable, Sequence
 
 import pyarrow as pa
 
+from store.catalog.part import Part
 from store.popularity import HALF_LIFE_S, ChunkHits, Pending, decay, tally
 
 
-class Usage:
+class Usage(Part):
     def kv_budget(self) -> int | None:
         """Bytes of KV the store may hold (None: no budget)."""
-        value = self.meta().get("kv_budget")
+        value = self.catalog.meta().get("kv_budget")
         return int(value) if value else None
 
     def half_life_s(self) -> float:
         """Seconds for a chunk's popularity to halve without uses (the `half_life_s` setting)."""
-        return float(self.meta().get("half_life_s") or HALF_LIFE_S)
+        return float(self.catalog.meta().get("half_life_s") or HALF_LIFE_S)
 
     def folded_offsets(self) -> dict[str, int]:
         return dict(self.con.execute("SELECT name, folded FROM hit_files").fetchall())
@@ -43,10 +44,10 @@ class Usage:
         offsets = pa.table(
             {"name": list(pending.offsets), "folded": pa.array(list(pending.offsets.values()), pa.int64())}
         )
-        with self.transaction():
-            self._insert("chunk_hits", new_hits, replace=True)
-            self._insert("hit_files", offsets, replace=True)
-            self._delete("hit_files", "name IN (SELECT unnest(?))", [pending.finished])
+        with self.catalog.transaction():
+            self.catalog.insert_rows("chunk_hits", new_hits, replace=True)
+            self.catalog.insert_rows("hit_files", offsets, replace=True)
+            self.catalog.delete_rows("hit_files", "name IN (SELECT unnest(?))", [pending.finished])
         return len(pending.uses)
 
     def chunk_hits(self, keys: Iterable[tuple[str, int]] | None = None) -> dict[tuple[str, int], ChunkHits]:
