@@ -26,6 +26,8 @@ from ragkv.config import (
     MAX_TOP_K,
     MODES,
     RETRIEVALS,
+    AskSettings,
+    DecodeSettings,
     SearchSettings,
 )
 from ragkv.errors import InputError, ModelError, RagkvError, StoreEmptyError
@@ -128,6 +130,32 @@ class ChatRequest(_Body):
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = Field(None, max_length=16)
     ragkv: RagkvOptions = Field(default_factory=RagkvOptions)
+
+    def ask_settings(self, max_new_tokens: int) -> AskSettings:
+        """The request as ragkv's settings, for both fronts: its `ragkv` options and OpenAI's
+        sampling fields, generating at most `max_new_tokens` (see `max_tokens`)."""
+        options = self.ragkv
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        decoding = DecodeSettings(
+            repetition_penalty=options.repetition_penalty,
+            no_repeat_ngram=options.no_repeat_ngram,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=self.seed,
+            stop=stop,
+        )
+        return AskSettings(
+            top_k=options.top_k,
+            mode=options.mode,
+            context=options.context,
+            use_cache=not options.no_cache,
+            max_new_tokens=max_new_tokens,
+            doc_ids=tuple(options.doc_ids) if options.doc_ids is not None else None,
+            rerank=options.rerank,
+            retrieval=options.retrieval,
+            filters=tuple(options.filters),
+            decoding=decoding,
+        )
 
 
 class RetrieveRequest(_Body):

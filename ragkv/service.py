@@ -41,7 +41,7 @@ from ragkv.api import (
     run_server,
     split_messages,
 )
-from ragkv.config import AskSettings, DecodeSettings
+from ragkv.config import AskSettings
 from ragkv.engine import Engine
 from ragkv.errors import RagkvError
 from ragkv.guard import RequestGuard
@@ -190,7 +190,7 @@ def _add_chat_route(app: FastAPI, engine, settings: ServeSettings, metrics: Metr
         if body.model is not None and body.model not in accepted_ids:
             raise UnknownModel(body.model)
         history, question, warnings = split_messages(body.messages)
-        ask = _ask_settings(body, max_tokens(body, settings, warnings))
+        ask = body.ask_settings(max_tokens(body, settings, warnings))
         created, reply_id = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
         if not body.stream:
             ticket, opened = _submit(batcher, conversations, history, question, ask)
@@ -255,30 +255,6 @@ def _add_info_routes(app: FastAPI, engine, batcher: Engine, metrics: Metrics, au
             "retrieval": found.retrieval,
             "warnings": found.warnings,
         }
-
-
-def _ask_settings(body: ChatRequest, max_new_tokens: int) -> AskSettings:
-    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    decoding = DecodeSettings(
-        repetition_penalty=body.ragkv.repetition_penalty,
-        no_repeat_ngram=body.ragkv.no_repeat_ngram,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        seed=body.seed,
-        stop=stop,
-    )
-    return AskSettings(
-        top_k=body.ragkv.top_k,
-        mode=body.ragkv.mode,
-        context=body.ragkv.context,
-        use_cache=not body.ragkv.no_cache,
-        max_new_tokens=max_new_tokens,
-        doc_ids=tuple(body.ragkv.doc_ids) if body.ragkv.doc_ids is not None else None,
-        rerank=body.ragkv.rerank,
-        retrieval=body.ragkv.retrieval,
-        filters=tuple(body.ragkv.filters),
-        decoding=decoding,
-    )
 
 
 async def _unless_disconnected(request: Request, ticket):

@@ -49,7 +49,7 @@ from ragkv.api import (
     run_server,
     split_messages,
 )
-from ragkv.config import AskSettings, import_path
+from ragkv.config import import_path
 from ragkv.errors import InputError, ModelError
 from ragkv.guard import RequestGuard
 
@@ -202,7 +202,7 @@ def build_front_app(engine, vllm_url: str, settings: ServeSettings) -> FastAPI:
         budget = max_tokens(body, settings, warnings)
         async with lock:
             engine.refresh()
-            prompt = await asyncio.to_thread(engine.prompt_for, question, _ask_settings(body))
+            prompt = await asyncio.to_thread(engine.prompt_for, question, body.ask_settings(budget))
         payload = completion_payload(body, prompt, settings, budget)
         block = _ragkv_block(prompt, warnings)
         created, reply_id = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
@@ -221,18 +221,6 @@ async def _complete(client: httpx.AsyncClient, payload: dict, reply_id: str, cre
     choice = data["choices"][0]
     finish = choice.get("finish_reason") or "stop"
     return completion(reply_id, created, SERVED_MODEL_ID, choice["text"], finish, data.get("usage"), block)
-
-
-def _ask_settings(body: ChatRequest) -> AskSettings:
-    """What ragkv retrieves and lays out for vLLM: every first stage and filter holds."""
-    options = body.ragkv
-    return AskSettings(
-        top_k=options.top_k,
-        context=options.context,
-        doc_ids=tuple(options.doc_ids) if options.doc_ids is not None else None,
-        retrieval=options.retrieval,
-        filters=tuple(options.filters),
-    )
 
 
 def _ragkv_block(prompt, warnings: list[str]) -> dict:

@@ -257,3 +257,21 @@ def test_a_chunk_without_kv_is_computed_then_kept_in_ram(served):
     assert first["ragkv"]["sources"][0]["doc_id"] == "wifi"
     assert (first["ragkv"]["stats"]["kv_source"], second["ragkv"]["stats"]["kv_source"]) == ("computed", "ram")
     assert first["ragkv"]["token_ids"] == second["ragkv"]["token_ids"]
+
+
+def test_a_chat_request_is_one_settings_value_for_both_fronts():
+    from ragkv.api import ChatRequest
+
+    body = ChatRequest.model_validate(
+        {
+            "messages": [{"role": "user", "content": "q"}],
+            "temperature": 0.5,
+            "seed": 7,
+            "stop": "END",
+            "ragkv": {"top_k": 3, "no_cache": True, "doc_ids": ["a"], "filters": ["year>=2025"], "mode": "concat"},
+        }
+    )
+    settings = body.ask_settings(max_new_tokens=40)
+    assert (settings.top_k, settings.use_cache, settings.mode, settings.max_new_tokens) == (3, False, "concat", 40)
+    assert (settings.doc_ids, settings.filters) == (("a",), ("year>=2025",))
+    assert (settings.decoding.temperature, settings.decoding.seed, settings.decoding.stop) == (0.5, 7, ("END",))
