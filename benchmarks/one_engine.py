@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -122,6 +123,17 @@ def main() -> None:
     parser.add_argument("--serve-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "one_engine.md")
+    parser.add_argument("--title", default="One engine: `ask`, threads and `ragkv batch` before and after")
+    parser.add_argument(
+        "--before-is",
+        default="`ask` on its own loop, `generate()`; batch and serve on the Batcher's model thread",
+        help="what the before tree is, for the results' header",
+    )
+    parser.add_argument(
+        "--after-is",
+        default="one engine: every answer a turn of one scheduler, stepped by the waiting caller",
+        help="what the after tree is, for the results' header",
+    )
     args = parser.parse_args()
     questions = [q for qs in TOPICS.values() for q in qs]
     trees = {"before": args.before.resolve(), "after": args.after.resolve()}
@@ -153,15 +165,14 @@ def main() -> None:
     b, a = runs["before"], runs["after"]
     same = sum(x == y for x, y in zip(b[0]["token_ids"], a[0]["token_ids"], strict=True))
     lines = [
-        "# One engine: `ask`, threads and `ragkv batch` before and after",
+        f"# {args.title}",
         "",
         f"Bundled SmolLM2-135M-Instruct, float32, the sample corpus, top-1, greedy, {args.tokens} new tokens, "
         f"{n} questions ({len(TOPICS)} topics, 4 phrasings each); CPU: {describe()}. "
-        f"before: {commit_of(trees['before'])} (`ask` on its own loop, `generate()`; batch and serve on the "
-        f"Batcher's model thread); after: {commit_of(trees['after'])} (one engine: every answer a turn of one "
-        f"scheduler, stepped by the waiting caller). Each run a fresh process, warm (one question first), trees "
+        f"before: {commit_of(trees['before'])} ({args.before_is}); after: {commit_of(trees['after'])} "
+        f"({args.after_is}). Each run a fresh process, warm (one question first), trees "
         f"alternating, {args.repeats} runs each: the median, the range in brackets. "
-        "Command: `python benchmarks/one_engine.py --before ../before`.",
+        f"Command: `python benchmarks/one_engine.py {' '.join(shlex.quote(a) for a in sys.argv[1:])}`.",
         "",
         "| workload | before | after | after / before | answers equal to one at a time, before / after |",
         "|---|---|---|---|---|",
