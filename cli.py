@@ -225,10 +225,8 @@ def ask(
 
     if not question.strip():
         raise InputError("the question is empty; ask something")
-    settings = AskSettings.from_dict(
-        {**answering, **retrieval, "top_k": top_k, "use_cache": not no_cache, "ape_scale": ape_scale}
-        | {"doc_ids": (doc,) if doc else None}
-    )
+    own = {"top_k": top_k, "use_cache": not no_cache, "ape_scale": ape_scale, "doc_ids": (doc,) if doc else None}
+    settings = AskSettings.from_dict({**answering, **retrieval, **own})
     _check_filter_fields(store, settings.search)
     with ragkv.open(store, model=model, embedder=embedder, device=device, dtype=dtype, kv_dtype=kv_dtype) as engine:
         stream = engine.stream(question, settings)

@@ -113,8 +113,8 @@ def ingest(
     layout = PromptLayout.build(lm.tokenizer, settings.system_prompt)
     _check_fits(lm, layout, settings.chunk_tokens, "--chunk-tokens")
     _check_fits(lm, layout, settings.span_tokens, "--span-tokens")
-    fingerprints = (lm.facts.fingerprint, lm.facts.tokenizer_fingerprint, layout.template_fingerprint)
-    profile = Profile(*fingerprints, layout.prefix_ids, model.dtype, codec.kv_quant(settings.kv_dtype, model.dtype))
+    quant = codec.kv_quant(settings.kv_dtype, model.dtype)
+    profile = Profile.of_layout(lm.facts.fingerprint, lm.facts.tokenizer_fingerprint, layout, model.dtype, quant)
     report = IngestReport(
         str(store), model=lm.facts.name, dtype=model.dtype, device=model.device, engine=engine, skipped=found.skipped
     )

@@ -82,15 +82,17 @@ class Profile:
         """The profile a loaded model (its fingerprints, and `layout`: the prompt layout its
         tokenizer builds from `row.system_prompt`) computes for a stored profile `row`; None
         when it is not that profile (other weights, tokenizer or template)."""
-        profile = cls(
-            model_fingerprint,
-            tokenizer_fingerprint,
-            layout.template_fingerprint,
-            tuple(layout.prefix_ids),
-            row.dtype,
-            row.kv_quant,
-        )
+        profile = cls.of_layout(model_fingerprint, tokenizer_fingerprint, layout, row.dtype, row.kv_quant)
         return profile if profile.profile_id == row.profile_id else None
+
+    @classmethod
+    def of_layout(
+        cls, model_fingerprint: str, tokenizer_fingerprint: str, layout, dtype: str, kv_quant: str = "none"
+    ) -> Profile:
+        """The profile of a model (its fingerprints) laying out prompts as `layout` (a
+        ragkv.prompt.PromptLayout: its template and prefix), computing in `dtype`."""
+        prefix = tuple(layout.prefix_ids)
+        return cls(model_fingerprint, tokenizer_fingerprint, layout.template_fingerprint, prefix, dtype, kv_quant)
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,8 @@ class PagedLoader:
         if kv_tensor.shape[0] != len(self.layers):
             raise RuntimeError(f"ragkv store KV has {kv_tensor.shape[0]} layers, the model {len(self.layers)}")
         device = self.cache(next(iter(self.layers.values()))[1], forward_context).device
-        if self.layerwise if self.layerwise is not None else device.type == "cuda":
+        layerwise = self.layerwise if self.layerwise is not None else device.type == "cuda"
+        if layerwise:
             self._load_layerwise(kv_tensor, slots, forward_context, device.type == "cuda")
         else:
             self._load_now(kv_tensor, slots, forward_context)

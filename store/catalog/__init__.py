@@ -84,11 +84,6 @@ class Catalog(Schema):
         }
         return tuple((name, *(row or ())) for name, row in counts.items())
 
-    def close(self) -> None:
-        if not self.read_only:
-            self.con.execute("CHECKPOINT")
-        self.con.close()
-
     def __enter__(self):
         return self
 

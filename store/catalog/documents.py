@@ -40,7 +40,7 @@ class Documents(Part):
     def next_chunk_id(self) -> int:
         """An id no chunk ever had: vector segments keep a removed chunk's id as a tombstone."""
         high = self.con.execute("SELECT value FROM meta WHERE key = 'next_chunk_id'").fetchone()
-        current = self.one("SELECT coalesce(max(chunk_id), -1) + 1 FROM chunks")[0]
+        current = self.catalog.value("SELECT coalesce(max(chunk_id), -1) + 1 FROM chunks")
         return max(current, int(high[0]) if high else 0)
 
     def delete_documents(self, doc_ids: Sequence[str]) -> list[int]:

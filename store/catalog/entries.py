@@ -116,7 +116,7 @@ class Entries(Part):
 
     def linked_totals(self, profile_id: str, doc_ids: Sequence[str]) -> tuple[int, int]:
         """(chunks, tokens) of `doc_ids` that already have KV under `profile_id`."""
-        row = self.one(
+        row = self.catalog.one(
             "SELECT count(*), coalesce(sum(len(k.token_ids)), 0) FROM chunk_kv k JOIN chunks c USING (chunk_id) "
             "WHERE k.profile_id = ? AND c.doc_id IN (SELECT unnest(?))",
             [profile_id, list(doc_ids)],

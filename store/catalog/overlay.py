@@ -50,11 +50,20 @@ class Overlay:
     read_only: bool
     delta = False  # whether this catalog is a delta over a base (else: a plain, whole catalog)
 
-    def value(self, sql: str, params: list | None = None) -> Any:
-        """The first column of the one row `sql` gives (a count, a setting that is there)."""
+    def one(self, sql: str, params: list | None = None) -> tuple[Any, ...]:
+        """The one row `sql` gives (an aggregate: a count, a sum; a setting that is there)."""
         row = self.con.execute(sql, params or []).fetchone()
         assert row is not None, sql
-        return row[0]
+        return row
+
+    def value(self, sql: str, params: list | None = None) -> Any:
+        """The first column of `one`'s row."""
+        return self.one(sql, params)[0]
+
+    def close(self) -> None:
+        if not self.read_only:
+            self.con.execute("CHECKPOINT")
+        self.con.close()
 
     @contextmanager
     def transaction(self):
@@ -201,8 +210,7 @@ class Overlay:
     def compact_into(self, path: Path) -> None:
         """Write every table as this catalog reads it into a new plain catalog at `path` (the
         current schema: rows of an older one get its new columns' defaults)."""
-        fresh = type(self)(path, read_only=False)  # type: ignore[call-arg] # Catalog's constructor
-        fresh.close()  # type: ignore[attr-defined] # empty, every migration applied
+        type(self)(path, read_only=False).close()  # type: ignore[call-arg] # Catalog's constructor: empty, migrated
         self.con.execute(f"ATTACH '{path}' AS fresh")
         try:
             for table in TABLE_KEYS:

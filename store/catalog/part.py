@@ -3,7 +3,7 @@ catalog's connection for its queries, the catalog's overlay-aware writes for its
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import duckdb
@@ -20,9 +20,3 @@ class Part:
     @property
     def con(self) -> duckdb.DuckDBPyConnection:
         return self.catalog.con
-
-    def one(self, sql: str, params: list | None = None) -> tuple[Any, ...]:
-        """The row of an aggregate query (count, sum): there always is one."""
-        row = self.con.execute(sql, params or []).fetchone()
-        assert row is not None, sql
-        return row

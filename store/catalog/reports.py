@@ -27,14 +27,14 @@ class Reports(Part):
 
     def counts(self) -> dict[str, int]:
         tables = ("documents", "chunks", "kv_entries", "profiles")
-        return {t: self.one(f"SELECT count(*) FROM {t}")[0] for t in tables}
+        return {t: self.catalog.value(f"SELECT count(*) FROM {t}") for t in tables}
 
     def prefix_bytes(self) -> int:
         """Bytes of the system-prompt KV entries (of every profile): what no budget evicts."""
-        return self.one("SELECT coalesce(sum(nbytes), 0) FROM kv_entries WHERE kind = 'prefix'")[0]
+        return self.catalog.value("SELECT coalesce(sum(nbytes), 0) FROM kv_entries WHERE kind = 'prefix'")
 
     def kv_bytes(self) -> int:
-        return self.one("SELECT coalesce(sum(nbytes), 0) FROM kv_entries")[0]
+        return self.catalog.value("SELECT coalesce(sum(nbytes), 0) FROM kv_entries")
 
     def all_entries(self) -> list[EntryRow]:
         rows = self.con.execute(f"SELECT {ENTRY_COLUMNS} FROM kv_entries e ORDER BY shard, tensor").fetchall()
