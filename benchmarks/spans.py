@@ -51,11 +51,9 @@ def first_token_and_answer(engine, rows, question: str, settings: AskSettings, t
     assert not loaded.fallback, loaded.warnings
     assembly = loaded.assembly
     generated = decode_alone(
-        lm.model,
-        lm.tokenizer,
+        lm,
         assembly.cache,
         prompt[assembly.num_cached :],
-        lm.facts.eos_ids,
         tokens,
         assembly.after_prefill,
         DecodeSettings(repetition_penalty=1.0, no_repeat_ngram=0),

@@ -7,10 +7,14 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ragkv.decoding import Decoder, DecodeSettings, held_back, stop_at
+
+if TYPE_CHECKING:
+    from ragkv.model import LoadedModel
 
 
 @torch.inference_mode()
@@ -143,12 +147,16 @@ class DecodeState:
         )
 
 
+def start_decoding(lm: LoadedModel, budget: int, decoding: DecodeSettings, started: float) -> DecodeState:
+    """A new sequence's `DecodeState` for `lm`: the one place one is made, for the engine's
+    rows and `decode_alone` alike."""
+    return DecodeState(lm.tokenizer, lm.facts.eos_ids, budget, decoding, started)
+
+
 def decode_alone(
-    model,
-    tokenizer,
+    lm: LoadedModel,
     cache,
     live_ids: Sequence[int],
-    eos_ids: Sequence[int],
     max_new_tokens: int,
     after_prefill=None,
     decoding: DecodeSettings | None = None,
@@ -160,12 +168,12 @@ def decode_alone(
     through ragkv.engine. `after_prefill(cache)` runs between the two; the first token's time
     counts from `started` (the caller's clock; default now). Mutates `cache`."""
     prefill_start = time.perf_counter()
-    state = DecodeState(tokenizer, eos_ids, max_new_tokens, decoding or DecodeSettings(), started or prefill_start)
-    logits = prefill(model, live_ids, cache)
+    state = start_decoding(lm, max_new_tokens, decoding or DecodeSettings(), started or prefill_start)
+    logits = prefill(lm.model, live_ids, cache)
     state.prefill_s = time.perf_counter() - prefill_start
     if after_prefill is not None:
         after_prefill(cache)
     while not state.take(logits):
-        logits = step(model, state.to_feed(), cache)
+        logits = step(lm.model, state.to_feed(), cache)
     state.finish()
     return state.result()

@@ -37,7 +37,7 @@ from ragkv.ape import attending
 from ragkv.config import DecodeSettings
 from ragkv.conversation import Conversation, TurnPlan
 from ragkv.errors import InputError, RagkvError
-from ragkv.generate import DecodeState, prefill, step
+from ragkv.generate import DecodeState, prefill, start_decoding, step
 from ragkv.runtime import Runtime
 from ragkv.text import check_text
 
@@ -222,10 +222,7 @@ class Scheduler:
                     turn.conversation = turn.conversation()
                 turn.plan = turn.conversation.begin_turn(turn.message, turn.max_new_tokens)
                 turn.pending = list(turn.plan.live_ids)
-                lm = self.runtime.lm
-                turn.state = DecodeState(
-                    lm.tokenizer, lm.facts.eos_ids, turn.plan.budget, turn.decoding, turn.plan.start
-                )
+                turn.state = start_decoding(self.runtime.lm, turn.plan.budget, turn.decoding, turn.plan.start)
             except Exception as exc:
                 if not isinstance(exc, RagkvError):
                     log.exception("a request failed as it joined the batch")

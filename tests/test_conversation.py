@@ -15,7 +15,7 @@ from tests.conftest import QUESTIONS
 def full_prefill_answer(engine, ids, max_new_tokens):
     empty = kv.to_cache_empty(engine.lm.model.config)
     lm = engine.lm
-    return decode_alone(lm.model, lm.tokenizer, empty, ids, lm.facts.eos_ids, max_new_tokens).token_ids
+    return decode_alone(lm, empty, ids, max_new_tokens).token_ids
 
 
 @pytest.mark.parametrize("top_k", [1, 2])

@@ -85,11 +85,9 @@ def test_a_conversation_goes_on_exactly_after_a_turn_left_early(engine):
     assert answer.prompt_ids == chat.ids()[: len(answer.prompt_ids)]
     lm = engine.lm
     full = decode_alone(
-        lm.model,
-        lm.tokenizer,
+        lm,
         kv.to_cache_empty(lm.model.config),
         answer.prompt_ids,
-        lm.facts.eos_ids,
         12,
         decoding=chat.settings.decoding,
     )
