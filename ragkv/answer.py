@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Generator, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,20 @@ class Stats:
         else "store" if any was read from the store, else "ram"; "" when none was used."""
         sources = set(self.kv_sources.values())
         return next((s for s in ("computed", "store", "ram") if s in sources), "")
+
+    @classmethod
+    def of(cls, mode: str, *reports, **more) -> Stats:
+        """The stats of an answer built from what produced it: each field of the `reports`
+        (dataclasses such as a retrieval's Prompt or the loader's Loaded) that Stats also has,
+        their warnings in order, then `more` (which wins)."""
+        names = {f.name for f in fields(cls)} - {"mode", "warnings"}
+        values: dict = {}
+        warnings: list[str] = []
+        for report in reports:
+            assert is_dataclass(report), f"{type(report).__name__} is not a dataclass"
+            values |= {f.name: copy.copy(getattr(report, f.name)) for f in fields(report) if f.name in names}
+            warnings += getattr(report, "warnings", [])
+        return cls(mode=mode, **{"warnings": warnings, **values, **more})
 
     @property
     def is_approximate(self) -> bool:

@@ -12,11 +12,11 @@ from ragkv.answer import Savings, Source, Stats
 from ragkv.assemble import Assembly
 from ragkv.config import AskSettings, SearchSettings
 from ragkv.errors import InputError
-from ragkv.loader import KVLoader, Loaded
+from ragkv.loader import KVLoader
 from ragkv.model import LoadedModel
 from ragkv.profiles import ActiveProfile
 from ragkv.rerank import FIRST_WEIGHT, Reranker
-from ragkv.retrieval import Prompt, Retrieved, Retriever, SearchResult
+from ragkv.retrieval import Retrieved, Retriever, SearchResult
 from ragkv.search import Searched
 from store import Hit, StoreSnapshot
 
@@ -57,7 +57,11 @@ class Runtime:
         self.calibration = calibration.load(snapshot.catalog.meta(), self.active.profile.profile_id)
 
     def new_stats(self, settings: AskSettings) -> Stats:
-        return Stats(mode=settings.mode if settings.use_cache else "full", store_generation=self.snapshot.generation)
+        return Stats(mode=self._mode(settings), store_generation=self.snapshot.generation)
+
+    @staticmethod
+    def _mode(settings: AskSettings) -> str:
+        return settings.mode if settings.use_cache else "full"
 
     def prepare(self, question: str, settings: AskSettings) -> Prepared:
         """Retrieve (widened to `settings.context`, cut to fit), build the prompt ids, assemble
@@ -68,11 +72,7 @@ class Runtime:
         prompt = self.retriever.prompt_for(question, settings, self.reranker.best)
         load_start = time.perf_counter()
         loaded = self.loader.load([row for row, _ in prompt.retrieved], prompt.chunk_ids, settings, prompt.question_ids)
-        stats = self._stats_of(prompt, loaded, settings)
-        stats.approximation = resolved.note
-        if resolved.warning:
-            stats.warnings.insert(0, resolved.warning)
-        stats.kv_load_ms = (time.perf_counter() - load_start) * 1000.0
+        kv_load_ms = (time.perf_counter() - load_start) * 1000.0
         self.loader.record_uses([row for row, _ in prompt.retrieved], loaded.kv_sources)
         assembly = loaded.assembly
         live_ids = prompt.prompt_ids[assembly.num_cached :]
@@ -81,10 +81,19 @@ class Runtime:
             for (row, _), ids in zip(prompt.retrieved, prompt.chunk_ids, strict=False)
             if loaded.kv_sources.get(row.chunk_id) == "computed"
         )  # prefilled now, as a miss
-        stats.reused_tokens = assembly.reused_tokens - computed
-        stats.recomputed_tokens = assembly.recomputed_tokens
-        stats.prefix_cache_tokens = assembly.prefix_cache_tokens
-        stats.computed_tokens = len(live_ids) + computed
+        stats = Stats.of(
+            "fallback" if loaded.fallback else self._mode(settings),
+            prompt,
+            loaded,
+            assembly,
+            store_generation=self.snapshot.generation,
+            approximation=resolved.note,
+            kv_load_ms=kv_load_ms,
+            reused_tokens=assembly.reused_tokens - computed,
+            computed_tokens=len(live_ids) + computed,
+        )
+        if resolved.warning:
+            stats.warnings.insert(0, resolved.warning)
         return Prepared(prompt.retrieved, prompt.prompt_ids, prompt.question_ids, live_ids, assembly, stats)
 
     def search(self, question: str, settings: SearchSettings) -> Searched:
@@ -105,23 +114,6 @@ class Runtime:
         `Retriever.widen`)."""
         found = self.search(question, settings).hits
         return self.retriever.widen(self.retriever.rows([Hit(r.chunk_id, r.score) for r in found]), context)
-
-    def _stats_of(self, prompt: Prompt, loaded: Loaded, settings: AskSettings) -> Stats:
-        stats = self.new_stats(settings)
-        stats.retrieval_ms, stats.catalog_ms = prompt.retrieval_ms, prompt.catalog_ms
-        stats.rerank_ms, stats.num_reranked = prompt.rerank_ms, prompt.num_reranked
-        stats.kv_quant = loaded.kv_quant
-        if loaded.fallback:
-            stats.mode = "fallback"
-        stats.kv_sources = dict(loaded.kv_sources)
-        stats.ram_hits, stats.ram_misses = loaded.ram_hits, loaded.ram_misses
-        stats.kv_read_ms, stats.assemble_ms, stats.kv_compute_ms = (
-            loaded.kv_read_ms,
-            loaded.assemble_ms,
-            loaded.kv_compute_ms,
-        )
-        stats.warnings = [*prompt.warnings, *loaded.warnings]
-        return stats
 
     def fit_budget(self, num_prompt_tokens: int, max_new_tokens: int, stats: Stats) -> int:
         """How many tokens an answer after `num_prompt_tokens` may have (at most

@@ -225,9 +225,7 @@ async def _complete(client: httpx.AsyncClient, payload: dict, reply_id: str, cre
 
 def _ragkv_block(prompt, warnings: list[str]) -> dict:
     """The reply's `ragkv` block: sources, stats (of the retrieval: vLLM generates) and prompt size."""
-    stats = Stats(
-        mode="exact", retrieval_ms=prompt.retrieval_ms, catalog_ms=prompt.catalog_ms, warnings=list(prompt.warnings)
-    )  # vLLM loads the stored KV at its own positions: exact
+    stats = Stats.of("exact", prompt)  # vLLM loads the stored KV at its own positions: exact
     return {
         "sources": [asdict(Source.of(r, score)) for r, score in prompt.retrieved],
         "stats": {**stats.to_dict(), "warnings": stats.warnings + warnings},

@@ -63,3 +63,27 @@ def test_an_output_file_is_checked_when_named_and_a_failed_write_is_named(tmp_pa
         with pytest.raises(OutputError, match="cannot write --out"):
             with OutputFile(tmp_path / "answers.jsonl", "--out"):
                 pass
+
+
+def test_stats_are_built_from_what_the_retrieval_and_the_loader_report():
+    from dataclasses import fields
+
+    from ragkv.answer import Stats
+    from ragkv.loader import Loaded
+    from ragkv.retrieval import Prompt
+
+    # Every measure the loader and the retrieval report reaches the stats (a renamed field would
+    # silently drop out of Stats.of).
+    stat_names = {f.name for f in fields(Stats)}
+    assert {f.name for f in fields(Loaded)} - stat_names == {"assembly", "fallback"}
+    assert {f.name for f in fields(Prompt)} - stat_names == {"retrieved", "prompt_ids", "question_ids", "chunk_ids"}
+
+    prompt = Prompt([], [1, 2], [2], [], retrieval_ms=3.0, num_reranked=4, warnings=["cut"])
+    loaded = Loaded(None, kv_quant="int8", kv_sources={7: "ram"}, ram_hits=1, warnings=["slow"])
+    stats = Stats.of("exact", prompt, loaded, ram_hits=5)
+    assert (stats.mode, stats.retrieval_ms, stats.num_reranked, stats.kv_quant) == ("exact", 3.0, 4, "int8")
+    assert stats.ram_hits == 5  # what is passed by name wins
+    assert stats.warnings == ["cut", "slow"]
+    stats.kv_sources[8] = "store"
+    stats.warnings.append("more")
+    assert loaded.kv_sources == {7: "ram"} and loaded.warnings == ["slow"]  # copies, not shared
