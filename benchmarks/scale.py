@@ -313,7 +313,7 @@ def refresh_s3(root: Path, work: Path, rng, version: int, n: int) -> dict:
     """Upload the store, let a reader's mirror copy it, publish one document through an S3
     writer (its own mirror), then time the reader's refresh and count what it downloads."""
     from store.remote import RemoteStore
-    from store.writer import RemoteStoreWriter
+    from store.writer import open_writer
     from tests import s3server
 
     uri = f"s3://{s3server.BUCKET}/scale-{n}"
@@ -327,7 +327,7 @@ def refresh_s3(root: Path, work: Path, rng, version: int, n: int) -> dict:
     reader.sync()
     first = reader.downloaded
     os.environ["RAGKV_HOME"] = str(work / "writer-home")
-    writer = RemoteStoreWriter(uri)
+    writer = open_writer(uri)
     mirror_before = files(writer.root)
     catalog = writer.catalog
     with open_snapshot(root) as snap:

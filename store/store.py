@@ -34,6 +34,7 @@ from store.generations import (
 from store.segments import Segment, SegmentInfo
 from store.shards import SealedEntry, ShardReader, ShardWriter, fsync_dir, remove_temporary, sealed_entries, shard_files
 from store.snapshot import SHARD_DIR, StoreSnapshot, open_snapshot
+from store.transport import LocalTransport, Transport
 from store.vectors import VectorIndex
 
 __all__ = ["SHARD_DIR", "StoreSnapshot", "StoreWriter", "is_store", "open_snapshot"]
@@ -77,8 +78,12 @@ class StoreWriter:
     surface as StoreWriteError.
     """
 
-    def __init__(self, root: Path | str, wait: bool = False, rebuild_vectors: bool = False):
+    def __init__(
+        self, root: Path | str, wait: bool = False, rebuild_vectors: bool = False, transport: Transport | None = None
+    ):
         self.root = Path(root)
+        # Where what leaves the folder goes; see store.transport. An S3 store's is given its mirror as `root`.
+        self.transport: Transport = transport or LocalTransport(self.root)
         self._partial: Path | None = None
         self._created_root = not self.root.exists()
         if not self._created_root and _is_foreign(self.root):
@@ -190,17 +195,17 @@ class StoreWriter:
     @property
     def location(self) -> str:
         """What the user named: the folder, or the s3:// URI."""
-        return str(self.root)
+        return self.transport.location
 
     def shard_writer(self, max_bytes: int, metadata: dict[str, str]) -> ShardWriter:
-        return ShardWriter(self.shard_dir, max_bytes, metadata)
+        return self.transport.shard_writer(max_bytes, metadata)
 
     def shard_sizes(self) -> dict[str, int]:
         """Sealed shard files of the store and their sizes."""
-        return shard_files(self.shard_dir)
+        return self.transport.shard_sizes()
 
     def shard_reader(self) -> ShardReader:
-        return ShardReader(self.shard_dir)
+        return self.transport.shard_reader()
 
     def ensure_vectors(self, dim: int) -> VectorIndex:
         if self.vectors is None:
@@ -222,13 +227,16 @@ class StoreWriter:
                 prefix = {e.name for e in mine if KVKey.from_string(e.name).is_prefix}
                 self.catalog.entries.add_entries(profile_id, mine, prefix)
             adopted += entries
+        self.transport.adopted({e.shard for e in adopted})
         return adopted
 
     def commit(self) -> int:
         """Publish the new generation and release the store; returns the generation number."""
-        generation = self.publish()
-        self.release()
-        return generation
+        try:
+            return self.publish()
+        finally:
+            if not self._closed:
+                self.release()
 
     def publish(self) -> int:
         """Publish the new generation (catalog and index together) and remove retired ones
@@ -237,6 +245,11 @@ class StoreWriter:
         current generation number is returned (`unchanged`)."""
         if self._published:
             return self.generation
+        try:
+            self.transport.before_publish(self.catalog.reports.shards())
+        except BaseException:
+            self.abort()
+            raise
         vectors_changed = self.vectors is not None and (self.vectors.changed() or self.vectors.num_without_terms())
         if (
             self._base_rows is not None
@@ -265,6 +278,7 @@ class StoreWriter:
         self._published = True
         self.retired, self.held_by_readers = remove_retired(self.root, self.generation)
         remove_unshared(self.root)
+        self.transport.published(self.generation)  # a failure leaves the store as it was (see store.remote)
         return self.generation
 
     def _write_vectors(self) -> dict:
@@ -302,7 +316,8 @@ class StoreWriter:
             if shard not in referenced:
                 (self.shard_dir / shard).unlink(missing_ok=True)
                 files, freed = files + 1, freed + size
-        return files, freed
+        more_files, more_freed = self.transport.delete_unreferenced()
+        return files + more_files, freed + more_freed
 
     def abort(self) -> None:
         """Drop the unpublished generation; the published store is as it was."""
@@ -323,7 +338,10 @@ class StoreWriter:
 
     def release(self) -> None:
         self._closed = True
-        self._lock.release()
+        try:
+            self._lock.release()
+        finally:
+            self.transport.release()
 
     def __enter__(self):
         return self

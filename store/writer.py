@@ -1,6 +1,6 @@
-"""Opening a store to write: `open_writer` gives a folder's StoreWriter, or for an S3 store a
-RemoteStoreWriter, which builds the next generation in the local mirror (store.remote) and
-publishes it to the bucket."""
+"""Opening a store to write: `open_writer` gives a StoreWriter over a folder, or for an S3
+store over the local mirror with an `S3Transport`, which publishes to the bucket what the
+writer builds in the mirror (store.remote)."""
 
 from __future__ import annotations
 
@@ -16,31 +16,37 @@ from ragkv.errors import RagkvError, StoreLockedError, StoreWriteError
 from store.generations import LOCK, catalog_path
 from store.remote import RemoteStore, is_remote, write_error
 from store.remote_shards import UploadingShardWriter
-from store.shards import SealedEntry, ShardReader, ShardWriter
+from store.shards import ShardReader, ShardWriter
+from store.snapshot import SHARD_DIR
 from store.store import StoreWriter
 
 log = logging.getLogger("ragkv")
 
 
-class RemoteStoreWriter(StoreWriter):
-    """A StoreWriter for an S3 store: builds the next generation in the local mirror (see
-    store.remote), uploads each shard as it is sealed and publishes catalog, index and then
-    CURRENT to the bucket. Holds the bucket's LOCK object as well as the mirror's lock."""
+class S3Transport:
+    """An S3 store's transport (see store.transport): the writer builds the next generation in
+    this machine's mirror of the bucket (store.remote); each shard is uploaded as it is sealed,
+    and catalog, index and then CURRENT once the mirror publishes. `open` takes the bucket's
+    LOCK object (the mirror's own lock is the writer's) and syncs the mirror."""
 
-    def __init__(self, uri: str, wait: bool = False, rebuild_vectors: bool = False):
-        self.remote = RemoteStore(uri)
+    def __init__(self, remote: RemoteStore, lock: BucketLock, base: int | None):
+        self.remote = remote
+        self.root = remote.mirror
+        self.base = base  # the generation the bucket had published when the lock was taken
+        self._lock = lock
+
+    @classmethod
+    def open(cls, uri: str, wait: bool) -> S3Transport:
+        remote = RemoteStore(uri)
+        lock = BucketLock(remote)
         try:
-            self._bucket_lock = BucketLock(self.remote)
-            self._bucket_lock.take(wait)
+            lock.take(wait)
         except OSError as exc:
             raise write_error(uri, exc) from exc
         try:
-            self.remote_base = self.remote.sync()
-            super().__init__(self.remote.mirror, wait, rebuild_vectors)
-            if self.base_generation != self.remote_base:
-                raise StoreWriteError(f"store {uri}: the local mirror {self.root} changed while opening; try again")
+            return cls(remote, lock, remote.sync())
         except BaseException:
-            self._bucket_lock.release()
+            lock.release()
             raise
 
     @property
@@ -54,50 +60,43 @@ class RemoteStoreWriter(StoreWriter):
         return self.remote.shards()
 
     def shard_reader(self) -> ShardReader:
-        return ShardReader(self.shard_dir, self.remote)
+        return ShardReader(self.root / SHARD_DIR, self.remote)
 
-    def adopt_orphans(self) -> list[SealedEntry]:
-        adopted = super().adopt_orphans()  # sealed in the mirror by a killed writer: maybe never uploaded
-        on_bucket = self.remote.shards()
-        for shard in {e.shard for e in adopted} - set(on_bucket):
-            self.remote.upload_shard(shard)
-        return adopted
+    def adopted(self, shards: set[str]) -> None:
+        if shards:  # sealed in the mirror by a killed writer: maybe never uploaded
+            self._upload(shards - set(self.remote.shards()))
 
-    def publish(self) -> int:
-        if self._published:
-            return self.generation
+    def before_publish(self, shards: set[str]) -> None:
         try:
-            missing = self.catalog.reports.shards() - set(self.remote.shards())
-            for shard in sorted(missing):
-                if not (self.shard_dir / shard).exists():
-                    raise StoreWriteError(
-                        f"cannot publish {self.location}: shard {shard} is neither on the bucket "
-                        "nor in the local mirror"
-                    )
+            missing = shards - set(self.remote.shards())
+        except OSError as exc:
+            raise write_error(self.location, exc) from exc
+        for shard in sorted(missing):
+            if not (self.root / SHARD_DIR / shard).exists():
+                raise StoreWriteError(
+                    f"cannot publish {self.location}: shard {shard} is neither on the bucket nor in the local mirror"
+                )
+        self._upload(missing)
+
+    def _upload(self, shards: set[str]) -> None:
+        try:
+            for shard in sorted(shards):
                 self.remote.upload_shard(shard)
         except OSError as exc:
-            self.abort()
             raise write_error(self.location, exc) from exc
-        except BaseException:
-            self.abort()
-            raise
-        generation = super().publish()
-        if self.unchanged:
-            return generation
+
+    def published(self, generation: int) -> None:
         try:
             self.remote.upload_generation(generation)
-        except OSError as exc:
-            # The mirror is ahead of the bucket; the next sync puts it back.
+        except OSError as exc:  # the mirror is ahead of the bucket; the next sync puts it back
             raise write_error(self.location, exc) from exc
         try:
             self.remote.trim_generations(generation)
         except OSError as exc:  # published already; old generations stay until the next writer
             log.warning("store %s: could not delete old generations: %s", self.location, exc)
-        return generation
 
-    def delete_unreferenced_shards(self) -> tuple[int, int]:
-        """Also delete shards on the bucket that no kept generation references."""
-        files, freed = super().delete_unreferenced_shards()
+    def delete_unreferenced(self) -> tuple[int, int]:
+        files = freed = 0
         referenced = referenced_shards(self.remote, self.remote.remote_generations())
         for shard, size in self.remote.shards().items():
             if shard not in referenced:
@@ -106,9 +105,8 @@ class RemoteStoreWriter(StoreWriter):
         return files, freed
 
     def release(self) -> None:
-        super().release()
         try:
-            self._bucket_lock.release()
+            self._lock.release()
         except (OSError, RagkvError) as exc:
             log.warning("store %s: could not delete its LOCK object (%s); delete it by hand", self.location, exc)
 
@@ -153,9 +151,18 @@ class BucketLock:
 def open_writer(location: Path | str, wait: bool = False, rebuild_vectors: bool = False) -> StoreWriter:
     """A writer for the store at `location`: a folder, or s3://bucket/prefix. `rebuild_vectors`:
     start from an empty vector index instead of the published one (for repair)."""
-    if is_remote(location):
-        return RemoteStoreWriter(str(location), wait, rebuild_vectors)
-    return StoreWriter(location, wait, rebuild_vectors)
+    if not is_remote(location):
+        return StoreWriter(location, wait, rebuild_vectors)
+    transport = S3Transport.open(str(location), wait)
+    try:
+        writer = StoreWriter(transport.root, wait, rebuild_vectors, transport)
+    except BaseException:
+        transport.release()
+        raise
+    if writer.base_generation != transport.base:
+        writer.abort()
+        raise StoreWriteError(f"store {location}: the local mirror {writer.root} changed while opening; try again")
+    return writer
 
 
 def _parse_lock(data: bytes) -> dict:
