@@ -13,10 +13,9 @@ from typing import Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from ragkv.config import (
-    CONTEXTS,
     DEFAULT_NO_REPEAT_NGRAM,
     DEFAULT_REPETITION_PENALTY,
     DEFAULT_RERANK,
@@ -24,10 +23,7 @@ from ragkv.config import (
     MAX_RERANK,
     MAX_SEED,
     MAX_TOP_K,
-    MODES,
-    RETRIEVALS,
     AskSettings,
-    DecodeSettings,
     SearchSettings,
 )
 from ragkv.errors import InputError, ModelError, RagkvError, StoreEmptyError
@@ -97,27 +93,6 @@ class RagkvOptions(_Body):
     retrieval: str = DEFAULT_RETRIEVAL  # one of config.RETRIEVALS
     filters: list[str] = Field(default_factory=list, max_length=32)  # ragkv.filters' grammar, all must match
 
-    @field_validator("retrieval")
-    @classmethod
-    def _known_retrieval(cls, retrieval: str) -> str:
-        if retrieval not in RETRIEVALS:
-            raise ValueError(f"must be one of {', '.join(RETRIEVALS)}")
-        return retrieval
-
-    @field_validator("mode")
-    @classmethod
-    def _known_mode(cls, mode: str) -> str:
-        if mode not in (*MODES, "approximate"):
-            raise ValueError(f"must be one of {', '.join((*MODES, 'approximate'))}")
-        return mode
-
-    @field_validator("context")
-    @classmethod
-    def _known_context(cls, context: str) -> str:
-        if context not in CONTEXTS:
-            raise ValueError(f"must be one of {', '.join(CONTEXTS)}")
-        return context
-
 
 class ChatRequest(_Body):
     model: str | None = None
@@ -133,28 +108,21 @@ class ChatRequest(_Body):
 
     def ask_settings(self, max_new_tokens: int) -> AskSettings:
         """The request as ragkv's settings, for both fronts: its `ragkv` options and OpenAI's
-        sampling fields, generating at most `max_new_tokens` (see `max_tokens`)."""
-        options = self.ragkv
+        sampling fields, generating at most `max_new_tokens` (see `max_tokens`). Checked where
+        every front's are, in AskSettings (an InputError: a 400 naming the option)."""
+        options = self.ragkv.model_dump()
+        use_cache = not options.pop("no_cache")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        decoding = DecodeSettings(
-            repetition_penalty=options.repetition_penalty,
-            no_repeat_ngram=options.no_repeat_ngram,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            seed=self.seed,
-            stop=stop,
-        )
-        return AskSettings(
-            top_k=options.top_k,
-            mode=options.mode,
-            context=options.context,
-            use_cache=not options.no_cache,
-            max_new_tokens=max_new_tokens,
-            doc_ids=tuple(options.doc_ids) if options.doc_ids is not None else None,
-            rerank=options.rerank,
-            retrieval=options.retrieval,
-            filters=tuple(options.filters),
-            decoding=decoding,
+        return AskSettings.from_dict(
+            {
+                **options,
+                "use_cache": use_cache,
+                "max_new_tokens": max_new_tokens,
+                "temperature": self.temperature,
+                "top_p": self.top_p,
+                "seed": self.seed,
+                "stop": stop,
+            }
         )
 
 

@@ -275,3 +275,29 @@ def test_a_chat_request_is_one_settings_value_for_both_fronts():
     assert (settings.top_k, settings.use_cache, settings.mode, settings.max_new_tokens) == (3, False, "concat", 40)
     assert (settings.doc_ids, settings.filters) == (("a",), ("year>=2025",))
     assert (settings.decoding.temperature, settings.decoding.seed, settings.decoding.stop) == (0.5, 7, ("END",))
+
+
+def test_every_front_checks_its_options_in_one_place():
+    from pydantic import ValidationError
+
+    from ragkv.api import ChatRequest
+    from ragkv.config import AskSettings
+    from ragkv.errors import InputError
+    from ragkv.integrations.adapter import AnswerOptions
+
+    # The same bad option is refused with the same message by the CLI's, the adapters' and the
+    # OpenAI fronts' settings: AskSettings is the one check.
+    with pytest.raises(InputError) as cli:
+        AskSettings.from_dict({"mode": "fast"})
+    with pytest.raises(ValidationError) as adapter:
+        AnswerOptions(mode="fast")
+    body = ChatRequest.model_validate({"messages": [{"role": "user", "content": "q"}], "ragkv": {"mode": "fast"}})
+    with pytest.raises(InputError) as openai:
+        body.ask_settings(max_new_tokens=8)
+    assert str(cli.value) in str(adapter.value) and str(openai.value) == str(cli.value)
+
+    options = AnswerOptions(top_k=2, mode="concat", stop=["END"], seed=3, max_tokens=9, repetition_penalty=1.0)
+    settings = options.ask_settings(passages=["p"], max_tokens=5)
+    assert (settings.top_k, settings.mode, settings.max_new_tokens, settings.passages) == (2, "concat", 5, ("p",))
+    assert (settings.decoding.stop, settings.decoding.seed, settings.decoding.repetition_penalty) == (("END",), 3, 1.0)
+    assert options.ask_settings(stop=["X"]).decoding.stop == ("X",) and options.ask_settings().max_new_tokens == 9

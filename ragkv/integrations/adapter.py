@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, model_validator
 
 from ragkv.answer import SECTION_SEPARATOR, Answer, AnswerStream, cite
 from ragkv.config import (
@@ -17,7 +17,6 @@ from ragkv.config import (
     DEFAULT_RERANK,
     DEFAULT_RETRIEVAL,
     AskSettings,
-    DecodeSettings,
 )
 from ragkv.errors import InputError
 
@@ -25,7 +24,9 @@ IDENTITY = "ragkv"  # the metadata key under which results carry a chunk's ident
 
 
 class AnswerOptions(BaseModel):
-    """The answer options every adapter exposes (as `ragkv ask`'s), and the settings they make."""
+    """The answer options every adapter exposes (as `ragkv ask`'s), and the settings they make.
+    Checked where every front's are, in AskSettings: a bad one fails the adapter's construction
+    with the InputError `ragkv ask` gives."""
 
     top_k: int = 1
     context: str = "span"
@@ -40,6 +41,11 @@ class AnswerOptions(BaseModel):
     repetition_penalty: float = DEFAULT_REPETITION_PENALTY
     no_repeat_ngram: int = DEFAULT_NO_REPEAT_NGRAM
 
+    @model_validator(mode="after")
+    def _checked(self):
+        self.ask_settings()
+        return self
+
     def ask_settings(
         self,
         chunks=None,
@@ -49,24 +55,15 @@ class AnswerOptions(BaseModel):
     ) -> AskSettings:
         """These options as AskSettings, answering from `chunks` and `passages` when given (see
         `chunks_and_passages`), else retrieving; `stop` and `max_tokens` override per call."""
-        decoding = DecodeSettings(
-            repetition_penalty=self.repetition_penalty,
-            no_repeat_ngram=self.no_repeat_ngram,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            seed=self.seed,
-            stop=tuple(stop or self.stop or ()),
-        )
-        return AskSettings(
-            top_k=self.top_k,
-            context=self.context,
-            mode=self.mode,
-            decoding=decoding,
-            max_new_tokens=self.max_tokens if max_tokens is None else max_tokens,
-            chunks=chunks,
-            passages=tuple(passages),
-            rerank=self.rerank,
-            retrieval=self.retrieval,
+        options = {name: getattr(self, name) for name in AnswerOptions.model_fields if name != "max_tokens"}
+        return AskSettings.from_dict(
+            {
+                **options,
+                "stop": tuple(stop or self.stop or ()),
+                "max_new_tokens": self.max_tokens if max_tokens is None else max_tokens,
+                "chunks": chunks,
+                "passages": tuple(passages),
+            }
         )
 
 
