@@ -174,9 +174,16 @@ class QueryEngine:
         the thread only saves them stepping. Close it (or use `with`) to stop the thread."""
         return Batcher(self.engine, BatchSettings(**settings))
 
-    def conversation(self, settings: AskSettings | None = None, **options) -> Conversation:
-        """A multi-turn conversation: its first message retrieves, later ones reuse the cache."""
-        return Conversation(self.runtime, settings or AskSettings.from_dict(options), self.engine)
+    def conversation(
+        self, settings: AskSettings | None = None, history: Sequence[tuple[str, str]] = (), **options
+    ) -> Conversation:
+        """A multi-turn conversation: its first message retrieves, later ones reuse the cache.
+        `history`: earlier (user, assistant) turns as a client remembers them, replayed (see
+        `Conversation.replay`; a stateless client such as an OpenAI one sends them each time)."""
+        conversation = Conversation(self.runtime, settings or AskSettings.from_dict(options), self.engine)
+        for user, assistant in history:
+            conversation.replay(user, assistant)
+        return conversation
 
     def first_token_logits(self, question: str, settings: AskSettings | None = None, **options) -> torch.Tensor:
         """The next-token logits `(V,)` after the prompt, as `ask` would see them (for comparing

@@ -71,10 +71,7 @@ class Conversations:
         kept = self._lru.pop(_history_key(history)) if history else None
         if kept is not None:
             return kept, True
-        conversation = self.engine.conversation(settings)
-        for user, assistant in history:
-            conversation.replay(user, assistant)
-        return conversation, False
+        return self.engine.conversation(settings, history), False
 
     def keep(self, conversation, history: list[tuple[str, str]]) -> None:
         size = conversation.runtime.lm.facts.kv_bytes_per_token * len(conversation.ids())

@@ -123,10 +123,7 @@ def stream(engine, question: str, settings: AskSettings, history: Sequence[tuple
     frees the row. Errors are ragkv's, with their one-line message."""
 
     def open_conversation():  # as the turn is admitted
-        conversation = engine.conversation(settings)
-        for user, assistant in history:
-            conversation.replay(user, assistant)
-        return conversation
+        return engine.conversation(settings, history)
 
     return engine.engine.stream(open_conversation, question, settings.max_new_tokens, settings.decoding)
 
