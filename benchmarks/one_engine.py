@@ -153,13 +153,20 @@ def main() -> None:
                     file=sys.stderr,
                 )
 
-    def med(name: str, key: str) -> float:
-        return statistics.median(r[key] for r in runs[name])
+    def values(name: str, key: str, scale: float = 1.0, invert: bool = False) -> list[float]:
+        return [len(questions) / r[key] if invert else r[key] * scale for r in runs[name]]
 
-    def span(name: str, key: str, scale: float = 1.0, invert: bool = False) -> str:
-        values = [len(questions) / r[key] if invert else r[key] * scale for r in runs[name]]
-        middle = statistics.median(values)
-        return f"{middle:.2f} [{min(values):.2f}–{max(values):.2f}]"
+    def show(vs: list[float]) -> str:
+        return f"{statistics.median(vs):.2f} [{min(vs):.2f}–{max(vs):.2f}]"
+
+    def ratio(before: list[float], after: list[float]) -> str:
+        """after / before of the medians, and the range of the runs' paired ratios (run i of
+        each tree ran back to back, so a pair shares the machine's state of the moment)."""
+        pairs = [x / y for x, y in zip(after, before, strict=True)]
+        return f"{statistics.median(after) / statistics.median(before):.2f}× [{min(pairs):.2f}–{max(pairs):.2f}]"
+
+    def row(label: str, before: list[float], after: list[float], equal: str) -> str:
+        return f"| {label} | {show(before)} | {show(after)} | {ratio(before, after)} | {equal} |"
 
     n = len(questions)
     b, a = runs["before"], runs["after"]
@@ -171,36 +178,44 @@ def main() -> None:
         f"{n} questions ({len(TOPICS)} topics, 4 phrasings each); CPU: {describe()}. "
         f"before: {commit_of(trees['before'])} ({args.before_is}); after: {commit_of(trees['after'])} "
         f"({args.after_is}). Each run a fresh process, warm (one question first), trees "
-        f"alternating, {args.repeats} runs each: the median, the range in brackets. "
+        f"alternating, {args.repeats} runs each: the median, the range in brackets; after / before: the "
+        "medians' ratio, in brackets the range of the paired runs' ratios. "
         f"Command: `python benchmarks/one_engine.py {' '.join(shlex.quote(a) for a in sys.argv[1:])}`.",
         "",
         "| workload | before | after | after / before | answers equal to one at a time, before / after |",
         "|---|---|---|---|---|",
-        f"| `ask` one at a time: median time to first token (ms) | {span('before', 'ttft_s', 1000)} | "
-        f"{span('after', 'ttft_s', 1000)} | {med('after', 'ttft_s') / med('before', 'ttft_s'):.2f}× | (the reference) |",
-        f"| `ask` one at a time: answers/s | {span('before', 'sequential_s', invert=True)} | "
-        f"{span('after', 'sequential_s', invert=True)} | "
-        f"{med('before', 'sequential_s') / med('after', 'sequential_s'):.2f}× | (the reference) |",
-        f"| `ask` from {args.threads} threads, no batcher: answers/s | {span('before', 'threads_s', invert=True)} | "
-        f"{span('after', 'threads_s', invert=True)} | {med('before', 'threads_s') / med('after', 'threads_s'):.2f}× | "
-        f"{min(r['threads_identical'] for r in b)}/{n} / {min(r['threads_identical'] for r in a)}/{n} |",
-        f"| `ragkv batch`: answers/s | {span('before', 'batch_s', invert=True)} | {span('after', 'batch_s', invert=True)} | "
-        f"{med('before', 'batch_s') / med('after', 'batch_s'):.2f}× | "
-        f"{min(r['batch_identical'] for r in b)}/{n} / {min(r['batch_identical'] for r in a)}/{n} |",
+        row(
+            "`ask` one at a time: median time to first token (ms)",
+            values("before", "ttft_s", 1000),
+            values("after", "ttft_s", 1000),
+            "(the reference)",
+        ),
+        row(
+            "`ask` one at a time: answers/s",
+            values("before", "sequential_s", invert=True),
+            values("after", "sequential_s", invert=True),
+            "(the reference)",
+        ),
+        row(
+            f"`ask` from {args.threads} threads, no batcher: answers/s",
+            values("before", "threads_s", invert=True),
+            values("after", "threads_s", invert=True),
+            f"{min(r['threads_identical'] for r in b)}/{n} / {min(r['threads_identical'] for r in a)}/{n}",
+        ),
+        row(
+            "`ragkv batch`: answers/s",
+            values("before", "batch_s", invert=True),
+            values("after", "batch_s", invert=True),
+            f"{min(r['batch_identical'] for r in b)}/{n} / {min(r['batch_identical'] for r in a)}/{n}",
+        ),
     ]
     for clients in SERVE_CLIENTS:
         rps = {name: [r["serve"][clients]["rps"] for r in runs[name]] for name in runs}
         p50 = {name: [r["serve"][clients]["p50"] * 1000 for r in runs[name]] for name in runs}
-
-        def show(values: list[float]) -> str:
-            return f"{statistics.median(values):.2f} [{min(values):.2f}–{max(values):.2f}]"
-
+        who = f"{clients} client{'s' if clients > 1 else ''}"
         lines += [
-            f"| `ragkv serve`, {clients} client{'s' if clients > 1 else ''}: requests/s | {show(rps['before'])} | "
-            f"{show(rps['after'])} | {statistics.median(rps['after']) / statistics.median(rps['before']):.2f}× | |",
-            f"| `ragkv serve`, {clients} client{'s' if clients > 1 else ''}: median time to first token (ms) | "
-            f"{show(p50['before'])} | {show(p50['after'])} | "
-            f"{statistics.median(p50['after']) / statistics.median(p50['before']):.2f}× | |",
+            row(f"`ragkv serve`, {who}: requests/s", rps["before"], rps["after"], ""),
+            row(f"`ragkv serve`, {who}: median time to first token (ms)", p50["before"], p50["after"], ""),
         ]
     lines += [
         "",
