@@ -273,6 +273,23 @@ class KVLoader:
             self.writer = WriteBack(self.snapshot.root)
         return self.writer
 
+    def hot(self) -> dict:
+        """What the RAM tier holds, for a router that sends a document's questions where its KV
+        is warm: the count, bytes and counters, and each chunk whose KV is held (its id,
+        document and key; a key of identical text may serve several chunks). `computed`: KV
+        held for chunks the store has none for yet (computed on a miss, not yet written back).
+        Reads the catalog: call it where the engine's steps run."""
+        keys = [str(key) for key in self.ram.keys()]
+        linked = self.snapshot.catalog.entries.chunks_of_keys(self.active.profile.profile_id, keys)
+        return {
+            "generation": self.snapshot.generation,
+            "profile_id": self.active.profile.profile_id,
+            **self.ram.stats(),
+            "chunks": [{"chunk_id": c, "doc_id": d, "kv_key": k} for k, c, d in linked],
+            "documents": sorted({d for _, _, d in linked}),
+            "computed": len(set(keys) - {k for k, _, _ in linked}),
+        }
+
     def record_uses(self, rows: Iterable[ContextRow], kv_sources: dict[int, str]) -> None:
         """Log each chunk a prompt used, with where its KV came from (popularity, hit rate)."""
         if self._hit_log is None:

@@ -60,6 +60,10 @@ class ByteLRU(Generic[V]):
         self.bytes -= found[1]
         return found[0]
 
+    def keys(self) -> list[Hashable]:
+        """The keys held, least recently used first."""
+        return list(self._items)
+
     def __contains__(self, key: Hashable) -> bool:
         return key in self._items
 

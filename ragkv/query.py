@@ -82,6 +82,10 @@ class QueryEngine:
     def ram(self, tier: ByteLRU[torch.Tensor]) -> None:
         self.loader.ram = tier
 
+    def hot(self) -> dict:
+        """What the RAM tier holds of the store's KV (see `KVLoader.hot`); `ragkv serve`'s `/v1/cache`."""
+        return self.engine.call(self.loader.hot)
+
     @property
     def prefix_cache(self) -> PrefixCache:
         return self.loader.prefix_cache

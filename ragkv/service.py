@@ -100,6 +100,9 @@ class Metrics:
         )
         tier = engine.ram
         Gauge("ragkv_ram_tier_bytes", "Bytes of chunk KV in the RAM tier", registry=r).set_function(lambda: tier.bytes)
+        Gauge("ragkv_ram_tier_entries", "Chunk KV entries in the RAM tier (which: /v1/cache)", registry=r).set_function(
+            lambda: len(tier)
+        )
         Gauge("ragkv_ram_tier_hits", "RAM tier hits", registry=r).set_function(lambda: tier.hits)
         Gauge("ragkv_ram_tier_misses", "RAM tier misses", registry=r).set_function(lambda: tier.misses)
         Gauge("ragkv_store_generation", "Store generation being served", registry=r).set_function(
@@ -241,6 +244,12 @@ def _add_info_routes(app: FastAPI, engine, batcher: Engine, metrics: Metrics, au
     @app.get("/v1/models", dependencies=[Depends(authorised)])
     async def models():
         return models_listing(engine.lm.facts.name)
+
+    @app.get("/v1/cache", dependencies=[Depends(authorised)])
+    async def cache():
+        """What this replica holds hot (its RAM tier's chunks): for a router that sends a
+        document's questions where its KV is warm."""
+        return await asyncio.wrap_future(batcher.call_soon(engine.loader.hot))
 
     @app.post("/v1/retrieve", dependencies=[Depends(authorised)])
     async def retrieve(body: RetrieveRequest):

@@ -103,6 +103,23 @@ def test_other_endpoints(served):
         assert name in metrics
 
 
+def test_the_cache_endpoint_names_the_chunks_held_hot(served):
+    base, _, _ = served
+    auth = {"Authorization": f"Bearer {KEY}"}
+    reply = post(base, {"messages": [{"role": "user", "content": QUESTIONS[3]}], "max_tokens": 4}).json()["ragkv"]
+    stored = {int(c) for c, source in reply["stats"]["kv_sources"].items() if source in ("store", "ram")}
+    assert stored  # the tiny store holds every chunk's KV
+    cache = httpx.get(f"{base}/v1/cache", headers=auth).json()
+    held = {c["chunk_id"]: c["doc_id"] for c in cache["chunks"]}
+    assert stored <= set(held)  # what the answer read is held now
+    assert {s["doc_id"] for s in reply["sources"] if s["chunk_id"] in stored} <= set(cache["documents"])
+    assert cache["entries"] >= 1 and 0 < cache["bytes"] <= cache["max_bytes"]
+    assert cache["generation"] == httpx.get(f"{base}/healthz").json()["generation"]
+    metrics = httpx.get(f"{base}/metrics").text
+    assert f"ragkv_ram_tier_entries {float(cache['entries'])}" in metrics
+    assert httpx.get(f"{base}/v1/cache").status_code == 401
+
+
 @pytest.mark.parametrize("key, status", [(None, 401), ("wrong", 401)])
 def test_requests_without_the_key_are_refused(served, key, status):
     base, _, _ = served

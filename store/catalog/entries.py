@@ -114,6 +114,18 @@ class Entries(Part):
         ).fetchall()
         return [SpanLink(r[0], tuple(r[1])) for r in rows]
 
+    def chunks_of_keys(self, profile_id: str, kv_keys: Sequence[str]) -> list[tuple[str, int, str]]:
+        """(kv_key, chunk_id, doc_id) of every chunk linked to one of `kv_keys` under
+        `profile_id` (a key of identical text may serve several chunks), by chunk id."""
+        if not kv_keys:
+            return []
+        rows = self.con.execute(
+            "SELECT k.kv_key, k.chunk_id, c.doc_id FROM chunk_kv k JOIN chunks c USING (chunk_id) "
+            "WHERE k.profile_id = ? AND k.kv_key IN (SELECT unnest(?)) ORDER BY k.chunk_id",
+            [profile_id, list(kv_keys)],
+        ).fetchall()
+        return [(r[0], int(r[1]), r[2]) for r in rows]
+
     def linked_totals(self, profile_id: str, doc_ids: Sequence[str]) -> tuple[int, int]:
         """(chunks, tokens) of `doc_ids` that already have KV under `profile_id`."""
         row = self.catalog.one(
