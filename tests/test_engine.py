@@ -92,3 +92,15 @@ def test_a_conversation_goes_on_exactly_after_a_turn_left_early(engine):
         decoding=chat.settings.decoding,
     )
     assert answer.token_ids == full.token_ids  # the cut turn's cache holds exactly its ids
+
+
+def test_hot_names_what_the_ram_tier_holds(engine):
+    assert engine.hot()["chunks"] == [] and engine.hot()["entries"] == 0
+    answer = engine.ask(QUESTIONS[1], top_k=2, max_new_tokens=2)
+    read = {c for c, source in answer.stats.kv_sources.items() if source == "store"}
+    hot = engine.hot()
+    assert read and read <= {c["chunk_id"] for c in hot["chunks"]}
+    assert {s.doc_id for s in answer.sources if s.chunk_id in read} <= set(hot["documents"])
+    assert hot["entries"] == len(engine.ram) and hot["bytes"] == engine.ram.bytes and hot["computed"] == 0
+    engine.ram = type(engine.ram)(engine.ram.max_bytes)  # emptied: nothing is named any more
+    assert engine.hot()["chunks"] == []
