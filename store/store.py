@@ -246,7 +246,7 @@ class StoreWriter:
         if self._published:
             return self.generation
         try:
-            self.transport.before_publish(self.catalog.reports.shards())
+            self.transport.before_publish(self.catalog.reports.shards)  # asked only where it is needed (a scan)
         except BaseException:
             self.abort()
             raise

@@ -6,6 +6,7 @@ only where the bytes end up is the transport's."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -33,8 +34,9 @@ class Transport(Protocol):
         """`shards`, sealed in the folder by a killed writer, are now referenced: make them the store's."""
         ...
 
-    def before_publish(self, shards: set[str]) -> None:
-        """The new generation references `shards`: each must be in the store before it is published."""
+    def before_publish(self, shards: Callable[[], set[str]]) -> None:
+        """Each shard the new generation references (`shards()`, a scan of the catalog: call it
+        only when needed) must be in the store before it is published."""
         ...
 
     def published(self, generation: int) -> None:
@@ -73,7 +75,7 @@ class LocalTransport:
     def adopted(self, shards: set[str]) -> None:
         pass  # they are in the store already
 
-    def before_publish(self, shards: set[str]) -> None:
+    def before_publish(self, shards: Callable[[], set[str]]) -> None:
         pass  # the writer's folder is the store
 
     def published(self, generation: int) -> None:

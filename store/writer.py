@@ -10,6 +10,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from ragkv.errors import RagkvError, StoreLockedError, StoreWriteError
@@ -66,9 +67,9 @@ class S3Transport:
         if shards:  # sealed in the mirror by a killed writer: maybe never uploaded
             self._upload(shards - set(self.remote.shards()))
 
-    def before_publish(self, shards: set[str]) -> None:
+    def before_publish(self, shards: Callable[[], set[str]]) -> None:
         try:
-            missing = shards - set(self.remote.shards())
+            missing = shards() - set(self.remote.shards())
         except OSError as exc:
             raise write_error(self.location, exc) from exc
         for shard in sorted(missing):
