@@ -203,7 +203,10 @@ def _write(
     _check_chunks_fit(pending, lm, layout)
     catalog.entries.add_profile(_profile_row(profile, lm, settings.system_prompt))
     limit = settings.kv_budget if settings.kv_budget is not None else catalog.usage.kv_budget()
+    # a span's chunks are all linked, KV or not: the link keeps each one's key and place
+    links = pending if settings.span_tokens else None
     pending = _admitted(writer, pending, lm, profile, limit, settings, report)
+    links = pending if links is None else links
     todo = plan_work(catalog, pending, profile)
     work, prefix_key = todo.units, todo.prefix_key
     report.kv_reused += todo.num_reused
@@ -218,7 +221,7 @@ def _write(
         _embed(new_chunks, embedder, vectors, reporter)
         _compute_and_store(writer, work, prefix_key, lm, profile, settings, reporter, report)
     catalog.entries.link_chunks(
-        profile.profile_id, [ChunkLink(p.chunk_id, p.key, p.token_ids, p.span_start) for p in pending]
+        profile.profile_id, [ChunkLink(p.chunk_id, p.key, p.token_ids, p.span_start) for p in links]
     )
     if limit is not None:  # estimates planned the work; the bytes written decide
         report.kv_evicted += len(budget.enforce(writer, profile.profile_id, limit))
@@ -246,10 +249,6 @@ def _admitted(
     report.kv_budget = limit
     if limit is None and settings.precompute is None:
         return pending
-    if settings.span_tokens:
-        raise InputError(
-            f"store {writer.root} has a KV budget, which keeps chunks' KV one by one; ingest without --span-tokens"
-        )
     admitted = within_budget(writer, pending, lm, profile, limit, settings.precompute)
     report.kv_evicted += admitted.num_evicted
     report.kv_deferred = admitted.num_deferred

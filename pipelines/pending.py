@@ -148,7 +148,7 @@ def plan_work(catalog, pending: list[PendingChunk], profile: Profile) -> Work:
 class Admitted:
     """What a KV budget lets ingest compute now."""
 
-    pending: list[PendingChunk]  # the chunks to compute (or stored already)
+    pending: list[PendingChunk]  # the chunks to compute (or stored already): whole spans' prefixes
     num_evicted: int  # stored chunk KV dropped for more popular chunks
     num_deferred: int  # chunks left without KV: computed on their first miss
 
@@ -163,7 +163,8 @@ def within_budget(
 ) -> Admitted:
     """The chunks whose KV to compute now: the most popular that fit the budget `limit` (and,
     of new KV, at most `precompute` bytes), chunks whose KV is stored already always. Stored
-    KV colder than what is chosen is evicted. The rest stay without KV (computed on a miss)."""
+    KV colder than what is chosen is evicted. The rest stay without KV (computed on a miss).
+    A span is admitted as a prefix of itself: a chunk only after the chunk before it."""
     catalog = writer.catalog
     prefix_parts = codec.encode(compute_prefix(lm.model, profile.prefix_ids), profile.kv_quant)
     prefix_bytes = sum(t.numel() * t.element_size() for t in prefix_parts.values())
@@ -171,17 +172,27 @@ def within_budget(
         budget.check_budget(limit, prefix_bytes)
     per_token = prefix_bytes / max(len(profile.prefix_ids), 1)
     stored_keys = catalog.entries.existing_keys(p.key for p in pending)
-    fresh = [p for p in pending if p.key not in stored_keys]
+    units = units_of(pending)
+    parents = {p.key: before.key for unit in units for before, p in zip(unit, unit[1:], strict=False)}
+    fresh = [
+        budget.Fresh(p.key, math.ceil(len(p.ids) * per_token), p.chunk_id, parents.get(p.key))
+        for p in pending
+        if p.key not in stored_keys
+    ]
     writes_prefix = not catalog.entries.existing_keys([KVKey.for_prefix(profile).to_string()])
     decision = budget.admit(
-        writer,
-        profile.profile_id,
-        [(p.key, math.ceil(len(p.token_ids) * per_token), p.chunk_id) for p in fresh],
-        limit,
-        precompute,
-        reserved=prefix_bytes if writes_prefix else 0,
+        writer, profile.profile_id, fresh, limit, precompute, reserved=prefix_bytes if writes_prefix else 0
     )
-    chosen = set(decision.compute)
-    return Admitted(
-        [p for p in pending if p.key in stored_keys or p.key in chosen], len(decision.evict), len(fresh) - len(chosen)
-    )
+    usable = stored_keys | set(decision.compute)
+    admitted = [p for unit in units for p in _usable_prefix(unit, usable)]
+    return Admitted(admitted, len(decision.evict), len(fresh) - len(decision.compute))
+
+
+def _usable_prefix(unit: list[PendingChunk], usable: set[str]) -> list[PendingChunk]:
+    """The chunks of `unit` up to the first whose KV is neither stored nor to be computed."""
+    prefix = []
+    for p in unit:
+        if p.key not in usable:
+            break
+        prefix.append(p)
+    return prefix

@@ -242,11 +242,6 @@ class IngestSettings(_Settings):
             raise InputError(f"unknown --kv-dtype {self.kv_dtype!r}; use one of {', '.join(KV_DTYPES)}")
         if self.shard_bytes < 1:
             raise InputError(f"shard_bytes must be positive, got {self.shard_bytes}")
-        if self.span_tokens and (self.kv_budget is not None or self.precompute is not None):
-            raise InputError(
-                "--kv-budget and --precompute keep chunks' KV one by one; they do not combine with "
-                "--span-tokens (a span's KV is computed and kept whole)"
-            )
         if self.max_document_bytes < 1:
             raise InputError(f"--max-doc-bytes must be a positive size, got {self.max_document_bytes}")
         if (self.kv_budget or 0) < 0 or (self.precompute or 0) < 0:

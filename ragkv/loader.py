@@ -15,7 +15,7 @@ from ragkv import assemble, codec, kv, spans
 from ragkv.assemble import Assembly
 from ragkv.config import AskSettings
 from ragkv.errors import StoreCorruptError
-from ragkv.forward import compute_chunks, shard_metadata
+from ragkv.forward import compute_chunks, shard_metadata, split_segments
 from ragkv.keys import KVKey
 from ragkv.lru import ByteLRU
 from ragkv.model import LoadedModel
@@ -191,27 +191,70 @@ class KVLoader:
     def run_kv(self, run: Sequence[ContextRow], loaded: Loaded, slot: int = 0) -> torch.Tensor:
         """The KV of `run`, chunks that follow each other in one stored span (or one chunk):
         their entries joined along the tokens, `(L, 2, H, T_run, D)`, every entry's key checked
-        against the tokens before it and its bytes verified. A chunk stored on its own that has
-        no KV is computed now (a miss, written back). Read buffers from `slot` on are used.
-        Raises StoreCorruptError when an entry is missing or does not verify."""
+        against the tokens before it and its bytes verified. What the store holds of the span
+        is loaded; from the first chunk it has no KV for (a miss: the budget left it out), the
+        rest is computed now in one forward after it, exactly in the span's own order, and
+        written back. Read buffers from `slot` on are used. Raises StoreCorruptError when an
+        entry does not verify."""
         if len(run) == 1 and run[0].entry is None and run[0].span_start is None:
             return self._computed_kv(run[0], loaded)  # a miss: compute it now
-        entries, chunk_ids = [], []
+        chunk_ids = []
         for row in run:
-            if row.entry is None or row.token_ids is None:
+            if row.token_ids is None:
                 raise StoreCorruptError(f"chunk {row.chunk_id} has no stored KV for this model")
-            entries.append(row.entry)
             chunk_ids.append(row.token_ids)
         keys = spans.span_keys(self.active.profile, chunk_ids, self.active.layout.separator_ids)
-        parts = []
-        for row, entry, key in zip(run, entries, keys, strict=True):
-            if key.to_string() != entry.kv_key:
+        parts: list[torch.Tensor] = []
+        for i, (row, key) in enumerate(zip(run, keys, strict=True)):
+            held = None if row.entry is not None else self.ram.get(key.to_string())
+            if row.entry is None and held is None:
+                parent = keys[i - 1].to_string() if i else None
+                parts += self._computed_span(run[i:], keys[i:], parent, parts, loaded)
+                break
+            if held is not None:  # computed on an earlier miss, not stored (yet)
+                loaded.ram_hits += 1
+                loaded.kv_sources[row.chunk_id] = "ram"
+                parts.append(held)
+                continue
+            assert row.entry is not None
+            if key.to_string() != row.entry.kv_key:
                 raise StoreCorruptError(f"chunk {row.chunk_id}'s stored KV key does not match its tokens")
             hits = loaded.ram_hits
-            parts.append(self._chunk_kv(entry, loaded, slot))
+            parts.append(self._chunk_kv(row.entry, loaded, slot + i))
             loaded.kv_sources[row.chunk_id] = "ram" if loaded.ram_hits > hits else "store"
-            slot += 1
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=kv.TOKEN_DIM)
+
+    def _computed_span(
+        self,
+        rows: Sequence[ContextRow],
+        keys: Sequence[KVKey],
+        parent: str | None,
+        before: list[torch.Tensor],
+        loaded: Loaded,
+    ) -> list[torch.Tensor]:
+        """The KV of a span's chunks `rows` (keyed `keys`) the store has none for, computed in one
+        forward after the prefix and `before` (the span's chunks before them, `(L, 2, H, T_i, D)`
+        each, the last keyed `parent`): one `(L, 2, H, T, D)` per row, passed through the store's
+        codec. Each is kept in the RAM tier and handed to the background write-back, chained to
+        the entry before it."""
+        profile, separator = self.active.profile, self.active.layout.separator_ids
+        segments = [spans.segment(0 if row.starts_span else 1, row.token_ids or (), separator) for row in rows]
+        start = time.perf_counter()
+        base = torch.cat([self.prefix_kv(), *before], dim=kv.TOKEN_DIM)  # (L, 2, H, P + T_before, D)
+        ids = [t for segment in segments for t in segment]
+        (result,) = compute_chunks(self.lm.model, base, [ids], len(ids), self.lm.pad_id)
+        computed = []
+        for row, key, piece in zip(rows, keys, split_segments(result.kv, [len(s) for s in segments]), strict=True):
+            name = key.to_string()
+            parts = codec.encode(piece, profile.kv_quant)
+            kv_tensor = codec.decode({n: t.to(self.device) for n, t in parts.items()}, self.lm.model.dtype)
+            self.ram.put(name, kv_tensor)
+            loaded.kv_sources[row.chunk_id] = "computed"
+            self._write_back(row, name, row.token_ids or (), parts, parent)
+            computed.append(kv_tensor)
+            parent = name
+        loaded.kv_compute_ms += _ms(start)
+        return computed
 
     def _chunk_kv(self, entry, loaded: Loaded, slot: int) -> torch.Tensor:
         """A chunk's KV from the RAM tier, else read (and verified) from its shard into read
@@ -249,19 +292,21 @@ class KVLoader:
         loaded.kv_compute_ms += _ms(start)
         loaded.kv_sources[row.chunk_id] = "computed"
         self.ram.put(key, kv_tensor)
-        writer = self._background_writer()
-        if writer is not None:
-            writer.submit(
-                ComputedKV(
-                    profile.profile_id,
-                    key,
-                    row.chunk_id,
-                    token_ids,
-                    parts,
-                    shard_metadata(profile.profile_id, self.lm.facts.name, profile.dtype),
-                )
-            )
+        self._write_back(row, key, token_ids, parts, None)
         return kv_tensor
+
+    def _write_back(
+        self, row: ContextRow, key: str, token_ids: tuple[int, ...], parts: dict[str, torch.Tensor], parent: str | None
+    ) -> None:
+        """Hand KV computed on a miss (encoded `parts`) to the background write-back, if on."""
+        writer = self._background_writer()
+        if writer is None:
+            return
+        profile = self.active.profile
+        metadata = shard_metadata(profile.profile_id, self.lm.facts.name, profile.dtype)
+        writer.submit(
+            ComputedKV(profile.profile_id, key, row.chunk_id, token_ids, parts, metadata, row.span_start, parent)
+        )
 
     def _text_ids(self, row: ContextRow) -> tuple[int, ...]:
         return tuple(encode_text(self.lm.tokenizer, row.text))

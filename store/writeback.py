@@ -46,6 +46,8 @@ class ComputedKV:
     token_ids: tuple[int, ...]
     parts: dict[str, torch.Tensor]  # codec.encode output: "" the data, others e.g. scales
     shard_metadata: dict[str, str]
+    span_start: int | None = None  # chunk_index of the span its KV continues (None: stored alone)
+    parent: str | None = None  # the key of the entry before it in its span (None: none)
 
     @property
     def nbytes(self) -> int:
@@ -167,7 +169,7 @@ class WriteBack:
                 catalog.entries.add_entries(profile_id, shards.flush())
             written = {b.kv_key for b in new} | stored
             links = {
-                b.chunk_id: ChunkLink(b.chunk_id, b.kv_key, b.token_ids)
+                b.chunk_id: ChunkLink(b.chunk_id, b.kv_key, b.token_ids, b.span_start)
                 for b in batch
                 if b.chunk_id in alive and b.kv_key in written
             }  # one per chunk: it may have missed twice
@@ -180,7 +182,8 @@ class WriteBack:
     def _within_budget(self, writer, profile_id: str, new: list[ComputedKV], limit: int) -> list[ComputedKV]:
         """The computed entries that earn a place; evicts colder stored KV to make room."""
         drop_dead(writer)
-        decision = budget.admit(writer, profile_id, [(b.kv_key, b.nbytes, b.chunk_id) for b in new], limit)
+        fresh = [budget.Fresh(b.kv_key, b.nbytes, b.chunk_id, b.parent) for b in new]
+        decision = budget.admit(writer, profile_id, fresh, limit)
         if decision.evict:
             drop_dead(writer)
         self.report.evicted += len(decision.evict)

@@ -46,6 +46,24 @@ def test_plan_fills_gaps_with_smaller_chunks_and_caps_new_bytes():
     assert plan(candidates, room=None, compute_limit=0).compute == []
 
 
+def test_plan_keeps_each_span_a_prefix_of_itself():
+    # a span a -> b -> c stored, scored by path (never rising along it), and a new chunk alone
+    span = [
+        Candidate("a", 10, 3.0, True, 0),
+        Candidate("b", 10, 3.0, True, 1, parent="a"),
+        Candidate("c", 10, 1.0, True, 2, parent="b"),
+    ]
+    decision = plan([*span, Candidate("alone", 10, 2.0, False, 3)], room=30)
+    assert decision.keep == ["a", "b"] and decision.compute == ["alone"] and decision.evict == ["c"]  # tail first
+    # a continuation ranked before its parent (stored wins the tie) waits for it, and falls with it
+    waits = plan([Candidate("child", 10, 1.0, True, 1, parent="p"), Candidate("p", 10, 1.0, False, 0)], room=20)
+    assert waits.compute == ["p"] and waits.keep == ["child"]
+    falls = plan([Candidate("child", 5, 1.0, True, 1, parent="p"), Candidate("p", 30, 1.0, False, 0)], room=20)
+    assert falls.compute == [] and falls.evict == ["child"]
+    # an entry whose parent has no KV is unusable: dropped even with room to spare
+    assert plan([Candidate("orphan", 1, 9.0, True, 0, parent="gone")], room=None).evict == ["orphan"]
+
+
 def test_scores_age_by_half_life():
     assert decay(4.0, since=100.0, now=100.0 + 3600, half_life_s=3600) == pytest.approx(2.0)
     assert decay(4.0, since=100.0, now=50.0, half_life_s=3600) == 4.0  # a clock step back ages nothing

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence, Set
 import pyarrow as pa
 
 from store.catalog.part import Part
-from store.catalog.rows import ENTRY_COLUMNS, ChunkLink, ContextRow, EntryRow, ProfileRow, SpanLink, pages_of
+from store.catalog.rows import ENTRY_COLUMNS, ChunkLink, ContextRow, EntryRow, ProfileRow, SpanChunk, SpanLink, pages_of
 from store.shards import SealedEntry
 
 
@@ -193,19 +193,21 @@ class Entries(Part):
 
     def deferred_chunks(self, profile_id: str) -> list[tuple[int, str]]:
         """(chunk_id, text) of the chunks without KV under `profile_id` (deferred by a budget or
-        --precompute: not linked to an entry), in chunk order."""
+        --precompute: not linked to an entry), in chunk order; a span's chunks are left out
+        (their keys chain through the span: they are learnt on a miss, after the chunks before)."""
         return self.con.execute(
             "SELECT chunk_id, text FROM chunks WHERE chunk_id NOT IN "
-            "(SELECT chunk_id FROM chunk_kv WHERE profile_id = ? AND kv_key IN (SELECT kv_key FROM kv_entries)) "
-            "ORDER BY chunk_id",
+            "(SELECT chunk_id FROM chunk_kv WHERE profile_id = ? "
+            "AND (span_start IS NOT NULL OR kv_key IN (SELECT kv_key FROM kv_entries))) ORDER BY chunk_id",
             [profile_id],
         ).fetchall()
 
     def links_without_entries(self) -> list[tuple[int, str, str]]:
-        """(chunk_id, profile_id, kv_key) of chunk links whose KV entry row is missing."""
+        """(chunk_id, profile_id, kv_key) of links of chunks stored alone whose KV entry row is
+        missing (a span's chunk without an entry is not one: a budget left its KV out)."""
         return self.con.execute(
-            "SELECT chunk_id, profile_id, kv_key FROM chunk_kv WHERE kv_key NOT IN (SELECT kv_key FROM kv_entries) "
-            "ORDER BY chunk_id"
+            "SELECT chunk_id, profile_id, kv_key FROM chunk_kv WHERE span_start IS NULL "
+            "AND kv_key NOT IN (SELECT kv_key FROM kv_entries) ORDER BY chunk_id"
         ).fetchall()
 
     def token_ids_of(self, kv_key: str) -> tuple[int, ...] | None:
@@ -251,8 +253,8 @@ class Entries(Part):
         return [by_id[i] for i in chunk_ids if i in by_id]
 
     def stored_chunks(self, profile_id: str) -> list[tuple[str, int, list[int]]]:
-        """Chunk KV the budget may evict under `profile_id` (chunks stored on their own, not
-        spans): `(kv_key, nbytes, chunk ids linked to it)`."""
+        """Chunk KV stored on its own under `profile_id` (not in spans): `(kv_key, nbytes,
+        chunk ids linked to it)`."""
         rows = self.con.execute(
             "SELECT k.kv_key, any_value(e.nbytes), list(k.chunk_id ORDER BY k.chunk_id) FROM chunk_kv k "
             "JOIN kv_entries e ON e.kv_key = k.kv_key WHERE k.profile_id = ? AND k.span_start IS NULL "
@@ -261,8 +263,32 @@ class Entries(Part):
         ).fetchall()
         return [(r[0], int(r[1]), list(r[2])) for r in rows]
 
-    def unlink_keys(self, profile_id: str, kv_keys: Sequence[str]) -> None:
-        """Drop the chunk links to `kv_keys` (their entries become dead: gc or reclaim drops them)."""
+    def span_chunks(self, profile_id: str) -> list[SpanChunk]:
+        """Every chunk linked into a span under `profile_id`, stored or not, span by span in
+        chunk order (a span's chunks stay linked when the budget drops their KV: the link
+        keeps the key the chunk's KV is learnt under)."""
+        rows = self.con.execute(
+            "SELECT k.chunk_id, c.doc_id, k.span_start, c.chunk_index, k.kv_key, e.nbytes FROM chunk_kv k "
+            "JOIN chunks c USING (chunk_id) LEFT JOIN kv_entries e ON e.kv_key = k.kv_key "
+            "WHERE k.profile_id = ? AND k.span_start IS NOT NULL ORDER BY c.doc_id, k.span_start, c.chunk_index",
+            [profile_id],
+        ).fetchall()
+        return [
+            SpanChunk(int(r[0]), r[1], int(r[2]), int(r[3]), r[4], None if r[5] is None else int(r[5])) for r in rows
+        ]
+
+    def evict(self, profile_id: str, kv_keys: Sequence[str]) -> None:
+        """Drop the KV of `kv_keys` under `profile_id`: a chunk stored alone loses its link (the
+        entry becomes dead: gc or reclaim drops it); a span's chunk keeps its link, and so its
+        key and place in the span, while its entry row goes (its bytes are reclaimed with the
+        dead). The budget evicts a span from its tail, so what stays is a usable prefix."""
+        keys = list(kv_keys)
         self.catalog.delete_rows(
-            "chunk_kv", "profile_id = ? AND kv_key IN (SELECT unnest(?))", [profile_id, list(kv_keys)]
+            "chunk_kv", "profile_id = ? AND span_start IS NULL AND kv_key IN (SELECT unnest(?))", [profile_id, keys]
+        )
+        self.catalog.delete_rows(
+            "kv_entries",
+            "kind = 'chunk' AND kv_key IN (SELECT unnest(?)) AND kv_key IN "
+            "(SELECT kv_key FROM chunk_kv WHERE profile_id = ? AND span_start IS NOT NULL)",
+            [keys, profile_id],
         )

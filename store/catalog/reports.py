@@ -8,13 +8,16 @@ from store.catalog.rows import ENTRY_COLUMNS, EntryRow, ProfileTotals
 
 class Reports(Part):
     def profile_totals(self) -> list[ProfileTotals]:
-        """Per profile, newest first: its entries and their bytes, the chunks linked and their tokens."""
+        """Per profile, newest first: its entries and their bytes, the chunks whose KV is stored
+        and their tokens."""
         cursor = self.con.execute("""
             SELECT p.profile_id, p.model_name, p.dtype, p.kv_quant,
                    (SELECT count(*) FROM kv_entries e WHERE e.profile_id = p.profile_id) AS entries,
                    (SELECT coalesce(sum(nbytes), 0) FROM kv_entries e WHERE e.profile_id = p.profile_id) AS kv_bytes,
-                   (SELECT count(*) FROM chunk_kv k WHERE k.profile_id = p.profile_id) AS chunks,
-                   (SELECT coalesce(sum(len(token_ids)), 0) FROM chunk_kv k WHERE k.profile_id = p.profile_id) AS tokens
+                   (SELECT count(*) FROM chunk_kv k SEMI JOIN kv_entries e ON e.kv_key = k.kv_key
+                    WHERE k.profile_id = p.profile_id) AS chunks,
+                   (SELECT coalesce(sum(len(token_ids)), 0) FROM chunk_kv k
+                    SEMI JOIN kv_entries e ON e.kv_key = k.kv_key WHERE k.profile_id = p.profile_id) AS tokens
             FROM profiles p ORDER BY p.created_at DESC""")
         return [ProfileTotals(*row) for row in cursor.fetchall()]
 

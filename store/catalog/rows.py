@@ -55,6 +55,18 @@ class ProfileTotals:
 
 
 @dataclass(frozen=True)
+class SpanChunk:
+    """A chunk linked into a span, with its entry's bytes (None: the budget left its KV out)."""
+
+    chunk_id: int
+    doc_id: str
+    span_start: int
+    chunk_index: int
+    kv_key: str
+    nbytes: int | None
+
+
+@dataclass(frozen=True)
 class SpanLink:
     """One chunk of a stored span: its entry's key and its own token ids."""
 
