@@ -1,0 +1,345 @@
+"""Spans under a 10% KV budget: Python library reference pages of 1-3k tokens, spans of 2048
+tokens, questions whose chunks follow Zipf(1.1), each needing its chunk's span from the start
+(`--context span`). Both parts in one run:
+
+- ragkv's engine on a store that starts with no chunk KV (`--precompute 0`) under the budget,
+  learning by write-back, against the same questions on a store with every span's KV: hit rate
+  against the compulsory-miss ceiling, TTFT, and whether the first token agrees (float32);
+- the budget's policy replayed offline on a longer trace (2,000 questions) against the
+  alternatives: chunks kept one by one (no path), spans kept whole, and LRU on the tails
+  (sglang's radix cache).
+
+    python benchmarks/span_budget.py [--work DIR] [--tokens 200000] [--questions 2000] [--asked 300]
+
+Writes benchmarks/results/span_budget.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import shutil
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import ragkv  # noqa: E402
+from benchmarks.fidelity import python_faq_or_exit, work_dir  # noqa: E402
+from benchmarks.machine import describe  # noqa: E402
+from pipelines.read import read_documents  # noqa: E402
+from ragkv.config import AskSettings, IngestSettings, ModelSettings  # noqa: E402
+from ragkv.model import load_model  # noqa: E402
+from store import open_snapshot  # noqa: E402
+from store.budget import Candidate, plan  # noqa: E402
+
+CHUNK_TOKENS = 256
+SPAN_TOKENS = 2048
+BUDGET_SHARE = 0.10
+ZIPF_S = 1.1
+PAGE_TOKENS = (1000, 3000)
+
+
+def corpus(work: Path, target_tokens: int, tokenizer) -> tuple[Path, int]:
+    """Library-reference pages of 1-3k tokens, in name order, until they hold `target_tokens`."""
+    python_faq_or_exit(work, 1)  # fetches and unpacks python3.11-doc
+    html = work / "pyfaq" / "usr" / "share" / "doc" / "python3.11" / "html" / "library"
+    docs = work / f"pylib-spans-{target_tokens}"
+    shutil.rmtree(docs, ignore_errors=True)
+    docs.mkdir()
+    total = 0
+    for page in sorted(html.glob("*.html")):
+        (doc,) = read_documents([page]).documents or (None,)
+        if doc is None:
+            continue
+        tokens = len(tokenizer(doc.text, add_special_tokens=False)["input_ids"])
+        if PAGE_TOKENS[0] <= tokens <= PAGE_TOKENS[1]:
+            shutil.copy(page, docs / page.name)
+            total += tokens
+        if total >= target_tokens:
+            break
+    return docs, total
+
+
+def ingest(docs: Path, store: Path, **settings) -> float:
+    started = time.perf_counter()
+    ragkv.ingest(
+        [docs],
+        store,
+        model=ModelSettings(device="cpu", dtype="float32"),
+        settings=IngestSettings(chunk_tokens=CHUNK_TOKENS, span_tokens=SPAN_TOKENS, **settings),
+    )
+    return time.perf_counter() - started
+
+
+def span_layout(store: Path) -> tuple[dict[int, list[int]], dict[int, int], dict[int, str]]:
+    """Per chunk: the path it needs (its span's chunks up to it), its KV bytes, and its text."""
+    with open_snapshot(store) as snapshot:
+        rows = snapshot.catalog.con.execute(
+            "SELECT k.chunk_id, c.doc_id, k.span_start, e.nbytes, c.text FROM chunk_kv k JOIN chunks c USING (chunk_id) "
+            "JOIN kv_entries e ON e.kv_key = k.kv_key ORDER BY c.doc_id, c.chunk_index"
+        ).fetchall()
+    paths, sizes, texts = {}, {}, {}
+    span: list[int] = []
+    for i, (chunk_id, doc_id, start, nbytes, text) in enumerate(rows):
+        if i == 0 or (doc_id, start) != (rows[i - 1][1], rows[i - 1][2]):
+            span = []
+        span.append(chunk_id)
+        paths[chunk_id], sizes[chunk_id], texts[chunk_id] = list(span), nbytes, text
+    return paths, sizes, texts
+
+
+def draw(chunk_ids: list[int], count: int, seed: int) -> list[int]:
+    """`count` chunks drawn by Zipf(1.1) over the chunks in a random order."""
+    rng = random.Random(seed)
+    ranked = chunk_ids[:]
+    rng.shuffle(ranked)
+    return rng.choices(ranked, weights=[1.0 / (k + 1) ** ZIPF_S for k in range(len(ranked))], k=count)
+
+
+def ceiling(paths: list[list[int]]) -> float:
+    """The hit rate of an unbounded cache: every chunk use but each chunk's first."""
+    seen: set[int] = set()
+    uses = misses = 0
+    for path in paths:
+        for chunk in path:
+            uses += 1
+            misses += chunk not in seen
+            seen.add(chunk)
+    return 1 - misses / uses
+
+
+# -- the engine ------------------------------------------------------------------------------
+def ask_all(store: Path, questions: list[str], write_back: bool) -> list[dict]:
+    """Ask each question in order (first token only, `--context span`); per question its TTFT,
+    first token, the path of chunks it used and where each chunk's KV came from."""
+    settings = AskSettings(context="span", max_new_tokens=1)
+    out = []
+    with ragkv.open(store, device="cpu", write_back=write_back, ram_bytes=0) as engine:
+        for i, question in enumerate(questions):
+            engine.refresh()  # as the service does between requests: see what the write-back stored
+            answer = engine.ask(question, settings)
+            sources = answer.stats.kv_sources
+            out.append(
+                {
+                    "ttft": answer.stats.ttft_s,
+                    "token": answer.token_ids[:1],
+                    "path": [s.chunk_id for s in answer.sources],
+                    "hits": sum(sources.get(s.chunk_id) in ("store", "ram") for s in answer.sources),
+                    "uses": len(answer.sources),
+                }
+            )
+            if (i + 1) % 50 == 0:
+                recent = out[-50:]
+                print(f"  {i + 1}: hit rate {rate(recent):.0%}", flush=True)
+        if write_back:
+            engine.flush()
+    return out
+
+
+def rate(rows: list[dict]) -> float:
+    return sum(r["hits"] for r in rows) / max(sum(r["uses"] for r in rows), 1)
+
+
+# -- the policy, replayed offline -----------------------------------------------------------
+def replay(paths: list[list[int]], sizes: dict[int, int], room: int, policy: str) -> float:
+    """Chunk-use hit rate of a cache of `room` bytes over `paths` (each question's span path),
+    starting empty. A chunk hits when it and every chunk before it on its path are held (the
+    loader computes from the first gap on). Policies:
+    "radix": ragkv's (`store.budget.plan` with parents and path-credited counts);
+    "chunks": the same plan, each chunk on its own (no parents, its own count);
+    "spans": a span admitted and evicted whole, by its count;
+    "radix-lru": every miss admitted, the least recently used tail evicted first."""
+    held: set[int] = set()
+    counts: Counter[int] = Counter()
+    last: dict[int, int] = {}
+    hits = uses = 0
+    for t, path in enumerate(paths):
+        k = 0
+        while k < len(path) and path[k] in held:
+            k += 1
+        hits, uses = hits + k, uses + len(path)
+        counts.update(path)
+        for chunk in path:
+            last[chunk] = t
+        if k == len(path):
+            continue
+        if policy == "radix-lru":
+            held.update(path)
+            _evict_lru_tails(held, sizes, room, last)
+        elif policy == "spans":
+            held = _spans_whole(held | set(path), sizes, room, counts)
+        else:
+            held = _planned(held, path[k:], sizes, room, counts, radix=policy == "radix")
+    return hits / uses
+
+
+_SPAN_OF: dict[int, list[int]] = {}  # chunk -> its whole span, set by main
+
+
+def _parent(chunk: int) -> int | None:
+    span = _SPAN_OF[chunk]
+    i = span.index(chunk)
+    return span[i - 1] if i else None
+
+
+def _path_score(chunk: int, counts: Counter[int]) -> float:
+    span = _SPAN_OF[chunk]
+    return float(max(counts[c] for c in span[span.index(chunk) :]))
+
+
+def _planned(held: set[int], fresh: list[int], sizes, room: int, counts: Counter[int], radix: bool) -> set[int]:
+    def candidate(chunk: int, stored: bool) -> Candidate:
+        if radix:
+            return Candidate(str(chunk), sizes[chunk], _path_score(chunk, counts), stored, chunk, _key(_parent(chunk)))
+        return Candidate(str(chunk), sizes[chunk], float(counts[chunk]), stored, chunk)
+
+    decision = plan([candidate(c, True) for c in held] + [candidate(c, False) for c in fresh], room)
+    return {int(k) for k in decision.keep + decision.compute}
+
+
+def _key(chunk: int | None) -> str | None:
+    return None if chunk is None else str(chunk)
+
+
+def _evict_lru_tails(held: set[int], sizes, room: int, last: dict[int, int]) -> None:
+    used = sum(sizes[c] for c in held)
+    while used > room:
+        tails = [c for c in held if not any(n in held for n in _children(c))]
+        coldest = min(tails, key=lambda c: (last.get(c, -1), -c))
+        held.discard(coldest)
+        used -= sizes[coldest]
+
+
+def _children(chunk: int) -> list[int]:
+    span = _SPAN_OF[chunk]
+    i = span.index(chunk)
+    return span[i + 1 : i + 2]
+
+
+def _spans_whole(held: set[int], sizes, room: int, counts: Counter[int]) -> set[int]:
+    spans = {tuple(_SPAN_OF[c]) for c in held}
+    ranked = sorted(spans, key=lambda s: (-sum(counts[c] for c in s), s[0]))
+    kept: set[int] = set()
+    used = 0
+    for span in ranked:
+        size = sum(sizes[c] for c in span)
+        if used + size <= room:
+            kept.update(span)
+            used += size
+    return kept
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", type=Path, default=None, help="downloads and stores (reused if given)")
+    parser.add_argument("--tokens", type=int, default=200_000, help="corpus size in LLM tokens")
+    parser.add_argument("--questions", type=int, default=2000, help="questions of the offline replay")
+    parser.add_argument("--asked", type=int, default=300, help="questions asked of the engine")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "span_budget.md")
+    args = parser.parse_args()
+    work = work_dir(args.work, "span-budget")
+    tokenizer = load_model("smollm2", "cpu", "float32").tokenizer
+    docs, num_tokens = corpus(work, args.tokens, tokenizer)
+    print(f"corpus: {len(list(docs.iterdir()))} pages, {num_tokens:,} tokens", flush=True)
+    full, lazy = work / "store-all", work / "store-budget"
+    for store in (full, lazy):
+        shutil.rmtree(store, ignore_errors=True)
+    ingest_s = {"all": ingest(docs, full)}
+    with open_snapshot(full) as snapshot:
+        full_bytes = snapshot.catalog.reports.kv_bytes()
+        prefix_bytes = snapshot.catalog.reports.prefix_bytes()
+    limit = prefix_bytes + int((full_bytes - prefix_bytes) * BUDGET_SHARE)
+    ingest_s["budget"] = ingest(docs, lazy, kv_budget=limit, precompute=0)
+    paths, sizes, texts = span_layout(full)
+    whole: dict[int, list[int]] = {}  # a span's first chunk -> the span
+    for path in paths.values():
+        if len(path) > len(whole.get(path[0], [])):
+            whole[path[0]] = path
+    _SPAN_OF.update({c: whole[path[0]] for c, path in paths.items()})
+    drawn = draw(sorted(paths), args.questions, args.seed)
+    questions = [" ".join(texts[c].split()[:16]) for c in drawn[: args.asked]]
+    print(
+        f"{len(paths)} chunks; budget {limit / 1e6:.0f} of {full_bytes / 1e6:.0f} MB; asking {len(questions)}",
+        flush=True,
+    )
+    asked = {"all": ask_all(full, questions, write_back=False), "budget": ask_all(lazy, questions, write_back=True)}
+    with open_snapshot(lazy) as snapshot:
+        budget_bytes = snapshot.catalog.reports.kv_bytes()
+    room = limit - prefix_bytes
+    trace = [paths[c] for c in drawn]
+    replays = {name: replay(trace, sizes, room, name) for name in ("radix", "chunks", "spans", "radix-lru")}
+    report = render(args, num_tokens, len(paths), full_bytes, limit, budget_bytes, ingest_s, asked, trace, replays)
+    args.out.write_text(report)
+    print(report)
+
+
+def render(args, num_tokens, num_chunks, full_bytes, limit, budget_bytes, ingest_s, asked, trace, replays) -> str:
+    all_rows, budget_rows = asked["all"], asked["budget"]
+    engine_ceiling = ceiling([r["path"] for r in budget_rows])
+    agree = sum(a["token"] == b["token"] for a, b in zip(all_rows, budget_rows, strict=True))
+    same_path = sum(a["path"] == b["path"] for a, b in zip(all_rows, budget_rows, strict=True))
+    base = statistics.mean(r["ttft"] for r in all_rows)
+    half = len(budget_rows) // 2
+    trace_ceiling = ceiling(trace)
+    lines = [
+        "# Spans under a 10% KV budget",
+        "",
+        f"Machine: {describe()}.",
+        f"Corpus: Python 3.11 library reference pages of {PAGE_TOKENS[0]:,}-{PAGE_TOKENS[1]:,} tokens (Debian "
+        f"python3.11-doc), {num_tokens:,} tokens in {num_chunks:,} chunks of at most {CHUNK_TOKENS} tokens, spans "
+        f"of {SPAN_TOKENS}; SmolLM2-135M in float32 on the CPU. Each question is the first 16 words of a chunk drawn "
+        f"by Zipf({ZIPF_S}) over the chunks in random order (seed {args.seed}), asked with `--context span` (its "
+        "span's chunks from the start up to it), first token only, the RAM tier off (every hit is the store's).",
+        "",
+        f"Budget: 10% of the chunk KV ({limit / 1e6:.0f} MB of {full_bytes / 1e6:.0f} MB with the system prompt's). "
+        "`budget` starts with no chunk KV (`--precompute 0`) and learns by write-back; `all` holds every span's KV. "
+        "Hit rate: of the chunks each prompt used, those whose KV came from the store. Compulsory-miss ceiling: "
+        "the hit rate of an unbounded store that learns every miss (every chunk's first use misses).",
+        "",
+        "## ragkv's engine",
+        "",
+        "| store | ingest s | questions | hit rate | ceiling | of ceiling | second half hit rate | mean TTFT s | "
+        "TTFT vs all | KV bytes after |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, rows in asked.items():
+        ttft = statistics.mean(r["ttft"] for r in rows)
+        cap = 1.0 if name == "all" else engine_ceiling
+        lines.append(
+            f"| {name} | {ingest_s[name]:.0f} | {len(rows)} | {rate(rows):.1%} | {cap:.1%} | {rate(rows) / cap:.0%} | "
+            f"{rate(rows[half:]):.1%} | {ttft:.3f} | {ttft / base:.2f}x | "
+            f"{(full_bytes if name == 'all' else budget_bytes) / 1e6:.0f} MB |"
+        )
+    lines += [
+        "",
+        f"First token equal to the all-KV store's: {agree}/{len(budget_rows)} (same retrieved path: {same_path}). "
+        f"The budget store's KV stays within the budget ({budget_bytes / 1e6:.0f} MB of {limit / 1e6:.0f} MB).",
+        "",
+        f"## The policy, replayed offline on {len(trace):,} questions",
+        "",
+        f"The same draw, longer, each question needing its drawn chunk's path; a cache of the budget's bytes less "
+        f"the system prompt's, empty at the start. Compulsory-miss ceiling {trace_ceiling:.1%}. A chunk hits only "
+        "when every chunk before it on its path is held (from the first gap on, the loader computes).",
+        "",
+        "| policy | what it does | hit rate | of ceiling |",
+        "|---|---|---|---|",
+    ]
+    what = {
+        "radix": "ragkv: paths kept as prefixes, scores credited along the path (`store.budget.plan`)",
+        "chunks": "the same plan with every chunk on its own (no parents, own counts)",
+        "spans": "a span kept or dropped whole, by its count",
+        "radix-lru": "every miss admitted, least recently used tails evicted (sglang's radix cache)",
+    }
+    for name, value in replays.items():
+        lines.append(f"| {name} | {what[name]} | {value:.1%} | {value / trace_ceiling:.0%} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
