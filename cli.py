@@ -59,7 +59,8 @@ def ingest(
         "--kv-budget",
         help="Most bytes of KV the store keeps (e.g. 20GB, 512MiB), kept by popularity: a chunk "
         "without KV has it computed on its first question and stored if it earns a place. Saved in the store; change "
-        "it later with `ragkv budget`. Default: the store's budget, else none (all KV kept).",
+        "it later with `ragkv budget`. With --span-tokens each span is kept as a prefix of itself (its coldest "
+        "tail goes first). Default: the store's budget, else none (all KV kept).",
         show_default=False,
     ),
     precompute: str = typer.Option(

@@ -10,7 +10,6 @@ again, and a chunk whose KV key is already in the store is not computed again.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -118,19 +117,22 @@ def ingest(
     report = IngestReport(
         str(store), model=lm.facts.name, dtype=model.dtype, device=model.device, engine=engine, skipped=found.skipped
     )
+    to_vllm: list[Unit] | None = [] if engine == "vllm" else None  # what vLLM computes after the publish
     try:
         with open_writer(store, wait=wait) as writer:
             report.kv_adopted = len(writer.adopt_orphans())
             report.uses_folded = budget.fold_hits(writer)
-            _write(writer, found.documents, lm, embedder, layout, profile, settings, reporter, report, prune, job)
+            _write(
+                writer, found.documents, lm, embedder, layout, profile, settings, reporter, report, prune, job, to_vllm
+            )
             report.kv_bytes = writer.catalog.reports.kv_bytes()
             report.generation = writer.publish()
             if job or report.kv_evicted:  # shards of killed, retried attempts (duplicates), or evicted KV
                 report.shards_discarded = writer.delete_unreferenced_shards()[0]
     finally:
         reporter.done()
-    if engine == "vllm":
-        vllm_engine.fill(store, lm.facts.path, model.dtype, report)
+    if to_vllm is not None:
+        vllm_engine.fill(store, lm.facts.path, model.dtype, to_vllm, report)
     report.total_s = time.perf_counter() - started
     return report
 
@@ -145,10 +147,9 @@ def _for_engine(engine: str, store: Path | str, settings: IngestSettings) -> Ing
     if engine not in ENGINES:
         raise InputError(f"unknown --engine {engine!r}; use one of {', '.join(ENGINES)}")
     if engine == "ray" and settings.span_tokens:
-        raise InputError("--span-tokens runs with --engine local only (the Ray job computes chunks one by one)")
+        raise InputError("--span-tokens runs with --engine local or vllm (the Ray job computes chunks one by one)")
     if engine == "vllm":
         vllm_engine.check(store, settings)
-        return dataclasses.replace(settings, precompute=0)  # the chunks' KV: vLLM's, after the publish
     return settings
 
 
@@ -184,7 +185,11 @@ def _write(
     report: IngestReport,
     prune: bool,
     job: RayJob | None,
+    to_vllm: list[Unit] | None = None,
 ) -> None:
+    """Ingest `documents` into the store `writer` holds. The chunks' KV is computed here, by the
+    Ray `job`, or, given `to_vllm`, left out and its planned units appended there (vLLM computes
+    them after the publish; only chunks whose KV is stored, and spans, are linked till then)."""
     catalog = writer.catalog
     _check_embedder(writer, embedder)
     spans_part = f";span={settings.span_tokens}" if settings.span_tokens else ""
@@ -219,7 +224,14 @@ def _write(
         report.compute_s = done.compute_s
     else:
         _embed(new_chunks, embedder, vectors, reporter)
-        _compute_and_store(writer, work, prefix_key, lm, profile, settings, reporter, report)
+        if to_vllm is not None:  # the prefix here; the chunks in vLLM, after the publish
+            _compute_and_store(writer, [], prefix_key, lm, profile, settings, reporter, report)
+            to_vllm += work
+            later = {c.key for u in work for c, new in zip(u.chunks, u.store, strict=True) if new}
+            report.kv_deferred += len(later)
+            links = links if settings.span_tokens else [p for p in links if p.key not in later]
+        else:
+            _compute_and_store(writer, work, prefix_key, lm, profile, settings, reporter, report)
     catalog.entries.link_chunks(
         profile.profile_id, [ChunkLink(p.chunk_id, p.key, p.token_ids, p.span_start) for p in links]
     )

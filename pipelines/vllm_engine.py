@@ -1,9 +1,11 @@
-"""`ragkv ingest --engine vllm`: reading, chunking, embedding and the prefix's KV run here as
-for `--engine local`, and the store is published with every chunk's KV deferred; then vLLM's
-offline engine, in the python that has vLLM (`RAGKV_VLLM_PYTHON`, else this one), computes the
-deferred chunks' KV and the ragkv connector stores it (ragkv.integrations.vllm_fill), keyed
-as ingest keys it. A failure in that second half leaves a complete store whose chunks have
-their KV computed on a miss (by either engine), and says so.
+"""`ragkv ingest --engine vllm`: reading, chunking, embedding, the budget's plan and the prefix's
+KV run here as for `--engine local`, and the store is published with the planned chunks' KV
+still to compute; then vLLM's offline engine, in the python that has vLLM (`RAGKV_VLLM_PYTHON`,
+else this one), prefills each planned sequence (a chunk alone, or a span from its start) and
+the ragkv connector stores the KV the store lacks (ragkv.integrations.vllm_fill), keyed as
+ingest keys it, through the write-back (so a budget still decides what stays). A failure in
+that second half leaves a complete store whose chunks have their KV computed on a miss (by
+either engine), and says so.
 
 The engine that computed a KV is recorded in its shard's header, not in its key: the key
 names what the KV is of (weights, tokenizer, template, position, dtype, quantisation), and
@@ -16,8 +18,11 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
+from pipelines.pending import Unit
 from ragkv.config import import_path
 from ragkv.errors import InputError, ModelError
 from store import open_snapshot
@@ -33,12 +38,6 @@ def check(store, settings) -> None:
     """Refuse, before any work, what the vLLM engine does not do yet (one line each)."""
     if str(store).startswith("s3://"):
         raise InputError("--engine vllm writes the store's KV from vLLM's process: use a local --store")
-    if settings.span_tokens:
-        raise InputError("--engine vllm computes chunks one by one; --span-tokens runs with --engine local")
-    if settings.is_selective:
-        raise InputError(
-            "--engine vllm computes every chunk's KV; --kv-budget and --precompute run with --engine local"
-        )
     found = subprocess.run([python(), "-c", "import vllm"], capture_output=True, text=True)
     if found.returncode != 0:
         raise InputError(
@@ -47,17 +46,33 @@ def check(store, settings) -> None:
         )
 
 
-def fill(store, model_folder: str | Path, dtype: str, report) -> None:
-    """Compute the store's deferred chunk KV with vLLM; updates `report`'s counts."""
+def fill(store, model_folder: str | Path, dtype: str, units: Sequence[Unit], report) -> None:
+    """Compute the KV of `units` (what ingest planned) with vLLM; updates `report`'s counts."""
+    if not units:
+        return
     root = import_path()  # so vLLM's python imports this ragkv
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run(
-        [python(), "-m", "ragkv.integrations.vllm_fill", str(Path(store).resolve()), str(model_folder), dtype],
-        stdout=subprocess.PIPE,
-        stderr=None,
-        text=True,
-        env=env,
-    )
+    planned = [{"chunks": [[c.chunk_id, len(c.token_ids)] for c in u.chunks], "ids": u.ids} for u in units]
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as file:
+        json.dump(planned, file)
+    try:
+        proc = subprocess.run(
+            [
+                python(),
+                "-m",
+                "ragkv.integrations.vllm_fill",
+                str(Path(store).resolve()),
+                str(model_folder),
+                dtype,
+                file.name,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=None,
+            text=True,
+            env=env,
+        )
+    finally:
+        os.unlink(file.name)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise ModelError(

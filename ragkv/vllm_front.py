@@ -52,6 +52,7 @@ from ragkv.api import (
 from ragkv.config import import_path
 from ragkv.errors import InputError, ModelError
 from ragkv.guard import RequestGuard
+from ragkv.loader import continues_span
 
 log = logging.getLogger("ragkv")
 VLLM_MODEL_ID = "ragkv-llm"  # the name the front's vLLM serves the model under
@@ -270,10 +271,16 @@ def refuse_unsupported(options: RagkvOptions) -> None:
 
 def _layout_params(prompt, settings: ServeSettings) -> dict:
     """What the connector needs to know of the prompt's layout (ragkv.integrations.store_match):
-    its chunks in order, and whether to store the first one's KV, computed by vLLM, when the
-    store lacks it (as ragkv's own engine does on a miss: a chunk stored on its own)."""
-    first = prompt.retrieved[0][0] if prompt.retrieved else None
-    miss = first is not None and not first.live and first.entry is None and first.span_start is None
+    its chunks in order, and whether to store the KV vLLM computes of the leading ones the
+    store lacks (a chunk alone, or the leading span's missing chunks, as ragkv's own engine
+    does on a miss)."""
+    rows = [row for row, _ in prompt.retrieved]
+    leading = rows[:1]
+    for row in rows[1:]:
+        if not continues_span(leading[-1], row):
+            break
+        leading.append(row)
+    miss = bool(leading) and not leading[0].live and any(row.entry is None for row in leading)
     return {
         "ragkv": {
             "chunks": [

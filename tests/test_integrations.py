@@ -158,17 +158,69 @@ def test_a_missing_chunk_is_saved_under_ingest_key_and_uses_are_what_ragkv_logs(
     assert match.num_tokens == len(profile.prefix_ids)  # the prefix only
     plan = matcher.plan(prompt.prompt_ids, chunks, write_back, match)
     first = prompt.chunk_ids[0]
-    assert plan.save.kv_key == KVKey.for_chunk(profile, first).to_string() and plan.save.token_ids == tuple(first)
-    assert (plan.save.start, plan.save.end) == (len(profile.prefix_ids), len(profile.prefix_ids) + len(first))
+    (save,) = plan.saves  # the first chunk, stored alone: what follows it was computed after it
+    assert save.kv_key == KVKey.for_chunk(profile, first).to_string() and save.token_ids == tuple(first)
+    assert (save.start, save.end) == (len(profile.prefix_ids), len(profile.prefix_ids) + len(first))
     assert [(u.doc_id, u.chunk_index, u.source) for u in plan.uses] == [
         (rows[0].doc_id, rows[0].chunk_index, "computed"),
         (rows[1].doc_id, rows[1].chunk_index, "live"),
     ]
-    assert matcher.plan(prompt.prompt_ids, chunks, False, match).save is None  # not asked to save
+    assert matcher.plan(prompt.prompt_ids, chunks, False, match).saves == ()  # not asked to save
     # Ids that are not the chunk's text (a client naming the wrong chunk) are never saved as it.
     forged = list(prompt.prompt_ids)
     forged[chunks[0].start] = (forged[chunks[0].start] + 1) % len(identity.tokenizer)
-    assert matcher.plan(forged, chunks, True, match).save is None
+    assert matcher.plan(forged, chunks, True, match).saves == ()
+    matcher.close()
+
+
+def test_a_span_store_saves_every_missing_chunk_of_a_span_from_its_start(tiny_llama, tmp_path, identity):
+    """Under a budget a span's KV may be missing: a prompt holding a span from its start, laid
+    out as ingest computed it, saves each chunk the store lacks under ingest's chained key,
+    from the first missing one on; a prompt opening inside a span saves nothing (that KV
+    continues chunks the prompt lacks)."""
+    from ragkv import spans
+    from ragkv.prompt import PromptLayout
+    from store.gc import drop_dead, maintaining
+    from tests.test_spans import SPAN_TOKENS, write_doc
+
+    store = tmp_path / "spans"
+    build_store(write_doc(tmp_path / "docs"), store, str(tiny_llama), chunk_tokens=24, span_tokens=SPAN_TOKENS)
+    profile = profile_for(store, identity)
+    separator = PromptLayout.build(identity.tokenizer, "").separator_ids
+    with open_snapshot(store) as snapshot:
+        ids = sorted(snapshot.catalog.documents.chunk_ids())
+        rows = [r for r in snapshot.catalog.entries.context_rows(profile.profile_id, ids) if r.doc_id == "incidents.md"]
+    span = [r for r in rows if r.span_start == rows[0].span_start]
+    assert len(span) >= 3
+    ingested = [r.entry.kv_key for r in span]
+    assert ingested == [k.to_string() for k in spans.span_keys(profile, [r.token_ids for r in span], separator)]
+    with maintaining(store) as writer:  # the budget evicted the span's tail: all but its first chunk
+        writer.catalog.entries.evict(profile.profile_id, ingested[1:])
+        drop_dead(writer)
+        writer.publish()
+    matcher = StoreMatcher(store, profile, separator, identity.tokenizer)
+
+    def saves_of(span_rows):
+        prompt = [*profile.prefix_ids]
+        for i, row in enumerate(span_rows):
+            prompt += [*(separator if i else ()), *row.token_ids]
+        prompt += [*separator, 42]  # the question
+        params = {"ragkv": {"chunks": [[r.chunk_id, len(r.token_ids)] for r in span_rows], "write_back": True}}
+        chunks = chunk_layout(params, len(prompt), len(profile.prefix_ids), len(separator)).chunks
+        match = matcher.match(prompt)
+        plan = matcher.plan(prompt, chunks, True, match)
+        return match, plan
+
+    match, plan = saves_of(span)
+    assert match.num_tokens == len(profile.prefix_ids) + len(span[0].token_ids)  # the first chunk is stored
+    assert [t.kv_key for t in plan.saves] == ingested[1:]  # every missing chunk, keyed as ingest keyed it
+    assert [t.parent for t in plan.saves] == ingested[:-1]
+    assert all(t.span_start == span[0].span_start for t in plan.saves)
+    assert plan.saves[0].start == match.num_tokens and plan.saves[-1].end == match.num_tokens + sum(
+        len(separator) + len(r.token_ids) for r in span[1:]
+    )
+    assert [u.source for u in plan.uses] == ["store", *["computed"] * (len(span) - 1)]
+    assert saves_of(span[1:])[1].saves == ()  # opens inside the span
     matcher.close()
 
 
@@ -270,7 +322,7 @@ def saves_for(full: str, lazy: str, model: str):
                 len(profile.prefix_ids),
                 len(separator),
             ).chunks
-            target = matcher.plan(prompt.prompt_ids, chunks, True, matcher.match(prompt.prompt_ids)).save
+            (target,) = matcher.plan(prompt.prompt_ids, chunks, True, matcher.match(prompt.prompt_ids)).saves
             entry = reference.catalog.entries.entry(target.kv_key)
             kvs.append(
                 codec.decode(reference.shards.read_parts(entry.shard, entry.tensor, entry.checksum), torch.float32)
@@ -366,9 +418,5 @@ def test_ingest_on_vllm_without_vllm_is_one_line_and_writes_nothing(tmp_path):
     result = run_cli("ingest", SAMPLE_DATA, "--store", store, "--engine", "vllm", "--vllm-python", sys.executable)
     assert result.exit_code == 2 and "has no vllm" in result.output and "tests/vllm_env.sh" in result.output
     assert not store.exists()
-    for refused, reason in (
-        (["--span-tokens", "512"], "--span-tokens runs with --engine local"),
-        (["--precompute", "none"], "--kv-budget and --precompute run with --engine local"),
-    ):
-        result = run_cli("ingest", SAMPLE_DATA, "--store", store, "--engine", "vllm", *refused)
-        assert result.exit_code == 2 and reason in result.output and not store.exists()
+    result = run_cli("ingest", SAMPLE_DATA, "--store", "s3://bucket/kv", "--engine", "vllm", "--span-tokens", "512")
+    assert result.exit_code == 2 and "use a local --store" in result.output

@@ -23,6 +23,7 @@ import torch
 
 import ragkv
 from ragkv import codec
+from ragkv.config import AskSettings
 from ragkv.keys import KVKey
 from store import open_snapshot, verify
 from store.popularity import HITS_DIR
@@ -163,6 +164,61 @@ def test_vllm_stores_what_it_computes_and_logs_each_use(sample_store, lazy_sampl
             assert got.stats.kv_source == "store" and got.token_ids == want.token_ids
 
 
+def test_vllm_learns_every_missing_chunk_of_a_span(tmp_path):
+    """A span store without chunk KV (--precompute 0): a prompt holding a span from its start
+    has vLLM prefill it, and the connector saves each of its chunks under ingest's chained
+    key, equal to ingest's KV within cross-engine tolerance; the next request loads them all,
+    and ragkv's own engine answers from them token-identically."""
+    from ragkv.api import ServeSettings
+    from ragkv.vllm_front import _layout_params
+
+    spans_args = ["--chunk-tokens", "64", "--span-tokens", "512", "--device", "cpu"]
+    full, store = tmp_path / "full", tmp_path / "lazy"
+    for path, extra in ((full, []), (store, ["--precompute", "0"])):
+        result = run_cli("ingest", SAMPLE_DATA, "--store", path, *spans_args, *extra)
+        assert result.exit_code == 0, result.output
+    span = AskSettings(top_k=1, context="span", max_new_tokens=8)
+    with ragkv.open(store, device="cpu", weights=False) as engine:
+        model = engine.lm.facts.path
+        prompt = engine.prompt_for(QUESTIONS[2], span)
+        rows = [row for row, _ in prompt.retrieved]
+        params = _layout_params(prompt, ServeSettings())
+        held = len(prompt.prompt_ids) - len(engine.active.layout.question_ids(engine.lm.tokenizer, QUESTIONS[2]))
+    assert len(rows) >= 2 and params["ragkv"]["write_back"]  # a span's later chunk, and nothing stored
+    runs = [
+        run("miss", prompt.prompt_ids, params, flush=True),
+        run("hit", prompt.prompt_ids, params),
+        run("full", prompt.prompt_ids, SKIP),
+    ]
+    result = probe(model, store, runs, tmp_path, kv_role="kv_both")
+    by_name, block = {r["name"]: r for r in result["runs"]}, result["block_size"]
+    assert result["write_back"]["stored"] == len(rows) and result["write_back"]["failures"] == 0
+    assert by_name["hit"]["num_cached_tokens"] == held // block * block > by_name["miss"]["num_cached_tokens"]
+    assert by_name["miss"]["first_token"] == by_name["hit"]["first_token"] == by_name["full"]["first_token"]
+    with open_snapshot(full) as reference, open_snapshot(store) as ours:
+        assert verify(ours).ok
+        wanted = {
+            r.chunk_id: r
+            for r in reference.catalog.entries.context_rows(
+                reference.catalog.entries.profiles()[0].profile_id, [r.chunk_id for r in rows]
+            )
+        }
+        got_rows = ours.catalog.entries.context_rows(
+            ours.catalog.entries.profiles()[0].profile_id, [r.chunk_id for r in rows]
+        )
+        for row in got_rows:
+            theirs, mine = wanted[row.chunk_id].entry, row.entry
+            assert mine is not None and mine.kv_key == theirs.kv_key  # the key ingest chained through the span
+            want = codec.decode(
+                reference.shards.read_parts(theirs.shard, theirs.tensor, theirs.checksum), torch.float32
+            )
+            got = codec.decode(ours.shards.read_parts(mine.shard, mine.tensor, mine.checksum), torch.float32)
+            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+    with ragkv.open(store, device="cpu") as served, ragkv.open(full, device="cpu") as reference:
+        got, want = served.ask(QUESTIONS[2], span), reference.ask(QUESTIONS[2], span)
+        assert got.stats.kv_source == "store" and got.token_ids == want.token_ids
+
+
 def test_serve_engine_vllm_answers_with_the_store_kv(sample_store, tmp_path):
     store, _ = sample_store
     served = tmp_path / "store"
@@ -267,16 +323,31 @@ def test_ingest_on_vllm_builds_the_store_ingest_builds(sample_store, tmp_path):
             got = served.ask(question, max_new_tokens=12)
             assert got.stats.kv_source == "store"
             assert got.token_ids == local.ask(question, max_new_tokens=12).token_ids
-    refused = run_cli(
-        "ingest",
-        SAMPLE_DATA,
-        "--store",
-        tmp_path / "other",
-        "--engine",
-        "vllm",
-        "--span-tokens",
-        "512",
-        "--vllm-python",
-        VLLM_PYTHON,
-    )
-    assert refused.exit_code != 0 and "--span-tokens runs with --engine local" in refused.output
+
+
+def test_ingest_on_vllm_with_spans_under_a_budget_builds_what_local_ingest_builds(tmp_path):
+    """`ingest --engine vllm --span-tokens --kv-budget`: the budget's plan is made as the local
+    engine makes it, and vLLM computes each planned span from its start: the same entries under
+    the same chained keys, every span a prefix of itself, answers token-identical (float32)."""
+    args = ["--chunk-tokens", "64", "--span-tokens", "512", "--device", "cpu", "--json"]
+    local, ours = tmp_path / "local", tmp_path / "vllm"
+    probe_store = tmp_path / "all"
+    assert run_cli("ingest", SAMPLE_DATA, "--store", probe_store, *args).exit_code == 0
+    with open_snapshot(probe_store) as snapshot:
+        prefix = snapshot.catalog.reports.prefix_bytes()
+        budget = str(prefix + (snapshot.catalog.reports.kv_bytes() - prefix) // 2)
+    reports = {}
+    for store, engine in ((local, ["--engine", "local"]), (ours, ["--engine", "vllm", "--vllm-python", VLLM_PYTHON])):
+        result = run_cli("ingest", SAMPLE_DATA, "--store", store, "--kv-budget", budget, *engine, *args)
+        assert result.exit_code == 0, result.output
+        reports[store] = json.loads(result.stdout)
+    assert reports[ours]["kv_computed"] == reports[local]["kv_computed"] > 0
+    assert reports[ours]["kv_deferred"] == reports[local]["kv_deferred"] > 0
+    with open_snapshot(local) as theirs, open_snapshot(ours) as mine:
+        assert verify(mine).ok
+        keys = [{e.kv_key for e in snap.catalog.reports.all_entries()} for snap in (theirs, mine)]
+        assert keys[0] == keys[1]
+    span = AskSettings(top_k=1, context="span", max_new_tokens=12)
+    with ragkv.open(ours, device="cpu", write_back=False) as served, ragkv.open(local, device="cpu") as reference:
+        for question in QUESTIONS:
+            assert served.ask(question, span).token_ids == reference.ask(question, span).token_ids

@@ -66,13 +66,16 @@ class LaidOutChunk:
 
 @dataclass(frozen=True)
 class SaveTarget:
-    """A chunk the store lacks, whose KV the engine computes in this prompt: store it."""
+    """A chunk the store lacks, whose KV the engine computes in this prompt: store prompt
+    positions start..end-1 (its entry's: within a span, the separator before it too)."""
 
     kv_key: str
     chunk_id: int
-    token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]  # the chunk's own ids
     start: int
     end: int
+    span_start: int | None = None  # chunk_index of the span it belongs to (None: stored alone)
+    parent: str | None = None  # the key of the entry before it in its span (None: it opens it)
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,7 @@ class RequestPlan:
     """What a laid-out request means for the store: the uses to log, and what to save."""
 
     uses: tuple[Use, ...]
-    save: SaveTarget | None
+    saves: tuple[SaveTarget, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -233,45 +236,68 @@ class StoreMatcher:
         self, prompt_ids: Sequence[int], chunks: Sequence[LaidOutChunk], write_back: bool, match: StoreMatch
     ) -> RequestPlan:
         """The uses of `chunks` (laid out in `prompt_ids`, of which `match` is what the store
-        holds) and, with `write_back`, the first chunk to save when the store lacks it."""
-        from ragkv.prompt import encode_text
-
+        holds) and, with `write_back`, the chunks to save that the store lacks (see `_saves`)."""
         refs = self.snapshot.catalog.documents.chunk_refs([c.chunk_id for c in chunks]) if chunks else {}
-        save = None
-        first = chunks[0] if chunks else None
-        if (
-            write_back
-            and self.tokenizer is not None
-            and first is not None
-            and first.chunk_id in refs
-            and match.num_tokens <= first.start
-        ):
-            token_ids = tuple(prompt_ids[first.start : first.end])
-            known = self.snapshot.catalog.entries.linked_token_ids(first.chunk_id, self.profile.profile_id)
-            if token_ids == (
-                known if known is not None else tuple(encode_text(self.tokenizer, refs[first.chunk_id][2]))
-            ):
-                save = SaveTarget(
-                    KVKey.for_chunk(self.profile, token_ids).to_string(),
-                    first.chunk_id,
-                    token_ids,
-                    first.start,
-                    first.end,
-                )
+        saves = self._saves(prompt_ids, chunks, refs, match) if write_back and self.tokenizer is not None else ()
+        saved = {t.chunk_id for t in saves}
         uses = []
         for chunk in chunks:
             if chunk.chunk_id not in refs:
                 continue  # not a chunk of this generation (replaced meanwhile): no use to count
             doc_id, chunk_index, _ = refs[chunk.chunk_id]
-            source = (
-                "store"
-                if chunk.end <= match.num_tokens
-                else "computed"
-                if save is not None and chunk is first
-                else "live"
-            )
+            source = "store" if chunk.end <= match.num_tokens else "computed" if chunk.chunk_id in saved else "live"
             uses.append(Use(doc_id, chunk_index, source))
-        return RequestPlan(tuple(uses), save)
+        return RequestPlan(tuple(uses), saves)
+
+    def _saves(
+        self, prompt_ids: Sequence[int], chunks: Sequence[LaidOutChunk], refs: dict, match: StoreMatch
+    ) -> tuple[SaveTarget, ...]:
+        """The prompt's leading chunks laid out as ingest computed them (a chunk alone, or a
+        span's chunks from its start with separators between), from the first the store lacks
+        on, each under the key ingest gives it. The run ends at a chunk whose ids in the prompt
+        are not its link's (or its text's), and after a chunk stored alone; a prompt that opens
+        inside a span saves nothing (that KV continues chunks the prompt lacks)."""
+        from ragkv.prompt import encode_text
+
+        targets: list[SaveTarget] = []
+        key: KVKey | None = None
+        before: tuple[str, int, int | None] | None = None  # the previous chunk's (doc, index, span)
+        for chunk in chunks:
+            if chunk.chunk_id not in refs:
+                break
+            doc_id, chunk_index, text = refs[chunk.chunk_id]
+            link = self.snapshot.catalog.entries.chunk_link(chunk.chunk_id, self.profile.profile_id)
+            span_start = link.span_start if link is not None else None
+            if before is None and span_start not in (None, chunk_index):
+                break
+            if before is not None and (
+                span_start in (None, chunk_index) or before != (doc_id, chunk_index - 1, span_start)
+            ):
+                break
+            start = chunk.start if before is None else chunk.start - len(self.separator_ids)
+            token_ids = tuple(prompt_ids[chunk.start : chunk.end])
+            known = link.token_ids if link is not None else tuple(encode_text(self.tokenizer, text))
+            if token_ids != known or tuple(prompt_ids[start : chunk.start]) != (
+                () if before is None else self.separator_ids
+            ):
+                break
+            parent, key = key, spans.next_key(self.profile, key, prompt_ids[start : chunk.end])
+            if start >= match.num_tokens:
+                targets.append(
+                    SaveTarget(
+                        key.to_string(),
+                        chunk.chunk_id,
+                        token_ids,
+                        start,
+                        chunk.end,
+                        span_start,
+                        None if parent is None else parent.to_string(),
+                    )
+                )
+            if span_start is None:
+                break  # a chunk stored alone: what follows it was computed after it
+            before = (doc_id, chunk_index, span_start)
+        return tuple(targets)
 
     def close(self) -> None:
         self.snapshot.close()
@@ -346,7 +372,14 @@ class KVSaver:
                     event.synchronize()
                 parts = codec.encode(kv_tensor.cpu(), self.profile.kv_quant)
                 computed = ComputedKV(
-                    self.profile.profile_id, target.kv_key, target.chunk_id, target.token_ids, parts, self.metadata
+                    self.profile.profile_id,
+                    target.kv_key,
+                    target.chunk_id,
+                    target.token_ids,
+                    parts,
+                    self.metadata,
+                    span_start=target.span_start,
+                    parent=target.parent,
                 )
                 self.write_back.submit(computed, wait=self.wait)
             except Exception:  # a bug here must not stop later saves, nor the engine

@@ -13,8 +13,9 @@ chunk entries (ragkv.integrations.store_match); the matched tokens, cut to whole
 leaving the last prompt token to compute, are reported as external hits beyond what vLLM's
 own prefix cache holds. A request laid out by ragkv's front names its chunks in
 `kv_transfer_params` (see store_match): each chunk's use is logged in the store's hit log,
-and a first chunk the store lacks is marked to save once the step that computes its last
-token is scheduled.
+and the chunks the store lacks at the head of the prompt, laid out as ingest computes them (a
+chunk alone, or a span from its start: every missing chunk of it), are each marked to save
+once the step that computes its last token is scheduled.
 
 Worker side, loading: before the forward, the matched KV is read from the shards (checksums
 verified) and written into the request's blocks through the attention backend's own
@@ -25,7 +26,7 @@ layer waits only for its own layer (`wait_for_layer_load`), so loading overlaps 
 layer: one that does not gets loads before the forward from then on); on a CPU they are made
 before the forward.
 
-Worker side, saving: after the forward (`wait_for_save`), the chunk's token range is gathered
+Worker side, saving: after the forward (`wait_for_save`), each chunk's token range is gathered
 out of every layer's blocks (the backend's layout is probed once, ragkv.integrations.paged)
 into one copy, so vLLM may reuse the blocks at once and decoding never waits on the store;
 on CUDA the copy to host is asynchronous. A thread encodes it and hands it to the store's
@@ -116,7 +117,7 @@ class RagkvConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class _PendingSave:
-    target: SaveTarget
+    targets: list[SaveTarget]  # in prompt order, each saved in the step that computes its last token
     block_ids: list[int] = field(default_factory=list)
     computed: int = 0  # the request's tokens computed before the step being scheduled
 
@@ -213,8 +214,8 @@ class RagkvConnector(KVConnectorBase_V1):
             return
         self._logged.add(request_id)
         self._record(plan)
-        if plan.save is not None:
-            self._pending_saves[request_id] = _PendingSave(plan.save)
+        if plan.saves:
+            self._pending_saves[request_id] = _PendingSave(list(plan.saves))
 
     def _record(self, plan: RequestPlan) -> None:
         if self._hit_log is None or not plan.uses:
@@ -252,8 +253,10 @@ class RagkvConnector(KVConnectorBase_V1):
             pending.computed = cached.num_computed_tokens[i]
         for request_id, pending in list(self._pending_saves.items()):
             scheduled = scheduler_output.num_scheduled_tokens.get(request_id, 0)
-            if scheduled and pending.computed + scheduled >= pending.target.end:  # computed by this step's end
-                meta.saves.append(SaveSpec(request_id, pending.target, tuple(pending.block_ids)))
+            done = pending.computed + scheduled  # the request's tokens computed by this step's end
+            while scheduled and pending.targets and done >= pending.targets[0].end:
+                meta.saves.append(SaveSpec(request_id, pending.targets.pop(0), tuple(pending.block_ids)))
+            if not pending.targets:
                 del self._pending_saves[request_id]
         return meta
 

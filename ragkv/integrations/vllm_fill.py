@@ -1,13 +1,15 @@
 """The KV half of `ragkv ingest --engine vllm`, run in a python that has vLLM (ingest starts it):
-vLLM's offline engine prefills the system prefix plus each chunk the store holds no KV for,
-and the ragkv connector saves each chunk's token range from vLLM's blocks into the store's
-shards and catalog, under the key ingest gives it (see ragkv.integrations.vllm). Prints one
-line `RESULT {json}` at the end.
+vLLM's offline engine prefills the system prefix plus each sequence ingest planned (a chunk
+alone, or a span's chunks from its start, separators between), and the ragkv connector saves
+each chunk the store lacks from vLLM's blocks into the store's shards and catalog, under the
+key ingest gives it (see ragkv.integrations.vllm). Prints one line `RESULT {json}` at the end.
 
-    python -m ragkv.integrations.vllm_fill STORE MODEL_FOLDER DTYPE [VLLM_ARGS_JSON]
+    python -m ragkv.integrations.vllm_fill STORE MODEL_FOLDER DTYPE UNITS_JSON [VLLM_ARGS_JSON]
 
-The chunks go to vLLM all at once, so its scheduler batches them as it batches requests;
-saves wait for room in the write-back instead of being dropped, and are not logged as uses.
+UNITS_JSON: a file holding a list of sequences, each `{"chunks": [[chunk_id, num_tokens], ...],
+"ids": [...]}` (`ids`: the sequence's token ids after the prefix). The sequences go to vLLM
+all at once, so its scheduler batches them as it batches requests; saves wait for room in the
+write-back instead of being dropped, and are not logged as uses.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 
 def main() -> None:
@@ -27,21 +30,19 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     from ragkv.integrations.store_match import PARAMS_KEY, ModelIdentity, profile_for
-    from ragkv.prompt import encode_text
-    from store import open_snapshot
 
     store, model, dtype = sys.argv[1:4]
-    extra = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
+    units = json.loads(Path(sys.argv[4]).read_text())
+    extra = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
     started = time.perf_counter()
     identity = ModelIdentity.of_folder(model, dtype)
     profile = profile_for(store, identity)
-    with open_snapshot(store) as snapshot:  # a chunk without KV is keyed by its text's ids, as on a miss
-        chunks = [
-            (chunk_id, tuple(encode_text(identity.tokenizer, text)))
-            for chunk_id, text in snapshot.catalog.entries.deferred_chunks(profile.profile_id)
-        ]
-    result: dict[str, float] = {"chunks": len(chunks), "tokens": sum(len(ids) for _, ids in chunks), "stored": 0}
-    if chunks:
+    result: dict[str, float] = {
+        "chunks": sum(len(u["chunks"]) for u in units),
+        "tokens": sum(len(u["ids"]) for u in units),
+        "stored": 0,
+    }
+    if units:
         config = KVTransferConfig(
             kv_connector="RagkvConnector",
             kv_connector_module_path="ragkv.integrations.vllm",
@@ -58,13 +59,13 @@ def main() -> None:
         )
         load_s = time.perf_counter() - started
         prefix = list(profile.prefix_ids)
-        prompts = [TokensPrompt(prompt_token_ids=prefix + list(ids)) for _, ids in chunks]
+        prompts = [TokensPrompt(prompt_token_ids=prefix + list(u["ids"])) for u in units]
         params = [
             SamplingParams(
                 max_tokens=1,
-                extra_args={"kv_transfer_params": {PARAMS_KEY: {"chunks": [[chunk_id, len(ids)]], "write_back": True}}},
+                extra_args={"kv_transfer_params": {PARAMS_KEY: {"chunks": u["chunks"], "write_back": True}}},
             )
-            for chunk_id, ids in chunks
+            for u in units
         ]
         computing = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=True)

@@ -130,13 +130,18 @@ class Entries(Part):
         """(chunks, tokens) of `doc_ids` that already have KV under `profile_id`."""
         row = self.catalog.one(
             "SELECT count(*), coalesce(sum(len(k.token_ids)), 0) FROM chunk_kv k JOIN chunks c USING (chunk_id) "
-            "WHERE k.profile_id = ? AND c.doc_id IN (SELECT unnest(?))",
+            "SEMI JOIN kv_entries e ON e.kv_key = k.kv_key WHERE k.profile_id = ? AND c.doc_id IN (SELECT unnest(?))",
             [profile_id, list(doc_ids)],
         )
         return int(row[0]), int(row[1])
 
     def linked_chunk_ids(self, profile_id: str) -> set[int]:
-        rows = self.con.execute("SELECT chunk_id FROM chunk_kv WHERE profile_id = ?", [profile_id]).fetchall()
+        """Chunks whose KV the store holds under `profile_id` (a span's chunk linked without an
+        entry is not one: its KV was deferred or evicted)."""
+        rows = self.con.execute(
+            "SELECT chunk_id FROM chunk_kv k SEMI JOIN kv_entries e ON e.kv_key = k.kv_key WHERE k.profile_id = ?",
+            [profile_id],
+        ).fetchall()
         return {r[0] for r in rows}
 
     def drop_profiles(self, profile_ids: Sequence[str]) -> None:
@@ -184,23 +189,13 @@ class Entries(Part):
         ).fetchall()
         return [r[0] for r in rows]
 
-    def linked_token_ids(self, chunk_id: int, profile_id: str) -> tuple[int, ...] | None:
-        """The token ids a chunk is linked with under `profile_id` (None: not linked)."""
+    def chunk_link(self, chunk_id: int, profile_id: str) -> ChunkLink | None:
+        """The chunk's link under `profile_id` (its key, token ids and span), None if it has none."""
         row = self.con.execute(
-            "SELECT token_ids FROM chunk_kv WHERE chunk_id = ? AND profile_id = ?", [chunk_id, profile_id]
+            "SELECT kv_key, token_ids, span_start FROM chunk_kv WHERE chunk_id = ? AND profile_id = ?",
+            [chunk_id, profile_id],
         ).fetchone()
-        return tuple(row[0]) if row else None
-
-    def deferred_chunks(self, profile_id: str) -> list[tuple[int, str]]:
-        """(chunk_id, text) of the chunks without KV under `profile_id` (deferred by a budget or
-        --precompute: not linked to an entry), in chunk order; a span's chunks are left out
-        (their keys chain through the span: they are learnt on a miss, after the chunks before)."""
-        return self.con.execute(
-            "SELECT chunk_id, text FROM chunks WHERE chunk_id NOT IN "
-            "(SELECT chunk_id FROM chunk_kv WHERE profile_id = ? "
-            "AND (span_start IS NOT NULL OR kv_key IN (SELECT kv_key FROM kv_entries))) ORDER BY chunk_id",
-            [profile_id],
-        ).fetchall()
+        return ChunkLink(chunk_id, row[0], tuple(row[1]), row[2]) if row else None
 
     def links_without_entries(self) -> list[tuple[int, str, str]]:
         """(chunk_id, profile_id, kv_key) of links of chunks stored alone whose KV entry row is
