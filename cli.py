@@ -57,10 +57,9 @@ def ingest(
     kv_budget: str | None = typer.Option(
         None,
         "--kv-budget",
-        help="Most bytes of KV the store keeps (e.g. 20GB, 512MiB), kept by popularity: a chunk "
-        "without KV has it computed on its first question and stored if it earns a place. Saved in the store; change "
-        "it later with `ragkv budget`. With --span-tokens each span is kept as a prefix of itself (its coldest "
-        "tail goes first). Default: the store's budget, else none (all KV kept).",
+        help="Most bytes of KV the store keeps (e.g. 20GB, 512MiB), by popularity: a chunk without KV has it "
+        "computed on its first question, stored if it earns a place (a span stays a prefix of itself: its coldest "
+        "tail goes first). Saved in the store; change it with `ragkv budget`. Default: the store's, else none.",
         show_default=False,
     ),
     precompute: str = typer.Option(
@@ -127,18 +126,11 @@ def reindex(
     from pipelines.nightly import run_nightly
     from pipelines.progress import default_reporter
 
-    model_settings, ingest_settings = settings
+    model, options = settings
     output = text.OutputFile(report_file, "--report") if report_file else None
+    reporter = default_reporter(quiet or json_out)
     report = run_nightly(
-        paths,
-        store,
-        model=model_settings,
-        settings=ingest_settings,
-        gc=gc,
-        check=check,
-        wait=wait,
-        reporter=default_reporter(quiet or json_out),
-        **runner,
+        paths, store, model=model, settings=options, gc=gc, check=check, wait=wait, reporter=reporter, **runner
     )
     if output:
         with output:
@@ -167,6 +159,14 @@ def gc(
     from store import collect_garbage
 
     _print(collect_garbage(store, other_models=other_models, wait=wait).to_dict(), json_out, text.gc_lines)
+
+
+@app.command()
+def fold(store: str = StoreOption, wait: bool = WaitOption, json_out: bool = JsonOption):
+    """Fold what readers left pending (S3: KV computed on misses) into the store; ingest and reindex fold too."""
+    from store.writeback import fold as fold_store
+
+    _print(fold_store(store, wait=wait).to_dict(), json_out, text.fold_lines)
 
 
 @app.command()

@@ -34,6 +34,7 @@ from ragkv.model import LoadedModel, load_model
 from ragkv.prompt import PromptLayout
 from store import ChunkRow, DocumentRow, StoreWriter, budget
 from store.catalog import ChunkLink, ProfileRow
+from store.writeback import fold_pending
 from store.writer import open_writer
 
 ENGINES = ("local", "ray", "vllm")
@@ -58,6 +59,7 @@ class IngestReport:
     kv_budget: int | None = None  # bytes the store's KV may take (None: no budget)
     kv_bytes: int = 0  # bytes the store's KV takes now
     uses_folded: int = 0  # question uses read from the hit logs into the catalog (popularity)
+    kv_folded: int = 0  # KV readers computed on misses and left pending (on S3), stored by this ingest
     shards_discarded: int = 0  # ray: shards of killed, retried attempts (duplicates), deleted
     tokens_computed: int = 0
     tokens_skipped: int = 0
@@ -121,12 +123,14 @@ def ingest(
     try:
         with open_writer(store, wait=wait) as writer:
             report.kv_adopted = len(writer.adopt_orphans())
-            report.uses_folded = budget.fold_hits(writer)
+            folded = fold_pending(writer)  # what readers left: their KV computed on misses, their hit logs
+            report.uses_folded, report.kv_folded = folded.uses_folded, folded.stored
             _write(
                 writer, found.documents, lm, embedder, layout, profile, settings, reporter, report, prune, job, to_vllm
             )
             report.kv_bytes = writer.catalog.reports.kv_bytes()
             report.generation = writer.publish()
+            folded.delete_folded()
             if job or report.kv_evicted:  # shards of killed, retried attempts (duplicates), or evicted KV
                 report.shards_discarded = writer.delete_unreferenced_shards()[0]
     finally:

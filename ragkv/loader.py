@@ -313,9 +313,9 @@ class KVLoader:
 
     def _background_writer(self) -> WriteBack | None:
         """The background write-back (started on the first miss), or None when off (opened
-        with write_back=False, or the store is on S3)."""
-        if self.writer is None and self.write_back and not self.snapshot.remote:
-            self.writer = WriteBack(self.snapshot.root)
+        with write_back=False). On S3 it leaves the KV pending, for the store's writer to fold."""
+        if self.writer is None and self.write_back:
+            self.writer = WriteBack(self.snapshot.location if self.snapshot.remote else self.snapshot.root)
         return self.writer
 
     def hot(self) -> dict:

@@ -89,6 +89,15 @@ def gc_lines(report: dict) -> list[str]:
     ]
 
 
+def fold_lines(report: dict) -> list[str]:
+    return [
+        f"fold: {report['objects']} pending objects ({report['entries']} KV entries): {report['stored']} stored, "
+        f"{report['uses_folded']} uses folded; generation {report['generation']}"
+        + (f"; {report['damaged']} damaged objects deleted" if report["damaged"] else "")
+        + (f"; {report['incomplete']} incomplete objects deleted" if report["incomplete"] else "")
+    ]
+
+
 def verify_lines(report: dict) -> list[str]:
     lines = [
         f"verify: generation {report['generation']}, {report['entries_checked']} entries "
@@ -195,6 +204,11 @@ def stats_lines(summary: dict) -> list[str]:
         f"{mib(summary['dead_bytes'])} dead ({summary['shards_unreferenced']} unreferenced files)",
         "  dead bytes: retired KV; `ragkv gc` deletes unreferenced files and rewrites shards under half live",
     ]
+    if summary.get("pending_objects"):
+        lines.append(
+            f"pending: {summary['pending_objects']} objects of KV readers computed ({mib(summary['pending_bytes'])}); "
+            "`ragkv fold` stores them"
+        )
     return lines + _index_lines(summary) + _usage_lines(summary)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from store.pending import MANIFEST_SUFFIX, PendingArea
 from store.popularity import decay, read_pending, tally
 from store.shards import shard_files
 from store.snapshot import StoreSnapshot
@@ -52,8 +53,17 @@ def store_stats(snapshot: StoreSnapshot) -> dict:
         "live_bytes": live_bytes,
         "dead_bytes": max(disk_bytes - live_bytes, 0),
         "kv_budget": catalog.usage.kv_budget(),
+        **pending(snapshot),
         **popularity(snapshot),
     }
+
+
+def pending(snapshot: StoreSnapshot) -> dict:
+    """What readers left for the writer to fold (store.pending): whole objects and their bytes."""
+    names = PendingArea(snapshot.location).names()
+    manifests = {n.removesuffix(MANIFEST_SUFFIX) for n in names if n.endswith(MANIFEST_SUFFIX)}
+    whole = {n: size for n, size in names.items() if n.rsplit(".", 1)[0] in manifests}
+    return {"pending_objects": len(manifests), "pending_bytes": sum(whole.values())}
 
 
 def popularity(snapshot: StoreSnapshot) -> dict:

@@ -19,14 +19,14 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
-
-import torch
+from dataclasses import asdict, dataclass, field
 
 from ragkv.errors import RagkvError, StoreLockedError
 from store import budget
 from store.catalog import ChunkLink
 from store.gc import drop_dead
+from store.pending import ComputedKV, PendingArea, PendingWriter, read_pending
+from store.remote import is_remote
 from store.writer import open_writer
 
 log = logging.getLogger("ragkv")
@@ -34,24 +34,7 @@ log = logging.getLogger("ragkv")
 MAX_PENDING = 64  # computed entries waiting to be written; beyond this a miss is not written back
 SHARD_BYTES = 256 << 20
 LOCK_WAIT_S = 30.0  # how long a write-back waits for another writer to finish
-
-
-@dataclass(frozen=True)
-class ComputedKV:
-    """KV computed for a chunk on a miss, encoded as it is stored."""
-
-    profile_id: str
-    kv_key: str
-    chunk_id: int
-    token_ids: tuple[int, ...]
-    parts: dict[str, torch.Tensor]  # codec.encode output: "" the data, others e.g. scales
-    shard_metadata: dict[str, str]
-    span_start: int | None = None  # chunk_index of the span its KV continues (None: stored alone)
-    parent: str | None = None  # the key of the entry before it in its span (None: none)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.parts.values())
+PENDING_BYTES = 1 << 30  # a reader's own pending KV on an S3 store, beyond which its oldest goes
 
 
 @dataclass
@@ -67,9 +50,11 @@ class WriteBackReport:
 class WriteBack:
     """A background writer of computed KV into the store at `root` (a local folder)."""
 
-    def __init__(self, root):
+    def __init__(self, root, pending_bytes: int = PENDING_BYTES):
         self.root = root
         self.report = WriteBackReport()
+        # on S3 a reader is never the writer: its KV waits under pending/ for a fold
+        self.pending = PendingWriter(root, pending_bytes) if is_remote(root) else None
         self._queue: queue.Queue[ComputedKV | None] = queue.Queue(MAX_PENDING)
         self._warned = False
         self._thread = threading.Thread(target=self._run, name="ragkv-writeback", daemon=True)
@@ -141,6 +126,9 @@ class WriteBack:
                 time.sleep(0.2)
 
     def _write(self, batch: list[ComputedKV]) -> None:
+        if self.pending is not None:  # not the store's writer: leave it for the one writer to fold
+            self.pending.put(batch)
+            return
         try:
             writer = self._open_writer()
         except StoreLockedError:
@@ -150,43 +138,101 @@ class WriteBack:
             )
             return
         with writer:
-            catalog = writer.catalog
             budget.fold_hits(writer)
-            by_key = {b.kv_key: b for b in batch}
-            alive = set(
-                catalog.documents.chunk_texts([b.chunk_id for b in batch])
-            )  # a re-ingest may have replaced some
-            stored = catalog.entries.existing_keys(by_key)
-            new = [b for b in by_key.values() if b.kv_key not in stored and b.chunk_id in alive]
-            limit = catalog.usage.kv_budget()
-            profile_id = batch[0].profile_id
-            if limit is not None and new:
-                new = self._within_budget(writer, profile_id, new, limit)
-            if new:
-                shards = writer.shard_writer(SHARD_BYTES, new[0].shard_metadata)
-                for item in new:
-                    catalog.entries.add_entries(item.profile_id, shards.add(item.kv_key, item.parts))
-                catalog.entries.add_entries(profile_id, shards.flush())
-            written = {b.kv_key for b in new} | stored
-            links = {
-                b.chunk_id: ChunkLink(b.chunk_id, b.kv_key, b.token_ids, b.span_start)
-                for b in batch
-                if b.chunk_id in alive and b.kv_key in written
-            }  # one per chunk: it may have missed twice
-            catalog.entries.link_chunks(profile_id, list(links.values()))
-            self.report.stored += len(new)
-            self.report.linked += sum(1 for b in by_key.values() if b.kv_key in stored)
+            commit_computed(writer, batch, self.report)
             writer.publish()
             writer.delete_unreferenced_shards()
 
-    def _within_budget(self, writer, profile_id: str, new: list[ComputedKV], limit: int) -> list[ComputedKV]:
-        """The computed entries that earn a place; evicts colder stored KV to make room."""
+
+def commit_computed(writer, batch: list[ComputedKV], report: WriteBackReport) -> None:
+    """Store `batch` in the generation `writer` builds: each entry whose chunk is still there
+    and whose key is not stored yet, within the budget (which may evict colder KV), then link
+    the chunks; the caller publishes."""
+    catalog = writer.catalog
+    by_key = {b.kv_key: b for b in batch}
+    alive = set(catalog.documents.chunk_texts([b.chunk_id for b in batch]))  # a re-ingest may have replaced some
+    stored = catalog.entries.existing_keys(by_key)
+    new = [b for b in by_key.values() if b.kv_key not in stored and b.chunk_id in alive]
+    limit = catalog.usage.kv_budget()
+    for profile_id in sorted({b.profile_id for b in batch}):
+        mine = [b for b in new if b.profile_id == profile_id]
+        admitted = _within_budget(writer, profile_id, mine, limit, report) if limit is not None and mine else mine
+        if admitted:
+            shards = writer.shard_writer(SHARD_BYTES, admitted[0].shard_metadata)
+            for item in admitted:
+                catalog.entries.add_entries(profile_id, shards.add(item.kv_key, item.parts))
+            catalog.entries.add_entries(profile_id, shards.flush())
+        written = {b.kv_key for b in admitted} | stored
+        links = {
+            b.chunk_id: ChunkLink(b.chunk_id, b.kv_key, b.token_ids, b.span_start)
+            for b in batch
+            if b.profile_id == profile_id and b.chunk_id in alive and b.kv_key in written
+        }  # one per chunk: it may have missed twice
+        catalog.entries.link_chunks(profile_id, list(links.values()))
+        report.stored += len(admitted)
+    report.linked += sum(1 for b in by_key.values() if b.kv_key in stored)
+
+
+def _within_budget(
+    writer, profile_id: str, new: list[ComputedKV], limit: int, report: WriteBackReport
+) -> list[ComputedKV]:
+    """The computed entries that earn a place; evicts colder stored KV to make room."""
+    drop_dead(writer)
+    fresh = [budget.Fresh(b.kv_key, b.nbytes, b.chunk_id, b.parent) for b in new]
+    decision = budget.admit(writer, profile_id, fresh, limit)
+    if decision.evict:
         drop_dead(writer)
-        fresh = [budget.Fresh(b.kv_key, b.nbytes, b.chunk_id, b.parent) for b in new]
-        decision = budget.admit(writer, profile_id, fresh, limit)
-        if decision.evict:
-            drop_dead(writer)
-        self.report.evicted += len(decision.evict)
-        chosen = set(decision.compute)
-        self.report.over_budget += len(new) - len(chosen)
-        return [b for b in new if b.kv_key in chosen]
+    report.evicted += len(decision.evict)
+    chosen = set(decision.compute)
+    report.over_budget += len(new) - len(chosen)
+    return [b for b in new if b.kv_key in chosen]
+
+
+@dataclass
+class FoldReport:
+    store: str
+    objects: int = 0  # whole pending objects folded
+    entries: int = 0  # entries they held
+    stored: int = 0  # entries stored (the rest: stored already, chunk gone, or over the budget)
+    damaged: int = 0  # objects skipped and deleted
+    incomplete: int = 0  # objects a killed replica left without a manifest, deleted
+    uses_folded: int = 0
+    generation: int = 0
+    folded: list[str] = field(default_factory=list, repr=False)  # pending objects to delete once published
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k != "folded"}
+
+    def delete_folded(self) -> None:
+        """Delete the pending objects this fold took (call once its generation is published)."""
+        area = PendingArea(self.store)
+        for name in self.folded:
+            area.delete(name)
+
+
+def fold_pending(writer) -> FoldReport:
+    """Fold the readers' pending KV (store.pending) and hit logs into the generation `writer`
+    builds; the folded objects are deleted once it is published (`FoldReport.objects`)."""
+    area = PendingArea(writer.location)
+    found = read_pending(area)
+    report = FoldReport(writer.location, damaged=len(found.damaged) // 2, incomplete=len(found.stale))
+    report.uses_folded = budget.fold_hits(writer)
+    if found.items:
+        done = WriteBackReport()
+        commit_computed(writer, found.items, done)
+        report.stored = done.stored
+    report.objects, report.entries = len(found.objects) // 2, len(found.items)
+    report.folded = found.objects + found.damaged + found.stale
+    return report
+
+
+def fold(root, wait: bool = False) -> FoldReport:
+    """`ragkv fold`: fold the readers' pending KV and hit logs into the store at `root`, publish."""
+    from store.gc import maintaining
+
+    with maintaining(root, wait) as writer:
+        report = fold_pending(writer)
+        report.generation = writer.publish()
+        report.delete_folded()
+        writer.delete_unreferenced_shards()
+    return report

@@ -285,3 +285,49 @@ def test_a_full_disk_during_write_back_warns_once_and_answers_go_on(stores, monk
     assert len(warnings) == 1 and "No space left on device" in warnings[0].getMessage()
     with open_snapshot(lazy) as snapshot:
         assert verify(snapshot).ok and snapshot.catalog.reports.counts()["kv_entries"] == 1
+
+
+def test_a_fold_stores_pending_kv_once_and_leaves_nothing_partial(stores, monkeypatch):
+    """KV left pending by two readers (as on S3) is folded once per key; an object whose
+    manifest never came is never taken, and goes once old."""
+    import store.pending as pending_module
+    from ragkv import codec
+    from store.pending import PendingWriter
+    from store.writeback import ComputedKV, fold
+
+    full, lazy = stores
+    with open_snapshot(full) as snapshot:
+        profile_id = snapshot.catalog.entries.profiles()[0].profile_id
+        ids = sorted(snapshot.catalog.documents.chunk_ids())[:2]
+        rows = snapshot.catalog.entries.context_rows(profile_id, ids)
+        batch = [
+            ComputedKV(
+                profile_id,
+                r.entry.kv_key,
+                r.chunk_id,
+                r.token_ids,
+                {"": codec.read(snapshot.shards, r.entry, torch.float32, "cpu").clone()},
+                {"profile_id": profile_id},
+            )
+            for r in rows
+        ]
+    for _ in range(2):  # two readers computed the same chunks
+        PendingWriter(lazy, pending_bytes=1 << 30).put(batch)
+    killed = PendingWriter(lazy, pending_bytes=1 << 30)
+    killed.put(batch[:1])
+    (manifest,) = [p for p in (lazy / "pending").glob("*.json") if p.name.startswith(killed._own[0][0])]
+    manifest.unlink()  # killed before its manifest
+    report = fold(lazy)
+    assert (report.objects, report.entries, report.stored, report.incomplete) == (2, 4, 2, 0)
+    assert [p.suffix for p in (lazy / "pending").iterdir()] == [".safetensors"]  # the partial one, left alone
+    with ragkv.open(lazy, device="cpu", write_back=False) as engine:
+        answer = engine.ask(rows[0].text, max_new_tokens=4, context="chunk")
+        assert answer.sources[0].chunk_id == rows[0].chunk_id and answer.stats.kv_source == "store"
+    monkeypatch.setattr(pending_module, "STALE_S", -1.0)  # now it is old
+    assert fold(lazy).incomplete == 1 and not list((lazy / "pending").iterdir())
+    with open_snapshot(lazy) as snapshot:
+        assert verify(snapshot).ok
+    # A reader over its bound drops its oldest objects first, and counts them.
+    small = PendingWriter(lazy, pending_bytes=1)
+    small.put(batch[:1])
+    assert small.report.dropped == 1 and not list((lazy / "pending").iterdir())

@@ -376,3 +376,44 @@ def test_a_worker_with_other_weights_fails_the_job_in_one_line(ray_cluster, tiny
         list(ray_engine.run_job(rows, spec, workers=1, cpus=0.5, gpus=0.0, batch_rows=1))
     assert "\n" not in str(failed.value), str(failed.value)
     assert not (tmp_path / "shards").exists() or not list((tmp_path / "shards").iterdir())
+
+
+def test_s3_replicas_learn_through_pending_kv_that_one_fold_stores_once(
+    s3_env, tiny_llama, corpus, tmp_path, monkeypatch
+):
+    """Readers of an S3 store never take its lock: the KV each computes on a miss is left under
+    pending/ (shard, then manifest), and a fold stores it, each key once, within the budget."""
+    from store.writeback import fold
+
+    uri = "s3://ragkv/replicas"
+    model = ModelSettings(model=str(tiny_llama), device="cpu")
+    ragkv.ingest(corpus, uri, model=model, settings=IngestSettings(precompute=0))
+    answers = []
+    for replica in ("a", "b"):  # two machines, each with its own mirror
+        _fresh_home(tmp_path / replica, monkeypatch)
+        with ragkv.open(uri, model=model.model, device="cpu") as engine:
+            answer = engine.ask(QUESTIONS[0], max_new_tokens=8, context="chunk")
+            engine.flush()
+            assert answer.stats.kv_source == "computed" and engine.loader.writer.pending.report.objects == 1
+        answers.append(answer.token_ids)
+    objects = _objects(s3_env, "replicas")
+    pending = sorted(name for name in objects if name.startswith("pending/"))
+    assert len(pending) == 4 and "LOCK" not in objects  # two objects (shard + manifest each), no lock taken
+    assert json.loads(run_cli("stats", "--store", uri, "--json").stdout)["pending_objects"] == 2
+    # A replica killed mid-upload leaves a shard without its manifest: never folded; a damaged
+    # manifest is skipped with one warning and deleted.
+    s3_env["fs"].copy_file(f"ragkv/replicas/{pending[1]}", f"ragkv/replicas/pending/{'f' * 32}.safetensors")
+    with s3_env["fs"].open_output_stream(f"ragkv/replicas/pending/{'0' * 31}1.json") as f:
+        f.write(b"{not json")
+    report = fold(uri)
+    # each replica computed the chunk: stored once
+    assert (report.objects, report.entries, report.stored, report.damaged) == (2, 2, 1, 1)
+    left = [name for name in _objects(s3_env, "replicas") if name.startswith("pending/")]
+    assert left == [f"pending/{'f' * 32}.safetensors"]  # incomplete, and not old: left alone
+    _fresh_home(tmp_path / "c", monkeypatch)
+    with ragkv.open(uri, model=model.model, device="cpu") as engine:
+        again = engine.ask(QUESTIONS[0], max_new_tokens=8, context="chunk")
+        full = engine.ask(QUESTIONS[0], max_new_tokens=8, context="chunk", use_cache=False)
+        assert again.stats.kv_source == "store" and again.token_ids == full.token_ids == answers[0] == answers[1]
+    with open_snapshot(uri) as snapshot:
+        assert verify(snapshot).ok

@@ -4,7 +4,7 @@ counts of the tokens it did not compute. Prints one JSON object.
 
     python tests/vllm_probe.py MODEL_FOLDER STORE SPEC.json     (or `run(...)` from ragkv's python)
 
-SPEC: {"kv_role": "kv_both", "layerwise": "auto", "runs": [{"name", "ids", "params", "flush"}]}:
+SPEC: {"kv_role": "kv_both", "layerwise": "auto", "max_model_len": 2048, "runs": [{"name", "ids", "params", "flush"}]}:
 each run is one request (`params`: its kv_transfer_params); `flush` waits, after it, until the
 connector's saves are written to the store.
 """
@@ -68,7 +68,7 @@ def main() -> None:
         dtype=spec.get("dtype", "float32"),
         kv_transfer_config=config,
         enable_prefix_caching=False,
-        max_model_len=2048,
+        max_model_len=spec.get("max_model_len", 2048),
         max_num_seqs=4,
         enforce_eager=spec.get("enforce_eager", True),
         seed=0,

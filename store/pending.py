@@ -1,0 +1,229 @@
+"""KV a reader computed on misses, left for the store's one writer to fold in.
+
+A process reading an S3 store is never its writer: it never takes the bucket's lock. The KV it
+computes on a miss goes under the store's `pending/` area as two immutable objects named by a
+fresh id, the manifest written last:
+
+    pending/<id>.safetensors   the entries, sealed as a shard of `shards/` is (id: time, then random)
+    pending/<id>.json          the manifest: per entry its key, chunk, token ids, span and checksum
+
+An object whose manifest is missing is incomplete (a replica killed mid-upload): a fold never
+takes it, and one deletes it once it is an hour old. A reader keeps at most `pending_bytes` of its own
+objects, dropping its oldest first (counted).
+
+The writer folds (`ragkv fold`, and every ingest or `reindex` before its work): each entry is
+verified against its checksum, then handed to the same commit as a local write-back (chunk
+still there, key not stored yet, the budget's admission), and the objects go once the
+generation is published. Two replicas that computed one chunk store it once. A damaged object
+is skipped with one warning and deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ragkv.errors import StoreCorruptError
+from store.remote import RemoteStore
+from store.shards import SHARD_SUFFIX, ShardReader, ShardWriter
+
+log = logging.getLogger("ragkv")
+
+PENDING_DIR = "pending"
+MANIFEST_SUFFIX = ".json"
+STALE_S = 3600.0  # an object without a manifest this old was left by a killed replica
+
+
+@dataclass(frozen=True)
+class ComputedKV:
+    """KV computed for a chunk on a miss, encoded as it is stored."""
+
+    profile_id: str
+    kv_key: str
+    chunk_id: int
+    token_ids: tuple[int, ...]
+    parts: dict[str, torch.Tensor]  # codec.encode output: "" the data, others e.g. scales
+    shard_metadata: dict[str, str]
+    span_start: int | None = None  # chunk_index of the span its KV continues (None: stored alone)
+    parent: str | None = None  # the key of the entry before it in its span (None: none)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.parts.values())
+
+
+class PendingArea:
+    """The `pending/` objects of one store: a folder's subfolder, or a bucket's prefix (read
+    through a local staging folder)."""
+
+    def __init__(self, location: str | Path):
+        self.remote = RemoteStore(str(location)) if str(location).startswith("s3://") else None
+        base = self.remote.mirror if self.remote else Path(location)
+        self.dir = base / PENDING_DIR  # made by the first reader that leaves something
+
+    def names(self) -> dict[str, int]:
+        """Every pending object's name and size."""
+        if self.remote:
+            return self.remote._list(PENDING_DIR)
+        if not self.dir.is_dir():
+            return {}
+        return {p.name: p.stat().st_size for p in self.dir.iterdir() if p.is_file() and not p.name.startswith(".")}
+
+    def put(self, path: Path) -> None:
+        """Publish the local file `path` (in `self.dir`) as the object of its name."""
+        if self.remote:
+            self.remote._upload(path, f"{PENDING_DIR}/{path.name}")
+
+    def fetch(self, name: str) -> Path:
+        """A local copy of object `name`, for reading."""
+        local = self.dir / name
+        if self.remote and not local.exists():
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self.remote._download(f"{PENDING_DIR}/{name}", local)
+        return local
+
+    def delete(self, name: str) -> None:
+        """Delete object `name` (gone already: nothing to do)."""
+        if self.remote:
+            try:
+                self.remote.delete_object(f"{PENDING_DIR}/{name}")
+            except FileNotFoundError:
+                pass
+        (self.dir / name).unlink(missing_ok=True)
+
+
+@dataclass
+class PendingReport:
+    written: int = 0  # entries left pending
+    objects: int = 0  # pending objects written
+    dropped: int = 0  # own objects deleted to stay within pending_bytes
+    dropped_entries: int = 0
+
+
+class PendingWriter:
+    """A reader's pending objects: each batch of computed KV one shard and its manifest."""
+
+    def __init__(self, location: str | Path, pending_bytes: int):
+        self.area = PendingArea(location)
+        self.pending_bytes = pending_bytes
+        self.report = PendingReport()
+        self._own: list[tuple[str, int, int]] = []  # (id, bytes, entries), oldest first
+
+    def put(self, batch: list[ComputedKV]) -> None:
+        """Leave `batch` pending: sealed into a shard, then its manifest (data before index)."""
+        object_id = f"{time.time_ns():016x}{uuid.uuid4().hex[:16]}"  # a shard's name: 32 hex, oldest first
+        self.area.dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=self.area.dir, prefix=".stage-") as stage:
+            sealed = ShardWriter(Path(stage), 1 << 62, batch[0].shard_metadata)
+            for item in batch:
+                sealed.add(item.kv_key, item.parts)
+            entries = {e.name: e for e in sealed.flush()}
+            (shard,) = {e.shard for e in entries.values()}
+            data = self.area.dir / f"{object_id}{SHARD_SUFFIX}"
+            shutil.move(str(Path(stage) / shard), data)
+            manifest = {
+                "shard": data.name,
+                "entries": [
+                    {
+                        "profile_id": b.profile_id,
+                        "kv_key": b.kv_key,
+                        "chunk_id": b.chunk_id,
+                        "token_ids": list(b.token_ids),
+                        "span_start": b.span_start,
+                        "parent": b.parent,
+                        "checksum": entries[b.kv_key].checksum,
+                    }
+                    for b in batch
+                ],
+                "shard_metadata": batch[0].shard_metadata,
+            }
+            index = self.area.dir / f".{object_id}{MANIFEST_SUFFIX}.tmp"
+            index.write_text(json.dumps(manifest))
+            final = index.with_name(f"{object_id}{MANIFEST_SUFFIX}")
+            index.rename(final)
+        size = data.stat().st_size
+        self.area.put(data)
+        self.area.put(final)  # last: its presence says the object is whole
+        if self.area.remote:  # the bucket holds it now; keep no local copy
+            data.unlink(missing_ok=True)
+            final.unlink(missing_ok=True)
+        self._own.append((object_id, size, len(batch)))
+        self.report.written += len(batch)
+        self.report.objects += 1
+        self._bound()
+
+    def _bound(self) -> None:
+        """Drop this reader's oldest objects while it holds more than `pending_bytes`."""
+        while self._own and sum(size for _, size, _ in self._own) > self.pending_bytes:
+            object_id, _, num_entries = self._own.pop(0)
+            self.area.delete(f"{object_id}{MANIFEST_SUFFIX}")  # first: a half-deleted object is incomplete
+            self.area.delete(f"{object_id}{SHARD_SUFFIX}")
+            self.report.dropped += 1
+            self.report.dropped_entries += num_entries
+
+
+@dataclass
+class FoldedPending:
+    """What a fold found: whole objects, their entries, and the objects it left or deleted."""
+
+    items: list[ComputedKV]
+    objects: list[str]  # names of the whole objects read (manifest and shard)
+    damaged: list[str]  # names of unreadable objects (deleted after the fold)
+    stale: list[str]  # shards without a manifest, old enough to be a killed replica's
+
+
+def read_pending(area: PendingArea) -> FoldedPending:
+    """Every whole pending object's entries, verified against their checksums."""
+    names = area.names()
+    found = FoldedPending([], [], [], [])
+    now = time.time()
+    for name in sorted(n for n in names if n.endswith(MANIFEST_SUFFIX)):
+        try:
+            manifest = json.loads(area.fetch(name).read_text())
+            shard = manifest["shard"]
+            reader = ShardReader(area.dir)
+            try:
+                area.fetch(shard)
+                items = [
+                    ComputedKV(
+                        e["profile_id"],
+                        e["kv_key"],
+                        int(e["chunk_id"]),
+                        tuple(e["token_ids"]),
+                        {p: t.clone() for p, t in reader.read_parts(shard, e["kv_key"], e["checksum"]).items()},
+                        dict(manifest["shard_metadata"]),
+                        e.get("span_start"),
+                        e.get("parent"),
+                    )
+                    for e in manifest["entries"]
+                ]
+            finally:
+                reader.close()
+        except (OSError, ValueError, KeyError, TypeError, StoreCorruptError) as exc:
+            found.damaged += [name, name.removesuffix(MANIFEST_SUFFIX) + SHARD_SUFFIX]
+            log.warning("pending KV %s/%s is damaged (%s); skipped and deleted", PENDING_DIR, name, exc)
+            continue
+        found.items += items
+        found.objects += [name, shard]
+    whole = {n.removesuffix(MANIFEST_SUFFIX) for n in names if n.endswith(MANIFEST_SUFFIX)}
+    for name in names:
+        if name.endswith(SHARD_SUFFIX) and name.removesuffix(SHARD_SUFFIX) not in whole:
+            if now - _created(name) > STALE_S:
+                found.stale.append(name)
+    return found
+
+
+def _created(name: str) -> float:
+    """When the object `name` was made (its id starts with the nanoseconds in hex); 0 if unknown."""
+    try:
+        return int(name[:16], 16) / 1e9
+    except ValueError:
+        return 0.0
