@@ -117,7 +117,7 @@ def ceiling(paths: list[list[int]]) -> float:
 def ask_all(store: Path, questions: list[str], write_back: bool) -> list[dict]:
     """Ask each question in order (first token only, `--context span`); per question its TTFT,
     first token, the path of chunks it used and where each chunk's KV came from."""
-    settings = AskSettings(context="span", max_new_tokens=1)
+    settings = AskSettings(context="span", top_k=1, max_new_tokens=1)
     out = []
     with ragkv.open(store, device="cpu", write_back=write_back, ram_bytes=0) as engine:
         for i, question in enumerate(questions):
@@ -141,6 +141,51 @@ def ask_all(store: Path, questions: list[str], write_back: bool) -> list[dict]:
     return out
 
 
+# -- vLLM + the connector -------------------------------------------------------------------
+def vllm_part(python: str, lazy: Path, full: Path, questions: list[str], work: Path) -> dict:
+    """The same questions as `serve --engine vllm` sends them (span context, layout params),
+    through vLLM + connector: on the empty budget store learning by its saves (hit rate from
+    the store's hit log, as the connector logs it), and on the all-KV store with vLLM alone
+    (no connector: a full prefill) on every fourth question."""
+    from benchmarks.vllm_memory import SKIP, hits_logged
+    from ragkv.config import DEFAULT_MODEL
+    from tests import vllm_probe
+
+    model = load_model(DEFAULT_MODEL, "cpu", "float32", weights=False).facts.path
+
+    def probe(store: Path, runs: list[dict], kv_role: str) -> dict:
+        """`runs` after a warm-up request (vLLM's first in a process pays for its warm-up); a
+        context of 4096 tokens: a span of 2048 with the prefix and question passes 2048."""
+        spec = {
+            "kv_role": kv_role,
+            "max_model_len": 4096,
+            "runs": [{**runs[0], "name": "warmup", "params": SKIP}, *runs],
+        }
+        return vllm_probe.run(python, model, store, spec, work)
+
+    from ragkv.api import ServeSettings
+    from ragkv.vllm_front import _layout_params
+
+    prompts = []
+    with ragkv.open(lazy, device="cpu", weights=False) as engine:
+        for question in questions:
+            prompt = engine.prompt_for(question, AskSettings(context="span", top_k=1))
+            prompts.append({"ids": prompt.prompt_ids, "params": _layout_params(prompt, ServeSettings())})
+    print("vLLM + connector, budget store learning", flush=True)
+    learning = probe(lazy, [{"name": f"q{i}", **p} for i, p in enumerate(prompts)], "kv_both")
+    hits = hits_logged(lazy)
+    runs = []
+    for i, p in enumerate(prompts):
+        runs.append({"name": f"q{i}", **p})
+        if i % 4 == 0:
+            runs.append({"name": f"q{i}-full", "ids": p["ids"], "params": SKIP})
+    print("vLLM + connector on the all-KV store, and vLLM alone", flush=True)
+    served = probe(full, runs, "kv_consumer")
+    with open_snapshot(lazy) as snapshot:
+        kv_bytes = snapshot.catalog.reports.kv_bytes()
+    return {"learning": learning, "hits": hits, "all": served, "kv_bytes": kv_bytes}
+
+
 def rate(rows: list[dict]) -> float:
     return sum(r["hits"] for r in rows) / max(sum(r["uses"] for r in rows), 1)
 
@@ -153,7 +198,11 @@ def replay(paths: list[list[int]], sizes: dict[int, int], room: int, policy: str
     "radix": ragkv's (`store.budget.plan` with parents and path-credited counts);
     "chunks": the same plan, each chunk on its own (no parents, its own count);
     "spans": a span admitted and evicted whole, by its count;
-    "radix-lru": every miss admitted, the least recently used tail evicted first."""
+    "radix-lru": every miss admitted, the least recently used tail evicted first;
+    "oracle": a fixed set chosen knowing the whole trace's counts (the radix plan over them),
+    each chunk still missing on its first use: a reference for what a budget this size holds."""
+    if policy == "oracle":
+        return _oracle(paths, sizes, room)
     held: set[int] = set()
     counts: Counter[int] = Counter()
     last: dict[int, int] = {}
@@ -179,6 +228,23 @@ def replay(paths: list[list[int]], sizes: dict[int, int], room: int, policy: str
 
 
 _SPAN_OF: dict[int, list[int]] = {}  # chunk -> its whole span, set by main
+
+
+def _oracle(paths: list[list[int]], sizes: dict[int, int], room: int) -> float:
+    counts = Counter(c for path in paths for c in path)
+    chosen = plan(
+        [Candidate(str(c), sizes[c], _path_score(c, counts), False, c, _key(_parent(c))) for c in counts], room
+    )
+    held = {int(k) for k in chosen.compute}
+    seen: set[int] = set()
+    hits = uses = 0
+    for path in paths:
+        k = 0
+        while k < len(path) and path[k] in held and path[k] in seen:
+            k += 1
+        hits, uses = hits + k, uses + len(path)
+        seen.update(path)
+    return hits / uses
 
 
 def _parent(chunk: int) -> int | None:
@@ -241,6 +307,7 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=2000, help="questions of the offline replay")
     parser.add_argument("--asked", type=int, default=300, help="questions asked of the engine")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vllm-python", default=None, help="a python with vLLM: also run vLLM + connector")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "span_budget.md")
     args = parser.parse_args()
     work = work_dir(args.work, "span-budget")
@@ -256,6 +323,9 @@ def main() -> None:
         prefix_bytes = snapshot.catalog.reports.prefix_bytes()
     limit = prefix_bytes + int((full_bytes - prefix_bytes) * BUDGET_SHARE)
     ingest_s["budget"] = ingest(docs, lazy, kv_budget=limit, precompute=0)
+    lazy_vllm = work / "store-budget-vllm"
+    shutil.rmtree(lazy_vllm, ignore_errors=True)
+    shutil.copytree(lazy, lazy_vllm)  # the same empty budget store, for vLLM to learn
     paths, sizes, texts = span_layout(full)
     whole: dict[int, list[int]] = {}  # a span's first chunk -> the span
     for path in paths.values():
@@ -271,15 +341,20 @@ def main() -> None:
     asked = {"all": ask_all(full, questions, write_back=False), "budget": ask_all(lazy, questions, write_back=True)}
     with open_snapshot(lazy) as snapshot:
         budget_bytes = snapshot.catalog.reports.kv_bytes()
+    served = vllm_part(args.vllm_python, lazy_vllm, full, questions, work) if args.vllm_python else None
     room = limit - prefix_bytes
     trace = [paths[c] for c in drawn]
-    replays = {name: replay(trace, sizes, room, name) for name in ("radix", "chunks", "spans", "radix-lru")}
-    report = render(args, num_tokens, len(paths), full_bytes, limit, budget_bytes, ingest_s, asked, trace, replays)
+    replays = {name: replay(trace, sizes, room, name) for name in ("radix", "chunks", "spans", "radix-lru", "oracle")}
+    report = render(
+        args, num_tokens, len(paths), full_bytes, limit, budget_bytes, ingest_s, asked, trace, replays, served
+    )
     args.out.write_text(report)
     print(report)
 
 
-def render(args, num_tokens, num_chunks, full_bytes, limit, budget_bytes, ingest_s, asked, trace, replays) -> str:
+def render(
+    args, num_tokens, num_chunks, full_bytes, limit, budget_bytes, ingest_s, asked, trace, replays, served
+) -> str:
     all_rows, budget_rows = asked["all"], asked["budget"]
     engine_ceiling = ceiling([r["path"] for r in budget_rows])
     agree = sum(a["token"] == b["token"] for a, b in zip(all_rows, budget_rows, strict=True))
@@ -291,10 +366,11 @@ def render(args, num_tokens, num_chunks, full_bytes, limit, budget_bytes, ingest
         "# Spans under a 10% KV budget",
         "",
         f"Machine: {describe()}.",
+        f"Command: `python benchmarks/span_budget.py {' '.join(sys.argv[1:])}`.",
         f"Corpus: Python 3.11 library reference pages of {PAGE_TOKENS[0]:,}-{PAGE_TOKENS[1]:,} tokens (Debian "
         f"python3.11-doc), {num_tokens:,} tokens in {num_chunks:,} chunks of at most {CHUNK_TOKENS} tokens, spans "
         f"of {SPAN_TOKENS}; SmolLM2-135M in float32 on the CPU. Each question is the first 16 words of a chunk drawn "
-        f"by Zipf({ZIPF_S}) over the chunks in random order (seed {args.seed}), asked with `--context span` (its "
+        f"by Zipf({ZIPF_S}) over the chunks in random order (seed {args.seed}), asked with `--context span --top-k 1` (its "
         "span's chunks from the start up to it), first token only, the RAM tier off (every hit is the store's).",
         "",
         f"Budget: 10% of the chunk KV ({limit / 1e6:.0f} MB of {full_bytes / 1e6:.0f} MB with the system prompt's). "
@@ -321,24 +397,68 @@ def render(args, num_tokens, num_chunks, full_bytes, limit, budget_bytes, ingest
         f"First token equal to the all-KV store's: {agree}/{len(budget_rows)} (same retrieved path: {same_path}). "
         f"The budget store's KV stays within the budget ({budget_bytes / 1e6:.0f} MB of {limit / 1e6:.0f} MB).",
         "",
+        *vllm_lines(served, engine_ceiling, budget_rows, limit),
         f"## The policy, replayed offline on {len(trace):,} questions",
         "",
         f"The same draw, longer, each question needing its drawn chunk's path; a cache of the budget's bytes less "
         f"the system prompt's, empty at the start. Compulsory-miss ceiling {trace_ceiling:.1%}. A chunk hits only "
         "when every chunk before it on its path is held (from the first gap on, the loader computes).",
         "",
-        "| policy | what it does | hit rate | of ceiling |",
-        "|---|---|---|---|",
+        "| policy | what it does | hit rate | of ceiling | of the oracle |",
+        "|---|---|---|---|---|",
     ]
     what = {
         "radix": "ragkv: paths kept as prefixes, scores credited along the path (`store.budget.plan`)",
         "chunks": "the same plan with every chunk on its own (no parents, own counts)",
         "spans": "a span kept or dropped whole, by its count",
         "radix-lru": "every miss admitted, least recently used tails evicted (sglang's radix cache)",
+        "oracle": "a fixed set chosen knowing the whole trace's counts (each chunk's first use still misses)",
     }
     for name, value in replays.items():
-        lines.append(f"| {name} | {what[name]} | {value:.1%} | {value / trace_ceiling:.0%} |")
+        lines.append(
+            f"| {name} | {what[name]} | {value:.1%} | {value / trace_ceiling:.0%} | {value / replays['oracle']:.0%} |"
+        )
     return "\n".join(lines) + "\n"
+
+
+def vllm_lines(served: dict | None, engine_ceiling: float, budget_rows: list[dict], limit: int) -> list[str]:
+    if served is None:
+        return ["(vLLM not run: give --vllm-python.)", ""]
+    hits = served["hits"]
+
+    def seconds(result: dict, full: bool) -> list[float]:
+        return [r["seconds"] for r in result["runs"] if r["name"] != "warmup" and r["name"].endswith("-full") == full]
+
+    alone = statistics.mean(seconds(served["all"], True))
+    loaded = statistics.mean(seconds(served["all"], False))
+    learning = statistics.mean(seconds(served["learning"], False))
+    firsts = {r["name"]: r["first_token"] for r in served["all"]["runs"]}
+    learnt = {r["name"]: r["first_token"] for r in served["learning"]["runs"]}
+    sampled = [n.removesuffix("-full") for n in firsts if n.endswith("-full")]
+    agree = sum(learnt[n] == firsts[f"{n}-full"] for n in sampled)
+    rate_vllm = sum(hits) / max(len(hits), 1)
+    half = len(hits) // 2
+    return [
+        "## vLLM + the connector, same questions",
+        "",
+        "The prompts `serve --engine vllm` sends for the same questions (span context, layout params), one at a "
+        "time through vLLM's offline engine (CPU build, prefix caching off, so every hit is the store's). "
+        "`budget` learns from the same empty store through the connector's saves; `all` loads from the all-KV "
+        "store; `vLLM alone` is a full prefill (every fourth question). Hit rate as the connector logged each use.",
+        "",
+        "| vLLM on | hit rate | of ceiling | second half | mean TTFT s | vs all | vs vLLM alone |",
+        "|---|---|---|---|---|---|---|",
+        f"| budget (learning) | {rate_vllm:.1%} | {rate_vllm / engine_ceiling:.0%} | "
+        f"{sum(hits[half:]) / max(len(hits) - half, 1):.1%} | {learning:.3f} | {learning / loaded:.2f}x | "
+        f"{learning / alone:.2f}x |",
+        f"| all | 100.0% | - | - | {loaded:.3f} | 1.00x | {loaded / alone:.2f}x |",
+        f"| vLLM alone | - | - | - | {alone:.3f} | {alone / loaded:.2f}x | 1.00x |",
+        "",
+        f"First token of the learning store equal to vLLM alone's: {agree}/{len(sampled)}. The store vLLM taught "
+        f"holds {served['kv_bytes'] / 1e6:.0f} MB (budget {limit / 1e6:.0f} MB). Uses logged: {len(hits)} "
+        f"(ragkv's engine: {sum(r['uses'] for r in budget_rows)}).",
+        "",
+    ]
 
 
 if __name__ == "__main__":
