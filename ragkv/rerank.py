@@ -114,8 +114,8 @@ class Reranker:
 
     def _context_kv(self, row: ContextRow, loaded: Loaded) -> tuple[torch.Tensor, bool]:
         """The KV a candidate is scored over, `(L, 2, H, T, D)`, and whether it was computed
-        from text (a span whose KV the store lacks: it is not written back, since a span's
-        entries are written whole)."""
+        from text. What the store lacks of a candidate's span the loader computes and writes
+        back, as for an answer; only a damaged entry leaves the candidate scored from text."""
         run = [r for r, _ in self.retriever.widen([(row, 0.0)], "span")]
         try:
             return self.loader.run_kv(run, loaded, slot=len(loaded.kv_sources)), False
