@@ -209,7 +209,7 @@ class KVLoader:
             held = None if row.entry is not None else self.ram.get(key.to_string())
             if row.entry is None and held is None:
                 parent = keys[i - 1].to_string() if i else None
-                parts += self._computed_span(run[i:], keys[i:], parent, parts, loaded)
+                parts += self._computed_span(run[i:], chunk_ids[i:], keys[i:], parent, parts, loaded)
                 break
             if held is not None:  # computed on an earlier miss, not stored (yet)
                 loaded.ram_hits += 1
@@ -227,30 +227,36 @@ class KVLoader:
     def _computed_span(
         self,
         rows: Sequence[ContextRow],
+        chunk_ids: Sequence[tuple[int, ...]],
         keys: Sequence[KVKey],
         parent: str | None,
         before: list[torch.Tensor],
         loaded: Loaded,
     ) -> list[torch.Tensor]:
-        """The KV of a span's chunks `rows` (keyed `keys`) the store has none for, computed in one
-        forward after the prefix and `before` (the span's chunks before them, `(L, 2, H, T_i, D)`
-        each, the last keyed `parent`): one `(L, 2, H, T, D)` per row, passed through the store's
-        codec. Each is kept in the RAM tier and handed to the background write-back, chained to
-        the entry before it."""
+        """The KV of a span's chunks `rows` (their ids `chunk_ids`, keyed `keys`) the store has
+        none for, computed in one forward after the prefix and `before` (the span's chunks before
+        them, `(L, 2, H, T_i, D)` each, the last keyed `parent`; a chunk stored alone is a span of
+        one): one `(L, 2, H, T, D)` per row, passed through the store's codec (so it equals what a
+        later store read returns). Each is kept in the RAM tier and handed to the background
+        write-back, chained to the entry before it."""
         profile, separator = self.active.profile, self.active.layout.separator_ids
-        segments = [spans.segment(0 if row.starts_span else 1, row.token_ids or (), separator) for row in rows]
+        segments = [
+            spans.segment(0 if row.starts_span else 1, ids, separator) for row, ids in zip(rows, chunk_ids, strict=True)
+        ]
         start = time.perf_counter()
-        base = torch.cat([self.prefix_kv(), *before], dim=kv.TOKEN_DIM)  # (L, 2, H, P + T_before, D)
-        ids = [t for segment in segments for t in segment]
-        (result,) = compute_chunks(self.lm.model, base, [ids], len(ids), self.lm.pad_id)
+        prefix = self.prefix_kv()
+        base = torch.cat([prefix, *before], dim=kv.TOKEN_DIM) if before else prefix  # (L, 2, H, P + T_before, D)
+        flat = [t for segment in segments for t in segment]
+        (result,) = compute_chunks(self.lm.model, base, [flat], len(flat), self.lm.pad_id)
         computed = []
-        for row, key, piece in zip(rows, keys, split_segments(result.kv, [len(s) for s in segments]), strict=True):
+        pieces = split_segments(result.kv, [len(s) for s in segments])
+        for row, ids, key, piece in zip(rows, chunk_ids, keys, pieces, strict=True):
             name = key.to_string()
             parts = codec.encode(piece, profile.kv_quant)
             kv_tensor = codec.decode({n: t.to(self.device) for n, t in parts.items()}, self.lm.model.dtype)
             self.ram.put(name, kv_tensor)
             loaded.kv_sources[row.chunk_id] = "computed"
-            self._write_back(row, name, row.token_ids or (), parts, parent)
+            self._write_back(row, name, ids, parts, parent)
             computed.append(kv_tensor)
             parent = name
         loaded.kv_compute_ms += _ms(start)
@@ -273,27 +279,17 @@ class KVLoader:
         return kv_tensor
 
     def _computed_kv(self, row: ContextRow, loaded: Loaded) -> torch.Tensor:
-        """The KV of a chunk the store has none for, `(L, 2, H, T, D)`: from the RAM tier if
-        computed earlier, else computed now after the prefix, exactly as ingest would (and
-        passed through the store's codec, so it equals what a later store read returns).
-        Kept in the RAM tier and handed to the background write-back."""
-        profile = self.active.profile
+        """The KV of a chunk stored alone the store has none for, `(L, 2, H, T, D)`: from the RAM
+        tier if computed earlier, else computed now after the prefix, exactly as ingest would
+        (see `_computed_span`)."""
         token_ids = row.token_ids if row.token_ids is not None else self._text_ids(row)
-        key = KVKey.for_chunk(profile, token_ids).to_string()
-        kv_tensor = self.ram.get(key)
+        key = KVKey.for_chunk(self.active.profile, token_ids)
+        kv_tensor = self.ram.get(key.to_string())
         if kv_tensor is not None:
             loaded.ram_hits += 1
             loaded.kv_sources[row.chunk_id] = "ram"
             return kv_tensor
-        start = time.perf_counter()
-        (result,) = compute_chunks(self.lm.model, self.prefix_kv(), [list(token_ids)], len(token_ids), self.lm.pad_id)
-        parts = codec.encode(result.kv, profile.kv_quant)
-        kv_tensor = codec.decode({name: t.to(self.device) for name, t in parts.items()}, self.lm.model.dtype)
-        loaded.kv_compute_ms += _ms(start)
-        loaded.kv_sources[row.chunk_id] = "computed"
-        self.ram.put(key, kv_tensor)
-        self._write_back(row, key, token_ids, parts, None)
-        return kv_tensor
+        return self._computed_span([row], [token_ids], [key], None, [], loaded)[0]
 
     def _write_back(
         self, row: ContextRow, key: str, token_ids: tuple[int, ...], parts: dict[str, torch.Tensor], parent: str | None
