@@ -116,14 +116,18 @@ def fold_hits(writer: StoreWriter) -> int:
     return folded
 
 
-def stored_candidates(catalog: Catalog, profile_id: str, now: float | None = None) -> list[Candidate]:
+def stored_candidates(
+    catalog: Catalog, profile_id: str, now: float | None = None, spans: Sequence[Candidate] | None = None
+) -> list[Candidate]:
     """The chunk KV of `profile_id` the budget may evict, scored (a key shared by several
-    chunks takes the best of their scores; a span's entry, the best along its path)."""
+    chunks takes the best of their scores; a span's entry, the best along its path). `spans`:
+    `span_candidates` already read for this `now` (else read here)."""
     now = now or time.time()
     stored = catalog.entries.stored_chunks(profile_id)
     scores = catalog.usage.chunk_scores([i for _, _, ids in stored for i in ids], now, catalog.usage.half_life_s())
     alone = [Candidate(key, nbytes, max(scores[i] for i in ids), True, min(ids)) for key, nbytes, ids in stored]
-    return alone + [c for c in span_candidates(catalog, profile_id, now) if c.is_stored]
+    spans = span_candidates(catalog, profile_id, now) if spans is None else spans
+    return alone + [c for c in spans if c.is_stored]
 
 
 def span_candidates(catalog: Catalog, profile_id: str, now: float) -> list[Candidate]:
@@ -169,8 +173,9 @@ def admit(
     catalog = writer.catalog
     now = time.time()
     scores = catalog.usage.chunk_scores([f.chunk_id for f in fresh], now, catalog.usage.half_life_s())
-    path_scores = {c.kv_key: c.score for c in span_candidates(catalog, profile_id, now)}
-    stored = stored_candidates(catalog, profile_id, now)
+    spans = span_candidates(catalog, profile_id, now)  # read once, for the fresh and the stored
+    path_scores = {c.kv_key: c.score for c in spans}
+    stored = stored_candidates(catalog, profile_id, now, spans)
     known = {c.kv_key for c in stored} | {f.kv_key for f in fresh}
     # a parent stored but linked by no chunk yet (ingest links its chunks after this) is a base
     outside = catalog.entries.existing_keys(f.parent for f in fresh if f.parent and f.parent not in known)
