@@ -180,7 +180,7 @@ class FoldedPending:
     stale: list[str]  # shards without a manifest, old enough to be a killed replica's
 
 
-def read_pending(area: PendingArea) -> FoldedPending:
+def read_objects(area: PendingArea) -> FoldedPending:
     """Every whole pending object's entries, verified against their checksums."""
     names = area.names()
     found = FoldedPending([], [], [], [])

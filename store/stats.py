@@ -53,12 +53,12 @@ def store_stats(snapshot: StoreSnapshot) -> dict:
         "live_bytes": live_bytes,
         "dead_bytes": max(disk_bytes - live_bytes, 0),
         "kv_budget": catalog.usage.kv_budget(),
-        **pending(snapshot),
+        **pending_totals(snapshot),
         **popularity(snapshot),
     }
 
 
-def pending(snapshot: StoreSnapshot) -> dict:
+def pending_totals(snapshot: StoreSnapshot) -> dict:
     """What readers left for the writer to fold (store.pending): whole objects and their bytes."""
     names = PendingArea(snapshot.location).names()
     manifests = {n.removesuffix(MANIFEST_SUFFIX) for n in names if n.endswith(MANIFEST_SUFFIX)}

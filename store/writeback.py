@@ -25,7 +25,7 @@ from ragkv.errors import RagkvError, StoreLockedError
 from store import budget
 from store.catalog import ChunkLink
 from store.gc import drop_dead
-from store.pending import ComputedKV, PendingArea, PendingWriter, read_pending
+from store.pending import ComputedKV, PendingArea, PendingWriter, read_objects
 from store.remote import is_remote
 from store.writer import open_writer
 
@@ -214,7 +214,7 @@ def fold_pending(writer) -> FoldReport:
     """Fold the readers' pending KV (store.pending) and hit logs into the generation `writer`
     builds; the folded objects are deleted once it is published (`FoldReport.objects`)."""
     area = PendingArea(writer.location)
-    found = read_pending(area)
+    found = read_objects(area)
     report = FoldReport(writer.location, damaged=len(found.damaged) // 2, incomplete=len(found.stale))
     report.uses_folded = budget.fold_hits(writer)
     if found.items:
