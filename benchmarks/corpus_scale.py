@@ -41,11 +41,13 @@ ZIPF_S = 1.1
 WINDOW = 100  # questions per point of the hit-rate curve
 
 
-def corpus(work: Path, target_tokens: int, tokenizer) -> tuple[Path, int]:
-    """Library-reference pages, in name order, until their text holds `target_tokens`."""
+def corpus(work: Path, target_tokens: int, tokenizer, page_tokens: tuple[int, int] | None = None) -> tuple[Path, int]:
+    """Library-reference pages, in name order, until their text holds `target_tokens` (only
+    pages of `page_tokens` (fewest, most) tokens, when given)."""
     python_faq_or_exit(work, 1)  # fetches and unpacks python3.11-doc
     html = work / "pyfaq" / "usr" / "share" / "doc" / "python3.11" / "html" / "library"
-    docs = work / f"pylib-{target_tokens}"
+    sized = f"-{page_tokens[0]}-{page_tokens[1]}" if page_tokens else ""
+    docs = work / f"pylib{sized}-{target_tokens}"
     if docs.exists():
         shutil.rmtree(docs)
     docs.mkdir()
@@ -54,24 +56,30 @@ def corpus(work: Path, target_tokens: int, tokenizer) -> tuple[Path, int]:
         (doc,) = read_documents([page]).documents or (None,)
         if doc is None:
             continue
-        shutil.copy(page, docs / page.name)
-        total += len(tokenizer(doc.text, add_special_tokens=False)["input_ids"])
+        tokens = len(tokenizer(doc.text, add_special_tokens=False)["input_ids"])
+        if page_tokens is None or page_tokens[0] <= tokens <= page_tokens[1]:
+            shutil.copy(page, docs / page.name)
+            total += tokens
         if total >= target_tokens:
             break
     return docs, total
 
 
-def questions_for(store: Path, count: int, seed: int) -> tuple[list[str], list[int]]:
-    """`count` questions, each the opening words of a chunk drawn by Zipf(1.1) over the chunks
-    in a random order (so popularity is unrelated to document order), and the chunk ids."""
-    with open_snapshot(store) as snapshot:
-        rows = snapshot.catalog.con.execute("SELECT chunk_id, text FROM chunks ORDER BY chunk_id").fetchall()
+def draw(chunk_ids: list[int], count: int, seed: int) -> list[int]:
+    """`count` chunks drawn by Zipf(1.1) over `chunk_ids` in a random order (so popularity is
+    unrelated to document order)."""
     rng = random.Random(seed)
-    ranked = rows[:]
+    ranked = chunk_ids[:]
     rng.shuffle(ranked)
-    weights = [1.0 / (k + 1) ** ZIPF_S for k in range(len(ranked))]
-    drawn = rng.choices(ranked, weights=weights, k=count)
-    return [" ".join(text.split()[:16]) for _, text in drawn], [chunk_id for chunk_id, _ in drawn]
+    return rng.choices(ranked, weights=[1.0 / (k + 1) ** ZIPF_S for k in range(len(ranked))], k=count)
+
+
+def questions_for(store: Path, count: int, seed: int) -> tuple[list[str], list[int]]:
+    """`count` questions, each the opening words of a chunk `draw` picks, and the chunk ids."""
+    with open_snapshot(store) as snapshot:
+        texts = dict(snapshot.catalog.con.execute("SELECT chunk_id, text FROM chunks ORDER BY chunk_id").fetchall())
+    drawn = draw(sorted(texts), count, seed)
+    return [" ".join(texts[c].split()[:16]) for c in drawn], drawn
 
 
 def ingest(docs: Path, store: Path, **settings) -> float:

@@ -17,7 +17,6 @@ Writes benchmarks/results/span_budget.md.
 from __future__ import annotations
 
 import argparse
-import random
 import shutil
 import statistics
 import sys
@@ -29,9 +28,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import ragkv  # noqa: E402
-from benchmarks.fidelity import python_faq_or_exit, work_dir  # noqa: E402
+from benchmarks.corpus_scale import corpus, draw  # noqa: E402
+from benchmarks.fidelity import work_dir  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
-from pipelines.read import read_documents  # noqa: E402
 from ragkv.config import AskSettings, IngestSettings, ModelSettings  # noqa: E402
 from ragkv.model import load_model  # noqa: E402
 from store import open_snapshot  # noqa: E402
@@ -42,27 +41,6 @@ SPAN_TOKENS = 2048
 BUDGET_SHARE = 0.10
 ZIPF_S = 1.1
 PAGE_TOKENS = (1000, 3000)
-
-
-def corpus(work: Path, target_tokens: int, tokenizer) -> tuple[Path, int]:
-    """Library-reference pages of 1-3k tokens, in name order, until they hold `target_tokens`."""
-    python_faq_or_exit(work, 1)  # fetches and unpacks python3.11-doc
-    html = work / "pyfaq" / "usr" / "share" / "doc" / "python3.11" / "html" / "library"
-    docs = work / f"pylib-spans-{target_tokens}"
-    shutil.rmtree(docs, ignore_errors=True)
-    docs.mkdir()
-    total = 0
-    for page in sorted(html.glob("*.html")):
-        (doc,) = read_documents([page]).documents or (None,)
-        if doc is None:
-            continue
-        tokens = len(tokenizer(doc.text, add_special_tokens=False)["input_ids"])
-        if PAGE_TOKENS[0] <= tokens <= PAGE_TOKENS[1]:
-            shutil.copy(page, docs / page.name)
-            total += tokens
-        if total >= target_tokens:
-            break
-    return docs, total
 
 
 def ingest(docs: Path, store: Path, **settings) -> float:
@@ -91,14 +69,6 @@ def span_layout(store: Path) -> tuple[dict[int, list[int]], dict[int, int], dict
         span.append(chunk_id)
         paths[chunk_id], sizes[chunk_id], texts[chunk_id] = list(span), nbytes, text
     return paths, sizes, texts
-
-
-def draw(chunk_ids: list[int], count: int, seed: int) -> list[int]:
-    """`count` chunks drawn by Zipf(1.1) over the chunks in a random order."""
-    rng = random.Random(seed)
-    ranked = chunk_ids[:]
-    rng.shuffle(ranked)
-    return rng.choices(ranked, weights=[1.0 / (k + 1) ** ZIPF_S for k in range(len(ranked))], k=count)
 
 
 def ceiling(paths: list[list[int]]) -> float:
@@ -312,7 +282,7 @@ def main() -> None:
     args = parser.parse_args()
     work = work_dir(args.work, "span-budget")
     tokenizer = load_model("smollm2", "cpu", "float32").tokenizer
-    docs, num_tokens = corpus(work, args.tokens, tokenizer)
+    docs, num_tokens = corpus(work, args.tokens, tokenizer, PAGE_TOKENS)
     print(f"corpus: {len(list(docs.iterdir()))} pages, {num_tokens:,} tokens", flush=True)
     full, lazy = work / "store-all", work / "store-budget"
     for store in (full, lazy):
