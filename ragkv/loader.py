@@ -23,6 +23,7 @@ from ragkv.prefix_cache import PrefixCache
 from ragkv.profiles import ActiveProfile
 from ragkv.prompt import encode_text
 from store import ContextRow, StoreSnapshot
+from store.pending import PendingHits
 from store.popularity import HitLog, Use
 from store.writeback import ComputedKV, WriteBack
 
@@ -70,7 +71,10 @@ class KVLoader:
         self._separator: torch.Tensor | None = None
         self._read_buffers: list[torch.Tensor] = []  # stored KV is read into these (reused memory)
         self.writer: WriteBack | None = None  # the background write-back, once a miss started it
-        self._hit_log = HitLog(snapshot.root) if log_uses and not snapshot.remote else None
+        # on S3 a reader never writes the store: its uses wait under pending/ for the writer's fold
+        self._hit_log: HitLog | PendingHits | None = None
+        if log_uses:
+            self._hit_log = PendingHits(snapshot.location) if snapshot.remote else HitLog(snapshot.root)
 
     def switch(self, snapshot: StoreSnapshot) -> None:
         self.snapshot = snapshot
@@ -333,12 +337,17 @@ class KVLoader:
 
     def record_uses(self, rows: Iterable[ContextRow], kv_sources: dict[int, str]) -> None:
         """Log each chunk a prompt used, with where its KV came from (popularity, hit rate)."""
+        self._log_uses([Use(r.doc_id, r.chunk_index, kv_sources.get(r.chunk_id, "live")) for r in rows if not r.live])
+
+    def _log_uses(self, uses: list[Use]) -> None:
+        """Log `uses` (none: leave what is buffered, on S3), or stop counting if that fails."""
         if self._hit_log is None:
             return
         try:
-            self._hit_log.record(
-                Use(row.doc_id, row.chunk_index, kv_sources.get(row.chunk_id, "live")) for row in rows if not row.live
-            )
+            if uses:
+                self._hit_log.record(uses)
+            else:
+                self._hit_log.flush()
         except OSError as exc:  # a read-only store still answers; it only stops counting
             log.warning(
                 "cannot log chunk uses in %s (%s); popularity is not counted for this engine",
@@ -375,14 +384,17 @@ class KVLoader:
         return self._separator
 
     def flush(self) -> None:
-        """Wait until KV computed on misses so far is written to the store (or given up)."""
+        """Wait until KV computed on misses so far is written to the store (or given up), and
+        leave the uses logged so far where the writer folds them."""
         if self.writer is not None:
             self.writer.flush()
+        self._log_uses([])
 
     def close(self) -> None:
         """Finish the write-back and the use log."""
         if self.writer is not None:
             self.writer.close()
+        self._log_uses([])
         if self._hit_log is not None:
             self._hit_log.close()
 

@@ -6,12 +6,18 @@ fresh id, the manifest written last:
 
     pending/<id>.safetensors   the entries, sealed as a shard of `shards/` is (id: time, then random)
     pending/<id>.json          the manifest: per entry its key, chunk, token ids, span and checksum
+    pending/<id>.hits.jsonl    uses it logged (store.popularity's lines), one object per flush
 
 An object whose manifest is missing is incomplete (a replica killed mid-upload): a fold never
 takes it, and one deletes it once it is an hour old. A reader keeps at most `pending_bytes` of its own
 objects, dropping its oldest first (counted).
 
-The writer folds (`ragkv fold`, and every ingest or `reindex` before its work): each entry is
+A reader's uses are buffered and left as one hits object every `HITS_FLUSH_S` seconds of
+traffic, on `flush` and on close (a replica killed -9 loses at most that much of its count).
+
+The writer folds (`ragkv fold`, and every ingest or `reindex` before its work): the hits
+objects first, into popularity (each object's size is recorded as folded, so a fold killed
+after publishing and before deleting never counts one twice); then each entry is
 verified against its checksum, then handed to the same commit as a local write-back (chunk
 still there, key not stored yet, the budget's admission), and the objects go once the
 generation is published. Two replicas that computed one chunk store it once. A damaged object
@@ -26,12 +32,14 @@ import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ragkv.errors import StoreCorruptError
+from store.popularity import Pending, Use, parse_use, use_line
 from store.remote import RemoteStore
 from store.shards import SHARD_SUFFIX, ShardReader, ShardWriter
 
@@ -39,7 +47,9 @@ log = logging.getLogger("ragkv")
 
 PENDING_DIR = "pending"
 MANIFEST_SUFFIX = ".json"
+HITS_SUFFIX = ".hits.jsonl"
 STALE_S = 3600.0  # an object without a manifest this old was left by a killed replica
+HITS_FLUSH_S = 10.0  # a reader leaves its buffered uses at least this often while it has traffic
 
 
 @dataclass(frozen=True)
@@ -82,6 +92,25 @@ class PendingArea:
         if self.remote:
             self.remote._upload(path, f"{PENDING_DIR}/{path.name}")
 
+    def put_bytes(self, name: str, data: bytes) -> None:
+        """Publish `data` as object `name`, whole or not at all."""
+        if self.remote:
+            self.remote.put_object(f"{PENDING_DIR}/{name}", data)  # one PUT: never seen partial
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        staged = self.dir / f".{name}.{uuid.uuid4().hex[:8]}.tmp"
+        staged.write_bytes(data)
+        staged.rename(self.dir / name)
+
+    def read_bytes(self, name: str) -> bytes | None:
+        """Object `name`'s bytes (None: gone)."""
+        if self.remote:
+            return self.remote.read_object(f"{PENDING_DIR}/{name}")
+        try:
+            return (self.dir / name).read_bytes()
+        except FileNotFoundError:
+            return None
+
     def fetch(self, name: str) -> Path:
         """A local copy of object `name`, for reading."""
         local = self.dir / name
@@ -108,6 +137,65 @@ class PendingReport:
     dropped_entries: int = 0
 
 
+def new_object_id() -> str:
+    """A fresh object's id: 16 hex of the time (so names sort oldest first), 16 random."""
+    return f"{time.time_ns():016x}{uuid.uuid4().hex[:16]}"
+
+
+class PendingHits:
+    """The uses a reader of a store it does not write logs: buffered, and left as a hits object
+    every `flush_s` seconds of traffic, on `flush` and on `close` (the interface of
+    store.popularity's HitLog)."""
+
+    def __init__(self, location: str | Path, flush_s: float = HITS_FLUSH_S):
+        self.area = PendingArea(location)
+        self.flush_s = flush_s
+        self.objects = 0  # hits objects left
+        self._lines: list[str] = []
+        self._since: float | None = None  # when the oldest buffered use was logged
+
+    def record(self, uses: Iterable[Use]) -> None:
+        now = time.time()
+        self._lines += [use_line(u, now) for u in uses]
+        if self._lines and self._since is None:
+            self._since = time.monotonic()
+        if self._since is not None and time.monotonic() - self._since >= self.flush_s:
+            self.flush()
+
+    def flush(self) -> None:
+        """Leave the buffered uses as one object (none buffered: nothing)."""
+        if not self._lines:
+            return
+        data, self._lines, self._since = "".join(self._lines).encode(), [], None
+        self.area.put_bytes(f"{new_object_id()}{HITS_SUFFIX}", data)
+        self.objects += 1
+
+    def close(self) -> None:
+        self.flush()
+
+
+def read_hits(area: PendingArea, folded: dict[str, int]) -> Pending:
+    """The uses in the hits objects under `area` past the sizes already `folded` (an object
+    folded by a fold that published but did not get to delete it counts nothing again);
+    `finished`: folded objects that are gone, whose offsets the catalog can forget."""
+    names = area.names()
+    found = Pending([], {}, [n for n in folded if n.endswith(HITS_SUFFIX) and n not in names])
+    now = time.time()
+    for name in sorted(n for n in names if n.endswith(HITS_SUFFIX)):
+        start = folded.get(name, 0)
+        data = area.read_bytes(name) if names[name] > start else b""
+        if data is None:
+            continue
+        for line in data[start:].splitlines():
+            use = parse_use(line, now)
+            if use is None:
+                found.unusable[name] = found.unusable.get(name, 0) + 1
+            else:
+                found.uses.append(use)
+        found.offsets[name] = max(start, len(data))
+    return found
+
+
 class PendingWriter:
     """A reader's pending objects: each batch of computed KV one shard and its manifest."""
 
@@ -119,7 +207,7 @@ class PendingWriter:
 
     def put(self, batch: list[ComputedKV]) -> None:
         """Leave `batch` pending: sealed into a shard, then its manifest (data before index)."""
-        object_id = f"{time.time_ns():016x}{uuid.uuid4().hex[:16]}"  # a shard's name: 32 hex, oldest first
+        object_id = new_object_id()
         self.area.dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=self.area.dir, prefix=".stage-") as stage:
             sealed = ShardWriter(Path(stage), 1 << 62, batch[0].shard_metadata)

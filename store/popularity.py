@@ -51,6 +51,11 @@ def decay(score: float, since: float, now: float, half_life_s: float) -> float:
     return score * 0.5 ** (max(now - since, 0.0) / half_life_s)
 
 
+def use_line(use: Use, now: float) -> str:
+    """`use` as one log line (stamped `now` if it has no time)."""
+    return json.dumps({"t": use.time or now, "doc": use.doc_id, "i": use.chunk_index, "src": use.source}) + "\n"
+
+
 class HitLog:
     """This process's append-only use log in `root/hits/` (created on the first use)."""
 
@@ -61,9 +66,7 @@ class HitLog:
     def record(self, uses: Iterable[Use]) -> None:
         """Append `uses` (one write: lines of one call are never interleaved with another's)."""
         now = time.time()
-        lines = "".join(
-            json.dumps({"t": u.time or now, "doc": u.doc_id, "i": u.chunk_index, "src": u.source}) + "\n" for u in uses
-        )
+        lines = "".join(use_line(u, now) for u in uses)
         if not lines:
             return
         if self._fd is None:
@@ -76,6 +79,9 @@ class HitLog:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         fcntl.flock(fd, fcntl.LOCK_SH)  # held while open: the writer deletes the file only after folding it
         return fd
+
+    def flush(self) -> None:
+        """Nothing to do: each `record` is written at once."""
 
     def close(self) -> None:
         if self._fd is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from store.pending import MANIFEST_SUFFIX, PendingArea
+from store.pending import HITS_SUFFIX, MANIFEST_SUFFIX, PendingArea, read_hits
 from store.popularity import decay, read_pending, tally
 from store.shards import shard_files
 from store.snapshot import StoreSnapshot
@@ -63,7 +63,8 @@ def pending_totals(snapshot: StoreSnapshot) -> dict:
     names = PendingArea(snapshot.location).names()
     manifests = {n.removesuffix(MANIFEST_SUFFIX) for n in names if n.endswith(MANIFEST_SUFFIX)}
     whole = {n: size for n, size in names.items() if n.rsplit(".", 1)[0] in manifests}
-    return {"pending_objects": len(manifests), "pending_bytes": sum(whole.values())}
+    hits = [n for n in names if n.endswith(HITS_SUFFIX)]
+    return {"pending_objects": len(manifests), "pending_bytes": sum(whole.values()), "pending_hit_objects": len(hits)}
 
 
 def popularity(snapshot: StoreSnapshot) -> dict:
@@ -72,7 +73,9 @@ def popularity(snapshot: StoreSnapshot) -> dict:
     catalog = snapshot.catalog
     half_life = catalog.usage.half_life_s()
     rows = catalog.usage.chunk_hits()
-    pending = [] if snapshot.remote else read_pending(snapshot.root, catalog.usage.folded_offsets()).uses
+    folded = catalog.usage.folded_offsets()
+    pending = [] if snapshot.remote else read_pending(snapshot.root, folded).uses
+    pending += read_hits(PendingArea(snapshot.location), folded).uses
     tally(rows, pending, half_life)
     now = time.time()
     hits = sum(r.hits for r in rows.values())

@@ -25,7 +25,7 @@ from ragkv.errors import RagkvError, StoreLockedError
 from store import budget
 from store.catalog import ChunkLink
 from store.gc import drop_dead
-from store.pending import ComputedKV, PendingArea, PendingWriter, read_objects
+from store.pending import ComputedKV, PendingArea, PendingWriter, read_hits, read_objects
 from store.remote import is_remote
 from store.writer import open_writer
 
@@ -197,6 +197,7 @@ class FoldReport:
     damaged: int = 0  # objects skipped and deleted
     incomplete: int = 0  # objects a killed replica left without a manifest, deleted
     uses_folded: int = 0
+    hit_objects: int = 0  # readers' hits objects folded
     generation: int = 0
     folded: list[str] = field(default_factory=list, repr=False)  # pending objects to delete once published
 
@@ -211,18 +212,25 @@ class FoldReport:
 
 
 def fold_pending(writer) -> FoldReport:
-    """Fold the readers' pending KV (store.pending) and hit logs into the generation `writer`
-    builds; the folded objects are deleted once it is published (`FoldReport.objects`)."""
+    """Fold the readers' hit logs, pending hits and pending KV (store.pending) into the
+    generation `writer` builds; the folded objects are deleted once it is published
+    (`FoldReport.delete_folded`)."""
     area = PendingArea(writer.location)
+    usage = writer.catalog.usage
+    hits = read_hits(area, usage.folded_offsets())
+    if hits.unusable:
+        skipped = sum(hits.unusable.values())
+        log.warning("pending hits: skipped %d lines that record no use; popularity counts the rest", skipped)
     found = read_objects(area)
     report = FoldReport(writer.location, damaged=len(found.damaged) // 2, incomplete=len(found.stale))
-    report.uses_folded = budget.fold_hits(writer)
+    report.uses_folded = budget.fold_hits(writer) + usage.fold_uses(hits, usage.half_life_s())
+    report.hit_objects = len(hits.offsets)
     if found.items:
         done = WriteBackReport()
         commit_computed(writer, found.items, done)
         report.stored = done.stored
     report.objects, report.entries = len(found.objects) // 2, len(found.items)
-    report.folded = found.objects + found.damaged + found.stale
+    report.folded = found.objects + found.damaged + found.stale + list(hits.offsets)
     return report
 
 

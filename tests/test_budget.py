@@ -21,6 +21,7 @@ from store.budget import Candidate, plan
 from store.catalog import Catalog
 from store.popularity import HITS_DIR, HitLog, Use, decay, read_pending
 from store.shards import ShardWriter, shard_files
+from store.stats import store_stats
 from tests.conftest import QUESTIONS, ROOT, build_store, run_cli
 
 
@@ -87,6 +88,38 @@ def test_hit_log_folds_once_and_its_file_goes_when_its_reader_has(tmp_path):
     pending = read_pending(tmp_path, catalog.usage.folded_offsets())
     assert pending.finished == [] and pending.uses == []  # the torn tail is not "folded in full"
     catalog.close()
+
+
+def test_pending_hits_fold_once_even_when_a_fold_dies_before_deleting_them(tiny_llama, corpus, tmp_path, monkeypatch):
+    """A reader that does not write the store leaves its uses as hits objects; a fold counts
+    each use once, also when the fold before it published and died before deleting them."""
+    from store.pending import HITS_SUFFIX, PendingHits
+    from store.writeback import FoldReport, fold
+
+    build_store(corpus, tmp_path / "s", str(tiny_llama), precompute=0)
+    root = tmp_path / "s"
+    hits = PendingHits(root, flush_s=3600.0)
+    hits.record([Use("keys.md", 0, "computed"), Use("keys.md", 0, "store")])
+    assert not (root / "pending").exists()  # buffered: nothing left before a flush
+    hits.record([Use("keys.md", 1, "ram")])
+    hits.close()
+    (name,) = [p.name for p in (root / "pending").iterdir()]
+    assert name.endswith(HITS_SUFFIX) and hits.objects == 1
+    with open_snapshot(root) as snapshot:  # stats count uses not folded yet
+        assert (found := store_stats(snapshot))["pending_hit_objects"] == 1 and found["kv_hits"] == 2
+    with monkeypatch.context() as patched:  # killed after publishing, before deleting
+        patched.setattr(FoldReport, "delete_folded", lambda self: None)
+        report = fold(root)
+    assert (report.uses_folded, report.hit_objects) == (3, 1) and (root / "pending" / name).exists()
+    report = fold(root)
+    assert (report.uses_folded, report.hit_objects) == (0, 1) and not list((root / "pending").iterdir())
+    with open_snapshot(root) as snapshot:
+        rows = snapshot.catalog.usage.chunk_hits()
+        assert (rows[("keys.md", 0)].uses, rows[("keys.md", 0)].hits, rows[("keys.md", 1)].hits) == (2, 1, 1)
+        assert name in snapshot.catalog.usage.folded_offsets()
+    fold(root)  # the object is gone: its offset is forgotten
+    with open_snapshot(root) as snapshot:
+        assert name not in snapshot.catalog.usage.folded_offsets()
 
 
 # -- KV computed on a miss -------------------------------------------------------------------

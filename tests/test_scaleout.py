@@ -397,9 +397,10 @@ def test_s3_replicas_learn_through_pending_kv_that_one_fold_stores_once(
             assert answer.stats.kv_source == "computed" and engine.loader.writer.pending.report.objects == 1
         answers.append(answer.token_ids)
     objects = _objects(s3_env, "replicas")
-    pending = sorted(name for name in objects if name.startswith("pending/"))
+    pending = sorted(name for name in objects if name.startswith("pending/") and not name.endswith(".hits.jsonl"))
     assert len(pending) == 4 and "LOCK" not in objects  # two objects (shard + manifest each), no lock taken
-    assert json.loads(run_cli("stats", "--store", uri, "--json").stdout)["pending_objects"] == 2
+    found = json.loads(run_cli("stats", "--store", uri, "--json").stdout)
+    assert (found["pending_objects"], found["pending_hit_objects"], found["kv_misses"]) == (2, 2, 2)  # uses count
     # A replica killed mid-upload leaves a shard without its manifest: never folded; a damaged
     # manifest is skipped with one warning and deleted.
     s3_env["fs"].copy_file(f"ragkv/replicas/{pending[1]}", f"ragkv/replicas/pending/{'f' * 32}.safetensors")
@@ -408,6 +409,7 @@ def test_s3_replicas_learn_through_pending_kv_that_one_fold_stores_once(
     report = fold(uri)
     # each replica computed the chunk: stored once
     assert (report.objects, report.entries, report.stored, report.damaged) == (2, 2, 1, 1)
+    assert (report.hit_objects, report.uses_folded) == (2, 2)
     left = [name for name in _objects(s3_env, "replicas") if name.startswith("pending/")]
     assert left == [f"pending/{'f' * 32}.safetensors"]  # incomplete, and not old: left alone
     _fresh_home(tmp_path / "c", monkeypatch)
@@ -415,5 +417,8 @@ def test_s3_replicas_learn_through_pending_kv_that_one_fold_stores_once(
         again = engine.ask(QUESTIONS[0], max_new_tokens=8, context="chunk")
         full = engine.ask(QUESTIONS[0], max_new_tokens=8, context="chunk", use_cache=False)
         assert again.stats.kv_source == "store" and again.token_ids == full.token_ids == answers[0] == answers[1]
+    fold(uri)
     with open_snapshot(uri) as snapshot:
         assert verify(snapshot).ok
+        (row,) = snapshot.catalog.usage.chunk_hits().values()  # the fleet's uses, folded into popularity
+        assert (row.misses, row.hits) == (2, 1)
