@@ -28,16 +28,15 @@ from ragkv.cli_options import (
     ingest_options,
     retrieval_options,
     runner_options,
-    serve_options,
-    vllm_front_options,
 )
+from ragkv.cli_serve import serve_options, vllm_front_options
 from ragkv.command import new_app, quiet_libraries
 from ragkv.config import AskSettings, SearchSettings
 from ragkv.errors import InputError
 
 if TYPE_CHECKING:
     from ragkv.api import ServeSettings
-    from ragkv.cli_options import VllmFront
+    from ragkv.cli_serve import VllmFront
 
 
 app = new_app(
@@ -413,7 +412,9 @@ def serve(
         with ragkv.open(store, model=model, device="cpu", weights=False) as engine:
             serve_on_vllm(engine, store, settings, front.python, front.port, front.args, announce)
         return
-    with ragkv.open(store, model=model, device=device, write_back=settings.write_back) as engine:
+    with ragkv.open(
+        store, model=model, device=device, write_back=settings.write_back, pending_bytes=settings.pending_bytes
+    ) as engine:
         serve_engine(engine, store, settings, announce)
 
 

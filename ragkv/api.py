@@ -50,11 +50,16 @@ class ServeSettings:
     conversation_bytes: int = 512 << 20  # KV of recent conversations kept for their next turn
     shutdown_grace_s: int = 10  # on SIGTERM, requests still running after this long are cut off
     write_back: bool = True  # store KV computed for a chunk the store lacks (within the budget)
+    pending_bytes: int = 1 << 30  # on a store this replica does not write (S3): its pending KV's bound
+    writer: bool = False  # this replica folds what the others left pending, every fold_every_s
+    fold_every_s: float = 60.0
 
     def __post_init__(self):
         for name in ("max_queue", "max_batch", "max_tokens_cap", "max_batch_tokens", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise InputError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.fold_every_s <= 0:
+            raise InputError(f"--fold-every must be more than 0 seconds, got {self.fold_every_s:g}")
         if not 0 <= self.port <= 65535:  # checked before the model loads
             raise InputError(f"--port must be a TCP port from 0 to 65535, got {self.port}")
 

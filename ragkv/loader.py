@@ -23,9 +23,9 @@ from ragkv.prefix_cache import PrefixCache
 from ragkv.profiles import ActiveProfile
 from ragkv.prompt import encode_text
 from store import ContextRow, StoreSnapshot
-from store.pending import PendingHits
+from store.pending import PendingArea, PendingHits, PendingIndex
 from store.popularity import HitLog, Use
-from store.writeback import ComputedKV, WriteBack
+from store.writeback import PENDING_BYTES, ComputedKV, WriteBack
 
 log = logging.getLogger("ragkv")
 
@@ -59,6 +59,7 @@ class KVLoader:
         ram_bytes: int,
         write_back: bool,
         log_uses: bool = True,
+        pending_bytes: int = PENDING_BYTES,
     ):
         self.snapshot = snapshot
         self.lm = lm
@@ -67,10 +68,13 @@ class KVLoader:
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self.ram: ByteLRU[torch.Tensor] = ByteLRU(ram_bytes)  # hot chunk KV by key, verified when loaded
         self.write_back = write_back  # store KV computed on a miss (in the background, within the budget)
+        self.pending_bytes = pending_bytes  # on S3: the most KV this reader leaves pending for a fold
         self._prefix_kv: torch.Tensor | None = None  # pinned in memory after the first load
         self._separator: torch.Tensor | None = None
         self._read_buffers: list[torch.Tensor] = []  # stored KV is read into these (reused memory)
         self.writer: WriteBack | None = None  # the background write-back, once a miss started it
+        # on S3: the KV other replicas computed and left pending, looked up before a miss is computed
+        self.fleet = PendingIndex(PendingArea(snapshot.location)) if snapshot.remote else None
         # on S3 a reader never writes the store: its uses wait under pending/ for the writer's fold
         self._hit_log: HitLog | PendingHits | None = None
         if log_uses:
@@ -210,14 +214,12 @@ class KVLoader:
         keys = spans.span_keys(self.active.profile, chunk_ids, self.active.layout.separator_ids)
         parts: list[torch.Tensor] = []
         for i, (row, key) in enumerate(zip(run, keys, strict=True)):
-            held = None if row.entry is not None else self.ram.get(key.to_string())
+            held = None if row.entry is not None else self._held(row, key.to_string(), loaded)
             if row.entry is None and held is None:
                 parent = keys[i - 1].to_string() if i else None
                 parts += self._computed_span(run[i:], chunk_ids[i:], keys[i:], parent, parts, loaded)
                 break
             if held is not None:  # computed on an earlier miss, not stored (yet)
-                loaded.ram_hits += 1
-                loaded.kv_sources[row.chunk_id] = "ram"
                 parts.append(held)
                 continue
             assert row.entry is not None
@@ -288,12 +290,27 @@ class KVLoader:
         (see `_computed_span`)."""
         token_ids = row.token_ids if row.token_ids is not None else self._text_ids(row)
         key = KVKey.for_chunk(self.active.profile, token_ids)
-        kv_tensor = self.ram.get(key.to_string())
+        held = self._held(row, key.to_string(), loaded)
+        if held is not None:
+            return held
+        return self._computed_span([row], [token_ids], [key], None, [], loaded)[0]
+
+    def _held(self, row: ContextRow, key: str, loaded: Loaded) -> torch.Tensor | None:
+        """KV the store has no entry for that is ready all the same: computed on an earlier
+        miss (the RAM tier), or, on S3, by another replica that left it pending for the fold
+        (read from the bucket, verified, counted as a store hit)."""
+        kv_tensor = self.ram.get(key)
         if kv_tensor is not None:
             loaded.ram_hits += 1
             loaded.kv_sources[row.chunk_id] = "ram"
             return kv_tensor
-        return self._computed_span([row], [token_ids], [key], None, [], loaded)[0]
+        parts = self.fleet.find(key) if self.fleet is not None else None
+        if parts is None:
+            return None
+        kv_tensor = codec.decode({n: t.to(self.device) for n, t in parts.items()}, self.lm.model.dtype)
+        self.ram.put(key, kv_tensor)
+        loaded.kv_sources[row.chunk_id] = "store"
+        return kv_tensor
 
     def _write_back(
         self, row: ContextRow, key: str, token_ids: tuple[int, ...], parts: dict[str, torch.Tensor], parent: str | None
@@ -315,7 +332,8 @@ class KVLoader:
         """The background write-back (started on the first miss), or None when off (opened
         with write_back=False). On S3 it leaves the KV pending, for the store's writer to fold."""
         if self.writer is None and self.write_back:
-            self.writer = WriteBack(self.snapshot.location if self.snapshot.remote else self.snapshot.root)
+            location = self.snapshot.location if self.snapshot.remote else self.snapshot.root
+            self.writer = WriteBack(location, self.pending_bytes)
         return self.writer
 
     def hot(self) -> dict:
@@ -334,6 +352,15 @@ class KVLoader:
             "documents": sorted({d for _, _, d in linked}),
             "computed": len(set(keys) - {k for k, _, _ in linked}),
         }
+
+    def pending_uploaded(self) -> int:
+        """Bytes this reader left pending for the writer's fold (S3): computed KV and uses."""
+        kv = self.writer.pending.report.bytes if self.writer and self.writer.pending else 0
+        return kv + (self._hit_log.bytes if isinstance(self._hit_log, PendingHits) else 0)
+
+    def pending_dropped(self) -> int:
+        """Computed KV entries this reader dropped to stay within its pending bound (S3)."""
+        return self.writer.pending.report.dropped_entries if self.writer and self.writer.pending else 0
 
     def record_uses(self, rows: Iterable[ContextRow], kv_sources: dict[int, str]) -> None:
         """Log each chunk a prompt used, with where its KV came from (popularity, hit rate)."""

@@ -25,6 +25,7 @@ from ragkv.runtime import Prepared, Runtime
 from ragkv.scheduler import BatchSettings
 from ragkv.search import Searched
 from store import ContextRow, StoreSnapshot, open_snapshot
+from store.writeback import PENDING_BYTES
 
 __all__ = ["ActiveProfile", "Prepared", "Prompt", "QueryEngine"]
 
@@ -46,6 +47,7 @@ class QueryEngine:
         write_back: bool = True,
         weights: bool = True,
         log_uses: bool = True,
+        pending_bytes: int = PENDING_BYTES,
     ):
         if kv_dtype is not None and kv_dtype not in KV_DTYPES:
             raise InputError(f"unknown --kv-dtype {kv_dtype!r}; use one of {', '.join(KV_DTYPES)}")
@@ -60,7 +62,9 @@ class QueryEngine:
         retriever = Retriever(
             snapshot, self.embedder, lm.tokenizer, active.layout, active.profile.profile_id, lm.facts.max_context
         )
-        loader = KVLoader(snapshot, lm, active, self.device, prefix_cache_bytes, ram_bytes, write_back, log_uses)
+        loader = KVLoader(
+            snapshot, lm, active, self.device, prefix_cache_bytes, ram_bytes, write_back, log_uses, pending_bytes
+        )
         self.runtime = Runtime(lm, active, retriever, loader)
         self.engine = Engine(self.runtime)  # every answer of this engine is a request to it
         self.lm, self.active, self.loader = lm, active, loader

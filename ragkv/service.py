@@ -48,6 +48,7 @@ from ragkv.guard import RequestGuard
 from ragkv.keys import digest
 from ragkv.lru import ByteLRU
 from ragkv.scheduler import BatchSettings, Busy
+from store.writeback import FoldLoop
 
 log = logging.getLogger("ragkv")
 
@@ -80,7 +81,7 @@ class Conversations:
 
 # -- the app -------------------------------------------------------------------------------
 class Metrics:
-    def __init__(self, engine, batcher: Engine):
+    def __init__(self, engine, batcher: Engine, folding: FoldLoop | None = None):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("ragkv_requests", "HTTP requests", ["endpoint", "status"], registry=r)
@@ -117,6 +118,15 @@ class Metrics:
         Gauge(
             "ragkv_tokens_per_second", "Answer tokens generated per second over the last 10 s", registry=r
         ).set_function(batcher.tokens_per_s)
+        loader = engine.loader
+        Gauge(
+            "ragkv_pending_dropped", "Computed KV entries dropped to stay within --pending-bytes (S3)", registry=r
+        ).set_function(loader.pending_dropped)
+        Gauge(
+            "ragkv_pending_uploaded_bytes", "Bytes left pending for the writer's fold (S3): KV and uses", registry=r
+        ).set_function(loader.pending_uploaded)
+        if folding is not None:
+            Gauge("ragkv_folds", "Folds this writer replica published", registry=r).set_function(lambda: folding.folds)
 
     def record(self, stats) -> None:
         self.ttft.observe(stats.ttft_s)
@@ -129,15 +139,21 @@ def build_app(engine, settings: ServeSettings) -> FastAPI:
     """The service's app over `engine`: its scheduler steps on a background thread until the
     app's lifespan ends."""
     batcher = _start_batcher(engine, settings)
+    folding = FoldLoop(engine.snapshot.location, settings.fold_every_s).start() if settings.writer else None
 
     @asynccontextmanager
     async def lifespan(app):
         yield
         batcher.stop()  # finishes what is queued
+        # Now, not when `ragkv.open`'s block ends: after a SIGTERM uvicorn raises the signal
+        # again once it has shut down, which ends the process before that.
+        engine.flush()  # the KV computed on misses, and (on S3) the uses logged
+        if folding is not None:
+            folding.stop()
 
     app = FastAPI(title="ragkv", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
-    metrics = Metrics(engine, batcher)
-    app.state.batcher = batcher
+    metrics = Metrics(engine, batcher, folding)
+    app.state.batcher, app.state.folding = batcher, folding
 
     app.add_middleware(
         RequestGuard,

@@ -53,6 +53,7 @@ from ragkv.config import import_path
 from ragkv.errors import InputError, ModelError
 from ragkv.guard import RequestGuard
 from ragkv.loader import continues_span
+from store.writeback import FoldLoop
 
 log = logging.getLogger("ragkv")
 VLLM_MODEL_ID = "ragkv-llm"  # the name the front's vLLM serves the model under
@@ -154,12 +155,15 @@ def serve_on_vllm(engine, store: str, settings: ServeSettings, python: str, port
     server = VllmServer(python, facts.path, facts.dtype, store, port, tuple(shlex.split(args)), settings.write_back)
     announce(f"starting vLLM ({python}) for {facts.name} on port {port}")
     server.start(timeout_s=1800)
+    folding = FoldLoop(store, settings.fold_every_s).start() if settings.writer else None
     try:
         app = build_front_app(engine, server.url, settings)
         line = f"ragkv serving {store} ({facts.name}, engine vllm) on http://{settings.host}:{settings.port}"
         run_server(app, settings, announce, line)
     finally:
         server.stop()
+        if folding is not None:
+            folding.stop()
 
 
 def build_front_app(engine, vllm_url: str, settings: ServeSettings) -> FastAPI:

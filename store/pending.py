@@ -12,8 +12,8 @@ An object whose manifest is missing is incomplete (a replica killed mid-upload):
 takes it, and one deletes it once it is an hour old. A reader keeps at most `pending_bytes` of its own
 objects, dropping its oldest first (counted).
 
-A reader's uses are buffered and left as one hits object every `HITS_FLUSH_S` seconds of
-traffic, on `flush` and on close (a replica killed -9 loses at most that much of its count).
+A reader's uses are buffered and left as one hits object `HITS_FLUSH_S` seconds after the
+first, on `flush` and on close (a replica killed -9 loses at most that much of its count).
 
 The writer folds (`ragkv fold`, and every ingest or `reindex` before its work): the hits
 objects first, into popularity (each object's size is recorded as folded, so a fold killed
@@ -30,6 +30,7 @@ import json
 import logging
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterable
@@ -49,7 +50,8 @@ PENDING_DIR = "pending"
 MANIFEST_SUFFIX = ".json"
 HITS_SUFFIX = ".hits.jsonl"
 STALE_S = 3600.0  # an object without a manifest this old was left by a killed replica
-HITS_FLUSH_S = 10.0  # a reader leaves its buffered uses at least this often while it has traffic
+PENDING_LIST_S = 1.0  # a reader lists the fleet's pending KV at most this often (on a miss)
+HITS_FLUSH_S = 10.0  # a reader leaves its buffered uses this long after the first of them
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,7 @@ class PendingReport:
     objects: int = 0  # pending objects written
     dropped: int = 0  # own objects deleted to stay within pending_bytes
     dropped_entries: int = 0
+    bytes: int = 0  # uploaded (shards and manifests)
 
 
 def new_object_id() -> str:
@@ -143,32 +146,50 @@ def new_object_id() -> str:
 
 
 class PendingHits:
-    """The uses a reader of a store it does not write logs: buffered, and left as a hits object
-    every `flush_s` seconds of traffic, on `flush` and on `close` (the interface of
-    store.popularity's HitLog)."""
+    """The uses a reader of a store it does not write logs: buffered, and left as one hits
+    object `flush_s` seconds after the first use buffered (a timer: an idle replica's last
+    uses are not held back), on `flush` and on `close` (the interface of store.popularity's
+    HitLog). A failed upload raises from `flush`; from the timer it is logged once."""
 
     def __init__(self, location: str | Path, flush_s: float = HITS_FLUSH_S):
         self.area = PendingArea(location)
         self.flush_s = flush_s
         self.objects = 0  # hits objects left
+        self.bytes = 0  # their bytes
         self._lines: list[str] = []
-        self._since: float | None = None  # when the oldest buffered use was logged
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+        self._warned = False
 
     def record(self, uses: Iterable[Use]) -> None:
         now = time.time()
-        self._lines += [use_line(u, now) for u in uses]
-        if self._lines and self._since is None:
-            self._since = time.monotonic()
-        if self._since is not None and time.monotonic() - self._since >= self.flush_s:
-            self.flush()
+        lines = [use_line(u, now) for u in uses]
+        with self._lock:
+            self._lines += lines
+            if self._lines and self._timer is None:
+                self._timer = threading.Timer(self.flush_s, self._flush_quietly)
+                self._timer.daemon = True
+                self._timer.start()
 
     def flush(self) -> None:
         """Leave the buffered uses as one object (none buffered: nothing)."""
-        if not self._lines:
-            return
-        data, self._lines, self._since = "".join(self._lines).encode(), [], None
-        self.area.put_bytes(f"{new_object_id()}{HITS_SUFFIX}", data)
-        self.objects += 1
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            data, self._lines = "".join(self._lines).encode(), []
+        if data:
+            self.area.put_bytes(f"{new_object_id()}{HITS_SUFFIX}", data)
+            self.objects += 1
+            self.bytes += len(data)
+
+    def _flush_quietly(self) -> None:
+        try:
+            self.flush()
+        except OSError as exc:  # the lines are lost; counting goes on with the next ones
+            if not self._warned:
+                self._warned = True
+                log.warning("cannot leave chunk uses in %s: %s", self.area.dir, exc)
 
     def close(self) -> None:
         self.flush()
@@ -194,6 +215,61 @@ def read_hits(area: PendingArea, folded: dict[str, int]) -> Pending:
                 found.uses.append(use)
         found.offsets[name] = max(start, len(data))
     return found
+
+
+class PendingIndex:
+    """The KV the fleet left pending, by key: a reader of an S3 store looks here before it
+    computes a miss, so a chunk one replica computed is not computed again by another while it
+    waits for the fold. The listing is read again at most every `list_s` seconds, and only
+    for a key it lacks; a manifest is read once, a pending shard copied down when first used
+    (and its copy deleted once the fold took it)."""
+
+    def __init__(self, area: PendingArea, list_s: float = PENDING_LIST_S):
+        self.area = area
+        self.list_s = list_s
+        self._entries: dict[str, tuple[str, str]] = {}  # key -> (shard name, checksum)
+        self._read: set[str] = set()  # manifests read
+        self._listed = float("-inf")
+
+    def find(self, key: str) -> dict[str, torch.Tensor] | None:
+        """The encoded parts of pending entry `key`, verified; None if nothing pending has it
+        (or what has it cannot be read: then it is computed, as any miss)."""
+        if key not in self._entries and time.monotonic() - self._listed >= self.list_s:
+            self._refresh()
+        if key not in self._entries:
+            return None
+        shard, checksum = self._entries[key]
+        reader = ShardReader(self.area.dir)
+        try:
+            self.area.fetch(shard)
+            return {p: t.clone() for p, t in reader.read_parts(shard, key, checksum).items()}
+        except (OSError, StoreCorruptError):  # folded and deleted meanwhile, or damaged
+            del self._entries[key]
+            return None
+        finally:
+            reader.close()
+
+    def _refresh(self) -> None:
+        self._listed = time.monotonic()
+        try:
+            names = self.area.names()
+        except OSError:
+            return
+        for name in sorted(n for n in names if n.endswith(MANIFEST_SUFFIX) and n not in self._read):
+            self._read.add(name)
+            try:
+                data = self.area.read_bytes(name)
+                manifest = json.loads(data) if data else {}
+                for e in manifest.get("entries", ()):
+                    self._entries.setdefault(e["kv_key"], (manifest["shard"], e["checksum"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # a damaged manifest: the fold deletes it
+        self._read &= set(names)
+        gone = {shard for shard, _ in self._entries.values() if shard not in names}
+        self._entries = {k: v for k, v in self._entries.items() if v[0] not in gone}
+        if self.area.remote:
+            for shard in gone:  # this reader's copies of what the fold took
+                (self.area.dir / shard).unlink(missing_ok=True)
 
 
 class PendingWriter:
@@ -238,6 +314,7 @@ class PendingWriter:
             final = index.with_name(f"{object_id}{MANIFEST_SUFFIX}")
             index.rename(final)
         size = data.stat().st_size
+        self.report.bytes += size + final.stat().st_size
         self.area.put(data)
         self.area.put(final)  # last: its presence says the object is whole
         if self.area.remote:  # the bucket holds it now; keep no local copy

@@ -20,12 +20,14 @@ import queue
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from ragkv.errors import RagkvError, StoreLockedError
 from store import budget
 from store.catalog import ChunkLink
 from store.gc import drop_dead
 from store.pending import ComputedKV, PendingArea, PendingWriter, read_hits, read_objects
+from store.popularity import HITS_DIR
 from store.remote import is_remote
 from store.writer import open_writer
 
@@ -218,6 +220,8 @@ def fold_pending(writer) -> FoldReport:
     area = PendingArea(writer.location)
     usage = writer.catalog.usage
     hits = read_hits(area, usage.folded_offsets())
+    if not hits.uses:  # gone objects' offsets are forgotten with the next uses, not as a change alone
+        hits.finished.clear()
     if hits.unusable:
         skipped = sum(hits.unusable.values())
         log.warning("pending hits: skipped %d lines that record no use; popularity counts the rest", skipped)
@@ -244,3 +248,57 @@ def fold(root, wait: bool = False) -> FoldReport:
         report.delete_folded()
         writer.delete_unreferenced_shards()
     return report
+
+
+def anything_to_fold(root) -> bool:
+    """Whether readers left anything for a fold at `root` (pending objects, or hit log files on
+    a folder); cheap: a listing, no lock. A writer replica folds only then, so an idle fleet
+    publishes no generations."""
+    if PendingArea(root).names():
+        return True
+    return not is_remote(root) and any(Path(root, HITS_DIR).glob("*.jsonl"))
+
+
+class FoldLoop:
+    """A replica that is its store's writer (`ragkv serve --writer`): a thread that folds what
+    the other replicas left pending every `every_s` seconds. A fold that finds the store
+    locked (an ingest holds it) waits for the next round; one that fails logs a warning."""
+
+    def __init__(self, root, every_s: float):
+        self.root = root
+        self.every_s = every_s
+        self.folds = 0  # folds published
+        self.last: FoldReport | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ragkv-fold", daemon=True)
+
+    def start(self) -> FoldLoop:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop after the fold under way, if any."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def fold_once(self) -> FoldReport | None:
+        """One fold now, if readers left anything; None if not, if another writer held the
+        store, or if the fold failed."""
+        try:
+            if not anything_to_fold(self.root):
+                return None
+            report = fold(self.root)
+        except StoreLockedError:
+            log.info("fold skipped: store %s is locked by another writer", self.root)
+            return None
+        except (OSError, RagkvError) as exc:
+            log.warning("fold of %s failed: %s; the next one retries", self.root, str(exc).splitlines()[0])
+            return None
+        self.folds += 1
+        self.last = report
+        return report
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.fold_once()

@@ -117,9 +117,34 @@ def test_pending_hits_fold_once_even_when_a_fold_dies_before_deleting_them(tiny_
         rows = snapshot.catalog.usage.chunk_hits()
         assert (rows[("keys.md", 0)].uses, rows[("keys.md", 0)].hits, rows[("keys.md", 1)].hits) == (2, 1, 1)
         assert name in snapshot.catalog.usage.folded_offsets()
-    fold(root)  # the object is gone: its offset is forgotten
+    assert fold(root).generation == report.generation  # the object is gone; forgetting it changes nothing yet
+    hits = PendingHits(root)
+    hits.record([Use("keys.md", 2, "store")])
+    hits.close()
+    fold(root)  # with the next uses, its offset is forgotten
     with open_snapshot(root) as snapshot:
-        assert name not in snapshot.catalog.usage.folded_offsets()
+        assert name not in snapshot.catalog.usage.folded_offsets() and len(snapshot.catalog.usage.folded_offsets()) == 1
+
+
+def test_a_writer_replica_folds_only_when_readers_left_something_and_the_store_is_free(tiny_llama, corpus, tmp_path):
+    from store.pending import PendingHits
+    from store.writeback import FoldLoop
+    from store.writer import open_writer
+
+    build_store(corpus, tmp_path / "s", str(tiny_llama), precompute=0)
+    root = tmp_path / "s"
+    loop = FoldLoop(root, every_s=3600.0)
+    assert loop.fold_once() is None and loop.folds == 0  # nothing left: no generation published
+    hits = PendingHits(root)
+    hits.record([Use("keys.md", 0, "computed")])
+    hits.close()
+    with open_writer(root):  # an ingest holds the store: this round is skipped
+        assert loop.fold_once() is None and loop.folds == 0
+    report = loop.fold_once()
+    assert report is not None and report.uses_folded == 1 and loop.folds == 1
+    assert loop.fold_once() is None  # folded and deleted: nothing again
+    result = run_cli("serve", "--store", str(root), "--writer", "--fold-every", "0")
+    assert result.exit_code == 2 and "--fold-every must be more than 0 seconds" in result.output
 
 
 # -- KV computed on a miss -------------------------------------------------------------------

@@ -48,6 +48,7 @@ ONLINE_LAYERS = [  # bottom up; a module may import its own layer and those belo
         "ragkv.batch",
         "ragkv.output",
         "ragkv.cli_options",
+        "ragkv.cli_serve",
         "ragkv.command",
         "ragkv.service",
         "ragkv.vllm_front",

@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -24,7 +25,7 @@ from ragkv.config import IngestSettings, ModelSettings, cache_dir
 from ragkv.errors import StoreNotFoundError
 from store import open_snapshot, verify
 from tests import s3server
-from tests.conftest import QUESTIONS, run_cli
+from tests.conftest import QUESTIONS, run_cli, running_server
 
 ray = pytest.importorskip("ray")
 
@@ -192,37 +193,41 @@ def test_s3_store_round_trip(s3_env, local_store, corpus, tmp_path, monkeypatch)
 
     stats = run_cli("stats", "--store", uri, "--json")
     assert stats.exit_code == 0 and '"generation": 1' in stats.output
+    folding = run_cli("ingest", corpus, "--store", uri, "--chunk-tokens", SETTINGS.chunk_tokens, "--json")
+    folded = json.loads(folding.stdout)  # no document changed; the uses the readers above left are folded
+    assert folding.exit_code == 0 and folded["tokens_computed"] == 0 and folded["uses_folded"] > 0
+    assert folded["generation"] == 2
     unchanged = run_cli("ingest", corpus, "--store", uri, "--chunk-tokens", SETTINGS.chunk_tokens, "--json")
     assert (
         unchanged.exit_code == 0
         and '"tokens_computed": 0' in unchanged.output
-        and '"generation": 1' in unchanged.output
+        and '"generation": 2' in unchanged.output
     )
-    assert "catalog-000002.duckdb" not in _objects(s3_env, "roundtrip")  # nothing changed: nothing published
+    assert "catalog-000003.duckdb" not in _objects(s3_env, "roundtrip")  # nothing changed: nothing published
     # The reader's clock is driven, not waited on: first the poll interval has not passed, then it has.
     monkeypatch.setattr(snapshot_module, "REMOTE_POLL_S", float("inf"))
     home = os.environ["RAGKV_HOME"]
     monkeypatch.setenv("RAGKV_HOME", str(tmp_path / "elsewhere"))  # another machine's mirror, at generation 1
     elsewhere = RemoteStore(uri)
-    assert elsewhere.sync() == 1
-    before = json.loads((elsewhere.mirror / "manifest-000001.json").read_text())
+    assert elsewhere.sync() == 2
+    before = json.loads((elsewhere.mirror / "manifest-000002.json").read_text())
     monkeypatch.setenv("RAGKV_HOME", home)
     with open_snapshot(uri) as reader:  # a long-lived reader, as in `ragkv serve`
         docs = tmp_path / "more-docs"
         shutil.copytree(corpus, docs)
         (docs / "parking.md").write_text("Parking is free for employees on level -2.")
         changed = run_cli("ingest", docs, "--store", uri, "--chunk-tokens", SETTINGS.chunk_tokens, "--json")
-        assert changed.exit_code == 0 and "catalog-000002.duckdb" in _objects(s3_env, "roundtrip")
-        assert reader.latest_generation() == 1  # asked the bucket moments ago: not again yet
+        assert changed.exit_code == 0 and "catalog-000003.duckdb" in _objects(s3_env, "roundtrip")
+        assert reader.latest_generation() == 2  # asked the bucket moments ago: not again yet
         monkeypatch.setattr(snapshot_module, "REMOTE_POLL_S", 0.0)
-        assert reader.latest_generation() == 2
+        assert reader.latest_generation() == 3
     # The other machine's refresh fetches the new delta, manifest and segment (its vectors and its
     # words): not the base, not the old segments.
     elsewhere.downloaded = 0
-    assert elsewhere.sync() == 2
+    assert elsewhere.sync() == 3
     objects = _objects(s3_env, "roundtrip")
-    after = json.loads((elsewhere.mirror / "manifest-000002.json").read_text())
-    new = {"catalog-000002.duckdb", "manifest-000002.json"} | (
+    after = json.loads((elsewhere.mirror / "manifest-000003.json").read_text())
+    new = {"catalog-000003.duckdb", "manifest-000003.json"} | (
         {f"segments/{f}" for s in after["segments"] for f in (s["name"], s["terms"])}
         - {f"segments/{f}" for s in before["segments"] for f in (s["name"], s["terms"])}
     )
@@ -381,8 +386,9 @@ def test_a_worker_with_other_weights_fails_the_job_in_one_line(ray_cluster, tiny
 def test_s3_replicas_learn_through_pending_kv_that_one_fold_stores_once(
     s3_env, tiny_llama, corpus, tmp_path, monkeypatch
 ):
-    """Readers of an S3 store never take its lock: the KV each computes on a miss is left under
-    pending/ (shard, then manifest), and a fold stores it, each key once, within the budget."""
+    """Readers of an S3 store never take its lock: the KV one computes on a miss is left under
+    pending/ (shard, then manifest), where another replica finds it instead of computing it
+    again, and a fold stores it within the budget."""
     from store.writeback import fold
 
     uri = "s3://ragkv/replicas"
@@ -394,21 +400,28 @@ def test_s3_replicas_learn_through_pending_kv_that_one_fold_stores_once(
         with ragkv.open(uri, model=model.model, device="cpu") as engine:
             answer = engine.ask(QUESTIONS[0], max_new_tokens=8, context="chunk")
             engine.flush()
-            assert answer.stats.kv_source == "computed" and engine.loader.writer.pending.report.objects == 1
+            if replica == "a":  # a miss: computed, left pending
+                assert answer.stats.kv_source == "computed" and engine.loader.writer.pending.report.objects == 1
+            else:  # found in what replica a left pending: not computed again before the fold
+                assert answer.stats.kv_source == "store" and engine.loader.writer is None
         answers.append(answer.token_ids)
     objects = _objects(s3_env, "replicas")
     pending = sorted(name for name in objects if name.startswith("pending/") and not name.endswith(".hits.jsonl"))
-    assert len(pending) == 4 and "LOCK" not in objects  # two objects (shard + manifest each), no lock taken
+    assert len(pending) == 2 and "LOCK" not in objects  # one object (shard + manifest), no lock taken
     found = json.loads(run_cli("stats", "--store", uri, "--json").stdout)
-    assert (found["pending_objects"], found["pending_hit_objects"], found["kv_misses"]) == (2, 2, 2)  # uses count
+    assert (found["pending_objects"], found["pending_hit_objects"], found["kv_misses"], found["kv_hits"]) == (
+        1,
+        2,
+        1,
+        1,
+    )
     # A replica killed mid-upload leaves a shard without its manifest: never folded; a damaged
     # manifest is skipped with one warning and deleted.
     s3_env["fs"].copy_file(f"ragkv/replicas/{pending[1]}", f"ragkv/replicas/pending/{'f' * 32}.safetensors")
     with s3_env["fs"].open_output_stream(f"ragkv/replicas/pending/{'0' * 31}1.json") as f:
         f.write(b"{not json")
     report = fold(uri)
-    # each replica computed the chunk: stored once
-    assert (report.objects, report.entries, report.stored, report.damaged) == (2, 2, 1, 1)
+    assert (report.objects, report.entries, report.stored, report.damaged) == (1, 1, 1, 1)
     assert (report.hit_objects, report.uses_folded) == (2, 2)
     left = [name for name in _objects(s3_env, "replicas") if name.startswith("pending/")]
     assert left == [f"pending/{'f' * 32}.safetensors"]  # incomplete, and not old: left alone
@@ -421,4 +434,53 @@ def test_s3_replicas_learn_through_pending_kv_that_one_fold_stores_once(
     with open_snapshot(uri) as snapshot:
         assert verify(snapshot).ok
         (row,) = snapshot.catalog.usage.chunk_hits().values()  # the fleet's uses, folded into popularity
-        assert (row.misses, row.hits) == (2, 1)
+        assert (row.misses, row.hits) == (1, 2)
+
+
+def test_a_writer_replica_folds_what_a_reader_replica_learnt(s3_env, tiny_llama, corpus, tmp_path):
+    """Two `ragkv serve` replicas of one S3 store, each with its own mirror: the reader answers
+    a miss and leaves its KV pending; the replica started with --writer folds it on its own;
+    the writer then answers from the store, with the same tokens, and both count their uses."""
+    from store.writeback import fold
+
+    uri = "s3://ragkv/fleet"
+    model = ModelSettings(model=str(tiny_llama), device="cpu")
+    ragkv.ingest(corpus, uri, model=model, settings=IngestSettings(precompute=0))
+    with open_snapshot(uri) as snapshot:
+        entries = snapshot.catalog.reports.counts()["kv_entries"]  # the system prompt's
+    homes = {}
+    for name in ("writer", "reader"):
+        homes[name] = tmp_path / name
+        homes[name].mkdir()
+        if MODELS.exists():
+            (homes[name] / "models").symlink_to(MODELS)
+    body = {"messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 8, "ragkv": {"context": "chunk"}}
+    with (
+        running_server(uri, "--writer", "--fold-every", "0.2", env={"RAGKV_HOME": str(homes["writer"])}) as (w, _),
+        running_server(uri, env={"RAGKV_HOME": str(homes["reader"])}) as (r, _),
+    ):
+        first = httpx.post(f"{r}/v1/chat/completions", json=body, timeout=600).json()["ragkv"]
+        assert first["stats"]["kv_source"] == "computed"
+        # the writer folds the upload on its own: wait for those events, not for a time
+        while not (_metric(w, "ragkv_folds") >= 1 and not _pending_manifests(s3_env, "fleet")):
+            time.sleep(0.1)
+        again = httpx.post(f"{r}/v1/chat/completions", json=body, timeout=600).json()["ragkv"]
+        assert again["stats"]["kv_source"] == "ram" and again["token_ids"] == first["token_ids"]  # held hot
+        assert _metric(r, "ragkv_pending_uploaded_bytes") > 0 and _metric(w, "ragkv_pending_uploaded_bytes") == 0
+        elsewhere = httpx.post(f"{w}/v1/chat/completions", json=body, timeout=600).json()["ragkv"]
+        assert elsewhere["stats"]["kv_source"] == "store" and elsewhere["token_ids"] == first["token_ids"]
+    fold(uri)  # the uses the replicas left as they stopped (SIGTERM), unless the writer folded them
+    with open_snapshot(uri) as snapshot:
+        assert verify(snapshot).ok and snapshot.catalog.reports.counts()["kv_entries"] == entries + 1
+        (row,) = snapshot.catalog.usage.chunk_hits().values()
+        assert (row.misses, row.hits) == (1, 2)  # both replicas' uses counted once
+
+
+def _metric(base: str, name: str) -> float:
+    """The value of gauge `name` in the /metrics of the replica at `base` (0 if absent)."""
+    lines = [line for line in httpx.get(f"{base}/metrics").text.splitlines() if line.startswith(f"{name} ")]
+    return float(lines[0].split()[1]) if lines else 0.0
+
+
+def _pending_manifests(s3, prefix: str) -> list[str]:
+    return [n for n in _objects(s3, prefix) if n.startswith("pending/") and n.endswith(".json")]
