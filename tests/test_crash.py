@@ -163,3 +163,97 @@ def test_kill_nine_at_least_twenty_times(crash_setup, tiny_llama, tmp_path):
         if outcomes.count("killed") == 20:
             break
     assert outcomes.count("killed") == 20, outcomes
+
+
+# -- a fold killed ----------------------------------------------------------------------------
+FOLD = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {root!r})
+    import store.writeback as writeback
+    from store.pending import PendingArea
+
+    def die(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def then_die(function):
+        def wrapped(*args, **kwargs):
+            function(*args, **kwargs)
+            die()
+        return wrapped
+
+    point, deleted = {point!r}, []
+    if point == "read":  # the pending objects read, nothing written
+        writeback.read_objects = then_die(writeback.read_objects)
+    if point == "commit":  # their KV sealed into a shard and its rows added, not published
+        writeback.commit_computed = then_die(writeback.commit_computed)
+    if point == "publish":  # the generation published, no object deleted
+        writeback.FoldReport.delete_folded = die
+    if point == "delete":  # one object deleted: a manifest, its shard not yet
+        delete = PendingArea.delete
+        PendingArea.delete = lambda area, name: die() if deleted else (deleted.append(name), delete(area, name))
+    writeback.fold({store!r})
+""")
+
+
+@pytest.fixture(scope="module")
+def fold_setup(tmp_path_factory, tiny_llama, corpus):
+    """A store without chunk KV, and two readers' pending KV for it (the same two chunks, as
+    computed by ingest) with their uses."""
+    import torch
+
+    from ragkv import codec
+    from store.writeback import ComputedKV
+
+    root = tmp_path_factory.mktemp("fold-crash")
+    model = ModelSettings(model=str(tiny_llama), device="cpu", dtype="float32")
+    ragkv.ingest([corpus], root / "full", model=model, settings=IngestSettings())
+    ragkv.ingest([corpus], root / "lazy", model=model, settings=IngestSettings(precompute=0))
+    with open_snapshot(root / "full") as snap:
+        profile_id = snap.catalog.entries.profiles()[0].profile_id
+        rows = snap.catalog.entries.context_rows(profile_id, sorted(snap.catalog.documents.chunk_ids())[:2])
+        batch = [
+            ComputedKV(
+                profile_id,
+                r.entry.kv_key,
+                r.chunk_id,
+                r.token_ids,
+                {"": codec.read(snap.shards, r.entry, torch.float32, "cpu").clone()},
+                {"profile_id": profile_id},
+            )
+            for r in rows
+        ]
+    return root / "lazy", batch, rows
+
+
+@pytest.mark.parametrize("point", ["read", "commit", "publish", "delete"])
+def test_a_fold_killed_at_any_step_loses_nothing_and_counts_nothing_twice(point, fold_setup, tmp_path):
+    """Kill -9 a fold at each of its steps: the store verifies as it is, and the next fold
+    stores each pending key once and counts each use once."""
+    from store.pending import PendingHits, PendingWriter
+    from store.popularity import Use
+    from store.writeback import fold
+
+    lazy, batch, rows = fold_setup
+    store = tmp_path / "store"
+    shutil.copytree(lazy, store)
+    for _ in range(2):  # two readers computed the same chunks and used them
+        PendingWriter(store, pending_bytes=1 << 30).put(batch)
+        hits = PendingHits(store)
+        hits.record([Use(r.doc_id, r.chunk_index, "computed") for r in rows])
+        hits.close()
+    before = read_current(store)
+    killed = subprocess.run([sys.executable, "-c", FOLD.format(root=str(ROOT), store=str(store), point=point)])
+    assert killed.returncode == -signal.SIGKILL
+    assert read_current(store) == before + (point in ("publish", "delete"))
+    with open_snapshot(store) as snap:
+        assert verify(snap).ok
+    report = fold(store)
+    assert report.stored == (0 if point in ("publish", "delete") else len(batch))
+    with open_snapshot(store) as snap:
+        assert verify(snap).ok
+        stored = {e.kv_key for e in snap.catalog.reports.all_entries()}
+        assert {b.kv_key for b in batch} <= stored
+        counts = snap.catalog.usage.chunk_hits()
+        assert [counts[(r.doc_id, r.chunk_index)].misses for r in rows] == [2, 2]  # each reader's use, once
+    left = sorted(p.suffix for p in (store / "pending").iterdir())
+    assert left == ([".safetensors"] if point == "delete" else [])  # its manifest went first: never folded
