@@ -412,9 +412,7 @@ def serve(
         with ragkv.open(store, model=model, device="cpu", weights=False) as engine:
             serve_on_vllm(engine, store, settings, front.python, front.port, front.args, announce)
         return
-    with ragkv.open(
-        store, model=model, device=device, write_back=settings.write_back, pending_bytes=settings.pending_bytes
-    ) as engine:
+    with ragkv.open(store, model=model, device=device, **settings.engine_options()) as engine:
         serve_engine(engine, store, settings, announce)
 
 

@@ -51,8 +51,13 @@ class ServeSettings:
     shutdown_grace_s: int = 10  # on SIGTERM, requests still running after this long are cut off
     write_back: bool = True  # store KV computed for a chunk the store lacks (within the budget)
     pending_bytes: int = 1 << 30  # on a store this replica does not write (S3): its pending KV's bound
+    leave_pending: bool = False  # on a folder too: leave computed KV pending, never take the store's lock
     writer: bool = False  # this replica folds what the others left pending, every fold_every_s
     fold_every_s: float = 60.0
+
+    def engine_options(self) -> dict:
+        """What `ragkv.open` takes of these settings: how the engine learns from its misses."""
+        return {"write_back": self.write_back, "pending_bytes": self.pending_bytes, "leave_pending": self.leave_pending}
 
     def __post_init__(self):
         for name in ("max_queue", "max_batch", "max_tokens_cap", "max_batch_tokens", "prefill_chunk"):

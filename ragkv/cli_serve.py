@@ -95,6 +95,16 @@ serve_options = OptionGroup(
             ),
         ),
         (
+            "leave_pending",
+            bool,
+            typer.Option(
+                False,
+                "--leave-pending",
+                help="On a folder store shared by replicas on several machines: leave computed KV "
+                "pending for the --writer replica's fold, as on S3, instead of taking the store's lock.",
+            ),
+        ),
+        (
             "writer",
             bool,
             typer.Option(

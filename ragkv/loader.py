@@ -60,6 +60,7 @@ class KVLoader:
         write_back: bool,
         log_uses: bool = True,
         pending_bytes: int = PENDING_BYTES,
+        leave_pending: bool = False,
     ):
         self.snapshot = snapshot
         self.lm = lm
@@ -69,12 +70,14 @@ class KVLoader:
         self.ram: ByteLRU[torch.Tensor] = ByteLRU(ram_bytes)  # hot chunk KV by key, verified when loaded
         self.write_back = write_back  # store KV computed on a miss (in the background, within the budget)
         self.pending_bytes = pending_bytes  # on S3: the most KV this reader leaves pending for a fold
+        # leave computed KV pending for the writer's fold instead of taking the store's lock (always on S3)
+        self.leave_pending = leave_pending or snapshot.remote is not None
         self._prefix_kv: torch.Tensor | None = None  # pinned in memory after the first load
         self._separator: torch.Tensor | None = None
         self._read_buffers: list[torch.Tensor] = []  # stored KV is read into these (reused memory)
         self.writer: WriteBack | None = None  # the background write-back, once a miss started it
         # on S3: the KV other replicas computed and left pending, looked up before a miss is computed
-        self.fleet = PendingIndex(PendingArea(snapshot.location)) if snapshot.remote else None
+        self.fleet = PendingIndex(PendingArea(snapshot.location)) if self.leave_pending else None
         # on S3 a reader never writes the store: its uses wait under pending/ for the writer's fold
         self._hit_log: HitLog | PendingHits | None = None
         if log_uses:
@@ -330,10 +333,11 @@ class KVLoader:
 
     def _background_writer(self) -> WriteBack | None:
         """The background write-back (started on the first miss), or None when off (opened
-        with write_back=False). On S3 it leaves the KV pending, for the store's writer to fold."""
+        with write_back=False). On S3 (or with leave_pending) it leaves the KV pending, for the
+        store's writer to fold."""
         if self.writer is None and self.write_back:
             location = self.snapshot.location if self.snapshot.remote else self.snapshot.root
-            self.writer = WriteBack(location, self.pending_bytes)
+            self.writer = WriteBack(location, self.pending_bytes, self.leave_pending)
         return self.writer
 
     def hot(self) -> dict:

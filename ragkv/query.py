@@ -48,6 +48,7 @@ class QueryEngine:
         weights: bool = True,
         log_uses: bool = True,
         pending_bytes: int = PENDING_BYTES,
+        leave_pending: bool = False,
     ):
         if kv_dtype is not None and kv_dtype not in KV_DTYPES:
             raise InputError(f"unknown --kv-dtype {kv_dtype!r}; use one of {', '.join(KV_DTYPES)}")
@@ -63,7 +64,16 @@ class QueryEngine:
             snapshot, self.embedder, lm.tokenizer, active.layout, active.profile.profile_id, lm.facts.max_context
         )
         loader = KVLoader(
-            snapshot, lm, active, self.device, prefix_cache_bytes, ram_bytes, write_back, log_uses, pending_bytes
+            snapshot,
+            lm,
+            active,
+            self.device,
+            prefix_cache_bytes,
+            ram_bytes,
+            write_back,
+            log_uses,
+            pending_bytes,
+            leave_pending,
         )
         self.runtime = Runtime(lm, active, retriever, loader)
         self.engine = Engine(self.runtime)  # every answer of this engine is a request to it

@@ -52,11 +52,11 @@ class WriteBackReport:
 class WriteBack:
     """A background writer of computed KV into the store at `root` (a local folder)."""
 
-    def __init__(self, root, pending_bytes: int = PENDING_BYTES):
+    def __init__(self, root, pending_bytes: int = PENDING_BYTES, leave_pending: bool = False):
         self.root = root
         self.report = WriteBackReport()
-        # on S3 a reader is never the writer: its KV waits under pending/ for a fold
-        self.pending = PendingWriter(root, pending_bytes) if is_remote(root) else None
+        # on S3 (or a folder, if asked) a reader is never the writer: its KV waits under pending/ for a fold
+        self.pending = PendingWriter(root, pending_bytes) if leave_pending or is_remote(root) else None
         self._queue: queue.Queue[ComputedKV | None] = queue.Queue(MAX_PENDING)
         self._warned = False
         self._thread = threading.Thread(target=self._run, name="ragkv-writeback", daemon=True)

@@ -126,6 +126,32 @@ def test_pending_hits_fold_once_even_when_a_fold_dies_before_deleting_them(tiny_
         assert name not in snapshot.catalog.usage.folded_offsets() and len(snapshot.catalog.usage.folded_offsets()) == 1
 
 
+def test_folder_replicas_that_leave_pending_never_take_the_lock_and_find_each_others_kv(stores):
+    """On a folder shared by machines, replicas opened with leave_pending learn as on S3: a
+    miss's KV goes under pending/ even while a writer holds the store, another replica reads
+    it from there instead of computing it, and a fold stores it."""
+    from store.writeback import fold
+    from store.writer import open_writer
+
+    _, lazy = stores
+    with open_writer(lazy):  # an ingest holds the store throughout
+        answers = []
+        for _ in ("replica a", "replica b"):
+            with ragkv.open(lazy, device="cpu", leave_pending=True) as engine:
+                answer = engine.ask(QUESTIONS[0], max_new_tokens=6, context="chunk")
+                engine.flush()
+                answers.append(answer)
+        assert answers[0].stats.kv_source == "computed" and answers[1].stats.kv_source == "store"
+        assert answers[0].token_ids == answers[1].token_ids
+        assert sorted(p.suffix for p in (lazy / "pending").iterdir()) == [".json", ".safetensors"]
+    report = fold(lazy)  # their uses: in hits/, which a folder's readers append to without the lock
+    assert (report.objects, report.stored, report.uses_folded) == (1, 1, 2)
+    with ragkv.open(lazy, device="cpu", write_back=False) as engine:
+        again = engine.ask(QUESTIONS[0], max_new_tokens=6, context="chunk")
+        full = engine.ask(QUESTIONS[0], max_new_tokens=6, context="chunk", use_cache=False)
+    assert again.stats.kv_source == "store" and again.token_ids == full.token_ids == answers[0].token_ids
+
+
 def test_a_writer_replica_folds_only_when_readers_left_something_and_the_store_is_free(tiny_llama, corpus, tmp_path):
     from store.pending import PendingHits
     from store.writeback import FoldLoop
