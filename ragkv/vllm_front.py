@@ -146,11 +146,20 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 
 
+def check_store(store: str) -> None:
+    """Refuse a store the ragkv connector cannot read (before anything loads)."""
+    if str(store).startswith("s3://"):
+        raise InputError(
+            "--engine vllm: the ragkv connector reads a local store (a folder); serve an S3 store with --engine ragkv"
+        )
+
+
 def serve_on_vllm(engine, store: str, settings: ServeSettings, python: str, port: int, args: str, announce) -> None:
     """`ragkv serve --engine vllm`: starts vLLM (with the ragkv connector) on `port`, serves the
     front on uvicorn until interrupted, then stops vLLM. `engine` is opened without weights."""
     import shlex
 
+    check_store(store)
     facts = engine.lm.facts
     server = VllmServer(python, facts.path, facts.dtype, store, port, tuple(shlex.split(args)), settings.write_back)
     announce(f"starting vLLM ({python}) for {facts.name} on port {port}")

@@ -58,3 +58,11 @@ def test_options_it_can_honour_pass_and_no_cache_skips_the_store(front):
     ]
     assert payload({"no_cache": True})["kv_transfer_params"] == {"ragkv": "skip"}  # the connector's opt-out
     assert payload({"no_cache": True})["prompt"] == prompt.prompt_ids  # the same prompt, prefilled by vLLM
+
+
+def test_an_s3_store_is_refused_in_one_line_before_anything_loads():
+    from tests.conftest import run_cli
+
+    result = run_cli("serve", "--store", "s3://bucket/kv", "--engine", "vllm")
+    assert result.exit_code == 2 and "the ragkv connector reads a local store" in result.output
+    assert len(result.output.strip().splitlines()) == 1

@@ -130,6 +130,8 @@ class RagkvConnector(KVConnectorBase_V1):
         store = self._kv_transfer_config.get_from_extra_config("store", None)
         if not store:
             raise ValueError('RagkvConnector needs kv_connector_extra_config {"store": "PATH"}')
+        if str(store).startswith("s3://"):
+            raise ValueError("RagkvConnector reads a local store (a folder), not an S3 one")
         cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
         if cache_dtype not in ("auto", None):
             raise ModelError(
