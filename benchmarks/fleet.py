@@ -2,7 +2,8 @@
 
 Python library reference pages (Debian's python3.11-doc; chunks of 256 tokens), no chunk KV
 precomputed (every chunk is first met on the trace), the bundled SmolLM2 float32 on CPU, one
-client asking in order, one token per answer:
+client asking in order (`--clients 2`: two at once, on the fleet one per replica), one token
+per answer:
 - local: one `ragkv serve` on a folder store: each miss is written back at once;
 - fleet: two `ragkv serve` on one S3 store (SeaweedFS on loopback), each with its own mirror.
   Replica A is started with `--writer --fold-every N`; B only reads. The trace goes
@@ -15,6 +16,7 @@ request; how often the fleet computed one chunk more than once within a fold int
 the kill, A's failed requests and what the next fold found.
 
     python benchmarks/fleet.py [--work DIR] [--tokens 60000] [--questions 1500] [--fold-every 60]
+                               [--clients 1|2] [--out benchmarks/results/fleet.md]
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -76,36 +80,54 @@ def metric(base: str, name: str) -> float:
     return float(lines[0].split()[1]) if lines else 0.0
 
 
-def run_local(store: Path, home: Path, questions: list[str]) -> list[dict]:
+def in_turn(questions: list[str], clients: int, ask_one) -> None:
+    """Ask every question with `ask_one(i, question)`: in order with one client; with two,
+    client k asks questions k, k + 2, ... in order, both at once."""
+    if clients == 1:
+        for i, question in enumerate(questions):
+            ask_one(i, question)
+        return
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(lambda k: [ask_one(i, questions[i]) for i in range(k, len(questions), clients)], range(clients)))
+
+
+def run_local(store: Path, home: Path, questions: list[str], clients: int) -> list[dict]:
     server = serve(str(store), home)
+    rows: list[dict] = []
     try:
-        return [ask(server.base, q) for q in questions]
+        in_turn(questions, clients, lambda i, q: rows.append({**ask(server.base, q), "i": i}))
     finally:
         server.stop()
+    return sorted(rows, key=lambda r: r["i"])
 
 
-def run_fleet(uri: str, work: Path, questions: list[str], fold_every: float) -> dict:
+def run_fleet(uri: str, work: Path, questions: list[str], fold_every: float, clients: int) -> dict:
     """The trace round-robin over replicas A (the writer) and B; B killed -9 at two thirds."""
     a = serve(uri, work / "home-a", "--writer", "--fold-every", str(fold_every))
     b = serve(uri, work / "home-b")
-    rows, failed, kill_at, uploaded = [], 0, 2 * len(questions) // 3, 0.0
+    rows: list[dict] = []
+    kill_at, failed, uploaded = 2 * len(questions) // 3, [], [0.0]
     killed: dict = {}
-    try:
-        for i, question in enumerate(questions):
-            target = a if (i % 2 == 0 or killed) else b
-            try:
-                row = ask(target.base, question)
-            except httpx.HTTPError:
-                failed += 1
-                continue
-            row["replica"] = "a" if target is a else "b"
-            rows.append(row)
+    lock = threading.Lock()
+
+    def ask_one(i: int, question: str) -> None:
+        target = a if (i % 2 == 0 or killed) else b
+        try:
+            row = ask(target.base, question)
+        except httpx.HTTPError:
+            failed.append(i)
+            return
+        rows.append({**row, "i": i, "replica": "a" if target is a else "b"})
+        with lock:
             if i >= kill_at and not killed and target is b and row["source"] == "computed":
-                uploaded += metric(b.base, "ragkv_pending_uploaded_bytes")
+                uploaded[0] += metric(b.base, "ragkv_pending_uploaded_bytes")
                 b.process.send_signal(signal.SIGKILL)  # its write-back is uploading this miss's KV
                 b.process.wait()
-                killed = {"at": i, "pending": pending_names(uri)}
-        uploaded += metric(a.base, "ragkv_pending_uploaded_bytes")
+                killed.update({"at": i, "pending": pending_names(uri)})
+
+    try:
+        in_turn(questions, clients, ask_one)
+        uploaded[0] += metric(a.base, "ragkv_pending_uploaded_bytes")
         folds = metric(a.base, "ragkv_folds")
     finally:
         a.stop()
@@ -115,9 +137,9 @@ def run_fleet(uri: str, work: Path, questions: list[str], fold_every: float) -> 
     with open_snapshot(uri) as snapshot:
         ok = verify(snapshot).ok
     return {
-        "rows": rows,
-        "failed": failed,
-        "uploaded": uploaded,
+        "rows": sorted(rows, key=lambda r: r["i"]),
+        "failed": len(failed),
+        "uploaded": uploaded[0],
         "folds": folds,
         "killed": killed,
         "fold_after": after.to_dict(),
@@ -170,14 +192,19 @@ def render(local: list[dict], fleet: dict, args, tokens: int, chunks: int) -> st
     local_final, fleet_final = hit_rate(local[-tail:]), hit_rate(fleet["rows"][-tail:])
     dups, misses = duplicate_computes(fleet["rows"], args.fold_every)
     local_dups, local_misses = duplicate_computes(local, args.fold_every)
+    clients = (
+        "one client asking in order"
+        if args.clients == 1
+        else "two clients at once, each asking every other question in order (on the fleet each client its own replica)"
+    )
     lines = [
         "# A fleet on S3: two replicas, one writer",
         "",
         f"{describe()}. Command: `python benchmarks/fleet.py --tokens {args.tokens} --questions "
-        f"{args.questions} --fold-every {args.fold_every:g}`.",
+        f"{args.questions} --fold-every {args.fold_every:g}{' --clients 2' if args.clients == 2 else ''}`.",
         "",
         f"Python library reference pages ({tokens:,} tokens, {chunks} chunks of 256 tokens), no chunk KV "
-        f"precomputed, {args.questions} questions drawn by Zipf(1.1), one client in order, one token per "
+        f"precomputed, {args.questions} questions drawn by Zipf(1.1), {clients}, one token per "
         "answer, SmolLM2-135M float32 on CPU. Local: one `ragkv serve` on a folder store. Fleet: two "
         "`ragkv serve` on one S3 store (SeaweedFS on loopback), A with `--writer --fold-every "
         f"{args.fold_every:g}`, B a reader; the trace round-robin, B killed -9 at two thirds.",
@@ -220,6 +247,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=60000)
     parser.add_argument("--questions", type=int, default=1500)
     parser.add_argument("--fold-every", type=float, default=60.0)
+    parser.add_argument(
+        "--clients", type=int, choices=(1, 2), default=1, help="2: one client per replica, both at once"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "fleet.md")
     args = parser.parse_args()
     work = work_dir(args.work, "fleet")
@@ -238,10 +268,10 @@ def main() -> None:
         uri = f"s3://ragkv/fleet-{os.getpid()}"
         ingest(docs, uri, precompute=0)
         print("local replica", flush=True)
-        local_rows = run_local(local, work / "home-local", questions)
+        local_rows = run_local(local, work / "home-local", questions, args.clients)
         print(f"  hit rate {hit_rate(local_rows):.1%}", flush=True)
         print("fleet", flush=True)
-        fleet = run_fleet(uri, work, questions, args.fold_every)
+        fleet = run_fleet(uri, work, questions, args.fold_every, args.clients)
         print(f"  hit rate {hit_rate(fleet['rows']):.1%}", flush=True)
     text = render(local_rows, fleet, args, tokens, chunks)
     args.out.write_text(text)
