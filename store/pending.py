@@ -195,11 +195,12 @@ class PendingHits:
         self.flush()
 
 
-def read_hits(area: PendingArea, folded: dict[str, int]) -> Pending:
-    """The uses in the hits objects under `area` past the sizes already `folded` (an object
-    folded by a fold that published but did not get to delete it counts nothing again);
-    `finished`: folded objects that are gone, whose offsets the catalog can forget."""
-    names = area.names()
+def read_hits(area: PendingArea, folded: dict[str, int], names: dict[str, int] | None = None) -> Pending:
+    """The uses in the hits objects under `area` (listed as `names`, else listed here) past
+    the sizes already `folded` (an object folded by a fold that published but did not get to
+    delete it counts nothing again); `finished`: folded objects that are gone, whose offsets
+    the catalog can forget."""
+    names = area.names() if names is None else names
     found = Pending([], {}, [n for n in folded if n.endswith(HITS_SUFFIX) and n not in names])
     now = time.time()
     for name in sorted(n for n in names if n.endswith(HITS_SUFFIX)):
@@ -345,9 +346,10 @@ class FoldedPending:
     stale: list[str]  # shards without a manifest, old enough to be a killed replica's
 
 
-def read_objects(area: PendingArea) -> FoldedPending:
-    """Every whole pending object's entries, verified against their checksums."""
-    names = area.names()
+def read_objects(area: PendingArea, names: dict[str, int] | None = None) -> FoldedPending:
+    """Every whole pending object's entries (of `names`, else of a listing made here),
+    verified against their checksums."""
+    names = area.names() if names is None else names
     found = FoldedPending([], [], [], [])
     now = time.time()
     for name in sorted(n for n in names if n.endswith(MANIFEST_SUFFIX)):

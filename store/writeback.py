@@ -219,13 +219,14 @@ def fold_pending(writer) -> FoldReport:
     (`FoldReport.delete_folded`)."""
     area = PendingArea(writer.location)
     usage = writer.catalog.usage
-    hits = read_hits(area, usage.folded_offsets())
+    names = area.names()  # one listing for both kinds of object
+    hits = read_hits(area, usage.folded_offsets(), names)
     if not hits.uses:  # gone objects' offsets are forgotten with the next uses, not as a change alone
         hits.finished.clear()
     if hits.unusable:
         skipped = sum(hits.unusable.values())
         log.warning("pending hits: skipped %d lines that record no use; popularity counts the rest", skipped)
-    found = read_objects(area)
+    found = read_objects(area, names)
     report = FoldReport(writer.location, damaged=len(found.damaged) // 2, incomplete=len(found.stale))
     report.uses_folded = budget.fold_hits(writer) + usage.fold_uses(hits, usage.half_life_s())
     report.hit_objects = len(hits.offsets)

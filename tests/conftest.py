@@ -155,6 +155,30 @@ def sample_store(tmp_path_factory):
     return store, json.loads(result.stdout)
 
 
+def computed_kv_of(store: Path, count: int = 2) -> tuple[list, list]:
+    """The KV of `store`'s first `count` chunks as `ComputedKV` (what a reader that computed
+    them on a miss hands to its write-back, or leaves pending), and their context rows."""
+    from ragkv import codec
+    from store import open_snapshot
+    from store.writeback import ComputedKV
+
+    with open_snapshot(store) as snapshot:
+        profile_id = snapshot.catalog.entries.profiles()[0].profile_id
+        rows = snapshot.catalog.entries.context_rows(profile_id, sorted(snapshot.catalog.documents.chunk_ids())[:count])
+        batch = [
+            ComputedKV(
+                profile_id,
+                r.entry.kv_key,
+                r.chunk_id,
+                r.token_ids,
+                {"": codec.read(snapshot.shards, r.entry, torch.float32, "cpu").clone()},
+                {"profile_id": profile_id},
+            )
+            for r in rows
+        ]
+    return batch, rows
+
+
 def build_store(docs: Path, store: Path, model: str, dtype: str = "float32", prune: bool = False, **settings):
     return ragkv.ingest(
         [docs],

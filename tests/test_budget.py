@@ -22,7 +22,7 @@ from store.catalog import Catalog
 from store.popularity import HITS_DIR, HitLog, Use, decay, read_pending
 from store.shards import ShardWriter, shard_files
 from store.stats import store_stats
-from tests.conftest import QUESTIONS, ROOT, build_store, run_cli
+from tests.conftest import QUESTIONS, ROOT, build_store, computed_kv_of, run_cli
 
 
 # -- the budget's choice ---------------------------------------------------------------------
@@ -375,26 +375,11 @@ def test_a_fold_stores_pending_kv_once_and_leaves_nothing_partial(stores, monkey
     """KV left pending by two readers (as on S3) is folded once per key; an object whose
     manifest never came is never taken, and goes once old."""
     import store.pending as pending_module
-    from ragkv import codec
     from store.pending import PendingWriter
-    from store.writeback import ComputedKV, fold
+    from store.writeback import fold
 
     full, lazy = stores
-    with open_snapshot(full) as snapshot:
-        profile_id = snapshot.catalog.entries.profiles()[0].profile_id
-        ids = sorted(snapshot.catalog.documents.chunk_ids())[:2]
-        rows = snapshot.catalog.entries.context_rows(profile_id, ids)
-        batch = [
-            ComputedKV(
-                profile_id,
-                r.entry.kv_key,
-                r.chunk_id,
-                r.token_ids,
-                {"": codec.read(snapshot.shards, r.entry, torch.float32, "cpu").clone()},
-                {"profile_id": profile_id},
-            )
-            for r in rows
-        ]
+    batch, rows = computed_kv_of(full)
     for _ in range(2):  # two readers computed the same chunks
         PendingWriter(lazy, pending_bytes=1 << 30).put(batch)
     killed = PendingWriter(lazy, pending_bytes=1 << 30)

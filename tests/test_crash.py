@@ -21,7 +21,7 @@ from ragkv.keys import KVKey
 from store import open_snapshot, verify
 from store.generations import read_current
 from store.shards import shard_files
-from tests.conftest import ROOT
+from tests.conftest import ROOT, computed_kv_of
 
 SETTINGS = dict(chunk_tokens=48, batch_tokens=192, shard_bytes=48 * 1024)  # many batches, many small shards
 
@@ -199,29 +199,11 @@ FOLD = textwrap.dedent("""
 def fold_setup(tmp_path_factory, tiny_llama, corpus):
     """A store without chunk KV, and two readers' pending KV for it (the same two chunks, as
     computed by ingest) with their uses."""
-    import torch
-
-    from ragkv import codec
-    from store.writeback import ComputedKV
-
     root = tmp_path_factory.mktemp("fold-crash")
     model = ModelSettings(model=str(tiny_llama), device="cpu", dtype="float32")
     ragkv.ingest([corpus], root / "full", model=model, settings=IngestSettings())
     ragkv.ingest([corpus], root / "lazy", model=model, settings=IngestSettings(precompute=0))
-    with open_snapshot(root / "full") as snap:
-        profile_id = snap.catalog.entries.profiles()[0].profile_id
-        rows = snap.catalog.entries.context_rows(profile_id, sorted(snap.catalog.documents.chunk_ids())[:2])
-        batch = [
-            ComputedKV(
-                profile_id,
-                r.entry.kv_key,
-                r.chunk_id,
-                r.token_ids,
-                {"": codec.read(snap.shards, r.entry, torch.float32, "cpu").clone()},
-                {"profile_id": profile_id},
-            )
-            for r in rows
-        ]
+    batch, rows = computed_kv_of(root / "full")
     return root / "lazy", batch, rows
 
 
