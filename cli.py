@@ -407,9 +407,8 @@ def serve(
 
     announce = lambda line: typer.echo(line, err=True)  # noqa: E731
     if front is not None:
-        from ragkv.vllm_front import check_store, serve_on_vllm
+        from ragkv.vllm_front import serve_on_vllm
 
-        check_store(store)
         with ragkv.open(store, model=model, device="cpu", weights=False) as engine:
             serve_on_vllm(engine, store, settings, front.python, front.port, front.args, announce)
         return

@@ -3,7 +3,8 @@ KV run here as for `--engine local`, and the store is published with the planned
 still to compute; then vLLM's offline engine, in the python that has vLLM (`RAGKV_VLLM_PYTHON`,
 else this one), prefills each planned sequence (a chunk alone, or a span from its start) and
 the ragkv connector stores the KV the store lacks (ragkv.integrations.vllm_fill), keyed as
-ingest keys it, through the write-back (so a budget still decides what stays). A failure in
+ingest keys it, through the write-back (so a budget still decides what stays), as the store's
+one writer (on S3 too: vLLM's process takes the bucket's lock for each batch it publishes). A failure in
 that second half leaves a complete store whose chunks have their KV computed on a miss (by
 either engine), and says so.
 
@@ -26,6 +27,7 @@ from pipelines.pending import Unit
 from ragkv.config import import_path
 from ragkv.errors import InputError, ModelError
 from store import open_snapshot
+from store.remote import absolute
 
 VLLM_PYTHON_ENV = "RAGKV_VLLM_PYTHON"
 
@@ -36,8 +38,6 @@ def python() -> str:
 
 def check(store, settings) -> None:
     """Refuse, before any work, what the vLLM engine does not do yet (one line each)."""
-    if str(store).startswith("s3://"):
-        raise InputError("--engine vllm writes the store's KV from vLLM's process: use a local --store")
     found = subprocess.run([python(), "-c", "import vllm"], capture_output=True, text=True)
     if found.returncode != 0:
         raise InputError(
@@ -61,7 +61,7 @@ def fill(store, model_folder: str | Path, dtype: str, units: Sequence[Unit], rep
                 python(),
                 "-m",
                 "ragkv.integrations.vllm_fill",
-                str(Path(store).resolve()),
+                absolute(store),
                 str(model_folder),
                 dtype,
                 file.name,

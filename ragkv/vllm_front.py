@@ -27,7 +27,6 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import asdict
-from pathlib import Path
 
 import httpx
 from fastapi import Depends, FastAPI
@@ -53,6 +52,7 @@ from ragkv.config import import_path
 from ragkv.errors import InputError, ModelError
 from ragkv.guard import RequestGuard
 from ragkv.loader import continues_span
+from store.remote import absolute
 from store.writeback import FoldLoop
 
 log = logging.getLogger("ragkv")
@@ -72,13 +72,14 @@ class VllmServer:
         port: int,
         args: tuple[str, ...] = (),
         write_back: bool = True,
+        connector_options: dict | None = None,
     ):
         self.url = f"http://127.0.0.1:{port}"
         connector = {
             "kv_connector": "RagkvConnector",
             "kv_connector_module_path": "ragkv.integrations.vllm",
             "kv_role": "kv_both" if write_back else "kv_consumer",
-            "kv_connector_extra_config": {"store": str(Path(store).resolve())},
+            "kv_connector_extra_config": {"store": absolute(store), **(connector_options or {})},
         }
         self.command = [
             python,
@@ -146,22 +147,16 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 
 
-def check_store(store: str) -> None:
-    """Refuse a store the ragkv connector cannot read (before anything loads)."""
-    if str(store).startswith("s3://"):
-        raise InputError(
-            "--engine vllm: the ragkv connector reads a local store (a folder); serve an S3 store with --engine ragkv"
-        )
-
-
 def serve_on_vllm(engine, store: str, settings: ServeSettings, python: str, port: int, args: str, announce) -> None:
     """`ragkv serve --engine vllm`: starts vLLM (with the ragkv connector) on `port`, serves the
     front on uvicorn until interrupted, then stops vLLM. `engine` is opened without weights."""
     import shlex
 
-    check_store(store)
     facts = engine.lm.facts
-    server = VllmServer(python, facts.path, facts.dtype, store, port, tuple(shlex.split(args)), settings.write_back)
+    options = {"pending_bytes": settings.pending_bytes, "leave_pending": settings.leave_pending}
+    server = VllmServer(
+        python, facts.path, facts.dtype, store, port, tuple(shlex.split(args)), settings.write_back, options
+    )
     announce(f"starting vLLM ({python}) for {facts.name} on port {port}")
     server.start(timeout_s=1800)
     folding = FoldLoop(store, settings.fold_every_s).start() if settings.writer else None

@@ -13,7 +13,8 @@ takes it, and one deletes it once it is an hour old. A reader keeps at most `pen
 objects, dropping its oldest first (counted).
 
 A reader's uses are buffered and left as one hits object `HITS_FLUSH_S` seconds after the
-first, on `flush` and on close (a replica killed -9 loses at most that much of its count).
+first, on `flush`, on close, and when the process exits without closing (an engine embedded in
+another, as vLLM's offline LLM is); a replica killed -9 loses at most that much of its count.
 
 The writer folds (`ragkv fold`, and every ingest or `reindex` before its work): the hits
 objects first, into popularity (each object's size is recorded as folded, so a fold killed
@@ -26,6 +27,7 @@ is skipped with one warning and deleted.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import shutil
@@ -33,6 +35,7 @@ import tempfile
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,6 +156,7 @@ class PendingHits:
 
     def __init__(self, location: str | Path, flush_s: float = HITS_FLUSH_S):
         self.area = PendingArea(location)
+        _flush_at_exit(self)  # after the area: S3's client exists, and is finalised after this flush
         self.flush_s = flush_s
         self.objects = 0  # hits objects left
         self.bytes = 0  # their bytes
@@ -193,6 +197,24 @@ class PendingHits:
 
     def close(self) -> None:
         self.flush()
+
+
+_AT_EXIT: weakref.WeakSet[PendingHits] = weakref.WeakSet()  # flushed when the process exits
+
+
+def _flush_at_exit(hits: PendingHits) -> None:
+    """Leave `hits`' buffered uses when the process exits. The hook is registered with the
+    first one, after its area exists: exit hooks run last-registered first, and pyarrow's S3
+    registers its finaliser when first imported, which must run after this flush."""
+    if not _AT_EXIT:
+        atexit.unregister(_flush_all)  # once, however many readers came and went
+        atexit.register(_flush_all)
+    _AT_EXIT.add(hits)
+
+
+def _flush_all() -> None:
+    for hits in list(_AT_EXIT):
+        hits._flush_quietly()
 
 
 def read_hits(area: PendingArea, folded: dict[str, int], names: dict[str, int] | None = None) -> Pending:

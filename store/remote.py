@@ -77,6 +77,11 @@ def is_remote(location: str | Path) -> bool:
     return str(location).startswith(SCHEME)
 
 
+def absolute(location: str | Path) -> str:
+    """`location` as another process must name it: a folder's absolute path, or the S3 URI."""
+    return str(location) if is_remote(location) else str(Path(location).resolve())
+
+
 def filesystem():
     """pyarrow's S3 filesystem configured from the standard AWS environment."""
     from pyarrow import fs

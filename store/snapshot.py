@@ -104,6 +104,16 @@ class StoreSnapshot:
         self.close()
 
 
+def shard_reader(location: Path | str) -> ShardReader:
+    """A reader of the shards of the store at `location` (a folder, or s3://bucket/prefix: then
+    its local mirror's copies, fetched from the bucket when missing), without opening a
+    generation: for a process that is handed entries to read (a serving engine's worker)."""
+    if is_remote(location):
+        remote = RemoteStore(str(location))
+        return ShardReader(remote.mirror / SHARD_DIR, remote)
+    return ShardReader(Path(location) / SHARD_DIR)
+
+
 def open_snapshot(location: Path | str, require_documents: bool = True, lenient: bool = False) -> StoreSnapshot:
     """Open the published generation of the store at `location` (a folder or s3://bucket/prefix).
     `lenient` (verify, repair): open it even if its vector index is unreadable (see

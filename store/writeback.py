@@ -50,13 +50,16 @@ class WriteBackReport:
 
 
 class WriteBack:
-    """A background writer of computed KV into the store at `root` (a local folder)."""
+    """A background writer of computed KV into the store at `root` (a folder or S3)."""
 
-    def __init__(self, root, pending_bytes: int = PENDING_BYTES, leave_pending: bool = False):
+    def __init__(self, root, pending_bytes: int = PENDING_BYTES, leave_pending: bool = False, writer: bool = False):
         self.root = root
         self.report = WriteBackReport()
-        # on S3 (or a folder, if asked) a reader is never the writer: its KV waits under pending/ for a fold
-        self.pending = PendingWriter(root, pending_bytes) if leave_pending or is_remote(root) else None
+        # On S3 (or a folder, if asked) a reader is never the writer: its KV waits under pending/
+        # for a fold. `writer`: this process is the store's one writer (an ingest's KV half), and
+        # writes generations itself on S3 too.
+        leave = leave_pending or (is_remote(root) and not writer)
+        self.pending = PendingWriter(root, pending_bytes) if leave else None
         self._queue: queue.Queue[ComputedKV | None] = queue.Queue(MAX_PENDING)
         self._warned = False
         self._thread = threading.Thread(target=self._run, name="ragkv-writeback", daemon=True)

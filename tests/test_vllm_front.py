@@ -60,9 +60,19 @@ def test_options_it_can_honour_pass_and_no_cache_skips_the_store(front):
     assert payload({"no_cache": True})["prompt"] == prompt.prompt_ids  # the same prompt, prefilled by vLLM
 
 
-def test_an_s3_store_is_refused_in_one_line_before_anything_loads():
-    from tests.conftest import run_cli
+def test_vllm_is_started_on_the_store_as_named_with_the_replica_s_pending_options(tmp_path, monkeypatch):
+    """An S3 store reaches the connector as its URI (a folder as an absolute path), with the
+    options that make the replica leave its KV pending within its bound."""
+    import json
 
-    result = run_cli("serve", "--store", "s3://bucket/kv", "--engine", "vllm")
-    assert result.exit_code == 2 and "the ragkv connector reads a local store" in result.output
-    assert len(result.output.strip().splitlines()) == 1
+    from ragkv.vllm_front import VllmServer
+
+    def connector_config(store: str) -> dict:
+        server = VllmServer("python", "model", "float32", store, 8100, (), True, {"pending_bytes": 5 << 20})
+        return json.loads(server.command[server.command.index("--kv-transfer-config") + 1])
+
+    config = connector_config("s3://bucket/kv")
+    assert config["kv_connector_extra_config"] == {"store": "s3://bucket/kv", "pending_bytes": 5 << 20}
+    assert config["kv_role"] == "kv_both"
+    monkeypatch.chdir(tmp_path)
+    assert connector_config("kv")["kv_connector_extra_config"]["store"] == str(tmp_path.resolve() / "kv")

@@ -321,9 +321,12 @@ class KVSaver:
     waits for each gathered copy (an event, on CUDA), encodes it as the store does, and submits
     it to `store.writeback.WriteBack` (which batches, admits by budget and publishes).
 
-    `wait=True` (an ingest): a full write-back queue makes `submit` wait instead of dropping."""
+    `wait=True` (an ingest): a full write-back queue makes `submit` wait instead of dropping.
+    `options`: the WriteBack's (`pending_bytes`, `leave_pending`, `writer`)."""
 
-    def __init__(self, store: str | Path, profile: Profile, model_name: str, engine: str, wait: bool = False):
+    def __init__(
+        self, store: str | Path, profile: Profile, model_name: str, engine: str, wait: bool = False, **options: Any
+    ):
         import queue
         import threading
 
@@ -332,7 +335,7 @@ class KVSaver:
 
         self.profile = profile
         self.metadata = {**shard_metadata(profile.profile_id, model_name, profile.dtype), "engine": engine}
-        self.write_back = WriteBack(store)
+        self.write_back = WriteBack(store, **options)
         self.wait = wait
         self.copy_ms: deque[float] = deque(maxlen=TIMINGS_KEPT)  # per save: step time spent copying its KV out
         self.saves = 0

@@ -34,6 +34,14 @@ write-back (store.writeback): one writer, batched generations, the budget's admi
 popularity, a bounded wait behind another writer, and a failed write logged once while
 answering goes on. A kill at any point leaves the published store as it was.
 
+On an S3 store (`"store": "s3://bucket/prefix"`, credentials from the usual AWS settings), or on
+a folder with `"leave_pending": true`, vLLM is a replica that never takes the store's lock:
+the KV it computes and the uses it logs are left as objects under the store's `pending/`
+(at most `"pending_bytes"` of KV, oldest dropped first) for the store's one writer to fold
+(`ragkv fold`, `ragkv serve --writer`, the nightly `reindex`); shards are read from the
+machine's mirror of the bucket, fetched when first needed. `"writer": true` makes it that one
+writer instead (what `ingest --engine vllm` runs).
+
 A request opts out with `extra_args={"kv_transfer_params": {"ragkv": "skip"}}` (a full prefill:
 for comparisons). At start, a store without KV for the served model, tokenizer and dtype is
 refused with one line, as is a quantised vLLM KV cache. Import this module only inside vLLM.
@@ -73,9 +81,11 @@ from ragkv.integrations.store_match import (
 )
 from ragkv.integrations.vllm_load import PagedLoader
 from store import EntryRow
+from store.pending import PendingHits
 from store.popularity import HitLog
-from store.shards import ShardReader
-from store.snapshot import SHARD_DIR
+from store.remote import is_remote
+from store.snapshot import shard_reader
+from store.writeback import PENDING_BYTES
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -130,8 +140,6 @@ class RagkvConnector(KVConnectorBase_V1):
         store = self._kv_transfer_config.get_from_extra_config("store", None)
         if not store:
             raise ValueError('RagkvConnector needs kv_connector_extra_config {"store": "PATH"}')
-        if str(store).startswith("s3://"):
-            raise ValueError("RagkvConnector reads a local store (a folder), not an S3 one")
         cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
         if cache_dtype not in ("auto", None):
             raise ModelError(
@@ -145,6 +153,15 @@ class RagkvConnector(KVConnectorBase_V1):
         self._block_size = vllm_config.cache_config.block_size
         self._store = str(store)
         self._saves_on = self._kv_transfer_config.kv_role in ("kv_both", "kv_producer")
+        extra = self._kv_transfer_config.get_from_extra_config
+        self._write_options = {
+            "pending_bytes": int(extra("pending_bytes", PENDING_BYTES)),
+            "leave_pending": bool(extra("leave_pending", False)),
+            "writer": bool(extra("writer", False)),  # the store's one writer (an ingest): never pending
+        }
+        self._leaves_pending = self._write_options["leave_pending"] or (
+            is_remote(store) and not self._write_options["writer"]
+        )
         if role == KVConnectorRole.SCHEDULER:
             from ragkv.prompt import PromptLayout
 
@@ -157,10 +174,13 @@ class RagkvConnector(KVConnectorBase_V1):
             self._pending_saves: dict[str, _PendingSave] = {}
             self._logged: set[str] = set()  # requests whose uses are logged
             log_uses = self._kv_transfer_config.get_from_extra_config("log_uses", True)
-            self._hit_log: HitLog | None = HitLog(Path(store)) if log_uses else None  # an ingest's are not uses
+            # an ingest's are not uses; a replica that does not write the store leaves them pending for a fold
+            self._hit_log: HitLog | PendingHits | None = None
+            if log_uses:
+                self._hit_log = PendingHits(store) if self._leaves_pending else HitLog(Path(store))
             self._warned_params = False
         else:
-            self._shards = ShardReader(Path(store) / SHARD_DIR)
+            self._shards = shard_reader(store)
             layerwise = self._kv_transfer_config.get_from_extra_config("layerwise", "auto")
             self._loader = PagedLoader(layerwise if isinstance(layerwise, bool) else None)  # None: on CUDA only
             self.load_ms: deque[tuple[float, float]] = deque(maxlen=TIMINGS_KEPT)  # per load: (shard read, copies) ms
@@ -309,6 +329,7 @@ class RagkvConnector(KVConnectorBase_V1):
                 Path(self._vllm_config.model_config.model).name,
                 ENGINE,
                 wait=self._wait_saves,
+                **self._write_options,
             )
         for spec in meta.saves:
             started = time.perf_counter()
@@ -360,4 +381,10 @@ class RagkvConnector(KVConnectorBase_V1):
         saver = getattr(self, "_saver", None)
         if saver is not None:
             saver.close()
+        hit_log = getattr(self, "_hit_log", None)
+        if isinstance(hit_log, PendingHits):  # the uses still buffered: left for the fold
+            try:
+                hit_log.close()
+            except OSError as exc:
+                log.warning("ragkv connector: cannot leave chunk uses in %s (%s)", self._store, exc)
         super().shutdown()

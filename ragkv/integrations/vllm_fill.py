@@ -47,7 +47,7 @@ def main() -> None:
             kv_connector="RagkvConnector",
             kv_connector_module_path="ragkv.integrations.vllm",
             kv_role="kv_both",
-            kv_connector_extra_config={"store": store, "wait_saves": True, "log_uses": False},
+            kv_connector_extra_config={"store": store, "wait_saves": True, "log_uses": False, "writer": True},
         )
         llm = LLM(
             model=model,
