@@ -240,6 +240,16 @@ def read_hits(area: PendingArea, folded: dict[str, int], names: dict[str, int] |
     return found
 
 
+@dataclass(frozen=True)
+class PendingEntry:
+    """An entry a replica left pending: its key, where it is, and the chunk's own token ids."""
+
+    kv_key: str
+    shard: str
+    checksum: str
+    token_ids: tuple[int, ...]
+
+
 class PendingIndex:
     """The KV the fleet left pending, by key: a reader of an S3 store looks here before it
     computes a miss, so a chunk one replica computed is not computed again by another while it
@@ -250,27 +260,27 @@ class PendingIndex:
     def __init__(self, area: PendingArea, list_s: float = PENDING_LIST_S):
         self.area = area
         self.list_s = list_s
-        self._entries: dict[str, tuple[str, str]] = {}  # key -> (shard name, checksum)
+        self._entries: dict[str, PendingEntry] = {}
         self._read: set[str] = set()  # manifests read
         self._listed = float("-inf")
+
+    def lookup(self, key: str) -> PendingEntry | None:
+        """Where pending entry `key` is; None if nothing pending has it (as last listed)."""
+        if key not in self._entries and time.monotonic() - self._listed >= self.list_s:
+            self._refresh()
+        return self._entries.get(key)
 
     def find(self, key: str) -> dict[str, torch.Tensor] | None:
         """The encoded parts of pending entry `key`, verified; None if nothing pending has it
         (or what has it cannot be read: then it is computed, as any miss)."""
-        if key not in self._entries and time.monotonic() - self._listed >= self.list_s:
-            self._refresh()
-        if key not in self._entries:
+        entry = self.lookup(key)
+        if entry is None:
             return None
-        shard, checksum = self._entries[key]
-        reader = ShardReader(self.area.dir)
         try:
-            self.area.fetch(shard)
-            return {p: t.clone() for p, t in reader.read_parts(shard, key, checksum).items()}
+            return read_pending(self.area, entry.shard, key, entry.checksum)
         except (OSError, StoreCorruptError):  # folded and deleted meanwhile, or damaged
-            del self._entries[key]
+            self._entries.pop(key, None)
             return None
-        finally:
-            reader.close()
 
     def _refresh(self) -> None:
         self._listed = time.monotonic()
@@ -284,15 +294,27 @@ class PendingIndex:
                 data = self.area.read_bytes(name)
                 manifest = json.loads(data) if data else {}
                 for e in manifest.get("entries", ()):
-                    self._entries.setdefault(e["kv_key"], (manifest["shard"], e["checksum"]))
+                    found = PendingEntry(e["kv_key"], manifest["shard"], e["checksum"], tuple(e["token_ids"]))
+                    self._entries.setdefault(found.kv_key, found)
             except (OSError, ValueError, KeyError, TypeError):
                 continue  # a damaged manifest: the fold deletes it
         self._read &= set(names)
-        gone = {shard for shard, _ in self._entries.values() if shard not in names}
-        self._entries = {k: v for k, v in self._entries.items() if v[0] not in gone}
+        gone = {e.shard for e in self._entries.values() if e.shard not in names}
+        self._entries = {k: e for k, e in self._entries.items() if e.shard not in gone}
         if self.area.remote:
             for shard in gone:  # this reader's copies of what the fold took
                 (self.area.dir / shard).unlink(missing_ok=True)
+
+
+def read_pending(area: PendingArea, shard: str, key: str, checksum: str) -> dict[str, torch.Tensor]:
+    """The encoded parts of entry `key` of pending `shard`, verified (copied down first, on
+    S3). OSError when the fold took it meanwhile; StoreCorruptError when it is damaged."""
+    reader = ShardReader(area.dir)
+    try:
+        area.fetch(shard)
+        return {p: t.clone() for p, t in reader.read_parts(shard, key, checksum).items()}
+    finally:
+        reader.close()
 
 
 class PendingWriter:

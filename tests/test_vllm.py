@@ -355,11 +355,11 @@ def test_ingest_on_vllm_with_spans_under_a_budget_builds_what_local_ingest_build
 
 def test_vllm_on_an_s3_store_ingests_and_learns_through_the_fold(sample_store, s3_env, tmp_path, monkeypatch):
     """On S3: `ingest --engine vllm` builds the store local ingest builds (vLLM's process is its
-    one writer). A vLLM replica with the connector on a store without chunk KV never takes the
-    lock: the KV it computes on each miss and the uses it logs are left under pending/, and the
-    published store is unchanged. `ragkv fold` stores each once; then a replica on another
-    machine (an empty mirror) loads them from the bucket, its first tokens equal to vLLM's
-    own full prefill's."""
+    one writer). A vLLM replica with the connector, on a store without chunk KV, never takes
+    the lock: the KV it computes on each miss and the uses it logs are left under pending/,
+    the published store unchanged. A second replica, on another machine, loads that pending
+    KV instead of computing it again (first tokens equal to vLLM's own full prefill's), and
+    `ragkv fold` stores each chunk once, with both replicas' uses."""
     from ragkv.api import ServeSettings
     from ragkv.vllm_front import _layout_params
     from tests import s3server
@@ -384,45 +384,51 @@ def test_vllm_on_an_s3_store_ingests_and_learns_through_the_fold(sample_store, s
             assert got.token_ids == local.ask(question, max_new_tokens=12).token_ids
 
     assert run_cli("ingest", SAMPLE_DATA, "--store", lazy, "--precompute", "0").exit_code == 0
-    runs, held = [], {}
+    prompts = {}
     with ragkv.open(lazy, device="cpu", weights=False) as engine:
         model, generation = engine.lm.facts.path, engine.snapshot.generation
         prefix_len = len(engine.active.layout.prefix_ids)
         for i, question in enumerate(QUESTIONS):
             prompt = engine.prompt_for(question, AskSettings(top_k=1, context="chunk"))
             params = _layout_params(prompt, ServeSettings())
-            held[f"q{i}"] = (prompt.prompt_ids, params, prefix_len + len(prompt.chunk_ids[0]))
-            runs += [
-                run(f"q{i}-miss", prompt.prompt_ids, params, flush=True),
-                run(f"q{i}-full", prompt.prompt_ids, SKIP),
-            ]
-    result = probe(model, lazy, runs, tmp_path, kv_role="kv_both")
-    by_name, block = {r["name"]: r for r in result["runs"]}, result["block_size"]
-    for name in held:
-        assert by_name[f"{name}-miss"]["num_cached_tokens"] == prefix_len // block * block  # the prefix only
-        assert by_name[f"{name}-miss"]["first_token"] == by_name[f"{name}-full"]["first_token"]
-    pending = {k: v for k, v in s3server.objects(s3_env["fs"], "vllm-lazy").items() if k.startswith("pending/")}
-    manifests = [k for k in pending if k.endswith(".json")]
-    hits = [k for k in pending if k.endswith(".hits.jsonl")]
-    assert manifests and hits  # the KV and the uses, each as objects of their own
+            prompts[f"q{i}"] = (prompt.prompt_ids, params, prefix_len + len(prompt.chunk_ids[0]))
+
+    def replica(suffix: str, flush: bool, work: Path) -> tuple[dict, int]:
+        runs = []
+        for name, (ids, params, _) in prompts.items():
+            runs += [run(f"{name}-{suffix}", ids, params, flush=flush), run(f"{name}-full", ids, SKIP)]
+        work.mkdir()
+        result = probe(model, lazy, runs, work, kv_role="kv_both")
+        return {r["name"]: r for r in result["runs"]}, result["block_size"]
+
+    def pending_objects() -> list[str]:
+        return [k for k in s3server.objects(s3_env["fs"], "vllm-lazy") if k.startswith("pending/")]
+
+    first, block = replica("miss", True, tmp_path / "first")
+    left = pending_objects()
+    manifests = [k for k in left if k.endswith(".json")]
+    assert manifests and [k for k in left if k.endswith(".hits.jsonl")]  # the KV and the uses, as objects
     with open_snapshot(lazy) as snapshot:  # nothing published by the replica
         assert snapshot.generation == generation and snapshot.catalog.reports.counts()["kv_entries"] == 1
+
+    fresh_home(tmp_path / "another-machine", monkeypatch)
+    second, _ = replica("hit", False, tmp_path / "second")
+    for name, (_, _, num_held) in prompts.items():
+        miss, hit, full = first[f"{name}-miss"], second[f"{name}-hit"], second[f"{name}-full"]
+        assert miss["num_cached_tokens"] == prefix_len // block * block  # the prefix only
+        assert hit["num_cached_tokens"] == num_held // block * block > miss["num_cached_tokens"]  # and the chunk
+        assert miss["first_token"] == hit["first_token"] == full["first_token"]
+        token = str(full["first_token"])
+        assert abs(hit["logprobs"][token] - full["logprobs"][token]) < 1e-3
+    assert [k for k in pending_objects() if k.endswith(".json")] == manifests  # nothing computed twice
 
     folded = run_cli("fold", "--store", lazy, "--json")
     assert folded.exit_code == 0, folded.output
     folded = json.loads(folded.stdout)
-    assert folded["stored"] == len(QUESTIONS) and folded["uses_folded"] == len(QUESTIONS)
-    assert not [k for k in s3server.objects(s3_env["fs"], "vllm-lazy") if k.startswith("pending/")]
-    fresh_home(tmp_path / "another-machine", monkeypatch)
-    runs = []
-    for name, (ids, params, _) in held.items():
-        runs += [run(f"{name}-hit", ids, params), run(f"{name}-full", ids, SKIP)]
-    (tmp_path / "again").mkdir()
-    result = probe(model, lazy, runs, tmp_path / "again", kv_role="kv_consumer")
-    by_name = {r["name"]: r for r in result["runs"]}
-    for name, (_, _, num_held) in held.items():
-        hit, full = by_name[f"{name}-hit"], by_name[f"{name}-full"]
-        assert hit["num_cached_tokens"] == num_held // block * block > prefix_len // block * block
-        assert hit["first_token"] == full["first_token"]
-        token = str(full["first_token"])
-        assert abs(hit["logprobs"][token] - full["logprobs"][token]) < 1e-3
+    assert folded["stored"] == len(QUESTIONS) and folded["uses_folded"] == 2 * len(QUESTIONS)
+    assert not pending_objects()
+    with ragkv.open(lazy, device="cpu", write_back=False) as served, ragkv.open(full_store, device="cpu") as local:
+        for question in QUESTIONS:  # the KV vLLM computed, folded: ragkv's engine answers from it
+            got = served.ask(question, max_new_tokens=12, context="chunk")
+            assert got.stats.kv_source == "store"
+            assert got.token_ids == local.ask(question, max_new_tokens=12, context="chunk").token_ids

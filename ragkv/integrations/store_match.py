@@ -15,8 +15,10 @@ are which chunks, in the request's `kv_transfer_params`:
 
 the chunks in prompt order after the prefix, joined by the layout's separator. With it the
 engine logs each chunk's use (popularity and the hit rate, as ragkv's own engine does), and,
-with `write_back`, stores the first chunk's KV when the store lacks it: the one chunk whose
-KV in the prompt is exactly what ingest computes (after the prefix alone). Nothing in the
+with `write_back`, stores each chunk of the prompt's leading run the store lacks: the chunks
+whose KV in the prompt is exactly what ingest computes (a chunk after the prefix alone, or a
+span's chunks from its start). Given the fleet's pending KV (a replica of an S3 store), that
+run is first looked for there, and what is found is loaded instead of computed. Nothing in the
 params is trusted for the store's contents: the key is computed from the prompt's own ids,
 and those ids must be the chunk's own (as ingest linked them, else its text as the store's
 tokenizer encodes it).
@@ -38,6 +40,7 @@ from ragkv.errors import InputError, ModelError
 from ragkv.keys import KVKey, Profile
 from ragkv.profiles import candidates, first_matching
 from store import EntryRow, open_snapshot
+from store.pending import PendingIndex
 from store.popularity import Use
 from store.shards import ShardReader
 
@@ -53,6 +56,7 @@ class StoreMatch:
 
     num_tokens: int
     entries: tuple[EntryRow, ...]
+    pending: frozenset[str] = frozenset()  # keys of entries another replica left pending (not stored yet)
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,7 @@ class RequestPlan:
 
     uses: tuple[Use, ...]
     saves: tuple[SaveTarget, ...] = ()
+    match: StoreMatch | None = None  # the store's match, extended by the fleet's pending KV
 
 
 @dataclass(frozen=True)
@@ -182,11 +187,19 @@ class StoreMatcher:
     """Matches prompt ids against the store at `store` under `profile`. Holds the published
     generation open (leased, so gc keeps its shards) and moves to a newer one between calls."""
 
-    def __init__(self, store: str | Path, profile: Profile, separator_ids: Sequence[int] = (), tokenizer=None):
+    def __init__(
+        self,
+        store: str | Path,
+        profile: Profile,
+        separator_ids: Sequence[int] = (),
+        tokenizer=None,
+        fleet: PendingIndex | None = None,
+    ):
         self.store = str(store)
         self.profile = profile
         self.separator_ids = tuple(separator_ids)
         self.tokenizer = tokenizer  # to check a chunk to save is its text's tokens (None: never save)
+        self.fleet = fleet  # the KV other replicas left pending for the fold (None: not looked at)
         self.snapshot = open_snapshot(store, require_documents=False)
         self._load()
 
@@ -236,9 +249,14 @@ class StoreMatcher:
         self, prompt_ids: Sequence[int], chunks: Sequence[LaidOutChunk], write_back: bool, match: StoreMatch
     ) -> RequestPlan:
         """The uses of `chunks` (laid out in `prompt_ids`, of which `match` is what the store
-        holds) and, with `write_back`, the chunks to save that the store lacks (see `_saves`)."""
+        holds), the match extended by what the fleet left pending of the chunks that follow it,
+        and, with `write_back`, the chunks to save that neither holds (see `_missing`)."""
         refs = self.snapshot.catalog.documents.chunk_refs([c.chunk_id for c in chunks]) if chunks else {}
-        saves = self._saves(prompt_ids, chunks, refs, match) if write_back and self.tokenizer is not None else ()
+        missing: tuple[SaveTarget, ...] = ()
+        if self.tokenizer is not None and (write_back or self.fleet is not None):
+            missing = self._missing(prompt_ids, chunks, refs, match)
+        match, missing = self._with_fleet(match, missing)
+        saves = missing if write_back else ()
         saved = {t.chunk_id for t in saves}
         uses = []
         for chunk in chunks:
@@ -247,14 +265,36 @@ class StoreMatcher:
             doc_id, chunk_index, _ = refs[chunk.chunk_id]
             source = "store" if chunk.end <= match.num_tokens else "computed" if chunk.chunk_id in saved else "live"
             uses.append(Use(doc_id, chunk_index, source))
-        return RequestPlan(tuple(uses), saves)
+        return RequestPlan(tuple(uses), saves, match)
 
-    def _saves(
+    def _with_fleet(
+        self, match: StoreMatch, missing: tuple[SaveTarget, ...]
+    ) -> tuple[StoreMatch, tuple[SaveTarget, ...]]:
+        """`match` extended by the leading `missing` chunks another replica left pending (each
+        with the prompt's own ids, right where the match ends), and the chunks still missing."""
+        if self.fleet is None:
+            return match, missing
+        entries, pending, end, taken = list(match.entries), set(match.pending), match.num_tokens, 0
+        for target in missing:
+            found = self.fleet.lookup(target.kv_key) if target.start == end else None
+            if found is None or found.token_ids != target.token_ids:
+                break
+            num_tokens = target.end - target.start
+            entries.append(
+                EntryRow(target.kv_key, found.shard, target.kv_key, num_tokens, self.profile.dtype, found.checksum, 0)
+            )
+            pending.add(target.kv_key)
+            end, taken = target.end, taken + 1
+        if not taken:
+            return match, missing
+        return StoreMatch(end, tuple(entries), frozenset(pending)), missing[taken:]
+
+    def _missing(
         self, prompt_ids: Sequence[int], chunks: Sequence[LaidOutChunk], refs: dict, match: StoreMatch
     ) -> tuple[SaveTarget, ...]:
         """The prompt's leading chunks laid out as ingest computed them (a chunk alone, or a
         span's chunks from its start with separators between), from the first the store lacks
-        on, each under the key ingest gives it. The run ends at a chunk whose ids in the prompt
+        on, each under the key ingest gives it: what to save. The run ends at a chunk whose ids in the prompt
         are not its link's (or its text's), and after a chunk stored alone; a prompt that opens
         inside a span saves nothing (that KV continues chunks the prompt lacks)."""
         from ragkv.prompt import encode_text

@@ -39,8 +39,10 @@ a folder with `"leave_pending": true`, vLLM is a replica that never takes the st
 the KV it computes and the uses it logs are left as objects under the store's `pending/`
 (at most `"pending_bytes"` of KV, oldest dropped first) for the store's one writer to fold
 (`ragkv fold`, `ragkv serve --writer`, the nightly `reindex`); shards are read from the
-machine's mirror of the bucket, fetched when first needed. `"writer": true` makes it that one
-writer instead (what `ingest --engine vllm` runs).
+machine's mirror of the bucket, fetched when first needed. Such a replica also loads what
+the others left pending (the scheduler matches a laid-out request's missing chunks against
+`pending/`, store.pending.PendingIndex) instead of computing it again. `"writer": true` makes
+it the one writer instead (what `ingest --engine vllm` runs).
 
 A request opts out with `extra_args={"kv_transfer_params": {"ragkv": "skip"}}` (a full prefill:
 for comparisons). At start, a store without KV for the served model, tokenizer and dtype is
@@ -64,7 +66,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from ragkv.errors import InputError, ModelError
+from ragkv import codec, kv
+from ragkv.errors import InputError, ModelError, StoreCorruptError
 from ragkv.integrations.paged import LayoutError, PagedLayout, block_dim_of
 from ragkv.integrations.store_match import (
     TIMINGS_KEPT,
@@ -73,6 +76,7 @@ from ragkv.integrations.store_match import (
     RequestLayout,
     RequestPlan,
     SaveTarget,
+    StoreMatch,
     StoreMatcher,
     chunk_layout,
     load_kv,
@@ -80,8 +84,8 @@ from ragkv.integrations.store_match import (
     slot_mapping,
 )
 from ragkv.integrations.vllm_load import PagedLoader
-from store import EntryRow
-from store.pending import PendingHits
+from store import EntryRow, open_snapshot
+from store.pending import PendingArea, PendingHits, PendingIndex, read_pending
 from store.popularity import HitLog
 from store.remote import is_remote
 from store.snapshot import shard_reader
@@ -108,6 +112,7 @@ class LoadSpec:
     start: int
     end: int
     block_ids: tuple[int, ...]
+    pending: frozenset[str] = frozenset()  # keys of entries read from the fleet's pending KV
 
 
 @dataclass(frozen=True)
@@ -167,9 +172,10 @@ class RagkvConnector(KVConnectorBase_V1):
 
             layout = PromptLayout.build(identity.tokenizer, "")
             self._separator_len = len(layout.separator_ids)
-            self._matcher = StoreMatcher(store, self._profile, layout.separator_ids, identity.tokenizer)
-            self._matched: dict[str, tuple[tuple[EntryRow, ...], int, int]] = {}  # request -> entries, start, end
-            self._to_load: dict[str, tuple[tuple[EntryRow, ...], int, int]] = {}
+            fleet = PendingIndex(PendingArea(store)) if self._leaves_pending else None
+            self._matcher = StoreMatcher(store, self._profile, layout.separator_ids, identity.tokenizer, fleet)
+            self._matched: dict[str, tuple[StoreMatch, int, int]] = {}  # request -> match, start, end
+            self._to_load: dict[str, tuple[StoreMatch, int, int]] = {}
             self._plans: dict[str, RequestPlan] = {}  # matched, not yet allocated
             self._pending_saves: dict[str, _PendingSave] = {}
             self._logged: set[str] = set()  # requests whose uses are logged
@@ -181,6 +187,8 @@ class RagkvConnector(KVConnectorBase_V1):
             self._warned_params = False
         else:
             self._shards = shard_reader(store)
+            self._pending_area = PendingArea(store) if self._leaves_pending else None
+            self._load_errors: set[int] = set()  # blocks whose load failed this step: vLLM recomputes them
             layerwise = self._kv_transfer_config.get_from_extra_config("layerwise", "auto")
             self._loader = PagedLoader(layerwise if isinstance(layerwise, bool) else None)  # None: on CUDA only
             self.load_ms: deque[tuple[float, float]] = deque(maxlen=TIMINGS_KEPT)  # per load: (shard read, copies) ms
@@ -205,12 +213,14 @@ class RagkvConnector(KVConnectorBase_V1):
         match = self._matcher.match(prompt)
         if match is None:
             return 0, False
-        self._plans[request.request_id] = self._plan(request, prompt, match)
+        plan = self._plan(request, prompt, match)
+        self._plans[request.request_id] = plan
+        match = plan.match or match  # with what other replicas left pending (on S3)
         # Whole blocks only, and never the last prompt token: vLLM computes it for the logits.
         end = min(match.num_tokens, len(prompt) - 1) // self._block_size * self._block_size
         if end <= num_computed_tokens:
             return 0, False
-        self._matched[request.request_id] = (match.entries, num_computed_tokens, end)
+        self._matched[request.request_id] = (match, num_computed_tokens, end)
         return end - num_computed_tokens, False
 
     def _plan(self, request: Request, prompt: list[int], match) -> RequestPlan:
@@ -256,8 +266,9 @@ class RagkvConnector(KVConnectorBase_V1):
         meta = RagkvConnectorMetadata()
         for new in scheduler_output.scheduled_new_reqs:
             if new.req_id in self._to_load:
-                entries, start, end = self._to_load.pop(new.req_id)
-                meta.loads.append(LoadSpec(new.req_id, entries, start, end, tuple(new.block_ids[0])))
+                match, start, end = self._to_load.pop(new.req_id)
+                block_ids = tuple(new.block_ids[0])
+                meta.loads.append(LoadSpec(new.req_id, match.entries, start, end, block_ids, match.pending))
             pending = self._pending_saves.get(new.req_id)
             if pending is not None:
                 pending.block_ids, pending.computed = list(new.block_ids[0]), new.num_computed_tokens
@@ -298,13 +309,48 @@ class RagkvConnector(KVConnectorBase_V1):
             return
         for load in meta.loads:
             started = time.perf_counter()
-            kv_tensor = load_kv(self._shards, load.entries, self._dtype)[
-                :, :, :, load.start : load.end
-            ]  # (L, 2, H, T, D)
+            try:
+                kv_tensor = self._read(load)[:, :, :, load.start : load.end]  # (L, 2, H, T, D)
+            except (OSError, StoreCorruptError) as exc:
+                first, last = load.start // self._block_size, -(-load.end // self._block_size)
+                self._load_errors.update(load.block_ids[first:last])
+                log.warning("ragkv connector: cannot read request %s's stored KV (%s)", load.request_id, exc)
+                continue
             read = time.perf_counter()
             slots = slot_mapping(load.block_ids, self._block_size, load.start, load.end)
             self._loader.load(kv_tensor, slots, forward_context)
             self.load_ms.append(((read - started) * 1000.0, (time.perf_counter() - read) * 1000.0))
+
+    def _read(self, load: LoadSpec) -> torch.Tensor:
+        """The load's entries' KV joined, `(L, 2, H, T, D)`: from the store's shards, and those
+        another replica left pending from the pending area (or, if the fold took one meanwhile,
+        from the generation it was stored in)."""
+        if not load.pending:
+            return load_kv(self._shards, load.entries, self._dtype)
+        parts = []
+        for entry in load.entries:
+            if entry.kv_key not in load.pending:
+                parts.append(codec.read(self._shards, entry, self._dtype))
+                continue
+            try:
+                area = self._pending_area or PendingArea(self._store)
+                encoded = read_pending(area, entry.shard, entry.kv_key, entry.checksum)
+                parts.append(codec.decode(encoded, self._dtype))
+            except (OSError, StoreCorruptError):
+                parts.append(self._read_folded(entry.kv_key))
+        return torch.cat(parts, dim=kv.TOKEN_DIM)
+
+    def _read_folded(self, key: str) -> torch.Tensor:
+        """Entry `key`'s KV from the store's newest generation (a fold took it from pending/)."""
+        with open_snapshot(self._store, require_documents=False) as snapshot:
+            entry = snapshot.catalog.entries.entry(key)
+            if entry is None:
+                raise StoreCorruptError(f"entry {key[:12]} left pending is neither pending nor stored")
+            return codec.read(snapshot.shards, entry, self._dtype)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._load_errors = self._load_errors, set()
+        return failed
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._loader.wait_for_layer(layer_name)
