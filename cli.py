@@ -419,17 +419,19 @@ def serve(
 @app.command()
 def calibrate(
     store: str = StoreOption,
-    questions: int = typer.Option(12, "--questions", help="Held-in questions drawn from the store's own chunks."),
+    questions: int = typer.Option(32, "--questions", help="Held-in questions drawn from the store's own chunks."),
     top_k: int = typer.Option(5, "--top-k", "-k", help="Chunks each question retrieves (approximate modes need 2+)."),
-    target: float = typer.Option(0.9, "--target", help="First-token agreement with a full prefill to reach."),
+    target: float = typer.Option(
+        0.9, "--target", help="First-token agreement with a full prefill to reach (90% sure)."
+    ),
     model: str | None = ModelOverrideOption,
     device: str = DeviceOption,
     json_out: bool = JsonOption,
     quiet: bool = QuietOption,
 ):
     """Measure the approximate modes against a full prefill on this store and record what
-    `--mode approximate` runs as: the fastest mode and recompute share reaching --target
-    first-token agreement, or exact answers when none does (faster than exact)."""
+    `--mode approximate` runs as: the fastest mode and recompute share whose first-token
+    agreement is at least --target at 90% confidence, or exact answers when none is (faster than exact)."""
     quiet_libraries()
     from pipelines.calibrate import CalibrateSettings
     from pipelines.calibrate import calibrate as run

@@ -1,7 +1,9 @@
 """`ragkv calibrate`: what `--mode approximate` should run as on this store and model, measured.
 
-Held-in questions are drawn from the store's own chunks (evenly over the corpus: "What does the
-text say about <the chunk's first sentence>?"), each retrieving `top_k` chunks. For each one a
+Held-in questions are drawn from the store's own chunks, evenly over the corpus, in three
+shapes taken in turn: "What does the text say about <the chunk's first sentence>?", "Is it true
+that <a later sentence>?", and a search-box query of the chunk's rarest words. Each retrieves
+`top_k` chunks. For each one a
 full prefill gives the reference: its first answer token and its greedy answer (no repetition
 controls, so the answer is the argmax path). Each approximate mode is then measured at growing
 recompute shares until it reaches the target first-token agreement:
@@ -9,8 +11,11 @@ recompute shares until it reaches the target first-token agreement:
 - teacher-forced agreement: the reference answer fed after the mode's cache, the share of
   positions whose top token is the reference's;
 - time to first token over the full prefill's (medians; RAM tier and prefix cache emptied).
-The fastest configuration that reached the target, and only if faster than exact, is recorded in
-the store's catalog (ragkv.calibration); when none is, `--mode approximate` answers exactly.
+A configuration reaches the target when the lower end of its first-token agreement's one-sided
+90% interval does (ragkv.calibration.lower_bound), so the default 32 questions must nearly all
+agree. The fastest configuration that reached the target, and only if faster than exact, is
+recorded in the store's catalog (ragkv.calibration); when none is, `--mode approximate`
+answers exactly.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from pathlib import Path
 import torch
 
 from pipelines.progress import Reporter
-from ragkv.calibration import Calibration, Measured, meta_key
+from ragkv.calibration import Calibration, Measured, choose, lower_bound, meta_key
 from ragkv.config import AskSettings
 from ragkv.errors import InputError
 from ragkv.query import QueryEngine
@@ -36,7 +41,7 @@ PLAIN = {"repetition_penalty": 1.0, "no_repeat_ngram": 0}  # the reference answe
 
 @dataclass(frozen=True)
 class CalibrateSettings:
-    questions: int = 12
+    questions: int = 32
     top_k: int = 5
     target: float = 0.9  # first-token agreement a configuration must reach
     tokens: int = 16  # reference answer tokens fed for teacher-forced agreement
@@ -60,16 +65,42 @@ class Reference:
     ttft_s: float
 
 
+WORD = re.compile(r"[^\W\d_]{4,}")  # a word of 4 letters or more
+
+
 def held_in_questions(catalog, count: int) -> list[str]:
-    """Up to `count` questions, each about one chunk's first sentence, chunks spread evenly."""
+    """Up to `count` questions, each about one chunk, chunks spread evenly, the shapes in turn
+    (module docstring)."""
     ids = sorted(catalog.documents.chunk_ids())
     picked = ids[:: max(1, len(ids) // count)][:count]
     questions = []
-    for text in catalog.documents.chunk_texts(picked).values():
-        sentence = " ".join(SENTENCE_END.split(text.strip(), maxsplit=1)[0].split()[:20]).rstrip(".!?:;,")
-        if sentence:
-            questions.append(f"What does the text say about {sentence}?")
+    for i, text in enumerate(catalog.documents.chunk_texts(picked).values()):
+        sentences = [s for s in (_clause(part) for part in SENTENCE_END.split(text.strip())) if s]
+        if not sentences:
+            continue
+        later = [s for s in sentences[1:] if len(s.split()) >= 5]  # a statement, not a heading
+        if i % 3 == 1 and later:
+            statement = later[len(later) // 2]
+            if statement[1:2].islower():  # "The ..." reads "the ...", "API ..." stays
+                statement = statement[0].lower() + statement[1:]
+            questions.append(f"Is it true that {statement}?")
+        elif i % 3 == 2 and (keywords := _rarest_words(text, 5)):
+            questions.append(" ".join(keywords))
+        else:
+            questions.append(f"What does the text say about {sentences[0]}?")
     return questions
+
+
+def _clause(sentence: str) -> str:
+    """A sentence cut to its first 20 words, without markup before it or punctuation after."""
+    return " ".join(sentence.lstrip("#*->| \t").split()[:20]).rstrip(".!?:;,")
+
+
+def _rarest_words(text: str, count: int) -> list[str]:
+    """The text's `count` longest distinct words (a stand-in for its rarest), in text order."""
+    words = list(dict.fromkeys(w.lower() for w in WORD.findall(text)))
+    kept = set(sorted(words, key=len, reverse=True)[:count])
+    return [w for w in words if w in kept]
 
 
 def calibrate(
@@ -93,12 +124,11 @@ def calibrate(
                     )
                 )
                 reporter.advance(len(references))
-                if measured[-1].first_token >= settings.target:
+                if measured[-1].assured >= settings.target:
                     break
         reporter.done()
         profile_id = engine.active.profile.profile_id
-    passing = [m for m in measured if m.first_token >= settings.target and m.ttft_ratio < exact.ttft_ratio]
-    chosen = min(passing, key=lambda m: m.ttft_ratio, default=None)
+    chosen = choose(measured, settings.target, exact.ttft_ratio)
     result = Calibration(settings.target, settings.top_k, len(references), exact.ttft_ratio, chosen, measured)
     with open_writer(store) as writer:
         writer.catalog.set_meta({meta_key(profile_id): result.to_json()})
@@ -165,4 +195,5 @@ def _measure(engine, references: list[Reference], ask: AskSettings, settings: Ca
         statistics.mean(first) if first else 0.0,
         statistics.mean(forced) if forced else 0.0,
         statistics.median(ttft) / full_ttft if ttft and full_ttft else 1.0,
+        lower_bound(sum(first), len(first)),
     )

@@ -61,6 +61,7 @@ class IngestReport:
     uses_folded: int = 0  # question uses read from the hit logs into the catalog (popularity)
     kv_folded: int = 0  # KV readers computed on misses and left pending (on S3), stored by this ingest
     shards_discarded: int = 0  # ray: shards of killed, retried attempts (duplicates), deleted
+    calibration: str = ""  # with --calibrate: what --mode approximate runs as now, and what it measured
     tokens_computed: int = 0
     tokens_skipped: int = 0
     compute_s: float = 0.0  # model forwards only
@@ -137,6 +138,12 @@ def ingest(
         reporter.done()
     if to_vllm is not None:
         vllm_engine.fill(store, lm.facts.path, model.dtype, to_vllm, report)
+    if settings.calibrate:
+        from pipelines.calibrate import CalibrateSettings, calibrate
+
+        del lm, embedder  # the calibration loads the model it answers with
+        calibrated = calibrate(store, CalibrateSettings(), reporter, device=model.device)  # the profile just built
+        report.calibration = calibrated.describe()
     report.total_s = time.perf_counter() - started
     return report
 

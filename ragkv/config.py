@@ -226,6 +226,7 @@ class IngestSettings(_Settings):
     kv_budget: int | None = None  # bytes of KV the store may hold, kept by popularity (None: the store's, else none)
     precompute: int | None = None  # bytes of chunk KV to compute now (None: all the budget allows; 0: none)
     max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES  # larger documents are skipped (listed with the reason)
+    calibrate: bool = False  # then measure what --mode approximate runs as (pipelines.calibrate, its defaults)
 
     def __post_init__(self):
         if self.span_tokens and self.span_tokens < self.chunk_tokens:

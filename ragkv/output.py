@@ -72,6 +72,8 @@ def ingest_lines(report: dict) -> list[str]:
         f"({report['tokens_skipped']:,} tokens skipped){adopted}; {report['model']} {report['dtype']} on "
         f"{report['device']}{engine}; {report['total_s']:.1f} s"
     )
+    if report.get("calibration"):
+        lines.append(f"--mode approximate: {report['calibration']}")
     if report["skipped"]:
         lines.append(f"Skipped {len(report['skipped'])} file(s):")
         lines += [f"  {item['source']}: {item['reason']}" for item in report["skipped"]]

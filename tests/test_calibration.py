@@ -11,7 +11,7 @@ import pytest
 import ragkv
 from pipelines.calibrate import CalibrateSettings, calibrate, held_in_questions
 from pipelines.progress import default_reporter
-from ragkv.calibration import Calibration, Measured, meta_key, resolve
+from ragkv.calibration import Calibration, Measured, choose, lower_bound, meta_key, resolve
 from ragkv.config import AskSettings
 from ragkv.errors import InputError
 from store import open_snapshot, verify
@@ -87,10 +87,12 @@ def test_calibrate_measures_stops_at_the_target_and_records_what_approximate_use
     for mode in settings.modes:
         mine = [m for m in result.measured if m.mode == mode]
         assert [m.share for m in mine] == list(settings.shares[: len(mine)])
-        assert all(m.first_token < 0.6 for m in mine[:-1])  # it stopped at the first share that reached it
-        assert mine[-1].first_token >= 0.6  # at the latest at 100% recomputed, which is a full prefill
+        for m in mine:  # each chosen by its lower bound on 3 questions, never by its mean
+            assert m.first_token_low == lower_bound(round(m.first_token * 3), 3) <= m.first_token
+        assert all(m.assured < 0.6 for m in mine[:-1])  # it stopped at the first share that reached it
+        assert mine[-1].assured >= 0.6  # at the latest at 100% recomputed, which is a full prefill
     if result.chosen is not None:
-        assert result.chosen.first_token >= 0.6 and result.chosen.ttft_ratio < result.exact_ttft_ratio
+        assert result.chosen.assured >= 0.6 and result.chosen.ttft_ratio < result.exact_ttft_ratio
     with ragkv.open(store, device="cpu") as engine:
         assert engine.runtime.calibration == result
         stats = engine.ask(QUESTIONS[1], top_k=3, max_new_tokens=2, mode="approximate").stats
@@ -99,14 +101,50 @@ def test_calibrate_measures_stops_at_the_target_and_records_what_approximate_use
         assert verify(snapshot).ok
 
 
-def test_held_in_questions_come_from_the_stores_chunks(store):
+def test_held_in_questions_come_from_the_stores_chunks_in_several_shapes(store):
     with open_snapshot(store) as snapshot:
-        questions = held_in_questions(snapshot.catalog, 4)
+        questions = held_in_questions(snapshot.catalog, 6)
         texts = snapshot.catalog.documents.chunk_texts(sorted(snapshot.catalog.documents.chunk_ids())).values()
-    assert len(questions) == 4 and len(set(questions)) == 4
+    assert len(questions) == 6 and len(set(questions)) == 6
+    about = [q for q in questions if q.startswith("What does the text say about ")]
+    statements = [q for q in questions if q.startswith("Is it true that ")]
+    keywords = [q for q in questions if q not in about and q not in statements]
+    assert about and statements and keywords  # not one shape only
+    corpus = " ".join(texts).lower()
     for question in questions:
-        topic = question.removeprefix("What does the text say about ").removesuffix("?")
-        assert any(topic.split()[0] in text for text in texts)
+        topic = question.removeprefix("What does the text say about ").removeprefix("Is it true that ").rstrip("?")
+        assert all(word.lower() in corpus for word in topic.split()[:3])
+
+
+def test_a_configuration_passes_by_the_lower_end_of_its_interval_not_its_mean():
+    assert lower_bound(0, 0) == 0.0 and lower_bound(0, 10) == 0.0
+    assert round(lower_bound(12, 12), 2) == 0.88 and round(lower_bound(32, 32), 2) == 0.95
+    assert lower_bound(30, 32) < 0.9 < 30 / 32  # a mean of 94% on 32 questions is not 90% assured
+    assert lower_bound(31, 32) >= 0.9
+    mean_only = Measured("query", 0.05, 30 / 32, 0.95, 0.3, lower_bound(30, 32))
+    assured = Measured("query", 0.2, 31 / 32, 0.96, 0.4, lower_bound(31, 32))
+    slow = Measured("blend", 0.5, 1.0, 1.0, 0.9, lower_bound(32, 32))
+    assert choose([mean_only, assured, slow], 0.9, exact_ttft_ratio=0.8) == assured  # the faster one is not sure
+    assert choose([mean_only, slow], 0.9, exact_ttft_ratio=0.8) is None  # nor is one slower than exact chosen
+    stored = json.loads(Calibration(0.9, 5, 12, 0.8, PASSED, [PASSED]).to_json())
+    for measured in (stored["chosen"], *stored["measured"]):
+        del measured["first_token_low"]  # as recorded before calibration chose by the bound: read as the mean
+    old = Calibration.from_json(json.dumps(stored))
+    assert old.chosen is not None and old.chosen.assured == old.chosen.first_token == 0.95
+
+
+def test_ingest_calibrates_when_asked(corpus, tiny_llama, tmp_path):
+    store = tmp_path / "store"
+    result = run_cli(
+        "ingest", corpus, "--store", store, "--model", tiny_llama, "--device", "cpu", "--calibrate", "--json"
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    with ragkv.open(store, device="cpu") as engine:
+        calibration = engine.runtime.calibration
+        drawn = held_in_questions(engine.snapshot.catalog, 32)
+    assert calibration is not None and report["calibration"] == calibration.describe()
+    assert calibration.num_questions == len(drawn) > 0
 
 
 def test_the_calibrate_command_reports_json_and_refuses_bad_settings(store):
