@@ -11,8 +11,15 @@ from store.catalog.part import Part
 from store.catalog.rows import ENTRY_COLUMNS, ChunkLink, ContextRow, EntryRow, ProfileRow, SpanChunk, SpanLink, pages_of
 from store.shards import SealedEntry
 
+POINT_LOOKUPS = 16  # context_rows probes each table per id up to this many ids, and joins beyond
+SMALL_STORE = 30_000  # chunk links below which one join beats point lookups (lookups.md: 3.5 against 5.1 ms at 10k)
+
 
 class Entries(Part):
+    def __init__(self, catalog):
+        super().__init__(catalog)
+        self._links: int | None = None  # chunk links in the store (see _large)
+
     def add_profile(self, row: ProfileRow) -> None:
         """Insert a profile row unless its id is already present."""
         exists = self.con.execute("SELECT 1 FROM profiles WHERE profile_id = ?", [row.profile_id]).fetchone()
@@ -214,9 +221,85 @@ class Entries(Part):
         return {r[0] for r in self.con.execute("SELECT DISTINCT profile_id FROM chunk_kv").fetchall()}
 
     def context_rows(self, profile_id: str, chunk_ids: Sequence[int]) -> list[ContextRow]:
-        """Rows for `chunk_ids`, in that order, joined with their source and their KV entry."""
-        if not chunk_ids:
+        """Rows for `chunk_ids`, in that order, joined with their source and their KV entry.
+
+        On a store of more than SMALL_STORE chunk links, up to POINT_LOOKUPS ids (a question's
+        context) are point lookups, each table probed on its own key, so their cost barely
+        grows with the store; a join of the ids against chunk_kv scans it (benchmarks/results/
+        lookups.md: 83 against 8.8 ms at 1M chunks on 2 CPU cores). Below that size, or for
+        more ids (a rerank's candidates), one join is the cheaper."""
+        if len(set(chunk_ids)) > POINT_LOOKUPS or not self._large():
+            return self._joined_rows(profile_id, chunk_ids)
+        return self._point_rows(profile_id, chunk_ids)
+
+    def _large(self) -> bool:
+        """Whether the store links more than SMALL_STORE chunks (counted once per generation
+        a reader holds: its catalog never changes)."""
+        if self._links is None or not self.catalog.read_only:
+            self._links = int(self.catalog.value("SELECT count(*) FROM chunk_kv"))
+        return self._links > SMALL_STORE
+
+    def _point_rows(self, profile_id: str, chunk_ids: Sequence[int]) -> list[ContextRow]:
+        """`context_rows` as point lookups."""
+        ids = list(dict.fromkeys(chunk_ids))
+        if not ids:
             return []
+        chunks = self.con.execute(
+            "SELECT chunk_id, doc_id, chunk_index, text, section, page_start, page_end FROM chunks "
+            f"WHERE chunk_id IN ({_marks(ids)})",
+            ids,
+        ).fetchall()
+        one_link = "SELECT chunk_id, token_ids, kv_key, span_start FROM chunk_kv WHERE chunk_id = ? AND profile_id = ?"
+        links = {
+            r[0]: r
+            for r in self.con.execute(
+                " UNION ALL ".join([one_link] * len(ids)), [v for i in ids for v in (i, profile_id)]
+            ).fetchall()
+        }
+        keys = sorted({r[2] for r in links.values()})
+        entries = {
+            r[0]: EntryRow(*r)
+            for r in (
+                self.con.execute(
+                    "SELECT kv_key, shard, tensor, num_tokens, dtype, checksum, nbytes FROM kv_entries "
+                    f"WHERE kv_key IN ({_marks(keys)})",
+                    keys,
+                ).fetchall()
+                if keys
+                else []
+            )
+        }
+        doc_ids = sorted({r[1] for r in chunks})
+        sources = (
+            dict(
+                self.con.execute(
+                    f"SELECT doc_id, source FROM documents WHERE doc_id IN ({_marks(doc_ids)})", doc_ids
+                ).fetchall()
+            )
+            if doc_ids
+            else {}
+        )
+        by_id = {}
+        for chunk_id, doc_id, chunk_index, text, section, page_start, page_end in chunks:
+            if doc_id not in sources:
+                continue  # a chunk whose document is gone (the inner join this replaced left it out)
+            link = links.get(chunk_id)
+            by_id[chunk_id] = ContextRow(
+                chunk_id,
+                doc_id,
+                sources[doc_id],
+                chunk_index,
+                text,
+                tuple(link[1]) if link is not None and link[1] is not None else None,
+                entries.get(link[2]) if link is not None else None,
+                link[3] if link is not None else None,
+                section=tuple(section or ()),
+                pages=pages_of(page_start, page_end),
+            )
+        return [by_id[i] for i in chunk_ids if i in by_id]
+
+    def _joined_rows(self, profile_id: str, chunk_ids: Sequence[int]) -> list[ContextRow]:
+        """`context_rows` as one join over the tables."""
         rows = self.con.execute(
             """
             SELECT c.chunk_id, c.doc_id, d.source, c.chunk_index, c.text, k.token_ids,
@@ -229,22 +312,21 @@ class Entries(Part):
             """,
             [profile_id, list(chunk_ids)],
         ).fetchall()
-        by_id = {}
-        for r in rows:
-            entry = EntryRow(*r[6:13]) if r[6] is not None else None
-            token_ids = tuple(r[5]) if r[5] is not None else None
-            by_id[r[0]] = ContextRow(
+        by_id = {
+            r[0]: ContextRow(
                 r[0],
                 r[1],
                 r[2],
                 r[3],
                 r[4],
-                token_ids,
-                entry,
+                tuple(r[5]) if r[5] is not None else None,
+                EntryRow(*r[6:13]) if r[6] is not None else None,
                 r[13],
                 section=tuple(r[14] or ()),
                 pages=pages_of(r[15], r[16]),
             )
+            for r in rows
+        }
         return [by_id[i] for i in chunk_ids if i in by_id]
 
     def stored_chunks(self, profile_id: str) -> list[tuple[str, int, list[int]]]:
@@ -287,3 +369,8 @@ class Entries(Part):
             "(SELECT kv_key FROM chunk_kv WHERE profile_id = ? AND span_start IS NOT NULL)",
             [keys, profile_id],
         )
+
+
+def _marks(values: Sequence) -> str:
+    """One `?` per value, for an IN list."""
+    return ", ".join("?" * len(values))
