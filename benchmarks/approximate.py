@@ -60,6 +60,17 @@ def sample_faq() -> list[tuple[str, str]]:
     return pairs
 
 
+def python_faq_with_gold(work: Path, count: int) -> tuple[Path, list[tuple[str, str]]] | None:
+    """The Python FAQ pages and up to `count` (question, gold answer) pairs whose answer has at
+    least 10 words, or None if the FAQ cannot be fetched here."""
+    faq = python_faq(work, count * 4)
+    if faq is None:
+        return None
+    docs, candidates = faq
+    gold = gold_answers(work)
+    return docs, [(q, gold[q]) for q in candidates if len(gold.get(q, "").split()) >= 10][:count]
+
+
 def bootstrap(values: list[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float, float]:
     """(mean, low, high): the mean and its 95% bootstrap interval."""
     if not values:
@@ -215,14 +226,10 @@ def main() -> None:
     started = time.perf_counter()
     work = work_dir(args.work, "approximate")
     results = {}
-    faq = python_faq(work, args.questions * 4)
+    faq = python_faq_with_gold(work, args.questions)
     if faq:
-        docs, candidates = faq
-        gold = gold_answers(work)
-        questions = [q for q in candidates if len(gold.get(q, "").split()) >= 10][: args.questions]
-        results["Python FAQ (python3.11-doc)"] = run_corpus(
-            "pyfaq", docs, [(q, gold[q]) for q in questions], work, args.tokens
-        )
+        docs, pairs = faq
+        results["Python FAQ (python3.11-doc)"] = run_corpus("pyfaq", docs, pairs, work, args.tokens)
     results["sample corpus (data/faq.jsonl)"] = run_corpus("sample", ROOT / "data", sample_faq(), work, args.tokens)
     args.out.write_text(render(results, args, time.perf_counter() - started))
     print(args.out.read_text())

@@ -21,6 +21,7 @@ Writes benchmarks/results/calibration_holdout.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import statistics
 import sys
@@ -31,13 +32,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import ragkv  # noqa: E402
-from benchmarks.approximate import bootstrap, sample_faq  # noqa: E402
-from benchmarks.fidelity import python_faq, work_dir  # noqa: E402
+from benchmarks.approximate import bootstrap, python_faq_with_gold, sample_faq  # noqa: E402
+from benchmarks.fidelity import work_dir  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
-from benchmarks.passages import gold_answers  # noqa: E402
 from pipelines.calibrate import PLAIN, CalibrateSettings, calibrate, cold, teacher_forced  # noqa: E402
 from pipelines.progress import default_reporter  # noqa: E402
-from ragkv.calibration import Calibration, Measured  # noqa: E402
+from ragkv.calibration import Calibration, Measured, choose  # noqa: E402
 from ragkv.config import APPROXIMATE, DEFAULT_BLEND_RATIOS, AskSettings, IngestSettings, ModelSettings  # noqa: E402
 
 TOP_K = 5
@@ -45,13 +45,9 @@ TOP_K = 5
 
 def mean_rule(calibration: Calibration) -> Measured | None:
     """What the rule before would have chosen from the same measurements: the fastest whose
-    held-in mean reached the target and beat exact's TTFT."""
-    passing = [
-        m
-        for m in calibration.measured
-        if m.first_token >= calibration.target and m.ttft_ratio < calibration.exact_ttft_ratio
-    ]
-    return min(passing, key=lambda m: m.ttft_ratio, default=None)
+    held-in mean reached the target and beat exact's TTFT (each read without its bound)."""
+    means = [dataclasses.replace(m, first_token_low=None) for m in calibration.measured]
+    return choose(means, calibration.target, calibration.exact_ttft_ratio)
 
 
 def held_out(engine, questions: list[str], configs: dict[str, AskSettings]) -> dict[str, dict]:
@@ -167,12 +163,10 @@ def main() -> None:
     started = time.perf_counter()
     work = work_dir(args.work, "calibration-holdout")
     results = {}
-    faq = python_faq(work, args.questions * 4)
+    faq = python_faq_with_gold(work, args.questions)
     if faq:
-        docs, candidates = faq
-        gold = gold_answers(work)
-        questions = [q for q in candidates if len(gold.get(q, "").split()) >= 10][: args.questions]
-        results["Python FAQ"] = run_corpus("pyfaq", docs, questions, work)
+        docs, pairs = faq
+        results["Python FAQ"] = run_corpus("pyfaq", docs, [q for q, _ in pairs], work)
     results["sample corpus"] = run_corpus("sample", ROOT / "data", [q for q, _ in sample_faq()], work)
     args.out.write_text(render(results, args, time.perf_counter() - started))
     print(args.out.read_text())

@@ -185,9 +185,7 @@ def replay(paths: list[list[int]], sizes: dict[int, int], room: int, policy: str
     last: dict[int, int] = {}
     hits = uses = 0
     for t, path in enumerate(paths):
-        k = 0
-        while k < len(path) and path[k] in held:
-            k += 1
+        k = _held_prefix(path, held)
         hits, uses = hits + k, uses + len(path)
         counts.update(path)
         for chunk in path:
@@ -207,6 +205,15 @@ def replay(paths: list[list[int]], sizes: dict[int, int], room: int, policy: str
 _SPAN_OF: dict[int, list[int]] = {}  # chunk -> its whole span, set by main
 
 
+def _held_prefix(path: list[int], held: set[int]) -> int:
+    """How many of `path`'s chunks hit: those held before its first gap (the loader computes
+    from the first gap on)."""
+    k = 0
+    while k < len(path) and path[k] in held:
+        k += 1
+    return k
+
+
 def _oracle(paths: list[list[int]], sizes: dict[int, int], room: int) -> float:
     counts = Counter(c for path in paths for c in path)
     chosen = plan(
@@ -216,9 +223,7 @@ def _oracle(paths: list[list[int]], sizes: dict[int, int], room: int) -> float:
     seen: set[int] = set()
     hits = uses = 0
     for path in paths:
-        k = 0
-        while k < len(path) and path[k] in held and path[k] in seen:
-            k += 1
+        k = _held_prefix(path, held & seen)
         hits, uses = hits + k, uses + len(path)
         seen.update(path)
     return hits / uses
@@ -237,9 +242,7 @@ def _belady(paths: list[list[int]], sizes: dict[int, int], room: int) -> float:
     held: set[int] = set()
     hits = uses = 0
     for t, path in enumerate(paths):
-        k = 0
-        while k < len(path) and path[k] in held:
-            k += 1
+        k = _held_prefix(path, held)
         hits, uses = hits + k, uses + len(path)
         if k == len(path):
             continue
