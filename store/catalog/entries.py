@@ -12,7 +12,7 @@ from store.catalog.rows import ENTRY_COLUMNS, ChunkLink, ContextRow, EntryRow, P
 from store.shards import SealedEntry
 
 POINT_LOOKUPS = 16  # context_rows probes each table per id up to this many ids, and joins beyond
-SMALL_STORE = 30_000  # chunk links below which one join beats point lookups (lookups.md: 3.5 against 5.1 ms at 10k)
+SMALL_STORE = 30_000  # chunk links below which one join beats point lookups (lookups.md: 3.6 against 5.1 ms at 10k)
 
 
 class Entries(Part):
@@ -226,7 +226,7 @@ class Entries(Part):
         On a store of more than SMALL_STORE chunk links, up to POINT_LOOKUPS ids (a question's
         context) are point lookups, each table probed on its own key, so their cost barely
         grows with the store; a join of the ids against chunk_kv scans it (benchmarks/results/
-        lookups.md: 83 against 8.8 ms at 1M chunks on 2 CPU cores). Below that size, or for
+        lookups.md: 81 against 7.6 ms at 1M chunks on 2 CPU cores). Below that size, or for
         more ids (a rerank's candidates), one join is the cheaper."""
         if len(set(chunk_ids)) > POINT_LOOKUPS or not self._large():
             return self._joined_rows(profile_id, chunk_ids)
