@@ -25,7 +25,7 @@ from ragkv.prompt import encode_text
 from store import ContextRow, StoreSnapshot
 from store.pending import PendingArea, PendingHits, PendingIndex
 from store.popularity import HitLog, Use
-from store.writeback import PENDING_BYTES, ComputedKV, WriteBack
+from store.writeback import PENDING_BYTES, ComputedKV, WriteBack, leaves_pending
 
 log = logging.getLogger("ragkv")
 
@@ -71,7 +71,7 @@ class KVLoader:
         self.write_back = write_back  # store KV computed on a miss (in the background, within the budget)
         self.pending_bytes = pending_bytes  # on S3: the most KV this reader leaves pending for a fold
         # leave computed KV pending for the writer's fold instead of taking the store's lock (always on S3)
-        self.leave_pending = leave_pending or snapshot.remote is not None
+        self.leave_pending = leaves_pending(snapshot.location, leave_pending)
         self._prefix_kv: torch.Tensor | None = None  # pinned in memory after the first load
         self._separator: torch.Tensor | None = None
         self._read_buffers: list[torch.Tensor] = []  # stored KV is read into these (reused memory)

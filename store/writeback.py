@@ -49,16 +49,21 @@ class WriteBackReport:
     failures: int = 0  # batches whose write failed
 
 
+def leaves_pending(root, leave_pending: bool = False, writer: bool = False) -> bool:
+    """Whether a process that computes KV for the store at `root` leaves it under pending/ for
+    the one writer's fold rather than writing generations itself: always on S3 (a reader never
+    takes the bucket's lock) unless it is `writer`, the store's one writer (an ingest's KV
+    half); on a folder when asked (`leave_pending`)."""
+    return leave_pending or (is_remote(root) and not writer)
+
+
 class WriteBack:
     """A background writer of computed KV into the store at `root` (a folder or S3)."""
 
     def __init__(self, root, pending_bytes: int = PENDING_BYTES, leave_pending: bool = False, writer: bool = False):
         self.root = root
         self.report = WriteBackReport()
-        # On S3 (or a folder, if asked) a reader is never the writer: its KV waits under pending/
-        # for a fold. `writer`: this process is the store's one writer (an ingest's KV half), and
-        # writes generations itself on S3 too.
-        leave = leave_pending or (is_remote(root) and not writer)
+        leave = leaves_pending(root, leave_pending, writer)
         self.pending = PendingWriter(root, pending_bytes) if leave else None
         self._queue: queue.Queue[ComputedKV | None] = queue.Queue(MAX_PENDING)
         self._warned = False

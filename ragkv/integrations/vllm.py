@@ -87,9 +87,8 @@ from ragkv.integrations.vllm_load import PagedLoader
 from store import EntryRow, open_snapshot
 from store.pending import PendingArea, PendingHits, PendingIndex, read_pending
 from store.popularity import HitLog
-from store.remote import is_remote
 from store.snapshot import shard_reader
-from store.writeback import PENDING_BYTES
+from store.writeback import PENDING_BYTES, leaves_pending
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -159,14 +158,13 @@ class RagkvConnector(KVConnectorBase_V1):
         self._store = str(store)
         self._saves_on = self._kv_transfer_config.kv_role in ("kv_both", "kv_producer")
         extra = self._kv_transfer_config.get_from_extra_config
+        leave, writer = bool(extra("leave_pending", False)), bool(extra("writer", False))  # writer: an ingest's
         self._write_options = {
             "pending_bytes": int(extra("pending_bytes", PENDING_BYTES)),
-            "leave_pending": bool(extra("leave_pending", False)),
-            "writer": bool(extra("writer", False)),  # the store's one writer (an ingest): never pending
+            "leave_pending": leave,
+            "writer": writer,
         }
-        self._leaves_pending = self._write_options["leave_pending"] or (
-            is_remote(store) and not self._write_options["writer"]
-        )
+        self._leaves_pending = leaves_pending(store, leave, writer)
         if role == KVConnectorRole.SCHEDULER:
             from ragkv.prompt import PromptLayout
 
