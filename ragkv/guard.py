@@ -5,7 +5,11 @@ it arrives and the route that matched):
   anything is read; a chunked body (no Content-Length) is counted as it arrives and refused the
   moment it passes the cap, so nobody can make the server read or tokenise more than that;
 - requests are counted by route template (`/v1/chat/completions`), never by the raw path: a
-  client sending random paths would otherwise add a metrics series per path, without bound.
+  client sending random paths would otherwise add a metrics series per path, without bound;
+- with `max_in_flight`, a request that finds that many already in flight gets ragkv's own 503
+  with Retry-After (health and metrics probes excepted). Uvicorn's `limit_concurrency` answers a
+  bare 503 with no Retry-After, so the server runs it only as a far higher backstop
+  (`backstop_concurrency`), and clients always learn when to come back.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from starlette.exceptions import HTTPException
 
 UNMATCHED = "unmatched"  # the metrics label of requests no route matched (404s)
+UNLIMITED_PATHS = frozenset({"/healthz", "/metrics"})  # probes: answered however busy the server is
 
 
 class BodyTooLarge(HTTPException):
@@ -30,13 +35,28 @@ def too_large_message(max_body_bytes: int) -> str:
     return f"request body over {max_body_bytes} bytes"
 
 
-class RequestGuard:
-    """ASGI middleware: `max_body_bytes` per request body; `count(route, status)` per response."""
+def backstop_concurrency(max_in_flight: int) -> int:
+    """Uvicorn's own limit (connections and tasks) for a guard allowing `max_in_flight`: well above
+    it, so the guard's 503 with Retry-After is what a busy client meets."""
+    return max_in_flight * 4 + 256
 
-    def __init__(self, app, max_body_bytes: int, count: Callable[[str, int], None] | None = None):
+
+class RequestGuard:
+    """ASGI middleware: `max_body_bytes` per request body; `count(route, status)` per response;
+    at most `max_in_flight` requests at once (None: no limit), beyond that 503 with Retry-After."""
+
+    def __init__(
+        self,
+        app,
+        max_body_bytes: int,
+        count: Callable[[str, int], None] | None = None,
+        max_in_flight: int | None = None,
+    ):
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.count = count
+        self.max_in_flight = max_in_flight
+        self.in_flight = 0  # touched only on the event loop's thread
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -49,15 +69,22 @@ class RequestGuard:
                 status["code"] = message["status"]
             await send(message)
 
+        limited = self.max_in_flight is not None and scope.get("path") not in UNLIMITED_PATHS
         try:
-            if self._declared_too_large(scope):
-                await self._refuse(counted_send)
+            if limited and self.in_flight >= (self.max_in_flight or 0):
+                await self._refuse(counted_send, 503, "the server is busy; retry shortly", "server_busy")
                 return
+            if self._declared_too_large(scope):
+                await self._refuse_too_large(counted_send)
+                return
+            self.in_flight += limited
             try:
                 await self.app(scope, self._capped(receive), counted_send)
             except BodyTooLarge:
                 if not status["code"]:
-                    await self._refuse(counted_send)
+                    await self._refuse_too_large(counted_send)
+            finally:
+                self.in_flight -= limited
         finally:
             if self.count is not None:
                 route = scope.get("route")
@@ -83,19 +110,17 @@ class RequestGuard:
 
         return capped_receive
 
-    async def _refuse(self, send) -> None:
-        body = json.dumps(
-            {"error": {"message": too_large_message(self.max_body_bytes), "type": "request_too_large"}}
-        ).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"connection", b"close"),
-                ],
-            }
-        )
+    async def _refuse_too_large(self, send) -> None:
+        await self._refuse(send, 413, too_large_message(self.max_body_bytes), "request_too_large")
+
+    async def _refuse(self, send, status: int, message: str, kind: str) -> None:
+        body = json.dumps({"error": {"message": message, "type": kind}}).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        if status == 503:
+            headers.append((b"retry-after", b"1"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})

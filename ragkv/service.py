@@ -44,7 +44,7 @@ from ragkv.api import (
 from ragkv.config import AskSettings
 from ragkv.engine import Engine
 from ragkv.errors import RagkvError
-from ragkv.guard import RequestGuard
+from ragkv.guard import RequestGuard, backstop_concurrency
 from ragkv.keys import digest
 from ragkv.lru import ByteLRU
 from ragkv.scheduler import BatchSettings, Busy
@@ -159,6 +159,7 @@ def build_app(engine, settings: ServeSettings) -> FastAPI:
         RequestGuard,
         max_body_bytes=settings.max_body_bytes,
         count=lambda route, status: metrics.requests.labels(route, str(status)).inc(),
+        max_in_flight=max_in_flight(settings),
     )
 
     authorised = install_errors(app, settings, engine.lm.facts.name)
@@ -239,7 +240,13 @@ def serve(engine, store: str, settings: ServeSettings, announce) -> None:
     """`ragkv serve`: the app on uvicorn until interrupted; `announce` gets the line saying where."""
     app = build_app(engine, settings)
     line = f"ragkv serving {store} ({engine.lm.facts.name}) on http://{settings.host}:{settings.port}"
-    run_server(app, settings, announce, line, limit_concurrency=settings.max_queue * 4 + 16)
+    run_server(app, settings, announce, line, limit_concurrency=backstop_concurrency(max_in_flight(settings)))
+
+
+def max_in_flight(settings: ServeSettings) -> int:
+    """Requests the service holds at once (queued, running, or being read or streamed) before it
+    answers 503 with Retry-After: room for the queue several times over."""
+    return settings.max_queue * 4 + 16
 
 
 def _add_info_routes(app: FastAPI, engine, batcher: Engine, metrics: Metrics, authorised) -> None:

@@ -194,6 +194,41 @@ def test_64_clients_with_disconnects_during_a_reindex_fail_nothing_but_busy(serv
     assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"]
 
 
+def test_the_guard_answers_503_with_retry_after_past_its_in_flight_limit_but_lets_probes_through():
+    """The guard alone, in one event loop: two requests held in the app, a third refused with
+    ragkv's 503 (uvicorn's own limit would answer a bare one, with no Retry-After)."""
+    import asyncio
+
+    from ragkv.guard import RequestGuard
+
+    async def scenario() -> list[httpx.Response]:
+        held, release = asyncio.Semaphore(0), asyncio.Event()
+
+        async def app(scope, receive, send) -> None:
+            if scope["path"] == "/slow":
+                held.release()
+                await release.wait()
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"ok"})
+
+        guarded = RequestGuard(app, max_body_bytes=100, max_in_flight=2)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=guarded), base_url="http://x") as client:
+            slow = [asyncio.create_task(client.get("/slow")) for _ in range(2)]
+            for _ in slow:
+                await held.acquire()
+            refused, probe = await client.get("/other"), await client.get("/healthz")
+            release.set()
+            answered = await asyncio.gather(*slow)
+            return [refused, probe, *answered, await client.get("/other")]
+
+    refused, probe, *answered, after = asyncio.run(scenario())
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["type"] == "server_busy"
+    assert probe.status_code == 200
+    assert [reply.status_code for reply in answered] == [200, 200]
+    assert after.status_code == 200  # the count went back down
+
+
 def test_sigterm_stops_the_server_mid_stream(served):
     """Runs last: it stops the module's server."""
     base, _, _, server = served
