@@ -53,7 +53,7 @@ class Assembly:
 
 
 def exact(
-    model, stored: list[torch.Tensor], segments: Sequence[Sequence[int]], prefix_cache: PrefixCache, root: KVKey
+    model, stored: list[kv.Part], segments: Sequence[Sequence[int]], prefix_cache: PrefixCache, root: KVKey
 ) -> Assembly:
     """`stored`: the prefix and first chunk KV from the store. `segments`: the token ids that
     follow the first chunk (whose entry `root` names), one per further chunk (separator +

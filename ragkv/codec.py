@@ -12,6 +12,9 @@ keys are quantised per channel (key outliers live in fixed channels), values per
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Sequence
+
 import torch
 
 from ragkv.errors import InputError, StoreFormatError
@@ -62,6 +65,60 @@ def read(shards, entry, dtype: torch.dtype, device: str | torch.device = "cpu", 
     work queued after it on the same stream sees the data."""
     parts = shards.read_parts(entry.shard, entry.tensor, entry.checksum, out=out)
     return decode({name: t.to(device, non_blocking=True) for name, t in parts.items()}, dtype)
+
+
+class StoredKV:
+    """A stored entry's KV `(L, 2, H, T, D)`, not read yet: `fill` reads it straight into the
+    cache that will hold it (`ragkv.kv.to_cache` takes it as a part), so the bytes are copied
+    once, from the file into the cache. Reading into a buffer and copying that into the cache
+    cost a second copy: 7 ms of 0.204 s to the first token at 4k tokens of float32 KV (190 MB,
+    benchmarks/results/cached_path.md). Only for entries stored as one part in the compute
+    dtype, on the CPU (`deferred` says when); the bytes are checked against the checksum as they
+    are read."""
+
+    def __init__(self, shards, entry, dtype: torch.dtype, shape: tuple[int, ...]):
+        self.shards, self.entry = shards, entry
+        self.dtype, self.shape, self.device = dtype, torch.Size(shape), torch.device("cpu")
+        self.nbytes = self.shape.numel() * dtype.itemsize
+        self.keep: Callable[[torch.Tensor], None] | None = None  # given a copy once read (a RAM tier)
+        self.read_ms = 0.0  # how long `fill` took
+
+    def fill(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], start: int) -> None:
+        """Read into tokens `[start, start + T)` of every layer's `(B, H, capacity, D)` keys
+        and values buffers (batch row 0, then copied to the other rows)."""
+        began = time.perf_counter()
+        _, _, heads, tokens, _ = self.shape
+        stop, targets = start + tokens, []
+        for keys, values in layers:
+            for buffer in (keys, values):
+                for head in range(heads):
+                    block = buffer[0, head, start:stop]  # (T, D): contiguous, as stored
+                    targets.append(memoryview(block.view(torch.uint8).numpy()))  # type: ignore[arg-type]
+        self.shards.read_into(self.entry.shard, self.entry.tensor, self.entry.checksum, targets)
+        for keys, values in layers:
+            keys[1:, :, start:stop] = keys[:1, :, start:stop]
+            values[1:, :, start:stop] = values[:1, :, start:stop]
+        self.read_ms = (time.perf_counter() - began) * 1000.0
+        if self.keep is not None:
+            kept = torch.empty(self.shape, dtype=self.dtype)
+            for layer, (keys, values) in enumerate(layers):
+                kept[layer, 0], kept[layer, 1] = keys[0, :, start:stop], values[0, :, start:stop]
+            self.keep(kept)
+
+    def tensor(self) -> torch.Tensor:
+        """The KV read into new memory, for a use that needs it whole."""
+        return read(self.shards, self.entry, self.dtype)
+
+
+def deferred(shards, entry, dtype: torch.dtype, device: str | torch.device) -> StoredKV | None:
+    """`entry`'s KV to be read straight into a cache (see StoredKV), when it is stored as one part
+    in `dtype` and the cache is on the CPU; else None (read it with `read`)."""
+    if torch.device(device).type != "cpu":
+        return None
+    parts = shards.layout(entry.shard, entry.tensor)
+    if set(parts) != {""} or parts[""][0] != dtype or len(parts[""][1]) != 5:
+        return None
+    return StoredKV(shards, entry, dtype, parts[""][1])
 
 
 def _encode_packed(data: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:

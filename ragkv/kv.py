@@ -8,7 +8,7 @@ other in a prompt concatenate along dim 3 (tokens).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from transformers import DynamicCache
@@ -20,36 +20,65 @@ KV_LAYOUT = "L2HTD"
 TOKEN_DIM = 3
 
 
-def num_tokens(kv: torch.Tensor) -> int:
+class Deferred(Protocol):
+    """KV of canonical `shape` `(L, 2, H, T, D)` not in memory yet, that writes itself into a
+    cache's buffers (`ragkv.codec.StoredKV`: read from the store straight into them)."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+
+    def fill(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], start: int) -> None: ...
+
+    def tensor(self) -> torch.Tensor: ...
+
+
+Part = torch.Tensor | Deferred  # what a cache is built from
+
+
+def num_tokens(kv: Part) -> int:
     return kv.shape[TOKEN_DIM]
 
 
-def to_cache(parts: Sequence[torch.Tensor], config, batch_size: int = 1) -> DynamicCache:
+def to_cache(parts: Sequence[Part], config, batch_size: int = 1) -> DynamicCache:
     """Build a `DynamicCache` holding `parts` one after another along the tokens.
 
-    parts: canonical `(L, 2, H, T_i, D)` tensors. Returns a cache with per-layer keys and
-    values of shape `(batch_size, H, sum T_i, D)`, written with one copy per part into new
-    memory (later forwards that grow the cache never touch `parts`). Fresh memory, not a
-    reused buffer, on purpose: measured on CPU, a reused buffer made the question prefill
-    ~6% slower (the allocator then cannot recycle the previous request's freed pages).
+    parts: canonical `(L, 2, H, T_i, D)` tensors, or `Deferred` KV that writes itself in.
+    Returns a cache with per-layer keys and values of shape `(batch_size, H, sum T_i, D)`,
+    written with one copy per part into new memory (later forwards that grow the cache never
+    touch `parts`). Fresh memory, not a reused buffer, on purpose: measured on CPU, a reused
+    buffer made the question prefill ~6% slower (the allocator then cannot recycle the previous
+    request's freed pages).
     """
     cache = growing_cache(config)
     if len(cache.layers) != parts[0].shape[0] or any(type(layer) is not GrowingLayer for layer in cache.layers):
-        return _to_cache_generic(parts, config, batch_size)  # sliding-window or hybrid layers
+        return _to_cache_generic([whole(p) for p in parts], config, batch_size)  # sliding-window or hybrid layers
     _, _, heads, _, head_dim = parts[0].shape
     total = sum(p.shape[TOKEN_DIM] for p in parts)
-    for index, layer in enumerate(cache.layers):
-        shape = (batch_size, heads, total + _spare(total), head_dim)
-        keys = torch.empty(shape, dtype=parts[0].dtype, device=parts[0].device)  # (B, H, capacity, D)
-        values = torch.empty(shape, dtype=parts[0].dtype, device=parts[0].device)
-        start = 0
-        for part in parts:
+    shape = (batch_size, heads, total + _spare(total), head_dim)
+    dtype, device = parts[0].dtype, parts[0].device
+    buffers = [  # (B, H, capacity, D) keys and values per layer
+        (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+        for _ in cache.layers
+    ]
+    start = 0
+    for part in parts:
+        if isinstance(part, torch.Tensor):
             stop = start + part.shape[TOKEN_DIM]
-            keys[:, :, start:stop] = part[index, 0]  # (H, T_i, D) broadcast over the batch
-            values[:, :, start:stop] = part[index, 1]
-            start = stop
+            for (keys, values), layer_kv in zip(buffers, part, strict=True):
+                keys[:, :, start:stop] = layer_kv[0]  # (H, T_i, D) broadcast over the batch
+                values[:, :, start:stop] = layer_kv[1]
+        else:
+            part.fill(buffers, start)
+        start += part.shape[TOKEN_DIM]
+    for layer, (keys, values) in zip(cache.layers, buffers, strict=True):
         layer.hold(keys, values, total)
     return cache
+
+
+def whole(part: Part) -> torch.Tensor:
+    """`part` as a tensor (a deferred one read into new memory)."""
+    return part if isinstance(part, torch.Tensor) else part.tensor()
 
 
 def left_padded(rows: Sequence[Sequence[torch.Tensor]], config) -> tuple[DynamicCache, list[int]]:

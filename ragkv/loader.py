@@ -112,14 +112,20 @@ class KVLoader:
             loaded.fallback = refused[1]
             return loaded
         read_start = time.perf_counter()
-        stored = self._load_stored(
-            [[rows[i] for i in run] for run in (runs[:1] if settings.mode == "exact" else runs)], loaded
-        )
+        exact = settings.mode == "exact"
+        # exact: entries are read when the cache is built, straight into it (codec.StoredKV)
+        stored = self._load_stored([[rows[i] for i in run] for run in (runs[:1] if exact else runs)], loaded, exact)
         loaded.kv_read_ms = _ms(read_start)
-        if stored is not None:
-            assemble_start = time.perf_counter()
+        if stored is None:
+            return loaded
+        assemble_start = time.perf_counter()
+        try:
             loaded.assembly = self._assemble_mode(stored, rows, runs, chunk_ids, settings, question_ids)
-            loaded.assemble_ms = _ms(assemble_start)
+        except StoreCorruptError as exc:  # a deferred entry that failed as it was read
+            self._fall_back(exc, loaded)
+        deferred_ms = sum(part.read_ms for part in stored if isinstance(part, codec.StoredKV))
+        loaded.assemble_ms = _ms(assemble_start) - deferred_ms
+        loaded.kv_read_ms += deferred_ms
         return loaded
 
     def _refusal(self, rows: list[ContextRow], runs: list[list[int]], mode: str) -> tuple[str, bool] | None:
@@ -147,7 +153,7 @@ class KVLoader:
 
     def _assemble_mode(
         self,
-        stored: list[torch.Tensor],
+        stored: list[kv.Part],
         rows: list[ContextRow],
         runs: list[list[int]],
         chunk_ids: list[tuple[int, ...]],
@@ -156,7 +162,6 @@ class KVLoader:
     ) -> Assembly:
         """`stored`: the prefix KV, then one KV per loaded run (its chunks' entries joined)."""
         model = self.lm.model
-        prefix, pieces_kv = stored[0], stored[1:]
         layout = self.active.layout
         if settings.mode == "exact":
             after = len(runs[0])
@@ -168,6 +173,7 @@ class KVLoader:
                 else KVKey.for_chunk(self.active.profile, chunk_ids[after - 1])
             )
             return assemble.exact(model, stored, segments, self.prefix_cache, root)
+        prefix, pieces_kv = kv.whole(stored[0]), [kv.whole(part) for part in stored[1:]]
         pieces = [pieces_kv[0]]
         for piece in pieces_kv[1:]:
             pieces += [self._separator_kv(), piece]
@@ -184,43 +190,56 @@ class KVLoader:
             return assemble.attended(model, prefix, pieces, context_ids, question_ids, ratio)
         return assemble.blended(model, prefix, pieces, context_ids, ratio)
 
-    def _load_stored(self, runs: list[list[ContextRow]], loaded: Loaded) -> list[torch.Tensor] | None:
-        """The prefix KV and each run's KV (see `run_kv`), `[(L, 2, H, P, D), (L, 2, H, T_run,
-        D)...]`; None (with a warning) when any is missing or corrupt."""
+    def _load_stored(self, runs: list[list[ContextRow]], loaded: Loaded, defer: bool) -> list[kv.Part] | None:
+        """The prefix KV, then each run's parts (see `run_parts`), `(L, 2, H, T, D)` each, the
+        stored ones left to be read into the cache when `defer`; None (with a warning) when any
+        is missing or corrupt."""
         try:
-            stored = [self.prefix_kv()]
+            stored: list[kv.Part] = [self.prefix_kv()]
             for run in runs:
-                stored.append(self.run_kv(run, loaded, slot=len(loaded.kv_sources)))
+                parts = self.run_parts(run, loaded, len(loaded.kv_sources), defer)
+                stored += parts if defer else [_joined([kv.whole(part) for part in parts])]
             return stored
         except StoreCorruptError as exc:
-            message = f"{exc}; answered with a full prefill instead"
-            log.warning(message)
-            loaded.fallback = True
-            loaded.warnings.append(message)
+            self._fall_back(exc, loaded)
             return None
+
+    @staticmethod
+    def _fall_back(exc: StoreCorruptError, loaded: Loaded) -> None:
+        message = f"{exc}; answered with a full prefill instead"
+        log.warning(message)
+        loaded.fallback = True
+        loaded.warnings.append(message)
 
     def run_kv(self, run: Sequence[ContextRow], loaded: Loaded, slot: int = 0) -> torch.Tensor:
         """The KV of `run`, chunks that follow each other in one stored span (or one chunk):
-        their entries joined along the tokens, `(L, 2, H, T_run, D)`, every entry's key checked
-        against the tokens before it and its bytes verified. What the store holds of the span
-        is loaded; from the first chunk it has no KV for (a miss: the budget left it out), the
-        rest is computed now in one forward after it, exactly in the span's own order, and
-        written back. Read buffers from `slot` on are used. Raises StoreCorruptError when an
+        their entries joined along the tokens, `(L, 2, H, T_run, D)` (see `run_parts`)."""
+        return _joined([kv.whole(part) for part in self.run_parts(run, loaded, slot)])
+
+    def run_parts(self, run: Sequence[ContextRow], loaded: Loaded, slot: int = 0, defer: bool = False) -> list[kv.Part]:
+        """The KV of `run`, chunks that follow each other in one stored span (or one chunk),
+        `(L, 2, H, T_i, D)` per chunk, every entry's key checked against the tokens before it
+        and its bytes verified; with `defer`, an entry read from the store may be left to be
+        read straight into the cache (codec.StoredKV, verified then). What the store holds of
+        the span is loaded; from the first chunk it has no KV for (a miss: the budget left it
+        out), the rest is computed now in one forward after it, exactly in the span's own order,
+        and written back. Read buffers from `slot` on are used. Raises StoreCorruptError when an
         entry does not verify."""
         if len(run) == 1 and run[0].entry is None and run[0].span_start is None:
-            return self._computed_kv(run[0], loaded)  # a miss: compute it now
+            return [self._computed_kv(run[0], loaded)]  # a miss: compute it now
         chunk_ids = []
         for row in run:
             if row.token_ids is None:
                 raise StoreCorruptError(f"chunk {row.chunk_id} has no stored KV for this model")
             chunk_ids.append(row.token_ids)
         keys = spans.span_keys(self.active.profile, chunk_ids, self.active.layout.separator_ids)
-        parts: list[torch.Tensor] = []
+        parts: list[kv.Part] = []
         for i, (row, key) in enumerate(zip(run, keys, strict=True)):
             held = None if row.entry is not None else self._held(row, key.to_string(), loaded)
             if row.entry is None and held is None:
                 parent = keys[i - 1].to_string() if i else None
-                parts += self._computed_span(run[i:], chunk_ids[i:], keys[i:], parent, parts, loaded)
+                before = [kv.whole(part) for part in parts]
+                parts += self._computed_span(run[i:], chunk_ids[i:], keys[i:], parent, before, loaded)
                 break
             if held is not None:  # computed on an earlier miss, not stored (yet)
                 parts.append(held)
@@ -229,9 +248,9 @@ class KVLoader:
             if key.to_string() != row.entry.kv_key:
                 raise StoreCorruptError(f"chunk {row.chunk_id}'s stored KV key does not match its tokens")
             hits = loaded.ram_hits
-            parts.append(self._chunk_kv(row.entry, loaded, slot + i))
+            parts.append(self._chunk_kv(row.entry, loaded, slot + i, defer))
             loaded.kv_sources[row.chunk_id] = "ram" if loaded.ram_hits > hits else "store"
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=kv.TOKEN_DIM)
+        return parts
 
     def _computed_span(
         self,
@@ -271,14 +290,21 @@ class KVLoader:
         loaded.kv_compute_ms += _ms(start)
         return computed
 
-    def _chunk_kv(self, entry, loaded: Loaded, slot: int) -> torch.Tensor:
+    def _chunk_kv(self, entry, loaded: Loaded, slot: int, defer: bool = False) -> kv.Part:
         """A chunk's KV from the RAM tier, else read (and verified) from its shard into read
-        buffer `slot` (valid until the next request assembles), then kept in the RAM tier."""
+        buffer `slot` (valid until the next request assembles), then kept in the RAM tier. With
+        `defer`, when it can be: to be read straight into the cache, and kept in the RAM tier
+        from there."""
         kv_tensor = self.ram.get(entry.kv_key)
         if kv_tensor is not None:
             loaded.ram_hits += 1
             return kv_tensor
         loaded.ram_misses += 1
+        later = codec.deferred(self.snapshot.shards, entry, self.lm.model.dtype, self.device) if defer else None
+        if later is not None:
+            if later.nbytes <= self.ram.max_bytes:
+                later.keep = lambda tensor: self.ram.put(entry.kv_key, tensor)
+            return later
         buffer = self._read_buffer(slot, entry.nbytes + 64) if entry.nbytes else None  # + alignment of parts
         # The prefill that uses the KV runs after its copy on the same stream.
         kv_tensor = codec.read(self.snapshot.shards, entry, self.lm.model.dtype, self.device, out=buffer)
@@ -440,6 +466,10 @@ def continues_span(previous: ContextRow, row: ContextRow) -> bool:
         and previous.span_start == row.span_start
         and row.chunk_index == previous.chunk_index + 1
     )
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=kv.TOKEN_DIM)
 
 
 def _ms(since: float) -> float:

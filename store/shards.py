@@ -14,7 +14,7 @@ import json
 import os
 import re
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -243,6 +243,45 @@ class ShardReader:
         StoreCorruptError if it is missing, truncated, or its bytes do not match
         `expected_checksum`. With `out` (a uint8 tensor with room for every part, 8-byte aligned), the
         parts are views of `out`."""
+        opened, names = self._entry(shard, name)
+        size = _aligned_size(names)
+        buffer = out[:size] if out is not None and out.numel() >= size else torch.empty(size, dtype=torch.uint8)
+        parts, offset, digest = {}, 0, xxhash.xxh3_64()
+        for part in sorted(names):
+            dtype, shape, begin, end = names[part]
+            view = buffer[offset : offset + end - begin]
+            target = memoryview(view.numpy())  # type: ignore[arg-type] # a uint8 array is a buffer
+            self._read_verbatim(shard, name, opened, [target], begin, end, digest)
+            parts[part] = view.view(dtype).reshape(shape) if end > begin else torch.empty(shape, dtype=dtype)
+            offset += _align(end - begin)
+        if digest.hexdigest() != expected_checksum:
+            raise StoreCorruptError(f"KV entry {name[:24]}… in shard {shard} fails its checksum")
+        return parts
+
+    def layout(self, shard: str, name: str) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """The entry's parts as stored, `part -> (dtype, shape)`, from the shard's header (nothing
+        of the data is read). Raises StoreCorruptError if the entry is not in the shard."""
+        _, names = self._entry(shard, name)
+        return {part: (dtype, tuple(shape)) for part, (dtype, shape, _, _) in names.items()}
+
+    def read_into(self, shard: str, name: str, expected_checksum: str, targets: Sequence[memoryview]) -> None:
+        """Read an entry of one part (its data alone, see `layout`) into `targets`, one after
+        another in the order of its bytes: scattered straight into where it will be used (a
+        cache's layers), with no buffer in between. Verifies the checksum as `read_parts` does;
+        when that fails the targets hold the bytes read and the caller drops them."""
+        opened, names = self._entry(shard, name)
+        if set(names) != {""}:
+            raise ValueError(f"KV entry {name[:24]}… has parts {sorted(names)}: read it with read_parts")
+        _, _, begin, end = names[""]
+        if sum(target.nbytes for target in targets) != end - begin:
+            raise ValueError(f"KV entry {name[:24]}… holds {end - begin} bytes; the targets do not")
+        digest = xxhash.xxh3_64()
+        self._read_verbatim(shard, name, opened, targets, begin, end, digest)
+        if digest.hexdigest() != expected_checksum:
+            raise StoreCorruptError(f"KV entry {name[:24]}… in shard {shard} fails its checksum")
+
+    def _entry(self, shard: str, name: str) -> tuple[_Shard, dict]:
+        """The open shard and the entry's parts in it, `part -> (dtype, shape, begin, end)`."""
         opened = self._shard(shard)
         names = {
             part: opened.tensors[stored]
@@ -251,29 +290,28 @@ class ShardReader:
         }
         if "" not in names:
             raise StoreCorruptError(f"KV entry {name[:24]}… is not in shard {shard}")
-        size = _aligned_size(names)
-        buffer = out[:size] if out is not None and out.numel() >= size else torch.empty(size, dtype=torch.uint8)
-        parts, offset, digest = {}, 0, xxhash.xxh3_64()
-        for part in sorted(names):
-            dtype, shape, begin, end = names[part]
-            view = buffer[offset : offset + end - begin]
+        return opened, names
+
+    def _read_verbatim(
+        self, shard: str, name: str, opened: _Shard, targets: Sequence[memoryview], begin: int, end: int, digest
+    ) -> None:
+        """Bytes `[begin, end)` of the shard's data into `targets` in turn, fed to `digest`."""
+        offset = opened.data_start + begin
+        for target in targets:
             try:
-                target = memoryview(view.numpy())  # type: ignore[arg-type] # a uint8 array is a buffer
-                got = opened.file.read_into(target, opened.data_start + begin) if end > begin else 0
+                got = opened.file.read_into(target, offset) if target.nbytes else 0
             except OSError as exc:  # a remote read that failed
                 self.close_shard(shard)
                 raise StoreCorruptError(
                     f"KV entry {name[:24]}… in shard {shard} could not be read: {str(exc).splitlines()[0]}"
                 ) from None
-            if got != end - begin:
+            if got != target.nbytes:
                 self.close_shard(shard)
                 raise StoreCorruptError(f"KV entry {name[:24]}… in shard {shard} is truncated")
-            digest.update(view.numpy())  # type: ignore[arg-type] # a uint8 array is a buffer
-            parts[part] = view.view(dtype).reshape(shape) if end > begin else torch.empty(shape, dtype=dtype)
-            offset += _align(end - begin)
-        if digest.hexdigest() != expected_checksum:
-            raise StoreCorruptError(f"KV entry {name[:24]}… in shard {shard} fails its checksum")
-        return parts
+            digest.update(target)
+            offset += got
+        if offset != opened.data_start + end:
+            raise ValueError("the targets do not cover the entry")
 
     def _shard(self, shard: str) -> _Shard:
         opened = self._open.get(shard)

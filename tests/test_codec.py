@@ -102,3 +102,44 @@ def test_a_store_can_hold_both_and_ask_chooses(tiny_llama, corpus, tmp_path):
         assert engine.ask(QUESTIONS[0], max_new_tokens=2).stats.kv_quant == "none"
     with ragkv.open(tmp_path / "s", device="cpu", kv_dtype="bfloat16") as engine:
         assert engine.ask(QUESTIONS[0], max_new_tokens=2).stats.kv_quant == "bfloat16"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_entry_read_straight_into_the_cache_equals_one_read_then_copied(tmp_path, dtype):
+    """The exact path reads a plain entry from its shard into the cache's layers (no buffer in
+    between): the cache holds the same bytes, in every batch row, after what comes before it;
+    the RAM tier's copy is the entry; a flipped bit fails the checksum; an encoded entry is
+    read the usual way."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+
+    from ragkv import kv
+    from ragkv.errors import StoreCorruptError
+    from store import ShardReader, ShardWriter
+    from tests.conftest import flip_bit_of_entry
+
+    config = LlamaConfig(num_hidden_layers=4, num_attention_heads=3, num_key_value_heads=3, hidden_size=48)
+    before, stored = realistic_kv(1).to(dtype), realistic_kv(2).to(dtype)  # (4, 2, 3, 50, 16)
+    writer = ShardWriter(tmp_path, max_bytes=1 << 30, metadata={})
+    writer.add("plain", stored)
+    writer.add("int8", codec.encode(stored, "int8"))
+    sealed = {e.name: SimpleNamespace(shard=e.shard, tensor=e.name, checksum=e.checksum) for e in writer.flush()}
+    reader = ShardReader(tmp_path)
+    assert codec.deferred(reader, sealed["int8"], dtype, "cpu") is None
+    assert codec.deferred(reader, sealed["plain"], torch.float16, "cpu") is None  # not the compute dtype
+    later = codec.deferred(reader, sealed["plain"], dtype, "cpu")
+    assert later is not None and later.shape == stored.shape
+    kept = []
+    later.keep = kept.append
+    direct = kv.to_cache([before, later], config, batch_size=2)
+    copied = kv.to_cache([before, codec.read(reader, sealed["plain"], dtype)], config, batch_size=2)
+    for row in (0, 1):
+        assert torch.equal(kv.from_cache(direct, row), kv.from_cache(copied, row))
+        assert torch.equal(kv.from_cache(direct, row, 50), stored)
+    assert len(kept) == 1 and torch.equal(kept[0], stored)
+    flip_bit_of_entry(tmp_path / sealed["plain"].shard, "plain")
+    broken = codec.deferred(ShardReader(tmp_path), sealed["plain"], dtype, "cpu")
+    assert broken is not None
+    with pytest.raises(StoreCorruptError, match="checksum"):
+        kv.to_cache([before, broken], config)
