@@ -5,7 +5,7 @@ SmolLM2-135M), before and after the two changes that took it to the oracle:
   cache; `direct` reads it from the shard straight into the cache's layers (codec.StoredKV);
 - *allocator*: `glibc default` hands freed blocks back to the kernel, so every answer's new
   cache is fresh memory, faulted in 4 KiB at a time; `kept` is `ragkv.cpu.keep_freed_memory`,
-  which the engine turns on.
+  which a process turns on when it loads a model onto the CPU.
 
 Each variant runs in its own process (the allocator setting is per process), every variant
 twice, round robin. In each: *cached* = `engine.ask` from the store with the RAM tier off (the
@@ -48,11 +48,11 @@ def measure_variant(store: Path, docs: dict[int, str], allocator: str, read: str
     """In this process: the variant's cached and oracle times per document length."""
     import ragkv
     import ragkv.codec
-    import ragkv.query
+    import ragkv.model
     from ragkv.lru import ByteLRU
 
     if allocator == "glibc default":
-        ragkv.query.keep_freed_memory = lambda: False  # type: ignore[attr-defined]
+        ragkv.model.keep_freed_memory = lambda: False  # type: ignore[attr-defined]
     if read == "buffer + copy":
         ragkv.codec.deferred = lambda *args, **kwargs: None  # type: ignore[assignment]
     rows = []

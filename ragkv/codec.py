@@ -71,7 +71,7 @@ class StoredKV:
     """A stored entry's KV `(L, 2, H, T, D)`, not read yet: `fill` reads it straight into the
     cache that will hold it (`ragkv.kv.to_cache` takes it as a part), so the bytes are copied
     once, from the file into the cache. Reading into a buffer and copying that into the cache
-    cost a second copy: 7 ms of 0.204 s to the first token at 4k tokens of float32 KV (190 MB,
+    cost a second copy: 7 ms of 0.207 s to the first token at 4k tokens of float32 KV (190 MB,
     benchmarks/results/cached_path.md). Only for entries stored as one part in the compute
     dtype, on the CPU (`deferred` says when); the bytes are checked against the checksum as they
     are read."""

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ragkv.config import DEFAULT_MODEL, cache_dir
-from ragkv.cpu import warn_if_slow
+from ragkv.cpu import keep_freed_memory, warn_if_slow
 from ragkv.errors import ModelError
 from ragkv.fingerprint import folder_fingerprint
 from ragkv.keys import digest
@@ -183,6 +183,8 @@ def load_model(name: str, device: str, dtype: str, weights: bool = True) -> Load
     model = None
     if weights:
         warn_if_slow(dtype, device)
+        if device == "cpu":
+            keep_freed_memory()  # every forward's cache and activations in memory used before (see its note)
     try:
         with quiet_loading():
             tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -14,7 +14,6 @@ from ragkv.answer import Answer, AnswerStream, Savings
 from ragkv.assemble import Assembly
 from ragkv.config import DEFAULT_RETRIEVAL, KV_DTYPES, AskSettings, SearchSettings, resolve_device
 from ragkv.conversation import Conversation
-from ragkv.cpu import keep_freed_memory
 from ragkv.engine import Batcher, Engine
 from ragkv.errors import InputError, ModelError
 from ragkv.generate import prefill
@@ -56,8 +55,6 @@ class QueryEngine:
         snapshot = open_snapshot(store)
         try:
             self.device = resolve_device(device)
-            if self.device == "cpu":
-                keep_freed_memory()  # every answer's cache in memory used before (see its note)
             lm, active = open_model(snapshot, model, self.device, dtype, kv_dtype, weights)
             self.embedder = open_embedder(snapshot, embedder, self.device)
         except BaseException:
