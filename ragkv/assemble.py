@@ -41,6 +41,9 @@ class Assembly:
     recomputed_tokens: int = 0  # context tokens whose approximate KV was recomputed (blend)
     prefix_cache_tokens: int = 0  # of the reused, those that came from the in-process prefix cache
     after_prefill: Callable[[object], None] | None = field(default=None, repr=False)
+    # exact: before the prefill starts, append to the cache what the prefix cache holds now of
+    # the tokens after it (another request computed them since); returns the tokens appended
+    catch_up: Callable[[object], int] | None = field(default=None, repr=False)
     attention: Scaling | None = None  # ape: how the tokens after the cache attend to it
 
     def attending(self, model):
@@ -57,21 +60,40 @@ def exact(
 ) -> Assembly:
     """`stored`: the prefix and first chunk KV from the store. `segments`: the token ids that
     follow the first chunk (whose entry `root` names), one per further chunk (separator +
-    chunk). Matched segments come
-    from `prefix_cache`; `after_prefill` adds the ones the prefill computes."""
+    chunk). Matched segments come from `prefix_cache`; `catch_up` takes more of them from it
+    if another request computed them before this one's prefill starts (requests over the same
+    context admitted together: the first computes, the others reuse); `after_prefill` adds the
+    ones the prefill computes."""
     match = prefix_cache.match(root, segments)
     cache = kv.to_cache([*stored, *match.kvs], model.config)
-    reused = sum(kv.num_tokens(t) for t in stored) + match.num_tokens
-    missing = segments[match.num_segments :]
+    stored_tokens = sum(kv.num_tokens(t) for t in stored)
+    held = list(match.kvs)  # the segments' KV the cache holds after the stored, in order
+
+    def catch_up(filled_cache) -> int:
+        new = prefix_cache.match(root, segments, count=False).kvs[len(held) :]
+        if not new:
+            return 0
+        prefix_cache.hits += len(new)
+        prefix_cache.misses -= len(new)
+        kv.append(filled_cache, new)
+        held.extend(new)
+        return sum(kv.num_tokens(t) for t in new)
 
     def remember(filled_cache) -> None:
-        start, kvs = reused, []
-        for ids in missing:
+        start, kvs = stored_tokens + sum(kv.num_tokens(t) for t in held), []
+        for ids in segments[len(held) :]:
             kvs.append(kv.from_cache(filled_cache, 0, start, start + len(ids)))
             start += len(ids)
-        prefix_cache.insert(root, segments, [*match.kvs, *kvs])
+        prefix_cache.insert(root, segments, [*held, *kvs])
 
-    return Assembly(cache, reused, prefix_cache_tokens=match.num_tokens, after_prefill=remember if missing else None)
+    missing = len(segments) > match.num_segments
+    return Assembly(
+        cache,
+        stored_tokens + match.num_tokens,
+        prefix_cache_tokens=match.num_tokens,
+        after_prefill=remember if missing else None,
+        catch_up=catch_up if missing else None,
+    )
 
 
 def concat(model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor]) -> Assembly:

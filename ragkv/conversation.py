@@ -37,6 +37,7 @@ class TurnPlan:
     start: float  # the caller's clock when the turn began
     prompt_ids: list[int]  # the whole conversation up to the answer
     attention: Scaling | None = None  # ape: how the turn's tokens attend to the context
+    catch_up: Callable[[object], int] | None = None  # see Assembly.catch_up (the first turn's)
 
 
 class Streams(Protocol):
@@ -118,11 +119,12 @@ class Conversation:
         check_text(message, "the message")
         start = time.perf_counter()
         runtime = self.runtime
-        after_prefill = None
+        after_prefill = catch_up = None
         if not self.turns:  # the counts come from assembling the context
             prepared = self.runtime.prepare(message, self.settings)
             self._open_context(prepared)
             new_ids, after_prefill, stats = prepared.question_ids, prepared.assembly.after_prefill, prepared.stats
+            catch_up = prepared.assembly.catch_up
             live_ids = prepared.live_ids
             self.turns.append(Turn(message, new_ids, []))
         else:
@@ -137,7 +139,7 @@ class Conversation:
         conversation = self.ids()
         budget = runtime.fit_budget(len(conversation), max_new_tokens, stats)
         return TurnPlan(
-            message, self.cache, live_ids, budget, after_prefill, stats, start, conversation, self.attention
+            message, self.cache, live_ids, budget, after_prefill, stats, start, conversation, self.attention, catch_up
         )
 
     def end_turn(self, plan: TurnPlan, done: Generated, cache=None) -> Answer:

@@ -76,6 +76,14 @@ def to_cache(parts: Sequence[Part], config, batch_size: int = 1) -> DynamicCache
     return cache
 
 
+def append(cache: DynamicCache, parts: Sequence[torch.Tensor]) -> None:
+    """Append canonical `(L, 2, H, T_i, D)` `parts` to `cache` (batch 1) along the tokens, as a
+    forward over their tokens would have."""
+    for part in parts:
+        for index, layer_kv in enumerate(part):
+            cache.layers[index].update(layer_kv[0][None], layer_kv[1][None])
+
+
 def whole(part: Part) -> torch.Tensor:
     """`part` as a tensor (a deferred one read into new memory)."""
     return part if isinstance(part, torch.Tensor) else part.tensor()

@@ -47,16 +47,18 @@ class PrefixCache:
     def bytes(self) -> int:
         return self._lru.bytes
 
-    def match(self, root: KVKey, segments: Sequence[Sequence[int]]) -> PrefixMatch:
-        """The KV of the longest run of leading `segments` this cache holds (after `root`)."""
+    def match(self, root: KVKey, segments: Sequence[Sequence[int]], count: bool = True) -> PrefixMatch:
+        """The KV of the longest run of leading `segments` this cache holds (after `root`);
+        counted in `hits` and `misses` unless `count` is False (a second look)."""
         kvs = []
         for key, ids in zip(_names(root, segments), segments, strict=False):
             found = self._lru.get(key)
             if found is None or found[0] != tuple(ids):
                 break
             kvs.append(found[1])
-        self.hits += len(kvs)
-        self.misses += len(segments) - len(kvs)
+        if count:
+            self.hits += len(kvs)
+            self.misses += len(segments) - len(kvs)
         return PrefixMatch(kvs)
 
     def insert(self, root: KVKey, segments: Sequence[Sequence[int]], kvs: Sequence[torch.Tensor]) -> None:

@@ -104,6 +104,7 @@ class _Turn:
     pending: list[int] = field(default_factory=list)  # prompt ids still to prefill
     state: DecodeState | None = None
     max_rows: int = 1  # the largest batch this turn decoded in
+    started: bool = False  # its prefill has begun
 
     @property
     def reserved_tokens(self) -> int:
@@ -246,6 +247,9 @@ class Scheduler:
         turn's own cache: it fails alone."""
         try:
             started = time.perf_counter()
+            if not turn.started:
+                turn.started = True
+                self._catch_up(turn)
             others = self._rows or self._solo or len(self._prefilling) > 1 or self._waiting
             size = self.settings.prefill_chunk if others else len(turn.pending)
             chunk, turn.pending = turn.pending[:size], turn.pending[size:]
@@ -282,6 +286,19 @@ class Scheduler:
                 if not row.ticket.future.done():
                     row.ticket.resolve(error=exc)
             raise
+
+    @staticmethod
+    def _catch_up(turn: _Turn) -> None:
+        """As `turn`'s prefill starts: what a turn admitted with it over the same context has
+        prefilled since (the prefix cache) joins its cache instead of being prefilled again."""
+        assert turn.plan is not None  # admitted
+        if turn.plan.catch_up is None or not (added := turn.plan.catch_up(turn.plan.cache)):
+            return
+        turn.pending = turn.pending[added:]
+        stats = turn.plan.stats
+        stats.reused_tokens += added
+        stats.prefix_cache_tokens += added
+        stats.computed_tokens -= added
 
     @torch.inference_mode()
     def _decode_step(self) -> None:

@@ -263,3 +263,27 @@ def test_the_bundled_model_batched_equals_alone(sample_store):
             answers = [t.result() for t in tickets]
     assert [a.token_ids for a in answers] == alone
     assert max(a.stats.batch_size for a in answers) > 1
+
+
+def test_questions_over_one_context_admitted_together_prefill_its_later_chunks_once(engine):
+    """Three turns over the same top-3 context join in one step: the first prefills the chunks
+    after the stored first one, the others take them from the prefix cache as their own prefill
+    starts (before: each prefilled them), and every answer equals asking alone."""
+    from ragkv.prefix_cache import PrefixCache
+
+    settings = _settings(dict(max_new_tokens=8, top_k=3))
+    question = "How do I rotate the API key?"
+    alone = engine.ask(question, settings)
+    engine.prefix_cache = PrefixCache(512 << 20)  # nothing left from the lone answer
+    tickets = [
+        engine.engine.submit(lambda: engine.conversation(settings), question, 8, settings.decoding) for _ in range(3)
+    ]
+    first, *others = [engine.engine.wait(ticket.future) for ticket in tickets]
+    assert max(a.stats.batch_size for a in (first, *others)) >= 2  # admitted, and decoded, together
+    later = first.stats.computed_tokens - others[0].stats.computed_tokens  # the later chunks' tokens
+    assert first.stats.prefix_cache_tokens == 0 and later > 0
+    for answer in others:
+        assert answer.stats.prefix_cache_tokens == later
+        assert answer.stats.reused_tokens == first.stats.reused_tokens + later
+    for answer in (first, *others):
+        assert answer.token_ids == alone.token_ids
