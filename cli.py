@@ -180,6 +180,7 @@ def verify(
     from store import open_snapshot
     from store import verify as verify_store
 
+    fixed = None
     if repair:
         quiet_libraries()
         from pipelines.repair import repair as repair_store
@@ -187,7 +188,7 @@ def verify(
         fixed = repair_store(store, device=resolve_device(device))
         _echo([] if json_out else text.repair_lines(fixed))
     with open_snapshot(store, require_documents=False, lenient=True) as snapshot:
-        report = verify_store(snapshot).to_dict()
+        report = {**verify_store(snapshot).to_dict(), **({"repair": fixed.to_dict()} if fixed else {})}
     _print(report, json_out, text.verify_lines)
     raise typer.Exit(0 if report["ok"] else 4)
 

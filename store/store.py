@@ -9,7 +9,7 @@ from pathlib import Path
 
 import duckdb
 
-from ragkv.errors import InputError, StoreFormatError, StoreWriteError
+from ragkv.errors import InputError, StoreCorruptError, StoreFormatError, StoreWriteError
 from ragkv.keys import KVKey
 from store.catalog import Catalog
 from store.catalog.overlay import Overlay
@@ -31,7 +31,7 @@ from store.generations import (
     remove_unshared,
     write_manifest,
 )
-from store.segments import Segment, SegmentInfo
+from store.segments import Segment, SegmentInfo, load_segment
 from store.shards import SealedEntry, ShardReader, ShardWriter, fsync_dir, remove_temporary, sealed_entries, shard_files
 from store.snapshot import SHARD_DIR, StoreSnapshot, open_snapshot
 from store.transport import LocalTransport, Transport
@@ -107,10 +107,13 @@ class StoreWriter:
             self.compacted = False  # this writer wrote a new base (see `compact`)
             self.migrated_format = False  # this writer brought a format-1 store forward
             infos, dim = self._open_catalog()
-            if dim and not rebuild_vectors:
+            healthy = [info for info in infos if self._loads(info)] if rebuild_vectors else infos
+            if dim and healthy:  # rebuild_vectors: the segments that load; repair re-embeds the rest's chunks
                 self.vectors = VectorIndex(
-                    dim, self.root / SEGMENT_DIR, infos, self.catalog.gone_vectors(), loaded=self._legacy_loaded
+                    dim, self.root / SEGMENT_DIR, healthy, self.catalog.gone_vectors(), loaded=self._legacy_loaded
                 )
+                if len(healthy) < len(infos):
+                    self.vectors.mark_changed()
             # What the published generation holds; publishing the same again would be a no-op.
             self._base_rows = (
                 self.catalog.fingerprint()
@@ -133,6 +136,18 @@ class StoreWriter:
         self.unchanged = False  # publish found nothing new: the current generation stays
         self.retired: list[int] = []  # generations removed at publish
         self.held_by_readers: list[int] = []  # retired generations kept because a reader holds them
+
+    def _loads(self, info: SegmentInfo) -> bool:
+        """Whether a segment of the published index loads (repair keeps those, and re-embeds
+        only the chunks of the ones that do not)."""
+        if info.name in self._legacy_loaded:
+            return True
+        try:
+            load_segment(self.root / SEGMENT_DIR, info)
+        except StoreCorruptError as exc:
+            log.warning("store %s: dropping a damaged index segment: %s", self.root, exc)
+            return False
+        return True
 
     def _open_catalog(self) -> tuple[list[SegmentInfo], int]:
         """Open this writer's delta: a copy of the published one, a new one over a format-1

@@ -114,6 +114,31 @@ def test_a_damaged_vector_index_is_reported_and_rebuilt(store):
     assert verifies(store) and first_answer(store) == expected
 
 
+def test_repair_re_embeds_only_the_chunks_of_the_segment_that_is_damaged(store, corpus, tiny_llama, tmp_path):
+    """Two segments (the first ingest's, then one more document's); the first is truncated:
+    repair keeps the other as it is and re-embeds the first one's chunks, not the store's."""
+    from ragkv.config import ModelSettings
+    from store import open_snapshot
+
+    docs = tmp_path / "more"
+    shutil.copytree(corpus, docs)
+    (docs / "notice.md").write_text("Notice: the office is closed on Friday.")
+    ragkv.ingest([docs], store, model=ModelSettings(model=str(tiny_llama), device="cpu"))
+    with open_snapshot(store) as snap:
+        first, second = snap.vectors.segments
+        total = len(snap.vectors)
+    expected = first_answer(store)
+    kept = (store / "segments" / second.name).read_bytes()
+    damaged = store / "segments" / first.name
+    os.truncate(damaged, damaged.stat().st_size // 2)
+    code, output = cli("verify", "--repair", "--json", "--store", store, "--device", "cpu")
+    assert code == 0 and json.loads(output.splitlines()[0])["repair"]["chunks_reembedded"] == first.count < total
+    with open_snapshot(store) as snap:
+        assert second in snap.vectors.segments and (store / "segments" / second.name).read_bytes() == kept
+        assert len(snap.vectors) == total
+    assert verifies(store) and first_answer(store) == expected
+
+
 def test_a_poisoned_hit_log_blocks_no_writer(store, corpus, tiny_llama):
     hits = store / "hits"
     hits.mkdir(exist_ok=True)
