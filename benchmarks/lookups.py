@@ -5,8 +5,7 @@ before, and point lookups alone, side by side on the same stores, with `span_chu
 
 Stores as benchmarks/scale.py builds them (synthetic documents through the real write path,
 one profile whose KV rows cover 90% of the chunks), at each size; 300 lookups of 5 random
-chunks each, the same for all. The store's base is written with its lookup index
-(`store.catalog.overlay.LOOKUP_INDEXES`); a copy of it without the index is timed beside it.
+chunks each, the same for both.
 
     python benchmarks/lookups.py [--sizes 10000 100000 1000000]
 
@@ -44,58 +43,19 @@ def p99_ms(values: list[float]) -> float:
     return float(np.percentile(values, 99)) * 1000
 
 
-def without_lookup_indexes(root: Path) -> Path:
-    """A copy of the store whose base lacks the lookup indexes (as every base was before them):
-    its files hard-linked, the base copied and its indexes dropped."""
-    import json
-    import subprocess
-
-    import duckdb
-
-    from store.catalog.overlay import LOOKUP_INDEXES
-    from store.generations import manifest_path, read_current
-
-    copy = root.with_name(root.name + "-noindex")
-    subprocess.run(["cp", "-al", str(root), str(copy)], check=True)
-    base = copy / json.loads(manifest_path(copy, read_current(copy)).read_bytes())["base"]
-    data = base.read_bytes()
-    base.unlink()
-    base.write_bytes(data)
-    con = duckdb.connect(str(base))
-    try:
-        for name, _, _ in LOOKUP_INDEXES:
-            con.execute(f"DROP INDEX {name}")
-        con.execute("CHECKPOINT")
-    finally:
-        con.close()
-    return copy
-
-
 def measure(root: Path, n: int) -> dict:
     rng = np.random.default_rng(n)
     build(root, n, rng)
-    bare = without_lookup_indexes(root)
-    with open_snapshot(root) as snap, open_snapshot(bare) as unindexed:
+    with open_snapshot(root) as snap:
         catalog = snap.catalog
         ids = [r[0] for r in catalog.con.execute("SELECT chunk_id FROM chunks").fetchall()]
         groups = [[ids[i] for i in rng.choice(len(ids), 5)] for _ in range(LOOKUPS)]
-        times: dict[str, list[float]] = {
-            "now": [],
-            "no_index": [],
-            "join": [],
-            "points": [],
-            "span_chunk_ids": [],
-            "entry": [],
-        }
+        times: dict[str, list[float]] = {"now": [], "join": [], "points": [], "span_chunk_ids": [], "entry": []}
         catalog.entries.context_rows(PROFILE, groups[0])  # the store's size, counted once per generation
-        unindexed.catalog.entries.context_rows(PROFILE, groups[0])
         for group in groups:  # interleaved, so drift in the machine's speed falls on all alike
             start = time.perf_counter()
             rows = catalog.entries.context_rows(PROFILE, group)
             times["now"].append(time.perf_counter() - start)
-            start = time.perf_counter()
-            assert unindexed.catalog.entries.context_rows(PROFILE, group) == rows
-            times["no_index"].append(time.perf_counter() - start)
             start = time.perf_counter()
             joined = catalog.entries._joined_rows(PROFILE, group)  # what context_rows always was before
             times["join"].append(time.perf_counter() - start)
@@ -111,7 +71,6 @@ def measure(root: Path, n: int) -> dict:
             catalog.entries.entry(key)
             times["entry"].append(time.perf_counter() - start)
     shutil.rmtree(root, ignore_errors=True)
-    shutil.rmtree(bare, ignore_errors=True)
     return {name: (p50_ms(v), p99_ms(v)) for name, v in times.items()}
 
 
@@ -138,7 +97,6 @@ def main() -> None:
     ]
     names = {
         "now": f"context_rows (now: one join below {SMALL_STORE:,} chunk links, point lookups above)",
-        "no_index": "context_rows on the same base without its lookup index (as before it)",
         "join": "one join (context_rows before)",
         "points": "point lookups",
         "span_chunk_ids": "span_chunk_ids",

@@ -277,35 +277,6 @@ def test_a_catalog_from_a_newer_ragkv_is_refused(tmp_path):
         Catalog(path, read_only=True)
 
 
-def test_a_compacted_base_is_written_with_the_lookup_indexes_and_reads_the_same(tiny_store, tmp_path):
-    """A compaction (a writer's, gc's) writes a new base with an index on chunk_kv's chunk ids
-    (what a point lookup probes); the rows read are the same."""
-    import shutil
-
-    import duckdb
-
-    from store.catalog.overlay import LOOKUP_INDEXES
-
-    store = tmp_path / "store"
-    shutil.copytree(tiny_store, store)
-    with open_snapshot(store) as snapshot:
-        profile_id = snapshot.catalog.meta()["last_profile"]
-        ids = sorted(snapshot.catalog.documents.chunk_ids())
-        before = snapshot.catalog.entries.context_rows(profile_id, ids)
-    with StoreWriter(store) as writer:
-        writer.compact()
-    with open_snapshot(store) as snapshot:
-        assert snapshot.generation == 2
-        base = store / snapshot._manifest["base"]
-        assert snapshot.catalog.entries.context_rows(profile_id, ids) == before
-    con = duckdb.connect(str(base), read_only=True)
-    try:
-        found = {(r[0], r[1]) for r in con.execute("SELECT index_name, table_name FROM duckdb_indexes()").fetchall()}
-    finally:
-        con.close()
-    assert ("chunk_kv_by_chunk", "chunk_kv") in found and {(n, t) for n, t, _ in LOOKUP_INDEXES} <= found
-
-
 def test_context_rows_point_lookups_return_what_one_join_over_the_tables_returns(
     tiny_llama, corpus, tmp_path, monkeypatch
 ):

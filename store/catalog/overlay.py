@@ -34,11 +34,6 @@ TABLE_KEYS: dict[str, tuple[str, ...]] = {
     "chunk_hits": ("doc_id", "chunk_index"),
     "hit_files": ("name",),
 }
-# Indexes a base is written with, for the query path's point lookups (`context_rows` above
-# SMALL_STORE): chunk_kv's key is (chunk_id, profile_id), which DuckDB does not use to probe one
-# chunk id; its own index on chunk_id does. Not a migration: a catalog without them (an older
-# base, or a delta) reads the same, only slower, so an older ragkv reads a base that has them.
-LOOKUP_INDEXES = (("chunk_kv_by_chunk", "chunk_kv", "chunk_id"),)
 DELTA_INFO = "delta_info"  # (key, value): the base this delta is over
 GONE_VECTORS = "vector_gone"  # chunk ids removed from the vector segments (tombstones)
 
@@ -214,8 +209,7 @@ class Overlay:
 
     def compact_into(self, path: Path) -> None:
         """Write every table as this catalog reads it into a new plain catalog at `path` (the
-        current schema: rows of an older one get its new columns' defaults), with the lookup
-        indexes (LOOKUP_INDEXES)."""
+        current schema: rows of an older one get its new columns' defaults)."""
         type(self)(path, read_only=False).close()  # type: ignore[call-arg] # Catalog's constructor: empty, migrated
         self.con.execute(f"ATTACH '{path}' AS fresh")
         try:
@@ -227,8 +221,6 @@ class Overlay:
                     )
                 else:
                     self.con.execute(f"INSERT INTO fresh.{table} BY NAME SELECT * FROM {table}")
-            for name, table, column in LOOKUP_INDEXES:
-                self.con.execute(f"CREATE INDEX {name} ON fresh.{table} ({column})")
             self.con.execute("CHECKPOINT fresh")
         finally:
             self.con.execute("DETACH fresh")
