@@ -1,6 +1,8 @@
 """Every on-disk format ragkv writes, its version, and what each ragkv does with another's.
 
-    store (a generation's manifest)  STORE_FORMAT    2   (1: 0.1.x before segments: one catalog + one index file)
+    store (a generation's manifest)  STORE_FORMAT    3   (1: 0.1.x before segments: one catalog + one index file;
+                                                         2: segments flat or IVF-flat, still written when
+                                                         a store has no IVF-PQ segment)
     catalog schema                   named migrations in store.catalog.schema.MIGRATIONS
     KV shard (safetensors header)    SHARD_FORMAT    "1"
     cache key strings                KEY_FORMAT      1   (`kv1:PROFILE:DIGEST`)
@@ -19,6 +21,12 @@ The policy:
   (`terms`, `analyser`): an older ragkv ignores it; a newer one reads a store without it (or
   with another analyser's) as it is, answers lexical searches with dense retrieval saying so,
   and its next writer builds it from the chunks' texts.
+- **Bumped only where used:** a manifest is format 3 when it lists an IVF-PQ segment (a large
+  store's index since 0.2: codes in memory, float32 vectors memory-mapped beside them for the
+  re-score), which a ragkv reading format 2 would search without the re-score and could not
+  compact: it refuses the store instead. A store without one is still written as format 2. An
+  IVF-flat segment of an earlier ragkv is read as it is, and rewritten as IVF-PQ by the next
+  compaction.
 - **Never stale:** a change of the key derivation bumps KEY_FORMAT (it is hashed into every
   profile id), so no entry computed under the old rule is ever matched.
 A manifest records the version of the ragkv that wrote it (`ragkv stats` shows it).
@@ -26,6 +34,6 @@ A manifest records the version of the ragkv that wrote it (`ragkv stats` shows i
 
 __version__ = "0.2.0"  # ragkv's own (the package metadata reads it from here)
 
-STORE_FORMAT = 2
+STORE_FORMAT = 3
 SHARD_FORMAT = "1"
 KEY_FORMAT = 1

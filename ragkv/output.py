@@ -218,13 +218,15 @@ def _index_lines(summary: dict) -> list[str]:
     index, cat, limit = summary["index"], summary["catalog"], summary["kv_budget"]
     tuned = (
         f", nlist {index['nlist']}, nprobe {index['nprobe']} (recall@10 {index['tuned_recall_at_10']:.2f} when built)"
+        + (f", the best {index['rescore']} re-scored from the vectors on disk" if index.get("rescore") else "")
         if index["type"] != "flat"
         else ", exact search"
     )
     used = f"{format_bytes(limit)}, {format_bytes(summary['live_bytes'])} used" if limit is not None else "none"
     return [
         f"vector index: {index['type']}, {index['vectors']} vectors of {index['dim']} dims in "
-        f"{index['segments']} segments ({index['tombstones']} removed ids){tuned}",
+        f"{index['segments']} segments ({index['tombstones']} removed ids){tuned}; "
+        f"{format_bytes(index.get('ram_bytes', 0))} in a reader's memory",
         f"lexical index: {index['lexical']}, {format_bytes(index['lexical_bytes'])} "
         "(BM25: --retrieval lexical, hybrid)",
         f"catalog: {cat['base_rows']:,} rows in its base, {cat['delta_rows']:,} in this generation's delta "

@@ -5,7 +5,7 @@
                             store.catalog.overlay; checkpointed, closed, never reopened for writing)
     manifest-000007.json    that generation's base catalog and vector segments
     base-000005.duckdb      a whole catalog some generations' deltas are over (immutable)
-    segments/               index segments: seg-*.faiss vectors, terms-*.safetensors words
+    segments/               index segments: seg-*.faiss indexes, vec-*.npy vectors (IVF-PQ), terms-*.safetensors words
                             (immutable; see store.segments)
     shards/                 KV shards shared by all generations
     LOCK                    held (flock) by the one writer, with its pid
@@ -52,6 +52,7 @@ _BASE_FILE = re.compile(r"^base-(\d{6})-[0-9a-f]{8}\.duckdb(\.wal)?$")
 SEGMENT_DIR = "segments"
 _STALE_TMP_S = 3600  # a temporary file this old belongs to no live process
 MANIFEST_FORMAT = STORE_FORMAT
+PLAIN_MANIFEST_FORMAT = 2  # what a manifest without "ivfpq" segments is written as (ragkv/formats.py)
 
 
 def catalog_path(root: Path, generation: int) -> Path:
@@ -97,25 +98,30 @@ def read_manifest(root: Path, generation: int) -> dict:
             f"store {root}: {path.name} is unreadable ({exc}); run `ragkv verify --repair --store {root}`"
         ) from None
     found = manifest.get("format") if isinstance(manifest, dict) else None
-    if found != MANIFEST_FORMAT:
+    if found not in (PLAIN_MANIFEST_FORMAT, MANIFEST_FORMAT):
         writer = manifest.get("written_by") if isinstance(manifest, dict) else None
         raise StoreFormatError(
             f"store {root} was written by {'ragkv ' + writer if writer else 'another ragkv'} "
             f"(store format {found}); this is ragkv {__version__}, which reads format "
-            f"{MANIFEST_FORMAT}: upgrade ragkv"
+            f"{PLAIN_MANIFEST_FORMAT} to {MANIFEST_FORMAT}: upgrade ragkv"
         )
     return manifest
 
 
 def write_manifest(root: Path, generation: int, manifest: dict) -> None:
-    record = {**manifest, "format": MANIFEST_FORMAT, "written_by": __version__}
+    """Written as format 3 only when it lists an "ivfpq" segment, which a ragkv reading format 2
+    would search without its re-score and could not compact; else as format 2, which it reads."""
+    pq = any(segment.get("kind") == "ivfpq" for segment in manifest.get("segments", []))
+    record = {**manifest, "format": MANIFEST_FORMAT if pq else PLAIN_MANIFEST_FORMAT, "written_by": __version__}
     write_atomic(manifest_path(root, generation), json.dumps(record, indent=1).encode())
 
 
 def segment_files(manifest: dict) -> list[str]:
-    """The names of the files in SEGMENT_DIR a manifest names: each segment's vectors and, when
-    it has one, its lexical file."""
-    return [name for s in manifest.get("segments", []) for name in (s["name"], s.get("terms")) if name]
+    """The names of the files in SEGMENT_DIR a manifest names: each segment's index file and,
+    when it has them, its lexical file and its vectors file (an "ivfpq" segment's)."""
+    return [
+        name for s in manifest.get("segments", []) for name in (s["name"], s.get("terms"), s.get("vectors")) if name
+    ]
 
 
 def named_files(manifest: dict) -> set[str]:
@@ -146,7 +152,8 @@ def remove_unshared(root: Path, keep: Set[str] = frozenset()) -> int:
         candidates += [
             p
             for p in (root / SEGMENT_DIR).iterdir()
-            if p.suffix in (".faiss", ".safetensors") or (p.name.endswith(".tmp") and now - _mtime(p) > _STALE_TMP_S)
+            if p.suffix in (".faiss", ".safetensors", ".npy")
+            or (p.name.endswith(".tmp") and now - _mtime(p) > _STALE_TMP_S)
         ]  # a killed build's, not a live download's
     for path in candidates:
         name = path.name if path.parent == root else f"{SEGMENT_DIR}/{path.name}"

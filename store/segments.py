@@ -2,9 +2,17 @@
 for the index over them). A segment holds a set of chunk ids twice over:
 
 - their vectors, a FAISS file (`segments/seg-*.faiss`): a small segment is exact,
-  `IndexIDMap2(IndexFlatIP)`; a large one (at least IVF_MIN vectors) is an inverted file,
-  `IndexIVFFlat`, whose `nprobe` is tuned when it is built for recall@10 >= RECALL_TARGET
-  against exact search on queries near its own vectors, and recorded in the manifest;
+  `IndexIDMap2(IndexFlatIP)`; a large one (at least IVF_MIN vectors) is an inverted file of
+  product-quantised codes, `IndexIVFPQ` (kind "ivfpq": 8 dimensions to a byte, 48 bytes for a
+  384-dim vector against 1,536 in float32), beside its vectors in float32 sorted by id
+  (`segments/vec-*.npy`), which a reader never loads: a search takes the RESCORE best
+  candidates by their codes and re-scores them exactly, reading their rows from that file
+  (`DiskVectors`: a `pread` per row, so the file is the kernel's page cache, never the
+  process's memory; a memory map faulted the whole file in within 200 searches). Its
+  `nprobe` is tuned when it is built, through the re-score, for recall@10 >= RECALL_TARGET
+  against exact search on queries near its own vectors, and recorded in the manifest. A store
+  of an earlier ragkv may hold kind "ivf", `IndexIVFFlat` (float32 vectors in its lists, all
+  in memory): read as it is, rewritten as "ivfpq" by the next compaction;
 - their words, a lexical file (`segments/terms-*.safetensors`, store.lexical): the postings
   BM25 searches. A segment written by a ragkv before the lexical index has none; the next
   writer builds it from the chunks' text (once).
@@ -31,6 +39,9 @@ from store.lexical import ANALYSER, Postings, load_postings
 
 IVF_MIN = 50_000  # a segment with fewer vectors is searched exactly
 RECALL_TARGET = 0.95
+RESCORE = 100  # candidates an "ivfpq" search re-scores exactly (at least 4 k), unless tuning asked more
+_RESCORES = (RESCORE, 200, 400, 800, 1600, 3200)
+PQ_DIMS_PER_CODE = 8  # dimensions a one-byte PQ code stands for
 _NPROBES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 _TUNE_QUERIES = 200
 
@@ -40,7 +51,7 @@ class SegmentInfo:
     """One segment file as the generation manifest records it."""
 
     name: str
-    kind: str  # "flat" | "ivf"
+    kind: str  # "flat" | "ivfpq" | "ivf" (written by an earlier ragkv)
     count: int
     nbytes: int
     nlist: int = 0
@@ -49,6 +60,10 @@ class SegmentInfo:
     terms: str = ""  # its lexical file ("": none, a segment written before the lexical index)
     terms_nbytes: int = 0
     analyser: str = ""  # what split its lexical file's words (store.lexical.ANALYSER when current)
+    vectors: str = ""  # "ivfpq": its float32 vectors sorted by id, for the re-score
+    vectors_nbytes: int = 0
+    pq_bytes: int = 0  # "ivfpq": bytes of one vector's code
+    rescore: int = 0  # "ivfpq": candidates a search re-scores (tuned with nprobe)
 
     @property
     def has_terms(self) -> bool:
@@ -57,7 +72,16 @@ class SegmentInfo:
 
     def files(self) -> list[str]:
         """Its files' names in the segment folder."""
-        return [self.name, self.terms] if self.terms else [self.name]
+        return [name for name in (self.name, self.terms, self.vectors) if name]
+
+    def ram_bytes(self, dim: int) -> int:
+        """What a reader holds in memory for its vectors once loaded (FAISS's lists, its
+        centroids, and for "ivfpq" its codebooks and the sorted ids of the re-score; the vectors
+        file stays on disk)."""
+        centroids = self.nlist * dim * 4
+        if self.kind == "ivfpq":
+            return self.count * (self.pq_bytes + 8 + 8) + centroids + 256 * dim * 4
+        return self.count * (dim * 4 + 8) + centroids
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -71,10 +95,17 @@ class Segment:
     """A loaded segment (shared by every snapshot of this process that lists it): its vectors
     at once, its postings on first use (`postings`)."""
 
-    def __init__(self, info: SegmentInfo, index: faiss.Index, folder: Path | None = None):
+    def __init__(
+        self,
+        info: SegmentInfo,
+        index: faiss.Index,
+        folder: Path | None = None,
+        exact: tuple[np.ndarray, DiskVectors] | None = None,
+    ):
         self.info = info
         self.index = index
         self.folder = folder
+        self.exact = exact  # "ivfpq": (ids ascending, their float32 vectors on disk)
         self._ids: np.ndarray | None = None
         self._postings: Postings | None = None
         self._lock = threading.Lock()
@@ -92,18 +123,74 @@ class Segment:
 
     def ids(self) -> np.ndarray:
         if self._ids is None:
-            self._ids = segment_ids(self.index)
+            self._ids = self.exact[0] if self.exact is not None else segment_ids(self.index)
         return self._ids
+
+    def vectors(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, float32 vectors) of everything it holds, in memory (for a merge or compaction)."""
+        if self.exact is not None:
+            return self.exact[0].copy(), self.exact[1].all()
+        return segment_vectors(self.index)
 
     def search(self, query: np.ndarray, k: int, selector=None, filtered: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """(scores, ids), each `(1, <= k)`. `filtered` (the selector admits only some ids): an
         IVF segment whose probed lists hold fewer than `k` admitted ids is searched again over
         every list, so a filter never shrinks top-k to what the nearest lists happen to hold."""
-        nprobe = self.info.nprobe if self.info.kind == "ivf" else 0
-        scores, ids = search_index(self.index, query, k, selector, nprobe)
+        nprobe = self.info.nprobe if self.info.kind != "flat" else 0
+        scores, ids = self._search(query, k, selector, nprobe)
         if filtered and nprobe and (ids[0] >= 0).sum() < k:
-            scores, ids = search_index(self.index, query, k, selector, self.info.nlist)
+            scores, ids = self._search(query, k, selector, self.info.nlist)
         return scores, ids
+
+    def _search(self, query: np.ndarray, k: int, selector, nprobe: int) -> tuple[np.ndarray, np.ndarray]:
+        if self.exact is None:
+            return search_index(self.index, query, k, selector, nprobe)
+        _, candidates = search_index(self.index, query, max(self.info.rescore, 4 * k), selector, nprobe)
+        return rescore(self.exact, query, candidates, k)
+
+
+class DiskVectors:
+    """Float32 vectors in a `.npy` file, read a row at a time (`rows`) or whole (`all`)."""
+
+    def __init__(self, path: Path):
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, fortran, dtype = header(f)
+            self.offset = f.tell()
+        if fortran or dtype != np.float32 or len(shape) != 2:
+            raise ValueError(f"holds {shape} {dtype}, not rows of float32")
+        self.path, self.shape = path, shape
+        self.fd = os.open(path, os.O_RDONLY)
+        self._finalizer = weakref.finalize(self, os.close, self.fd)
+        if os.fstat(self.fd).st_size != self.offset + shape[0] * shape[1] * 4:
+            raise ValueError("truncated")
+
+    def rows(self, indices: np.ndarray) -> np.ndarray:
+        """Rows `indices` `(n,)`, `(n, dim)`."""
+        dim = self.shape[1]
+        out = np.empty((len(indices), dim), np.float32)
+        for i, row in enumerate(indices.tolist()):
+            if os.preadv(self.fd, [out[i]], self.offset + row * dim * 4) != dim * 4:
+                raise StoreCorruptError(f"the vectors file {SEGMENT_DIR}/{self.path.name} is truncated")
+        return out
+
+    def all(self) -> np.ndarray:
+        return np.load(self.path)
+
+
+def rescore(
+    exact: tuple[np.ndarray, np.ndarray | DiskVectors], query: np.ndarray, candidates: np.ndarray, k: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The `k` best of `candidates` `(1, n)` (-1: none) by their exact inner product with `query`
+    `(1, dim)`, from `exact` (ids ascending, their vectors: in memory, or on disk), as (scores,
+    ids) `(1, <= k)`."""
+    found = np.sort(candidates[0][candidates[0] >= 0])
+    ids, vectors = exact
+    rows = np.searchsorted(ids, found)
+    scores = (vectors.rows(rows) if isinstance(vectors, DiskVectors) else vectors[rows]) @ query[0]
+    best = np.argsort(-scores, kind="stable")[:k]
+    return scores[best][None].astype(np.float32), found[best][None]
 
 
 def search_index(
@@ -142,7 +229,7 @@ def load_segment(folder: Path, info: SegmentInfo) -> Segment:
             f"the vector segment {SEGMENT_DIR}/{info.name} is missing; rebuild the index with: "
             f"ragkv verify --repair --store {folder.parent}"
         ) from None
-    key = (str(path.resolve()), stat.st_ino, stat.st_size)
+    key = (str(path.resolve()), stat.st_ino, stat.st_size, *_identity(folder / info.vectors if info.vectors else None))
     with _loaded_lock:  # keyed by its lexical file too: a segment given one later is a new Segment
         if (segment := _loaded.get(key + (info.terms,))) is not None:
             return segment
@@ -157,10 +244,44 @@ def load_segment(folder: Path, info: SegmentInfo) -> Segment:
             f"the vector segment {SEGMENT_DIR}/{info.name} is damaged (holds {index.ntotal} vectors, "
             f"not {info.count}); rebuild it with: ragkv verify --repair --store {folder.parent}"
         )
-    segment = Segment(info, index, folder)
+    segment = Segment(info, index, folder, _exact_vectors(folder, info, index) if info.kind == "ivfpq" else None)
     with _loaded_lock:
         _loaded[key + (info.terms,)] = segment
     return segment
+
+
+def _identity(path: Path | None) -> tuple:
+    """What tells a file apart from another of its name (none: ())."""
+    if path is None:
+        return ()
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return ("missing",)
+    return (stat.st_ino, stat.st_size)
+
+
+def _exact_vectors(folder: Path, info: SegmentInfo, index: faiss.Index) -> tuple[np.ndarray, DiskVectors]:
+    """An "ivfpq" segment's re-score table: its ids ascending and its vectors file (the same
+    order, read from disk); StoreCorruptError when the file is missing or does not fit the segment."""
+    path, damaged = folder / info.vectors, None
+    try:
+        if path.stat().st_size != info.vectors_nbytes:
+            damaged = f"{path.stat().st_size} of {info.vectors_nbytes} bytes"
+        else:
+            vectors = DiskVectors(path)
+            if vectors.shape != (info.count, index.d):
+                damaged = f"holds {vectors.shape} vectors"
+    except FileNotFoundError:
+        damaged = "missing"
+    except ValueError as exc:
+        damaged = str(exc).splitlines()[0][:120]
+    if damaged is not None:
+        raise StoreCorruptError(
+            f"the vectors file {SEGMENT_DIR}/{info.vectors} is damaged ({damaged}); rebuild the index with: "
+            f"ragkv verify --repair --store {folder.parent}"
+        )
+    return np.sort(segment_ids(index)), vectors
 
 
 def read_index(path: Path, store: Path) -> faiss.Index:
@@ -189,7 +310,8 @@ def segment_ids(index: faiss.Index) -> np.ndarray:
 
 
 def segment_vectors(index: faiss.Index) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, vectors) of every vector an index holds (both kinds store them uncompressed)."""
+    """(ids, vectors) of every vector a flat or IVF-flat index holds (they store them
+    uncompressed; an "ivfpq" segment's are in its vectors file: `Segment.vectors`)."""
     if isinstance(index, faiss.IndexIDMap):
         ids = faiss.vector_to_array(index.id_map).astype(np.int64)
         flat = faiss.downcast_index(index.index)
@@ -217,39 +339,84 @@ def build_segment(
     seed: int = 0,
 ) -> SegmentInfo:
     """Write `vectors` (normalised float32) under `ids` as a new segment, with `postings` (the
-    same ids' words) as its lexical file; an IVF segment when there are at least IVF_MIN
-    vectors (or `ivf`), its nprobe tuned here."""
+    same ids' words) as its lexical file; an "ivfpq" segment (and its vectors file) when there
+    are at least IVF_MIN vectors (or `ivf`), its nprobe tuned here."""
     dim = vectors.shape[1]
     vectors = np.ascontiguousarray(vectors, dtype=np.float32)
     ids = np.ascontiguousarray(ids, dtype=np.int64)
     use_ivf = len(ids) >= IVF_MIN if ivf is None else ivf
-    nlist = nprobe = 0
-    recall = 1.0
+    folder.mkdir(parents=True, exist_ok=True)
     if use_ivf:
-        nlist = ivf_lists(len(ids))
-        quantizer = faiss.IndexFlatIP(dim)
-        index = faiss.IndexIVFFlat(quantizer, dim, nlist, faiss.METRIC_INNER_PRODUCT)
-        rng = np.random.default_rng(seed)
-        sample = vectors[rng.choice(len(vectors), min(len(vectors), 40 * nlist), replace=False)]
-        index.cp.seed = seed
-        index.train(sample)
-        index.add_with_ids(vectors, ids)
-        index.own_fields = True
-        quantizer.this.disown()
-        nprobe, recall = tune_nprobe(index, ids, vectors, rng)
+        info = _build_ivfpq(folder, ids, vectors, tag, seed)
     else:
         index = faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
         index.add_with_ids(vectors, ids)
-    folder.mkdir(parents=True, exist_ok=True)
-    name = f"seg-{tag}-{uuid.uuid4().hex[:8]}.faiss"
+        name, nbytes = _write_new(folder, f"seg-{tag}", ".faiss", lambda path: faiss.write_index(index, str(path)))
+        info = SegmentInfo(name, "flat", len(ids), nbytes)
+    return with_terms(folder, info, postings, tag) if postings is not None else info
+
+
+def _build_ivfpq(folder: Path, ids: np.ndarray, vectors: np.ndarray, tag: str, seed: int) -> SegmentInfo:
+    """An "ivfpq" segment of `vectors` under `ids`: the coarse lists and the codes trained on a
+    sample, the vectors file, and nprobe tuned through the re-score."""
+    dim = vectors.shape[1]
+    nlist, codes = ivf_lists(len(ids)), pq_codes(dim)
+    quantizer = faiss.IndexFlatIP(dim)
+    index = faiss.IndexIVFPQ(quantizer, dim, nlist, codes, 8, faiss.METRIC_INNER_PRODUCT)
+    rng = np.random.default_rng(seed)
+    sample = vectors[rng.choice(len(vectors), min(len(vectors), max(40 * nlist, 64 * 256)), replace=False)]
+    index.cp.seed = seed
+    index.train(sample)
+    index.add_with_ids(vectors, ids)
+    index.own_fields = True
+    quantizer.this.disown()
+    order = np.argsort(ids, kind="stable")
+    exact = (ids[order], vectors[order])
+    for candidates in _RESCORES:  # more candidates only when every list is not enough
+        nprobe, recall = tune_nprobe(index, ids, vectors, np.random.default_rng(seed), exact, candidates)
+        if recall >= RECALL_TARGET:
+            break
+    name, nbytes = _write_new(folder, f"seg-{tag}", ".faiss", lambda path: faiss.write_index(index, str(path)))
+    vectors_name, vectors_nbytes = _write_new(folder, f"vec-{tag}", ".npy", lambda path: _save_npy(path, exact[1]))
+    return SegmentInfo(
+        name,
+        "ivfpq",
+        len(ids),
+        nbytes,
+        nlist,
+        nprobe,
+        recall,
+        vectors=vectors_name,
+        vectors_nbytes=vectors_nbytes,
+        pq_bytes=codes,
+        rescore=candidates,
+    )
+
+
+def _save_npy(path: Path, array: np.ndarray) -> None:
+    with open(path, "wb") as f:
+        np.save(f, array)
+
+
+def _write_new(folder: Path, stem: str, suffix: str, write) -> tuple[str, int]:
+    """A new uniquely named file `stem-<uuid>suffix` in `folder`, written by `write(path)` to a
+    temporary name, synced, then renamed; returns (its name, its size)."""
+    name = f"{stem}-{uuid.uuid4().hex[:8]}{suffix}"
     path = folder / name
     tmp = path.with_name(f".{name}.tmp")
-    faiss.write_index(index, str(tmp))
+    write(tmp)
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    info = SegmentInfo(name, "ivf" if use_ivf else "flat", len(ids), path.stat().st_size, nlist, nprobe, recall)
-    return with_terms(folder, info, postings, tag) if postings is not None else info
+    return name, path.stat().st_size
+
+
+def pq_codes(dim: int) -> int:
+    """Bytes of one vector's PQ code: one per PQ_DIMS_PER_CODE dimensions, a divisor of `dim`."""
+    codes = max(1, dim // PQ_DIMS_PER_CODE)
+    while dim % codes:
+        codes -= 1
+    return codes
 
 
 def with_terms(folder: Path, info: SegmentInfo, postings: Postings, tag: str) -> SegmentInfo:
@@ -265,26 +432,45 @@ def ivf_lists(n: int) -> int:
     return int(max(64, min(65536, round(np.sqrt(n)))))
 
 
-def tune_nprobe(index: faiss.IndexIVF, ids: np.ndarray, vectors: np.ndarray, rng) -> tuple[int, float]:
+def tune_nprobe(
+    index: faiss.IndexIVF,
+    ids: np.ndarray,
+    vectors: np.ndarray,
+    rng,
+    exact: tuple[np.ndarray, np.ndarray] | None = None,
+    candidates: int = RESCORE,
+) -> tuple[int, float]:
     """The smallest nprobe whose recall@10 against exact search reaches RECALL_TARGET, on
     queries near stored vectors (a stored vector plus noise, renormalised: the query is not
-    one of the vectors). Returns (nprobe, the recall measured)."""
+    one of the vectors); with `exact` (an "ivfpq" segment's re-score table), through the
+    re-score of `candidates`. Returns (nprobe, the recall measured)."""
     picks = rng.choice(len(vectors), min(_TUNE_QUERIES, len(vectors)), replace=False)
     noise = rng.standard_normal((len(picks), vectors.shape[1])).astype(np.float32)
     noise /= np.linalg.norm(noise, axis=1, keepdims=True)
     queries = vectors[picks] + 0.7 * noise
     queries /= np.linalg.norm(queries, axis=1, keepdims=True)
-    exact = faiss.IndexFlatIP(vectors.shape[1])
-    exact.add(vectors)
-    _, rows = exact.search(queries, 10)
+    flat = faiss.IndexFlatIP(vectors.shape[1])
+    flat.add(vectors)
+    _, rows = flat.search(queries, 10)
     truth = ids[rows]
-    for nprobe in _NPROBES:
-        if nprobe >= index.nlist:
-            break
-        _, found = index.search(queries, 10, params=faiss.SearchParametersIVF(nprobe=nprobe))
+    recall, previous = 0.0, -1.0
+    for nprobe in [n for n in _NPROBES if n < index.nlist] + [index.nlist]:
+        if exact is None:
+            _, found = index.search(queries, 10, params=faiss.SearchParametersIVF(nprobe=nprobe))
+        else:
+            _, near = index.search(queries, candidates, params=faiss.SearchParametersIVF(nprobe=nprobe))
+            found = np.array(
+                [
+                    np.pad(rescore(exact, q[None], c[None], 10)[1][0], (0, 10), constant_values=-1)[:10]
+                    for q, c in zip(queries, near, strict=True)
+                ]
+            )
         if (recall := recall_at(found, truth)) >= RECALL_TARGET:
             return nprobe, recall
-    return index.nlist, 1.0
+        if exact is not None and recall <= previous + 0.002:
+            return nprobe, recall  # more lists no longer help: the codes' ranking limits it (more candidates may)
+        previous = recall
+    return index.nlist, recall  # every list: exact for IVF-flat, the codes' limit for PQ
 
 
 def recall_at(found: np.ndarray, truth: np.ndarray) -> float:

@@ -221,7 +221,7 @@ class VectorIndex:
         """(ids, vectors) of every live vector: segments less tombstones, and pending."""
         ids, vectors = [], []
         for info in self.segments:
-            i, v = segment_vectors(self.segment(info).index)
+            i, v = self.segment(info).vectors()
             ids.append(i)
             vectors.append(v)
         if self.pending_count:
@@ -279,7 +279,7 @@ class VectorIndex:
     def _merge(self, chosen: list[SegmentInfo], tag: str, texts_of: TextsOf) -> None:
         """Rewrite the segments `chosen` (small, flat) as one flat segment, less tombstones."""
         assert self.folder is not None  # a writer's index has its store's segment folder
-        parts = [segment_vectors(self.segment(s).index) for s in chosen]
+        parts = [self.segment(s).vectors() for s in chosen]
         ids = np.concatenate([p[0] for p in parts])
         data = np.concatenate([p[1] for p in parts])
         keep = ~np.isin(ids, self.gone)
@@ -325,10 +325,13 @@ class VectorIndex:
 
     def describe(self) -> dict:
         """For `ragkv stats`: the index type and its parameters."""
-        ivf = [s for s in self.segments if s.kind == "ivf"]
-        kind = "ivf-flat" if ivf else "flat"
+        ivf = [s for s in self.segments if s.kind != "flat"]
+        kinds = {s.kind for s in ivf}
+        kind = "ivf-pq" if "ivfpq" in kinds else "ivf-flat" if ivf else "flat"
         return {
             "type": kind,
+            "ram_bytes": sum(s.ram_bytes(self.dim) for s in self.segments) + self.pending_count * (self.dim * 4 + 8),
+            "rescore": max((s.rescore for s in ivf), default=0),
             "vectors": len(self),
             "dim": self.dim,
             "segments": len(self.segments),

@@ -89,7 +89,7 @@ def test_an_ivf_segment_under_a_filter_still_returns_the_true_top_k(tmp_path, mo
     allowed = rng.choice(ids, 15, replace=False)
     query = unit(rng, 1)[0]
     with open_snapshot(tmp_path / "s") as snap:
-        assert snap.vectors.segments[0].kind == "ivf"
+        assert snap.vectors.segments[0].kind == "ivfpq"
         found = [h.chunk_id for h in snap.vectors.search(query, 10, allowed.tolist())]
     exact = allowed[np.argsort(-np.stack([stored[i] for i in allowed]) @ query)][:10]
     assert found == exact.tolist()

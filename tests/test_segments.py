@@ -4,6 +4,7 @@ store written before segments (format 1)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import pytest
 from ragkv.errors import StoreCorruptError
 from store import StoreWriter, collect_garbage, open_snapshot, segments, vectors, verify
 from store.catalog import ChunkRow, DocumentRow
+from store.generations import manifest_path, read_current
 from store.stats import store_stats
 from tests.conftest import ROOT
 
@@ -72,19 +74,23 @@ def test_a_large_store_searches_an_ivf_segment_and_a_change_writes_only_itself(t
     assert first_gc.catalog_compacted and not first_gc.vectors_compacted
     with open_snapshot(root) as snap:
         index = store_stats(snap)["index"]
-        assert index["type"] == "ivf-flat" and index["segments"] == 1 and 1 < index["nprobe"] < index["nlist"]
+        assert index["type"] == "ivf-pq" and index["segments"] == 1 and 1 < index["nprobe"] < index["nlist"]
         assert index["tuned_recall_at_10"] >= segments.RECALL_TARGET
+        # in memory: the codes and ids, not the float32 vectors (memory-mapped for the re-score)
+        assert index["ram_bytes"] < 6000 * 4 * 64 // 2 and index["rescore"] >= segments.RESCORE
         assert recall(snap, stored, near(rng, np.stack(list(stored.values())), 100)) >= 0.93  # fresh queries
     ivf_file = next((root / "segments").glob("*.faiss"))
     terms_file = next((root / "segments").glob("terms-*"))
+    vectors_file = next((root / "segments").glob("vec-*.npy"))
     ivf_bytes, terms_bytes = ivf_file.read_bytes(), terms_file.read_bytes()
+    assert json.loads(manifest_path(root, read_current(root)).read_bytes())["format"] == 3  # older readers refuse it
 
     # One document changes: its vectors become tombstones, its new ones a small flat segment.
     with StoreWriter(root) as writer:
         old_ids = writer.catalog.documents.delete_documents(["d0007"])
         assert writer.vectors.remove(old_ids) == 10
         new = add_docs(writer, ["d0007"], rng)
-    assert ivf_file.read_bytes() == ivf_bytes  # the big segment was not rewritten
+    assert ivf_file.read_bytes() == ivf_bytes and vectors_file.exists()  # the big segment was not rewritten
     assert terms_file.read_bytes() == terms_bytes  # nor its lexical file
     assert min(new) > max(stored)  # chunk ids are never reused: a tombstone names one chunk forever
     with open_snapshot(root) as snap:
@@ -105,10 +111,65 @@ def test_a_large_store_searches_an_ivf_segment_and_a_change_writes_only_itself(t
     report = collect_garbage(root)
     assert report.vectors_compacted
     with open_snapshot(root) as snap:
-        assert len(snap.vectors.segments) == 1 and not len(snap.vectors.gone) and snap.vectors.segments[0].kind == "ivf"
+        assert (
+            len(snap.vectors.segments) == 1 and not len(snap.vectors.gone) and snap.vectors.segments[0].kind == "ivfpq"
+        )
         assert recall(snap, stored, near(rng, np.stack(list(stored.values())), 100)) >= 0.93
         assert verify(snap).ok
-    assert not ivf_file.exists() and not terms_file.exists()  # nothing names them any more
+    assert not ivf_file.exists() and not terms_file.exists() and not vectors_file.exists()  # nothing names them
+
+
+def test_an_ivf_flat_segment_of_an_earlier_ragkv_is_searched_then_compacted_into_ivf_pq(tmp_path, small_ivf):
+    """A format-2 store whose large segment is IVF-flat (as ragkv 0.1 wrote it) is read as it is;
+    the next compaction rewrites it as IVF-PQ with its vectors file, and the manifest becomes
+    format 3. A vectors file that does not fit its segment is a one-line error naming it."""
+    import faiss
+
+    rng = np.random.default_rng(3)
+    root = tmp_path / "s"
+    with StoreWriter(root) as writer:
+        stored = add_docs(writer, [f"d{i:04d}" for i in range(300)], rng)  # 3000 chunks: one IVF segment
+    path = manifest_path(root, read_current(root))
+    manifest = json.loads(path.read_bytes())
+    (segment,) = manifest["segments"]
+    ids = np.array(sorted(stored), dtype=np.int64)
+    quantizer = faiss.IndexFlatIP(DIM)
+    old = faiss.IndexIVFFlat(quantizer, DIM, segment["nlist"], faiss.METRIC_INNER_PRODUCT)
+    old.train(np.stack([stored[i] for i in ids]))
+    old.add_with_ids(np.stack([stored[i] for i in ids]), ids)
+    faiss.write_index(old, str(root / "segments" / "seg-old.faiss"))
+    (root / "segments" / segment["vectors"]).unlink()
+    segment.update(
+        name="seg-old.faiss",
+        kind="ivf",
+        nbytes=(root / "segments" / "seg-old.faiss").stat().st_size,
+        vectors="",
+        vectors_nbytes=0,
+        pq_bytes=0,
+        rescore=0,
+        nprobe=segment["nlist"],
+    )
+    path.write_text(json.dumps({**manifest, "format": 2}))
+    with open_snapshot(root) as snap:
+        assert snap.vectors.segments[0].kind == "ivf" and store_stats(snap)["index"]["type"] == "ivf-flat"
+        assert recall(snap, stored, near(rng, np.stack(list(stored.values())), 50)) == 1.0  # every list: exact
+        assert verify(snap).ok
+
+    with StoreWriter(root) as writer:  # a change, then gc: the compaction rewrites it
+        assert writer.vectors.remove(writer.catalog.documents.delete_documents(["d0001"])) == 10
+    for chunk_id in range(10, 20):
+        stored.pop(chunk_id, None)
+    assert collect_garbage(root).vectors_compacted
+    path = manifest_path(root, read_current(root))
+    with open_snapshot(root) as snap:
+        (info,) = snap.vectors.segments
+        assert info.kind == "ivfpq" and json.loads(path.read_bytes())["format"] == 3
+        assert recall(snap, stored, near(rng, np.stack(list(stored.values())), 100)) >= 0.93
+        assert verify(snap).ok
+    vectors_file = root / "segments" / info.vectors
+    vectors_file.write_bytes(vectors_file.read_bytes()[:-4])
+    with pytest.raises(StoreCorruptError, match=f"vectors file segments/{info.vectors} is damaged"):
+        open_snapshot(root)
 
 
 def test_small_flat_segments_merge_and_search_stays_exact(tmp_path):
