@@ -9,12 +9,14 @@ Workloads on the bundled SmolLM2 in float32 over the sample corpus: top-1 (short
 top-5 (long prompts: five chunks, several hundred tokens).
 
     python benchmarks/batch_throughput.py --before ../before [--after ../after] [--tokens 24] [--repeats 2]
+    python benchmarks/batch_throughput.py --before ../before --preset shared-contexts --out results/batch_shared_contexts.md
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -57,6 +59,26 @@ TOPICS = {
         "Who do I escalate to when on call?",
         "What goes in the on-call handover?",
     ],
+}
+
+BATCHER_NOTES = (
+    "Tokens reused: summed over the answers' stats. Before, groups ran one after another, so chunks one "
+    "group prefilled were in the prefix cache for the next; after, questions admitted together each prefill "
+    "the chunks after their first (the prefix cache serves a combination only once one question has computed "
+    "it), which is what grouping still saves at top-5, and the KV load time is counted as `ask` counts it "
+    "(before: 0). After, the answers' uses also reach the store's popularity (before: none)."
+)
+
+# What `--preset` fills in: title, what the before and after trees are, the notes.
+PRESETS = {
+    "shared-contexts": (
+        "Questions over one context admitted together: before and after they share its prefill",
+        "each question admitted in a step prefilled the chunks after its first",
+        "a question takes from the prefix cache what one admitted with it prefilled, as its own prefill starts",
+        "Tokens reused: summed over the answers' stats. The old grouped batch (c472a9f, "
+        "benchmarks/results/batch.md, the same questions and settings) reused 5183 tokens at top-1 and 6825 at "
+        "top-5.",
+    )
 }
 
 # Runs in a fresh python whose sys.path starts with the tree measured.
@@ -113,7 +135,16 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "batch.md")
+    parser.add_argument("--title", default="`ragkv batch` before and after it moved onto the continuous batcher")
+    parser.add_argument(
+        "--before-is", default="questions grouped by shared context, padded batch prefill, its own decode loop"
+    )
+    parser.add_argument("--after-is", default="every question a turn of the Batcher")
+    parser.add_argument("--notes", default=BATCHER_NOTES, help="the paragraph under the table")
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="title, trees and notes of a named comparison")
     args = parser.parse_args()
+    if args.preset:
+        args.title, args.before_is, args.after_is, args.notes = PRESETS[args.preset]
     before_commit = subprocess.run(
         ["git", "-C", str(args.before), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
@@ -150,14 +181,14 @@ def main() -> None:
                     print(f"top-{top_k} {name}: {len(questions) / runs[name][-1]['seconds']:.2f} q/s", file=sys.stderr)
             rows.append((top_k, runs))
     lines = [
-        "# `ragkv batch` before and after it moved onto the continuous batcher",
+        f"# {args.title}",
         "",
         f"Bundled SmolLM2-135M-Instruct, float32, the sample corpus, CPU ({describe()}); {len(questions)} questions "
         f"({len(TOPICS)} topics, 4 phrasings each), greedy, {args.tokens} new tokens, --max-batch {args.max_batch}. "
-        f"before: {before_commit} (questions grouped by shared context, padded batch prefill, its own decode loop); "
-        f"after: {after_commit} (every question a turn of the Batcher). Each run a fresh process, warm (one question "
+        f"before: {before_commit} ({args.before_is}); "
+        f"after: {after_commit} ({args.after_is}). Each run a fresh process, warm (one question "
         f"first), trees alternating, {args.repeats} runs each; questions/s is the median, the range in brackets. "
-        "Command: `python benchmarks/batch_throughput.py --before ../before`.",
+        f"Command: `python benchmarks/batch_throughput.py {shlex.join(sys.argv[1:])}`.",
         "",
         "| prompts | mean prompt tokens | before (questions/s) | after (questions/s) | after / before | "
         "answers identical | tokens reused, before / after | KV load ms counted, before / after |",
@@ -176,16 +207,7 @@ def main() -> None:
             f"{med['after'] / med['before']:.2f}× | {same}/{len(questions)} | {b['reused_tokens']} / "
             f"{a['reused_tokens']} | {b['kv_load_ms']:.0f} / {a['kv_load_ms']:.0f} |"
         )
-    lines += [
-        "",
-        "Tokens reused: summed over the answers' stats. Before, groups ran one after another, so chunks one "
-        "group prefilled were in the prefix cache for the next; after, questions admitted together each prefill "
-        "the chunks after "
-        "their first (the prefix cache serves a combination only once one question has computed it), which is "
-        "what grouping still saves at top-5, and the KV load time is counted as `ask` counts it (before: 0). "
-        "After, the answers' uses also reach the store's popularity (before: none).",
-        "",
-    ]
+    lines += ["", args.notes, ""]
     args.out.write_text("\n".join(lines))
     print(args.out.read_text())
 

@@ -12,7 +12,7 @@ Workloads on the bundled SmolLM2 in float32 over the sample corpus, top-1, greed
 - `ragkv batch` (`answer_all`) over the same questions: answers/s;
 - `ragkv serve` of each tree, streaming chat completions from 1 and 8 clients (the questions
   of benchmarks/questions.txt, once per client level at 1, twice at 8; the server warmed by one
-  pass first): requests/s and the median time to first token, client side.
+  pass first): requests/s and the median and p90 time to first token, client side.
 
     python benchmarks/one_engine.py --before ../before [--after ../after] [--repeats 3] [--threads 4]
 """
@@ -100,7 +100,7 @@ def measure_serve(tree: Path, store: Path, tokens: int) -> dict:
             row = level(call, clients, work * (1 if clients == 1 else 2), tokens)
             if row["errors"]:
                 raise SystemExit(f"{tree}: {row['errors']} serve requests failed")
-            result[clients] = {"rps": row["rps"], "p50": row["p50"]}
+            result[clients] = {"rps": row["rps"], "p50": row["p50"], "p90": row["p90"]}
         return result
     finally:
         server.stop()
@@ -212,10 +212,12 @@ def main() -> None:
     for clients in SERVE_CLIENTS:
         rps = {name: [r["serve"][clients]["rps"] for r in runs[name]] for name in runs}
         p50 = {name: [r["serve"][clients]["p50"] * 1000 for r in runs[name]] for name in runs}
+        p90 = {name: [r["serve"][clients]["p90"] * 1000 for r in runs[name]] for name in runs}
         who = f"{clients} client{'s' if clients > 1 else ''}"
         lines += [
             row(f"`ragkv serve`, {who}: requests/s", rps["before"], rps["after"], ""),
             row(f"`ragkv serve`, {who}: median time to first token (ms)", p50["before"], p50["after"], ""),
+            row(f"`ragkv serve`, {who}: p90 time to first token (ms)", p90["before"], p90["after"], ""),
         ]
     lines += [
         "",

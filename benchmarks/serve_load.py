@@ -289,6 +289,7 @@ def level(call, clients: int, work: list[tuple[str, list[int]]], tokens: int, in
         "rps": len(ok) / wall,
         "tps": sum(r.tokens for r in ok) / wall,
         "p50": float(np.percentile(ttfts, 50)),
+        "p90": float(np.percentile(ttfts, 90)),
         "p99": float(np.percentile(ttfts, 99)),
         "client_cpu": client_cpu,
         "steady": steady_rate(ok, clients),
