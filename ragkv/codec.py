@@ -93,7 +93,7 @@ class StoredKV:
             for buffer in (keys, values):
                 for head in range(heads):
                     block = buffer[0, head, start:stop]  # (T, D): contiguous, as stored
-                    targets.append(memoryview(block.view(torch.uint8).numpy()))  # type: ignore[arg-type]
+                    targets.append(memoryview(block.view(torch.uint8).numpy()).cast("B"))  # type: ignore[arg-type]
         self.shards.read_into(self.entry.shard, self.entry.tensor, self.entry.checksum, targets)
         for keys, values in layers:
             keys[1:, :, start:stop] = keys[:1, :, start:stop]

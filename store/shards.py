@@ -189,6 +189,7 @@ class _RemoteFile:
         return self.handle.read_at(size, offset)
 
     def read_into(self, view: memoryview, offset: int) -> int:
+        view = view.cast("B") if view.ndim != 1 or view.format != "B" else view  # bytes, one dimension
         data = self.handle.read_at(len(view), offset)
         view[: len(data)] = data
         return len(data)
