@@ -68,7 +68,7 @@ def ivf_flat(folder: Path, ids: np.ndarray, vectors: np.ndarray) -> segments.Seg
     index.add_with_ids(vectors, ids)
     index.own_fields = True
     quantizer.this.disown()
-    nprobe, recall = segments.tune_nprobe(index, ids, vectors, rng)
+    nprobe, recall, _ = segments.tune_nprobe(index, *segments.tuning_queries(ids, vectors, rng))
     name = "seg-flat-ivf.faiss"
     faiss.write_index(index, str(folder / name))
     return segments.SegmentInfo(name, "ivf", len(ids), (folder / name).stat().st_size, nlist, nprobe, recall)
@@ -130,19 +130,16 @@ def run_child(
 def measure_streamed(size: int, work: Path, batch: int = 500_000) -> list[dict]:
     """The IVF-PQ segment at a size whose float32 vectors do not fit in memory beside the build
     (10M: 15 GB): the same index (`segments.build_segment`'s type and parameters), trained on a
-    sample, then added to and written to its vectors file a batch at a time; exact top-10 and
-    nprobe tuning by streaming the batches. Vectors are drawn per batch from the same corpus
+    sample, then added to and written to its vectors file a batch at a time; the exact top-10
+    merged batch by batch, and nprobe and the candidates tuned by `segments.tune_nprobe`. Vectors are drawn per batch from the same corpus
     shape (its topics are fixed), so any batch is a sample of the whole."""
     rng = np.random.default_rng(size)
-    dim, nlist, codes = 384, segments.ivf_lists(size), segments.pq_codes(384)
+    dim = 384
     folder = work / "ivfpq"
     folder.mkdir()
     start = time.perf_counter()
-    quantizer = faiss.IndexFlatIP(dim)
-    index = faiss.IndexIVFPQ(quantizer, dim, nlist, codes, 8, faiss.METRIC_INNER_PRODUCT)
-    index.cp.seed = 0
     first = corpus_vectors(rng, batch // CHUNKS_PER_DOC)
-    index.train(first[rng.choice(len(first), max(40 * nlist, 64 * 256), replace=False)])
+    index = segments.trained_ivfpq(first[rng.choice(len(first), segments.training_rows(size), replace=False)], size)
     picks = rng.choice(len(first), 2 * QUERIES, replace=False)  # tuning queries, then measured ones
     queries = first[picks] + 0.7 * unit(rng, 2 * QUERIES)
     queries /= np.linalg.norm(queries, axis=1, keepdims=True)
@@ -167,38 +164,21 @@ def measure_streamed(size: int, work: Path, batch: int = 500_000) -> list[dict]:
         print(f"  {done:,} of {size:,} added", file=sys.stderr)
     stored.flush()
     del stored
-    index.own_fields = True
-    quantizer.this.disown()
     exact = (np.arange(size, dtype=np.int64), segments.DiskVectors(vectors_path))
     tune, measured = slice(0, QUERIES), slice(QUERIES, None)
-    best = (0.0, nlist, segments.RESCORE)  # (recall, nprobe, candidates): the best seen if none reaches the target
-    for candidates in (segments.RESCORE, 200, 400, 800, 1600, 3200):
-        for probe in [n for n in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256) if n < nlist]:
-            _, near = index.search(queries[tune], candidates, params=faiss.SearchParametersIVF(nprobe=probe))
-            found = [
-                segments.rescore(exact, q[None], c[None], 10)[1][0] for q, c in zip(queries[tune], near, strict=True)
-            ]
-            recall = segments.recall_at(np.array(found), best_ids[tune])
-            print(f"  nprobe {probe}, {candidates} candidates: recall@10 {recall:.3f}", file=sys.stderr)
-            saturated = recall <= best[0] + 0.002 and best[2] == candidates  # as segments.tune_nprobe stops
-            best = max(best, (recall, probe, candidates))
-            if recall >= segments.RECALL_TARGET or saturated:
-                break
-        if best[0] >= segments.RECALL_TARGET:
-            break
-    recall, nprobe, rescore = best
+    nprobe, recall, rescore = segments.tune_nprobe(index, queries[tune], best_ids[tune], exact)
     faiss.write_index(index, str(folder / "seg-bench.faiss"))
     info = segments.SegmentInfo(
         "seg-bench.faiss",
         "ivfpq",
         size,
         (folder / "seg-bench.faiss").stat().st_size,
-        nlist,
+        index.nlist,
         nprobe,
         recall,
         vectors=vectors_path.name,
         vectors_nbytes=vectors_path.stat().st_size,
-        pq_bytes=codes,
+        pq_bytes=index.code_size,
         rescore=rescore,
     )
     build_s = time.perf_counter() - start

@@ -358,24 +358,13 @@ def build_segment(
 
 def _build_ivfpq(folder: Path, ids: np.ndarray, vectors: np.ndarray, tag: str, seed: int) -> SegmentInfo:
     """An "ivfpq" segment of `vectors` under `ids`: the coarse lists and the codes trained on a
-    sample, the vectors file, and nprobe tuned through the re-score."""
-    dim = vectors.shape[1]
-    nlist, codes = ivf_lists(len(ids)), pq_codes(dim)
-    quantizer = faiss.IndexFlatIP(dim)
-    index = faiss.IndexIVFPQ(quantizer, dim, nlist, codes, 8, faiss.METRIC_INNER_PRODUCT)
+    sample, the vectors file, and nprobe and the candidates tuned through the re-score."""
     rng = np.random.default_rng(seed)
-    sample = vectors[rng.choice(len(vectors), min(len(vectors), max(40 * nlist, 64 * 256)), replace=False)]
-    index.cp.seed = seed
-    index.train(sample)
+    index = trained_ivfpq(vectors[rng.choice(len(vectors), training_rows(len(vectors)), replace=False)], len(ids), seed)
     index.add_with_ids(vectors, ids)
-    index.own_fields = True
-    quantizer.this.disown()
     order = np.argsort(ids, kind="stable")
     exact = (ids[order], vectors[order])
-    for candidates in _RESCORES:  # more candidates only when every list is not enough
-        nprobe, recall = tune_nprobe(index, ids, vectors, np.random.default_rng(seed), exact, candidates)
-        if recall >= RECALL_TARGET:
-            break
+    nprobe, recall, candidates = tune_nprobe(index, *tuning_queries(ids, vectors, np.random.default_rng(seed)), exact)
     name, nbytes = _write_new(folder, f"seg-{tag}", ".faiss", lambda path: faiss.write_index(index, str(path)))
     vectors_name, vectors_nbytes = _write_new(folder, f"vec-{tag}", ".npy", lambda path: _save_npy(path, exact[1]))
     return SegmentInfo(
@@ -383,14 +372,33 @@ def _build_ivfpq(folder: Path, ids: np.ndarray, vectors: np.ndarray, tag: str, s
         "ivfpq",
         len(ids),
         nbytes,
-        nlist,
+        index.nlist,
         nprobe,
         recall,
         vectors=vectors_name,
         vectors_nbytes=vectors_nbytes,
-        pq_bytes=codes,
+        pq_bytes=index.code_size,
         rescore=candidates,
     )
+
+
+def trained_ivfpq(sample: np.ndarray, count: int, seed: int = 0) -> faiss.IndexIVFPQ:
+    """An empty "ivfpq" index for `count` vectors (ivf_lists(count) lists, codes of
+    pq_codes(dim) bytes), trained on `sample` (`training_rows(count)` of them)."""
+    dim = sample.shape[1]
+    quantizer = faiss.IndexFlatIP(dim)
+    index = faiss.IndexIVFPQ(quantizer, dim, ivf_lists(count), pq_codes(dim), 8, faiss.METRIC_INNER_PRODUCT)
+    index.cp.seed = seed
+    index.train(sample)
+    index.own_fields = True
+    quantizer.this.disown()
+    return index
+
+
+def training_rows(count: int) -> int:
+    """Vectors an "ivfpq" index of `count` trains on: 40 per list, and at least 64 per code
+    value (256 of them) for the codes."""
+    return min(count, max(40 * ivf_lists(count), 64 * 256))
 
 
 def _save_npy(path: Path, array: np.ndarray) -> None:
@@ -432,18 +440,9 @@ def ivf_lists(n: int) -> int:
     return int(max(64, min(65536, round(np.sqrt(n)))))
 
 
-def tune_nprobe(
-    index: faiss.IndexIVF,
-    ids: np.ndarray,
-    vectors: np.ndarray,
-    rng,
-    exact: tuple[np.ndarray, np.ndarray] | None = None,
-    candidates: int = RESCORE,
-) -> tuple[int, float]:
-    """The smallest nprobe whose recall@10 against exact search reaches RECALL_TARGET, on
-    queries near stored vectors (a stored vector plus noise, renormalised: the query is not
-    one of the vectors); with `exact` (an "ivfpq" segment's re-score table), through the
-    re-score of `candidates`. Returns (nprobe, the recall measured)."""
+def tuning_queries(ids: np.ndarray, vectors: np.ndarray, rng) -> tuple[np.ndarray, np.ndarray]:
+    """Queries near stored vectors (a stored vector plus noise, renormalised: the query is not
+    one of the vectors) and their exact top-10 ids, `(Q, dim)` and `(Q, 10)`, to tune on."""
     picks = rng.choice(len(vectors), min(_TUNE_QUERIES, len(vectors)), replace=False)
     noise = rng.standard_normal((len(picks), vectors.shape[1])).astype(np.float32)
     noise /= np.linalg.norm(noise, axis=1, keepdims=True)
@@ -452,25 +451,41 @@ def tune_nprobe(
     flat = faiss.IndexFlatIP(vectors.shape[1])
     flat.add(vectors)
     _, rows = flat.search(queries, 10)
-    truth = ids[rows]
-    recall, previous = 0.0, -1.0
-    for nprobe in [n for n in _NPROBES if n < index.nlist] + [index.nlist]:
-        if exact is None:
-            _, found = index.search(queries, 10, params=faiss.SearchParametersIVF(nprobe=nprobe))
-        else:
-            _, near = index.search(queries, candidates, params=faiss.SearchParametersIVF(nprobe=nprobe))
-            found = np.array(
-                [
-                    np.pad(rescore(exact, q[None], c[None], 10)[1][0], (0, 10), constant_values=-1)[:10]
-                    for q, c in zip(queries, near, strict=True)
-                ]
-            )
-        if (recall := recall_at(found, truth)) >= RECALL_TARGET:
-            return nprobe, recall
-        if exact is not None and recall <= previous + 0.002:
-            return nprobe, recall  # more lists no longer help: the codes' ranking limits it (more candidates may)
-        previous = recall
-    return index.nlist, recall  # every list: exact for IVF-flat, the codes' limit for PQ
+    return queries, ids[rows]
+
+
+def tune_nprobe(
+    index: faiss.IndexIVF,
+    queries: np.ndarray,
+    truth: np.ndarray,
+    exact: tuple[np.ndarray, np.ndarray | DiskVectors] | None = None,
+) -> tuple[int, float, int]:
+    """The smallest nprobe whose recall@10 against `truth` (see `tuning_queries`) reaches
+    RECALL_TARGET; with `exact` (an "ivfpq" segment's re-score table), through the re-score of
+    the fewest candidates (_RESCORES) that reach it, raising nprobe at each only while recall
+    still grows. Returns (nprobe, the recall measured, the candidates: 0 without `exact`); when
+    nothing reaches the target, the last tried."""
+    recall = 0.0
+    for candidates in _RESCORES if exact is not None else (0,):
+        previous = -1.0
+        for nprobe in [n for n in _NPROBES if n < index.nlist] + [index.nlist]:
+            params = faiss.SearchParametersIVF(nprobe=nprobe)
+            if exact is None:
+                _, found = index.search(queries, 10, params=params)
+            else:
+                _, near = index.search(queries, candidates, params=params)
+                found = np.array(
+                    [
+                        np.pad(rescore(exact, q[None], c[None], 10)[1][0], (0, 10), constant_values=-1)[:10]
+                        for q, c in zip(queries, near, strict=True)
+                    ]
+                )
+            if (recall := recall_at(found, truth)) >= RECALL_TARGET:
+                return nprobe, recall, candidates
+            if exact is not None and recall <= previous + 0.002:
+                break  # more lists no longer help: the codes' ranking limits it (more candidates may)
+            previous = recall
+    return nprobe, recall, candidates  # IVF-flat: every list, exact; PQ: the codes' limit
 
 
 def recall_at(found: np.ndarray, truth: np.ndarray) -> float:
