@@ -107,10 +107,17 @@ class StoreWriter:
             self.compacted = False  # this writer wrote a new base (see `compact`)
             self.migrated_format = False  # this writer brought a format-1 store forward
             infos, dim = self._open_catalog()
-            healthy = [info for info in infos if self._loads(info)] if rebuild_vectors else infos
-            if dim and healthy:  # rebuild_vectors: the segments that load; repair re-embeds the rest's chunks
+            loaded = dict(self._legacy_loaded)
+            if rebuild_vectors:  # the segments that load, kept loaded; repair re-embeds the rest's chunks
+                loaded |= {
+                    info.name: segment
+                    for info in infos
+                    if info.name not in loaded and (segment := self._load(info)) is not None
+                }
+            healthy = [info for info in infos if info.name in loaded] if rebuild_vectors else infos
+            if dim and healthy:
                 self.vectors = VectorIndex(
-                    dim, self.root / SEGMENT_DIR, healthy, self.catalog.gone_vectors(), loaded=self._legacy_loaded
+                    dim, self.root / SEGMENT_DIR, healthy, self.catalog.gone_vectors(), loaded=loaded
                 )
                 if len(healthy) < len(infos):
                     self.vectors.mark_changed()
@@ -137,17 +144,14 @@ class StoreWriter:
         self.retired: list[int] = []  # generations removed at publish
         self.held_by_readers: list[int] = []  # retired generations kept because a reader holds them
 
-    def _loads(self, info: SegmentInfo) -> bool:
-        """Whether a segment of the published index loads (repair keeps those, and re-embeds
-        only the chunks of the ones that do not)."""
-        if info.name in self._legacy_loaded:
-            return True
+    def _load(self, info: SegmentInfo) -> Segment | None:
+        """A segment of the published index, loaded; None when it does not load (repair keeps
+        the ones that do, and re-embeds only the chunks of the others)."""
         try:
-            load_segment(self.root / SEGMENT_DIR, info)
+            return load_segment(self.root / SEGMENT_DIR, info)
         except StoreCorruptError as exc:
             log.warning("store %s: dropping a damaged index segment: %s", self.root, exc)
-            return False
-        return True
+            return None
 
     def _open_catalog(self) -> tuple[list[SegmentInfo], int]:
         """Open this writer's delta: a copy of the published one, a new one over a format-1
