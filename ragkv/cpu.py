@@ -65,11 +65,10 @@ def keep_freed_memory() -> bool:
     included. Measured on the bundled model in float32 at 4k tokens
     (benchmarks/results/cached_path.md): the time to first token from the store fell from
     0.28-0.35 s to 0.20 s, and the same prefill over a cache already in memory from 0.31-0.33 s
-    to 0.18 s. PyTorch's
-    CPU tuning guide and vLLM's CPU images swap in tcmalloc for the same reason.
-    The cost: the process's resident memory stays at its peak. Left alone when the process
-    set glibc's own MALLOC_TRIM_THRESHOLD_ or MALLOC_MMAP_THRESHOLD_, or is not on glibc.
-    Returns whether it changed anything."""
+    to 0.18 s. PyTorch's CPU tuning guide and vLLM's CPU images swap in tcmalloc for the same
+    reason. The cost: the process's resident memory stays at its peak. Left alone when the
+    process set glibc's own MALLOC_TRIM_THRESHOLD_ or MALLOC_MMAP_THRESHOLD_, or is not on
+    glibc. Returns whether it changed anything."""
     if platform.libc_ver()[0] != "glibc" or any(
         name in os.environ for name in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")
     ):

@@ -22,8 +22,8 @@ The policy:
   with another analyser's) as it is, answers lexical searches with dense retrieval saying so,
   and its next writer builds it from the chunks' texts.
 - **Bumped only where used:** a manifest is format 3 when it lists an IVF-PQ segment (a large
-  store's index since 0.2: codes in memory, float32 vectors memory-mapped beside them for the
-  re-score), which a ragkv reading format 2 would search without the re-score and could not
+  store's index since 0.2: codes in memory, float32 vectors on disk beside them, read row by row
+  for the re-score), which a ragkv reading format 2 would search without the re-score and could not
   compact: it refuses the store instead. A store without one is still written as format 2. An
   IVF-flat segment of an earlier ragkv is read as it is, and rewritten as IVF-PQ by the next
   compaction.
