@@ -1,7 +1,6 @@
 """Catalog lookups of the query path against the store's size: `context_rows` (5 chunks) as it
-runs now (one join on a small store, point lookups on a large one), the one join it always was
-before, and point lookups alone, side by side on the same stores, with `span_chunk_ids` and
-`entry` beside them.
+runs now, the one join it always was before, and point lookups alone (two pairs of queries side by side, as `context_rows` runs
+them, and one query after another), side by side on the same stores, with `span_chunk_ids` and `entry` beside them.
 
 Stores as benchmarks/scale.py builds them (synthetic documents through the real write path,
 one profile whose KV rows cover 90% of the chunks), at each size; 300 lookups of 5 random
@@ -30,7 +29,6 @@ import numpy as np  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
 from benchmarks.scale import PROFILE, build  # noqa: E402
 from store import open_snapshot  # noqa: E402
-from store.catalog.entries import SMALL_STORE  # noqa: E402
 
 LOOKUPS = 300
 
@@ -48,9 +46,20 @@ def measure(root: Path, n: int) -> dict:
     build(root, n, rng)
     with open_snapshot(root) as snap:
         catalog = snap.catalog
+
+        def in_turn(first, second):
+            return first(catalog.con), second(catalog.con)
+
         ids = [r[0] for r in catalog.con.execute("SELECT chunk_id FROM chunks").fetchall()]
         groups = [[ids[i] for i in rng.choice(len(ids), 5)] for _ in range(LOOKUPS)]
-        times: dict[str, list[float]] = {"now": [], "join": [], "points": [], "span_chunk_ids": [], "entry": []}
+        times: dict[str, list[float]] = {
+            "now": [],
+            "join": [],
+            "points": [],
+            "in_turn": [],
+            "span_chunk_ids": [],
+            "entry": [],
+        }
         catalog.entries.context_rows(PROFILE, groups[0])  # the store's size, counted once per generation
         for group in groups:  # interleaved, so drift in the machine's speed falls on all alike
             start = time.perf_counter()
@@ -62,7 +71,12 @@ def measure(root: Path, n: int) -> dict:
             start = time.perf_counter()
             points = catalog.entries._point_rows(PROFILE, group)
             times["points"].append(time.perf_counter() - start)
-            assert rows == points == joined
+            catalog.side_by_side = in_turn  # the point lookups' queries one after the other
+            start = time.perf_counter()
+            one_by_one = catalog.entries._point_rows(PROFILE, group)
+            times["in_turn"].append(time.perf_counter() - start)
+            del catalog.side_by_side
+            assert rows == points == joined == one_by_one
             start = time.perf_counter()
             catalog.entries.span_chunk_ids(PROFILE, rows[0].doc_id, 0)
             times["span_chunk_ids"].append(time.perf_counter() - start)
@@ -96,9 +110,10 @@ def main() -> None:
         "|---|" + "---|" * len(sizes),
     ]
     names = {
-        "now": f"context_rows (now: one join below {SMALL_STORE:,} chunk links, point lookups above)",
+        "now": "context_rows (now: point lookups, two pairs side by side)",
         "join": "one join (context_rows before)",
-        "points": "point lookups",
+        "points": "point lookups, two pairs side by side",
+        "in_turn": "point lookups, one query after another",
         "span_chunk_ids": "span_chunk_ids",
         "entry": "entry",
     }

@@ -277,6 +277,26 @@ def test_a_catalog_from_a_newer_ragkv_is_refused(tmp_path):
         Catalog(path, read_only=True)
 
 
+def test_a_compacted_base_is_sorted_by_key_in_small_row_groups(tmp_path):
+    """A point lookup reads the row groups its keys' zone maps do not rule out: the base a
+    compaction writes keeps each table in key order, in groups of BASE_ROW_GROUP rows."""
+    from store.catalog.overlay import BASE_ROW_GROUP
+
+    catalog = Catalog(tmp_path / "plain.duckdb", read_only=False)
+    rows = 3 * BASE_ROW_GROUP + 5
+    catalog.con.execute(  # written in descending key order
+        f"INSERT INTO chunks BY NAME SELECT {rows} - range AS chunk_id, 'd' AS doc_id, "
+        f"range::INTEGER AS chunk_index, 'text' AS text FROM range({rows})"
+    )
+    catalog.compact_into(tmp_path / "base.duckdb")
+    catalog.close()
+    with Catalog(tmp_path / "base.duckdb", read_only=True) as base:
+        stored = base.con.execute("SELECT chunk_id FROM chunks").fetchnumpy()["chunk_id"]  # in storage order
+        groups = base.value("SELECT count(DISTINCT row_group_id) FROM pragma_storage_info('chunks')")
+    assert list(stored) == list(range(1, rows + 1))
+    assert groups == 4
+
+
 def test_context_rows_point_lookups_return_what_one_join_over_the_tables_returns(
     tiny_llama, corpus, tmp_path, monkeypatch
 ):
@@ -301,13 +321,9 @@ def test_context_rows_point_lookups_return_what_one_join_over_the_tables_returns
         ids = sorted(catalog.documents.chunk_ids(), reverse=True)
         asked = [*ids, 10**9, ids[0]]
         assert len(asked) <= entries_module.POINT_LOOKUPS  # a question's context
-        monkeypatch.setattr(entries_module, "SMALL_STORE", 0)  # as on a large store: probed id by id
-        rows = catalog.entries.context_rows(profile_id, asked)
+        rows = catalog.entries.context_rows(profile_id, asked)  # point lookups
         assert rows == catalog.entries._joined_rows(profile_id, asked)  # what context_rows was: the reference
         monkeypatch.setattr(entries_module, "POINT_LOOKUPS", 2)  # many ids (a rerank's): one join
-        assert catalog.entries.context_rows(profile_id, asked) == rows
-        monkeypatch.setattr(entries_module, "POINT_LOOKUPS", 16)
-        monkeypatch.setattr(entries_module, "SMALL_STORE", 10**9)  # a small store: one join
         assert catalog.entries.context_rows(profile_id, asked) == rows
     assert [r.chunk_id for r in rows] == [*ids, ids[0]]
     assert any(r.entry is None and r.doc_id == "new.md" for r in rows)  # no KV: computed on its first question

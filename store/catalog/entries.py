@@ -11,15 +11,10 @@ from store.catalog.part import Part
 from store.catalog.rows import ENTRY_COLUMNS, ChunkLink, ContextRow, EntryRow, ProfileRow, SpanChunk, SpanLink, pages_of
 from store.shards import SealedEntry
 
-POINT_LOOKUPS = 16  # context_rows probes each table per id up to this many ids, and joins beyond
-SMALL_STORE = 30_000  # chunk links below which one join beats point lookups (lookups.md: 3.6 against 5.1 ms at 10k)
+POINT_LOOKUPS = 16  # context_rows probes each table for up to this many ids, and joins beyond
 
 
 class Entries(Part):
-    def __init__(self, catalog):
-        super().__init__(catalog)
-        self._links: int | None = None  # chunk links in the store (see _large)
-
     def add_profile(self, row: ProfileRow) -> None:
         """Insert a profile row unless its id is already present."""
         exists = self.con.execute("SELECT 1 FROM profiles WHERE profile_id = ?", [row.profile_id]).fetchone()
@@ -223,62 +218,57 @@ class Entries(Part):
     def context_rows(self, profile_id: str, chunk_ids: Sequence[int]) -> list[ContextRow]:
         """Rows for `chunk_ids`, in that order, joined with their source and their KV entry.
 
-        On a store of more than SMALL_STORE chunk links, up to POINT_LOOKUPS ids (a question's
-        context) are point lookups, each table probed on its own key, so their cost barely
-        grows with the store; a join of the ids against chunk_kv scans it (benchmarks/results/
-        lookups.md: 81 against 7.6 ms at 1M chunks on 2 CPU cores). Below that size, or for
-        more ids (a rerank's candidates), one join is the cheaper."""
-        if len(set(chunk_ids)) > POINT_LOOKUPS or not self._large():
+        Up to POINT_LOOKUPS ids (a question's context) are point lookups, each table probed
+        for its keys, so their cost barely grows with the store; a join of the ids against
+        chunk_kv scans it (benchmarks/results/lookups.md: at 1M chunks on 2 CPU cores, 96
+        against 4.4 ms; at 10k, 5.0 against 4.8). For more ids (a rerank's candidates) one
+        join is the cheaper."""
+        if len(set(chunk_ids)) > POINT_LOOKUPS:
             return self._joined_rows(profile_id, chunk_ids)
         return self._point_rows(profile_id, chunk_ids)
-
-    def _large(self) -> bool:
-        """Whether the store links more than SMALL_STORE chunks (counted once per generation
-        a reader holds: its catalog never changes)."""
-        if self._links is None or not self.catalog.read_only:
-            self._links = int(self.catalog.value("SELECT count(*) FROM chunk_kv"))
-        return self._links > SMALL_STORE
 
     def _point_rows(self, profile_id: str, chunk_ids: Sequence[int]) -> list[ContextRow]:
         """`context_rows` as point lookups."""
         ids = list(dict.fromkeys(chunk_ids))
         if not ids:
             return []
-        chunks = self.con.execute(
-            "SELECT chunk_id, doc_id, chunk_index, text, section, page_start, page_end FROM chunks "
-            f"WHERE chunk_id IN ({_marks(ids)})",
-            ids,
-        ).fetchall()
-        one_link = "SELECT chunk_id, token_ids, kv_key, span_start FROM chunk_kv WHERE chunk_id = ? AND profile_id = ?"
-        links = {
-            r[0]: r
-            for r in self.con.execute(
-                " UNION ALL ".join([one_link] * len(ids)), [v for i in ids for v in (i, profile_id)]
+
+        # Each a semi-join against the ids (`IN (SELECT unnest(?))`): DuckDB pushes the ids into
+        # the scan, which reads only the row groups that may hold them. A literal IN list
+        # pruned nothing on chunk_kv's composite key (7 ms at 1M), a UNION of one-id probes
+        # planned slowly (2.9 ms); this took 1.2 ms. The links and their entries, and the
+        # chunks and their sources, are two pairs of lookups run side by side.
+        def links_and_entries(con) -> tuple[list, list]:
+            links = con.execute(
+                "SELECT chunk_id, token_ids, kv_key, span_start FROM chunk_kv "
+                "WHERE chunk_id IN (SELECT unnest(?)) AND profile_id = ?",
+                [ids, profile_id],
             ).fetchall()
-        }
-        keys = sorted({r[2] for r in links.values()})
-        entries = {
-            r[0]: EntryRow(*r)
-            for r in (
-                self.con.execute(
-                    "SELECT kv_key, shard, tensor, num_tokens, dtype, checksum, nbytes FROM kv_entries "
-                    f"WHERE kv_key IN ({_marks(keys)})",
-                    keys,
-                ).fetchall()
-                if keys
-                else []
-            )
-        }
-        doc_ids = sorted({r[1] for r in chunks})
-        sources = (
-            dict(
-                self.con.execute(
-                    f"SELECT doc_id, source FROM documents WHERE doc_id IN ({_marks(doc_ids)})", doc_ids
-                ).fetchall()
-            )
-            if doc_ids
-            else {}
+            entries = con.execute(
+                "SELECT kv_key, shard, tensor, num_tokens, dtype, checksum, nbytes FROM kv_entries "
+                "WHERE kv_key IN (SELECT unnest(?))",
+                [sorted({r[2] for r in links})],
+            ).fetchall()
+            return links, entries
+
+        def chunks_and_sources(con) -> tuple[list, list]:
+            chunks = con.execute(
+                "SELECT chunk_id, doc_id, chunk_index, text, section, page_start, page_end FROM chunks "
+                "WHERE chunk_id IN (SELECT unnest(?))",
+                [ids],
+            ).fetchall()
+            sources = con.execute(
+                "SELECT doc_id, source FROM documents WHERE doc_id IN (SELECT unnest(?))",
+                [sorted({r[1] for r in chunks})],
+            ).fetchall()
+            return chunks, sources
+
+        (link_rows, entry_rows), (chunks, source_rows) = self.catalog.side_by_side(
+            links_and_entries, chunks_and_sources
         )
+        links = {r[0]: r for r in link_rows}
+        entries = {r[0]: EntryRow(*r) for r in entry_rows}
+        sources = dict(source_rows)
         by_id = {}
         for chunk_id, doc_id, chunk_index, text, section, page_start, page_end in chunks:
             if doc_id not in sources:
@@ -369,8 +359,3 @@ class Entries(Part):
             "(SELECT kv_key FROM chunk_kv WHERE profile_id = ? AND span_start IS NOT NULL)",
             [keys, profile_id],
         )
-
-
-def _marks(values: Sequence) -> str:
-    """One `?` per value, for an IN list."""
-    return ", ".join("?" * len(values))

@@ -13,9 +13,11 @@ base; `compact_into` writes the views out as a new base once the delta outgrows 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import duckdb
 import numpy as np
@@ -34,6 +36,13 @@ TABLE_KEYS: dict[str, tuple[str, ...]] = {
     "chunk_hits": ("doc_id", "chunk_index"),
     "hit_files": ("name",),
 }
+# A base's row groups (DuckDB's default: 122,880 rows). A point lookup reads every row group
+# its keys' zone maps do not rule out; with the rows sorted by key, a question's five chunk ids
+# touch five groups, so smaller groups read less: at 1M chunks the chunk-link lookup took 2.3 ms
+# with the default, 1.2 ms with 8,192 rows, for a file about a fifth larger.
+BASE_ROW_GROUP = 8192
+A = TypeVar("A")
+B = TypeVar("B")
 DELTA_INFO = "delta_info"  # (key, value): the base this delta is over
 GONE_VECTORS = "vector_gone"  # chunk ids removed from the vector segments (tombstones)
 
@@ -49,6 +58,7 @@ class Overlay:
     path: Path
     read_only: bool
     delta = False  # whether this catalog is a delta over a base (else: a plain, whole catalog)
+    _side: tuple[duckdb.DuckDBPyConnection, ThreadPoolExecutor] | None = None  # see `side_by_side`
 
     def one(self, sql: str, params: list | None = None) -> tuple[Any, ...]:
         """The one row `sql` gives (an aggregate: a count, a sum; a setting that is there)."""
@@ -61,9 +71,36 @@ class Overlay:
         return self.one(sql, params)[0]
 
     def close(self) -> None:
+        if self._side is not None:
+            self._side[1].shutdown()
+            self._side[0].close()
+            self._side = None
         if not self.read_only:
             self.con.execute("CHECKPOINT")
         self.con.close()
+
+    def side_by_side(
+        self, first: Callable[[duckdb.DuckDBPyConnection], A], second: Callable[[duckdb.DuckDBPyConnection], B]
+    ) -> tuple[A, B]:
+        """`first(connection)` and `second(connection)`, run at once on a reader: `first` on a
+        second connection to the same database, in a thread of its own (DuckDB lets go of the
+        GIL while a query runs), `second` on this one. A point lookup is mostly DuckDB's fixed
+        cost per query, so two at once take little more than one. A writer runs them in turn."""
+        if not self.read_only:
+            return first(self.con), second(self.con)
+        if self._side is None:
+            side = self.con.cursor()  # the same database; temporary views are per connection
+            if self.delta:
+                for table in TABLE_KEYS:
+                    side.execute(f"CREATE OR REPLACE TEMP VIEW {table} AS {self.view_sql(table)}")
+            self._side = (side, ThreadPoolExecutor(1, thread_name_prefix="ragkv-catalog"))
+        side, worker = self._side
+        future = worker.submit(first, side)
+        try:
+            second_result = second(self.con)
+        finally:
+            first_result = future.result()
+        return first_result, second_result
 
     @contextmanager
     def transaction(self):
@@ -209,9 +246,10 @@ class Overlay:
 
     def compact_into(self, path: Path) -> None:
         """Write every table as this catalog reads it into a new plain catalog at `path` (the
-        current schema: rows of an older one get its new columns' defaults)."""
+        current schema: rows of an older one get its new columns' defaults), each table sorted
+        by its key in row groups of BASE_ROW_GROUP rows, so a point lookup reads little."""
         type(self)(path, read_only=False).close()  # type: ignore[call-arg] # Catalog's constructor: empty, migrated
-        self.con.execute(f"ATTACH '{path}' AS fresh")
+        self.con.execute(f"ATTACH '{path}' AS fresh (ROW_GROUP_SIZE {BASE_ROW_GROUP})")
         try:
             for table in TABLE_KEYS:
                 if table == "meta":  # the new file's own migrations and format stand
@@ -220,7 +258,8 @@ class Overlay:
                         "WHERE key NOT IN ('migrations', 'format_version')"
                     )
                 else:
-                    self.con.execute(f"INSERT INTO fresh.{table} BY NAME SELECT * FROM {table}")
+                    order = ", ".join(TABLE_KEYS[table])
+                    self.con.execute(f"INSERT INTO fresh.{table} BY NAME SELECT * FROM {table} ORDER BY {order}")
             self.con.execute("CHECKPOINT fresh")
         finally:
             self.con.execute("DETACH fresh")
