@@ -40,6 +40,7 @@ from benchmarks.fidelity import python_faq_or_exit, work_dir  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
 from pipelines.calibrate import cold  # noqa: E402
 from ragkv.config import AskSettings, IngestSettings, ModelSettings  # noqa: E402
+from ragkv.generate import prefill  # noqa: E402
 
 KS = (1, 3, 5, 10)
 RATIOS = (0.05, 0.15, 0.30, 1.0)
@@ -115,13 +116,14 @@ def teacher_forced(engine, question: str, settings: AskSettings, answer_ids: lis
     """(first-token logits, top-1 agreement) of `settings`' cache with `answer_ids` fed after it."""
     cold(engine)
     prepared = engine.prepare(question, settings)
-    ids = torch.tensor([prepared.live_ids + answer_ids[:-1]], dtype=torch.long)
-    model = prepared.assembly.attending(engine.lm.model)
-    logits = (
-        model(input_ids=ids, cache=prepared.assembly.cache, use_cache=True, logits_to_keep=len(answer_ids))
-        .logits[0]
-        .float()
-    )  # (A, V)
+    assembly = prepared.assembly
+    model = assembly.attending(engine.lm.model)
+    head = prefill(model, prepared.live_ids, assembly.cache, assembly.recompute)  # query: recomputes with it
+    logits = head[None].float()  # (1, V), then (A, V)
+    if len(answer_ids) > 1:
+        rest = torch.tensor([answer_ids[:-1]], dtype=torch.long)
+        more = model(input_ids=rest, cache=assembly.cache, use_cache=True, logits_to_keep=rest.shape[1]).logits[0]
+        logits = torch.cat([logits, more.float()])
     agreement = (logits.argmax(-1) == torch.tensor(answer_ids)).float().mean().item()
     return logits[0], agreement
 

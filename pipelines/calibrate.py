@@ -32,6 +32,7 @@ from pipelines.progress import Reporter
 from ragkv.calibration import Calibration, Measured, choose, lower_bound, meta_key
 from ragkv.config import AskSettings
 from ragkv.errors import InputError
+from ragkv.generate import prefill
 from ragkv.query import QueryEngine
 from store.writer import open_writer
 
@@ -162,13 +163,13 @@ def teacher_forced(engine, question: str, ask: AskSettings, answer_ids: list[int
     `answer_ids` fed after it in one forward."""
     start = time.perf_counter()
     prepared = engine.prepare(question, ask)
-    model, cache = prepared.assembly.attending(engine.lm.model), prepared.assembly.cache
-    ids = torch.tensor([prepared.live_ids], dtype=torch.long, device=engine.lm.model.device)  # (1, T)
-    head = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1].float()  # (V,)
+    assembly = prepared.assembly
+    model, cache = assembly.attending(engine.lm.model), assembly.cache
+    head = prefill(model, prepared.live_ids, cache, assembly.recompute).float()  # (V,) query: recomputes with it
     seconds = time.perf_counter() - start
     tops = [int(head.argmax())]
     if len(answer_ids) > 1:
-        rest = torch.tensor([answer_ids[:-1]], dtype=torch.long, device=ids.device)  # (1, A - 1)
+        rest = torch.tensor([answer_ids[:-1]], dtype=torch.long, device=model.device)  # (1, A - 1)
         tops += (
             model(input_ids=rest, cache=cache, use_cache=True, logits_to_keep=rest.shape[1])
             .logits[0]

@@ -10,7 +10,8 @@
   after the first recomputed (its separator and first tokens: where it learned its own
   attention sink). No selection pass.
 - `query` (approximate, ProphetKV-style): `concat`, then the share of the context tokens the
-  question attends to most recomputed (`ragkv.blend.recompute_attended`).
+  question attends to most recomputed, in one forward with the question's prefill
+  (`ragkv.blend.attended_recompute`).
 - `ape` (approximate, APE-style): `concat`, recomputing nothing; the question and answer attend
   to the passages with APE's temperature and scaling (`ragkv.ape`).
 
@@ -28,7 +29,7 @@ import torch
 
 from ragkv import kv
 from ragkv.ape import Scaling, attending
-from ragkv.blend import blend, recompute_attended, recompute_starts
+from ragkv.blend import BlendResult, Recompute, attended_recompute, blend, recompute_starts
 from ragkv.keys import KVKey
 from ragkv.prefix_cache import PrefixCache
 from ragkv.rope import check_supported, shift_positions
@@ -45,6 +46,7 @@ class Assembly:
     # the tokens after it (another request computed them since); returns the tokens appended
     catch_up: Callable[[object], int] | None = field(default=None, repr=False)
     attention: Scaling | None = None  # ape: how the tokens after the cache attend to it
+    recompute: Recompute | None = None  # query: context tokens the prefill recomputes with it
 
     def attending(self, model):
         """`model`, or the model wrapped to attend as this assembly needs (`ape`)."""
@@ -144,13 +146,13 @@ def attended(
     question_ids: Sequence[int],
     ratio: float,
 ) -> Assembly:
-    """`concat`, then recompute the `ratio` share of the tokens after the first chunk that the
-    question attends to most (`query` mode)."""
+    """`concat`, then choose the `ratio` share of the tokens after the first chunk that the
+    question attends to most (`query` mode): the prompt's prefill recomputes them as it runs
+    (`Assembly.recompute`)."""
     assembly = concat(model, prefix, pieces)
-    return _recomputed(
-        assembly,
-        recompute_attended(model, assembly.cache, context_ids, question_ids, _after_first(prefix, pieces), ratio),
-    )
+    chosen = attended_recompute(model, assembly.cache, context_ids, question_ids, _after_first(prefix, pieces), ratio)
+    assembly.recompute = chosen
+    return _recomputed(assembly, BlendResult(0 if chosen is None else chosen.positions.numel()))
 
 
 def ape(model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor], temperature: float, scale: float) -> Assembly:

@@ -1,6 +1,6 @@
 """Where a few queries' attention goes: the attention mass that tokens run through a `Probed`
 model put on each of the first `num_keys` cached positions, summed over layers, heads and
-queries. The question-aware recompute (`ragkv.blend.recompute_attended`, after ProphetKV)
+queries. The question-aware recompute (`ragkv.blend.attended_recompute`, after ProphetKV)
 chooses the context tokens to recompute by it.
 
 The forward itself is unchanged (sdpa computes the output); the probe only adds, per layer, a

@@ -1,5 +1,5 @@
 """Selective recompute (approximate), CacheBlend-style (`blend`), EPIC-style
-(`recompute_starts`) and question-aware (`recompute_attended`, after ProphetKV). CacheBlend:
+(`recompute_starts`) and question-aware (`attended_recompute`, after ProphetKV). CacheBlend:
 after chunks' stored KV are placed one after another (`concat`), recompute the KV of the share
 of context tokens that deviate most from a full prefill, so that cross-chunk attention is partly restored.
 
@@ -134,27 +134,57 @@ def recompute_starts(
     return BlendResult(len(chosen))
 
 
+@dataclass(frozen=True)
+class Recompute:
+    """Context tokens chosen for recompute, left to the prompt's own prefill (`prefill`): one
+    forward runs them at their positions, and the tokens after the context with them, attending
+    to their fresh KV. The same numbers as recomputing first and prefilling after (up to the
+    order of float sums), in one forward instead of two."""
+
+    positions: torch.Tensor  # (S,) sorted context positions
+    ids: torch.Tensor  # (S,) their token ids
+    num_context: int  # the tokens the cache holds: the context
+
+    @torch.inference_mode()
+    def prefill(self, model, input_ids: Sequence[int], cache) -> torch.Tensor:
+        """Recompute the chosen tokens in place and prefill `input_ids` after the context, in one
+        forward over `cache` (which holds exactly the context); the last position's logits `(V,)`."""
+        total, new = self.num_context, torch.tensor(list(input_ids), dtype=torch.long, device=model.device)
+        assert kv.num_cached(cache) == total, "a recompute runs with the first prefill after its context"
+        after = torch.arange(total, total + len(new), device=model.device)
+        out = model(
+            input_ids=torch.cat([self.ids, new])[None],
+            position_ids=torch.cat([self.positions, after])[None],
+            attention_mask=_recompute_mask(self.positions, total, len(new)),
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        kv.settle_recomputed(cache, total, self.positions, len(new))
+        return out.logits[0, -1]
+
+
 @torch.inference_mode()
-def recompute_attended(
+def attended_recompute(
     model, cache, context_ids: Sequence[int], question_ids: Sequence[int], start: int, ratio: float
-) -> BlendResult:
+) -> Recompute | None:
     """Question-aware (approximate, after ProphetKV): run the question over the concatenated
     cache, measure the attention it pays each context token after `start` (summed over layers,
-    heads and question tokens), and recompute, in place, the `ratio` share it attends to most.
-    The question's own KV is dropped again: the caller prefills it after the recompute."""
+    heads and question tokens), and choose the `ratio` share it attends to most, to be
+    recomputed with the prompt's prefill (`Recompute`). The probe's own KV of the question
+    is dropped: it saw the context before the recompute. None when there is nothing to choose."""
     total = len(context_ids)
     count = _share(ratio, total - start)
     if count == 0 or not question_ids:
-        return BlendResult(0)
+        return None
     probe = Probe(total)
     question = torch.tensor([list(question_ids)], dtype=torch.long, device=model.device)  # (1, Q)
     probed_forward(model, probe, input_ids=question, cache=cache, use_cache=True, logits_to_keep=1)
     kv.crop(cache, total)
     assert probe.mass is not None  # the forward above ran the probe
     chosen = (probe.mass[start:].topk(count).indices + start).sort().values  # (S,) context positions
-    ids = torch.tensor([list(context_ids)], dtype=torch.long, device=model.device)  # (1, T)
-    _recompute(model, cache, ids, chosen)
-    return BlendResult(count)
+    ids = torch.tensor(list(context_ids), dtype=torch.long, device=model.device)[chosen]
+    return Recompute(chosen, ids, total)
 
 
 def _recompute(model, cache, ids: torch.Tensor, positions: torch.Tensor) -> None:
@@ -172,12 +202,25 @@ def _recompute(model, cache, ids: torch.Tensor, positions: torch.Tensor) -> None
     kv.move_appended(cache, total, positions)
 
 
-def _recompute_mask(positions: torch.Tensor, total: int) -> torch.Tensor:
-    """(1, 1, S, T + S), True = attend: the tokens at `positions`, appended after a cache of
-    `total`, see the cache's older slots less their own stale ones, and each other causally."""
-    selected = torch.zeros(total, dtype=torch.bool, device=positions.device)
+def _recompute_mask(positions: torch.Tensor, total: int, num_after: int = 0) -> torch.Tensor:
+    """(1, 1, S + A, T + S + A), True = attend: the tokens at `positions`, appended after a
+    cache of `total`, see the cache's older slots less their own stale ones, and each other
+    causally; the `num_after` tokens after them (A: those after the context) see every slot
+    but the stale ones, every fresh one, and each other causally."""
+    device = positions.device
+    selected = torch.zeros(total, dtype=torch.bool, device=device)
     selected[positions] = True
-    slots = torch.arange(total, device=positions.device)
+    slots = torch.arange(total, device=device)
     stale_ok = (slots[None, :] <= positions[:, None]) & ~selected[None, :]  # (S, T): older, not being replaced
     fresh_ok = positions[None, :] <= positions[:, None]  # (S, S): causal among the recomputed
-    return torch.cat([stale_ok, fresh_ok], dim=1)[None, None]
+    count = positions.numel()
+    recomputed = torch.cat([stale_ok, fresh_ok, torch.zeros(count, num_after, dtype=torch.bool, device=device)], 1)
+    after = torch.cat(
+        [
+            (~selected)[None, :].expand(num_after, total),  # (A, T): all but the stale
+            torch.ones(num_after, count, dtype=torch.bool, device=device),  # (A, S): every fresh one
+            torch.ones(num_after, num_after, dtype=torch.bool, device=device).tril(),  # (A, A): causal
+        ],
+        dim=1,
+    )
+    return torch.cat([recomputed, after], dim=0)[None, None]

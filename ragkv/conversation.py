@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from ragkv import kv
 from ragkv.answer import Answer, AnswerStream, Source, Stats
 from ragkv.ape import Scaling
+from ragkv.blend import Recompute
 from ragkv.config import AskSettings, DecodeSettings
 from ragkv.errors import InputError, RagkvError
 from ragkv.generate import Generated
@@ -38,6 +39,7 @@ class TurnPlan:
     prompt_ids: list[int]  # the whole conversation up to the answer
     attention: Scaling | None = None  # ape: how the turn's tokens attend to the context
     catch_up: Callable[[object], int] | None = None  # see Assembly.catch_up (the first turn's)
+    recompute: Recompute | None = None  # query: context tokens its prefill recomputes (Assembly.recompute)
 
 
 class Streams(Protocol):
@@ -109,6 +111,7 @@ class Conversation:
         self.sources: list[Source] = []
         self.cache: Any = None  # holds the KV of ids()[:cached length]
         self.attention: Scaling | None = None  # ape: how the turns attend to the context
+        self.recompute: Recompute | None = None  # query: what the next prefill recomputes of the context
         self._stored_context: int = 0  # leading context tokens whose KV came from the store
 
     def begin_turn(self, message: str, max_new_tokens: int) -> TurnPlan:
@@ -138,8 +141,19 @@ class Conversation:
             stats.computed_tokens = len(live_ids)
         conversation = self.ids()
         budget = runtime.fit_budget(len(conversation), max_new_tokens, stats)
+        recompute, self.recompute = self.recompute, None  # the first prefill after the context takes it
         return TurnPlan(
-            message, self.cache, live_ids, budget, after_prefill, stats, start, conversation, self.attention, catch_up
+            message,
+            self.cache,
+            live_ids,
+            budget,
+            after_prefill,
+            stats,
+            start,
+            conversation,
+            self.attention,
+            catch_up,
+            recompute,
         )
 
     def end_turn(self, plan: TurnPlan, done: Generated, cache=None) -> Answer:
@@ -158,6 +172,7 @@ class Conversation:
         self.sources = prepared.sources()
         self.cache = prepared.assembly.cache
         self.attention = prepared.assembly.attention
+        self.recompute = prepared.assembly.recompute
         self._stored_context = prepared.assembly.num_cached
 
     def _fit(self, needed: int, stats: Stats) -> None:

@@ -14,16 +14,20 @@ import torch
 from ragkv.decoding import Decoder, DecodeSettings, held_back, stop_at
 
 if TYPE_CHECKING:
+    from ragkv.blend import Recompute
     from ragkv.model import LoadedModel
 
 
 @torch.inference_mode()
-def prefill(model, input_ids: Sequence[int], cache) -> torch.Tensor:
+def prefill(model, input_ids: Sequence[int], cache, recompute: Recompute | None = None) -> torch.Tensor:
     """Run `input_ids` on top of whatever `cache` holds; returns the last position's logits `(V,)`.
 
     Positions and the causal mask follow `cache.get_seq_length()`, so a cache holding a
     stored prefix continues exactly where the prefix ends. Mutates `cache` (it grows).
+    `recompute` (query mode): context tokens recomputed in the same forward (`Recompute.prefill`).
     """
+    if recompute is not None:
+        return recompute.prefill(model, input_ids, cache)
     ids = torch.tensor([list(input_ids)], dtype=torch.long, device=model.device)  # (1, T)
     out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
     return out.logits[0, -1]

@@ -192,6 +192,19 @@ def move_appended_layer(layer, num_kept: int, positions: torch.Tensor) -> None:
     layer.crop(num_kept - layer.keys.shape[2])  # transformers 5: negative = remove that many
 
 
+def settle_recomputed(cache, num_kept: int, positions: torch.Tensor, num_after: int) -> None:
+    """After a forward that appended fresh versions of the tokens at `positions` (sorted, all
+    < num_kept) and then `num_after` new tokens: write the fresh versions over the stale ones
+    and move the new tokens up to follow the first `num_kept`."""
+    count = positions.numel()
+    for layer in cache.layers:
+        for tensor in (layer.keys, layer.values):
+            tensor[:, :, positions] = tensor[:, :, num_kept : num_kept + count]
+            tensor[:, :, num_kept : num_kept + num_after] = tensor[:, :, num_kept + count :].clone()
+        if count:
+            layer.crop(-count)  # transformers 5: negative = remove that many from the end
+
+
 def layer_deviation(cache, exact: DynamicCache, layer: int, start: int) -> torch.Tensor:
     """Per token from `start` on: how far `cache`'s values at `layer` are from `exact`'s, `(T,)`."""
     approx = cache.layers[layer].values[0, :, start:].float()  # (H, T, D)

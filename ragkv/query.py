@@ -207,7 +207,8 @@ class QueryEngine:
         """The next-token logits `(V,)` after the prompt, as `ask` would see them (for comparing
         the cached path with a full prefill: exactness tests, fidelity evaluations)."""
         prepared = self.prepare(question, settings or AskSettings.from_dict(options))
-        return prefill(prepared.assembly.attending(self.lm.model), prepared.live_ids, prepared.assembly.cache).float()
+        assembly = prepared.assembly
+        return prefill(assembly.attending(self.lm.model), prepared.live_ids, assembly.cache, assembly.recompute).float()
 
     def flush(self) -> None:
         """Wait until KV computed on misses so far is written to the store (or given up)."""

@@ -247,13 +247,15 @@ class Scheduler:
         turn's own cache: it fails alone."""
         try:
             started = time.perf_counter()
-            if not turn.started:
+            first = not turn.started
+            if first:
                 turn.started = True
                 self._catch_up(turn)
             others = self._rows or self._solo or len(self._prefilling) > 1 or self._waiting
             size = self.settings.prefill_chunk if others else len(turn.pending)
             chunk, turn.pending = turn.pending[:size], turn.pending[size:]
-            logits = prefill(attending(self.runtime.lm.model, turn.plan.attention), chunk, turn.plan.cache)
+            model = attending(self.runtime.lm.model, turn.plan.attention)
+            logits = prefill(model, chunk, turn.plan.cache, turn.plan.recompute if first else None)
             turn.state.prefill_s += time.perf_counter() - started
             if turn.pending:
                 return

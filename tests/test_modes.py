@@ -183,6 +183,45 @@ def test_approximate_modes_answer_and_say_what_they_did(tiny_store, mode):
     engine.close()
 
 
+def test_the_query_recompute_in_the_prefill_equals_recomputing_then_prefilling():
+    """`query` recomputes its chosen context tokens in the question's own prefill: one forward
+    gives the logits and the cache that recomputing first and prefilling after give."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ragkv import kv
+    from ragkv.blend import Recompute, _recompute
+    from ragkv.generate import prefill
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    model = LlamaForCausalLM(config).eval()
+    context, question = list(range(3, 53)), [60, 61, 62, 63, 64, 65]
+    full = kv.to_cache_empty(config)
+    prefill(model, context, full)
+    damaged = kv.from_cache(full)
+    damaged[1:, :, :, 10:] += 0.5 * torch.randn_like(damaged[1:, :, :, 10:])  # as concatenated chunks' KV
+    positions = torch.tensor([12, 20, 21, 33, 49])
+
+    two_passes = kv.to_cache([damaged], config)
+    with torch.inference_mode():
+        _recompute(model, two_passes, torch.tensor([context]), positions)
+    want = prefill(model, question, two_passes)
+
+    one_pass = kv.to_cache([damaged], config)
+    got = prefill(model, question, one_pass, Recompute(positions, torch.tensor(context)[positions], len(context)))
+    assert torch.allclose(got, want, atol=1e-5)
+    assert torch.allclose(kv.from_cache(one_pass), kv.from_cache(two_passes), atol=1e-5)
+    assert not torch.allclose(got, prefill(model, question, kv.to_cache([damaged], config)), atol=1e-3)
+
+
 def test_the_attention_probe_measures_without_changing_the_forward(tiny_store):
     from ragkv import kv
     from ragkv.attention_probe import Probe, probed_forward
