@@ -210,11 +210,11 @@ def test_a_prefill_that_fails_fails_its_turn_alone(engine, monkeypatch):
     real_prefill = scheduler.prefill
     calls = {"n": 0}
 
-    def second_prefill_fails(model, ids, cache):
+    def second_prefill_fails(model, ids, cache, recompute=None):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("out of memory in this request's prefill")
-        return real_prefill(model, ids, cache)
+        return real_prefill(model, ids, cache, recompute)
 
     monkeypatch.setattr(scheduler, "prefill", second_prefill_fails)
     with engine.batched() as batcher:
