@@ -23,6 +23,23 @@ def logit_gap(engine, question, **options) -> float:
     return (approx - full).abs().max().item()
 
 
+def random_llama(num_layers: int):
+    """(model, config): a small Llama of random weights (seeded), for checks on the model's own numbers."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    return LlamaForCausalLM(config).eval(), config
+
+
 def test_exact_reuses_a_repeated_chunk_combination_from_the_prefix_cache(tiny_store):
     with ragkv.open(tiny_store, device="cpu") as engine:
         first = engine.ask(QUESTIONS[0], top_k=3, max_new_tokens=8)
@@ -102,22 +119,10 @@ def test_blend_narrows_its_selection_layer_by_layer():
 
 
 def test_blend_repairs_the_tokens_it_selects_and_everything_at_ratio_one():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from ragkv import kv
     from ragkv.blend import blend
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    model = LlamaForCausalLM(config).eval()
+    model, config = random_llama(num_layers=6)
     ids, start = list(range(3, 63)), 20  # 60 tokens; the first 20 stay as they are
 
     def full_and_damaged():
@@ -186,23 +191,11 @@ def test_approximate_modes_answer_and_say_what_they_did(tiny_store, mode):
 def test_the_query_recompute_in_the_prefill_equals_recomputing_then_prefilling():
     """`query` recomputes its chosen context tokens in the question's own prefill: one forward
     gives the logits and the cache that recomputing first and prefilling after give."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from ragkv import kv
     from ragkv.blend import Recompute, _recompute
     from ragkv.generate import prefill
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    model = LlamaForCausalLM(config).eval()
+    model, config = random_llama(num_layers=4)
     context, question = list(range(3, 53)), [60, 61, 62, 63, 64, 65]
     full = kv.to_cache_empty(config)
     prefill(model, context, full)

@@ -220,9 +220,9 @@ class Entries(Part):
 
         Up to POINT_LOOKUPS ids (a question's context) are point lookups, each table probed
         for its keys, so their cost barely grows with the store; a join of the ids against
-        chunk_kv scans it (benchmarks/results/lookups.md: at 1M chunks on 2 CPU cores, 96
-        against 4.4 ms; at 10k, 5.0 against 4.8). For more ids (a rerank's candidates) one
-        join is the cheaper."""
+        chunk_kv scans it (benchmarks/results/lookups.md: at 1M chunks on 2 CPU cores, 3.9
+        against the join's 95 ms; at 10k, 3.6 against 5.4). For more ids (a rerank's
+        candidates) one join is the cheaper."""
         if len(set(chunk_ids)) > POINT_LOOKUPS:
             return self._joined_rows(profile_id, chunk_ids)
         return self._point_rows(profile_id, chunk_ids)

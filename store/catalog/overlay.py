@@ -89,10 +89,9 @@ class Overlay:
         if not self.read_only:
             return first(self.con), second(self.con)
         if self._side is None:
-            side = self.con.cursor()  # the same database; temporary views are per connection
+            side = self.con.cursor()  # the same database, but without this connection's views
             if self.delta:
-                for table in TABLE_KEYS:
-                    side.execute(f"CREATE OR REPLACE TEMP VIEW {table} AS {self.view_sql(table)}")
+                self._define_views(side)
             self._side = (side, ThreadPoolExecutor(1, thread_name_prefix="ragkv-catalog"))
         side, worker = self._side
         future = worker.submit(first, side)
@@ -142,8 +141,13 @@ class Overlay:
             )
         self._attach_once(path)
         self.delta = True
+        self._define_views(self.con)
+
+    def _define_views(self, con: duckdb.DuckDBPyConnection) -> None:
+        """Define on `con` a delta's temporary view of each table (temporary views are per
+        connection)."""
         for table in TABLE_KEYS:
-            self.con.execute(f"CREATE OR REPLACE TEMP VIEW {table} AS {self.view_sql(table)}")
+            con.execute(f"CREATE OR REPLACE TEMP VIEW {table} AS {self.view_sql(table)}")
 
     def view_sql(self, table: str) -> str:
         """What a delta's view of `table` reads: the base's rows less `del_t`, plus `add_t`."""
