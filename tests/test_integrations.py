@@ -11,7 +11,7 @@ from safetensors import safe_open
 import ragkv
 from ragkv import codec, kv
 from ragkv.config import AskSettings
-from ragkv.errors import InputError, ModelError
+from ragkv.errors import InputError, ModelError, StoreCorruptError
 from ragkv.integrations.paged import LayoutError, PagedLayout, block_dim_of
 from ragkv.integrations.store_match import (
     KVSaver,
@@ -337,6 +337,43 @@ def full_and_lazy(tiny_llama, corpus, tmp_path):
     build_store(corpus, tmp_path / "full", str(tiny_llama))
     build_store(corpus, tmp_path / "lazy", str(tiny_llama), precompute=0)
     return tmp_path / "full", tmp_path / "lazy"
+
+
+def test_kv_a_replica_left_pending_is_read_there_then_from_the_store_once_folded(full_and_lazy):
+    """A replica loads KV another left pending: from the pending area, and, when the fold
+    took it between the match and the read, from the store's newest generation; the same
+    tensors either way. A key neither pending nor stored is a one-line StoreCorruptError."""
+    from store import EntryRow
+    from store.pending import PendingArea, PendingIndex, PendingWriter
+    from store.shards import SHARD_SUFFIX
+    from store.writeback import fold
+    from tests.conftest import computed_kv_of
+
+    full, lazy = full_and_lazy
+    batch, rows = computed_kv_of(full)
+    PendingWriter(lazy, pending_bytes=1 << 30).put(batch)
+    area = PendingArea(lazy)
+    index = PendingIndex(area)
+    entries = []
+    for row in rows:
+        found = index.lookup(row.entry.kv_key)
+        assert found is not None
+        entries.append(
+            EntryRow(found.kv_key, found.shard, found.kv_key, row.entry.num_tokens, "float32", found.checksum, 0)
+        )
+    pending = frozenset(e.kv_key for e in entries)
+    with open_snapshot(full) as reference:
+        expected = load_kv(reference.shards, [r.entry for r in rows], torch.float32)
+    with open_snapshot(lazy) as snapshot:
+        assert snapshot.catalog.entries.entry(entries[0].kv_key) is None  # not stored yet: only pending
+        assert torch.equal(load_kv(snapshot.shards, entries, torch.float32, pending, area, lazy), expected)
+        assert fold(lazy).stored == len(entries)
+        assert not [n for n in area.names() if n.endswith(SHARD_SUFFIX)]  # the fold took them from pending/
+        assert torch.equal(load_kv(snapshot.shards, entries, torch.float32, pending, area, lazy), expected)
+        unknown = EntryRow("0" * 64, entries[0].shard, "0" * 64, 1, "float32", entries[0].checksum, 0)
+        with pytest.raises(StoreCorruptError, match="left pending is neither pending nor stored") as err:
+            load_kv(snapshot.shards, [unknown], torch.float32, frozenset([unknown.kv_key]), area, lazy)
+        assert "\n" not in str(err.value)
 
 
 def test_saved_kv_is_served_token_identically_and_counted_once(full_and_lazy, tiny_llama):

@@ -36,11 +36,11 @@ from typing import Any
 import torch
 
 from ragkv import codec, kv, spans
-from ragkv.errors import InputError, ModelError
+from ragkv.errors import InputError, ModelError, StoreCorruptError
 from ragkv.keys import KVKey, Profile
 from ragkv.profiles import candidates, first_matching
 from store import EntryRow, open_snapshot
-from store.pending import PendingIndex
+from store.pending import PendingArea, PendingIndex, read_pending
 from store.popularity import Use
 from store.shards import ShardReader
 
@@ -343,9 +343,38 @@ class StoreMatcher:
         self.snapshot.close()
 
 
-def load_kv(shards: ShardReader, entries: Sequence[EntryRow], dtype: torch.dtype) -> torch.Tensor:
-    """The entries' KV joined along the tokens, `(L, 2, H, T, D)` in `dtype`, each verified."""
-    return torch.cat([codec.read(shards, e, dtype) for e in entries], dim=kv.TOKEN_DIM)
+def load_kv(
+    shards: ShardReader,
+    entries: Sequence[EntryRow],
+    dtype: torch.dtype,
+    pending: frozenset[str] = frozenset(),
+    area: PendingArea | None = None,
+    store: str | Path | None = None,
+) -> torch.Tensor:
+    """The entries' KV joined along the tokens, `(L, 2, H, T, D)` in `dtype`, each verified:
+    from the store's shards, and those whose key is in `pending` (another replica left them
+    for the fold) from the pending `area`, or, if the fold took one meanwhile and deleted it
+    there, from `store`'s newest generation."""
+    parts = []
+    for entry in entries:
+        if entry.kv_key not in pending:
+            parts.append(codec.read(shards, entry, dtype))
+            continue
+        assert area is not None and store is not None, "pending entries are read from the pending area"
+        try:
+            parts.append(codec.decode(read_pending(area, entry.shard, entry.kv_key, entry.checksum), dtype))
+        except (OSError, StoreCorruptError):
+            parts.append(_read_folded(store, entry.kv_key, dtype))
+    return torch.cat(parts, dim=kv.TOKEN_DIM)
+
+
+def _read_folded(store: str | Path, key: str, dtype: torch.dtype) -> torch.Tensor:
+    """Entry `key`'s KV from `store`'s newest generation (a fold took it from pending/)."""
+    with open_snapshot(store, require_documents=False) as snapshot:
+        entry = snapshot.catalog.entries.entry(key)
+        if entry is None:
+            raise StoreCorruptError(f"entry {key[:12]} left pending is neither pending nor stored")
+        return codec.read(snapshot.shards, entry, dtype)
 
 
 def slot_mapping(block_ids: Sequence[int], block_size: int, start: int, end: int) -> torch.Tensor:

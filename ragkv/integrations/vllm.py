@@ -66,7 +66,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from ragkv import codec, kv
 from ragkv.errors import InputError, ModelError, StoreCorruptError
 from ragkv.integrations.paged import LayoutError, PagedLayout, block_dim_of
 from ragkv.integrations.store_match import (
@@ -84,8 +83,8 @@ from ragkv.integrations.store_match import (
     slot_mapping,
 )
 from ragkv.integrations.vllm_load import PagedLoader
-from store import EntryRow, open_snapshot
-from store.pending import PendingArea, PendingHits, PendingIndex, read_pending
+from store import EntryRow
+from store.pending import PendingArea, PendingHits, PendingIndex
 from store.popularity import HitLog
 from store.snapshot import shard_reader
 from store.writeback import PENDING_BYTES, leaves_pending
@@ -320,31 +319,9 @@ class RagkvConnector(KVConnectorBase_V1):
             self.load_ms.append(((read - started) * 1000.0, (time.perf_counter() - read) * 1000.0))
 
     def _read(self, load: LoadSpec) -> torch.Tensor:
-        """The load's entries' KV joined, `(L, 2, H, T, D)`: from the store's shards, and those
-        another replica left pending from the pending area (or, if the fold took one meanwhile,
-        from the generation it was stored in)."""
-        if not load.pending:
-            return load_kv(self._shards, load.entries, self._dtype)
-        parts = []
-        for entry in load.entries:
-            if entry.kv_key not in load.pending:
-                parts.append(codec.read(self._shards, entry, self._dtype))
-                continue
-            try:
-                area = self._pending_area or PendingArea(self._store)
-                encoded = read_pending(area, entry.shard, entry.kv_key, entry.checksum)
-                parts.append(codec.decode(encoded, self._dtype))
-            except (OSError, StoreCorruptError):
-                parts.append(self._read_folded(entry.kv_key))
-        return torch.cat(parts, dim=kv.TOKEN_DIM)
-
-    def _read_folded(self, key: str) -> torch.Tensor:
-        """Entry `key`'s KV from the store's newest generation (a fold took it from pending/)."""
-        with open_snapshot(self._store, require_documents=False) as snapshot:
-            entry = snapshot.catalog.entries.entry(key)
-            if entry is None:
-                raise StoreCorruptError(f"entry {key[:12]} left pending is neither pending nor stored")
-            return codec.read(snapshot.shards, entry, self._dtype)
+        """The load's entries' KV joined, `(L, 2, H, T, D)` (`load_kv`, pending ones included)."""
+        area = (self._pending_area or PendingArea(self._store)) if load.pending else None
+        return load_kv(self._shards, load.entries, self._dtype, load.pending, area, self._store)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._load_errors = self._load_errors, set()
