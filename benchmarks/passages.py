@@ -38,16 +38,15 @@ sys.path.insert(0, str(ROOT))
 import ragkv  # noqa: E402
 from benchmarks.fidelity import python_faq_or_exit, work_dir  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
-from pipelines.calibrate import cold  # noqa: E402
+from pipelines import calibrate  # noqa: E402
+from pipelines.calibrate import PLAIN, cold  # noqa: E402
 from ragkv.config import AskSettings, IngestSettings, ModelSettings  # noqa: E402
-from ragkv.generate import prefill  # noqa: E402
 
 KS = (1, 3, 5, 10)
 RATIOS = (0.05, 0.15, 0.30, 1.0)
 RECOMPUTING = ("blend", "epic")  # the modes swept over the share recomputed
 APE_POINTS = ((1.0, 0.7),)  # (temperature, scale) measured for ape: the defaults; --ape-grid sweeps more
 APE_GRID = tuple((1.0, s) for s in (0.4, 0.5, 0.6, 0.7, 0.8, 0.9))
-PLAIN = {"repetition_penalty": 1.0, "no_repeat_ngram": 0}  # the full prefill's answer is its argmax path
 
 
 @dataclass(frozen=True)
@@ -111,21 +110,12 @@ def f1(prediction: str, gold: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-@torch.inference_mode()
 def teacher_forced(engine, question: str, settings: AskSettings, answer_ids: list[int]) -> tuple[torch.Tensor, float]:
-    """(first-token logits, top-1 agreement) of `settings`' cache with `answer_ids` fed after it."""
+    """(first-token logits, top-1 agreement) of `settings`' cache, read cold, with `answer_ids`
+    fed after it (calibration's teacher forcing)."""
     cold(engine)
-    prepared = engine.prepare(question, settings)
-    assembly = prepared.assembly
-    model = assembly.attending(engine.lm.model)
-    head = prefill(model, prepared.live_ids, assembly.cache, assembly.recompute)  # query: recomputes with it
-    logits = head[None].float()  # (1, V), then (A, V)
-    if len(answer_ids) > 1:
-        rest = torch.tensor([answer_ids[:-1]], dtype=torch.long)
-        more = model(input_ids=rest, cache=assembly.cache, use_cache=True, logits_to_keep=rest.shape[1]).logits[0]
-        logits = torch.cat([logits, more.float()])
-    agreement = (logits.argmax(-1) == torch.tensor(answer_ids)).float().mean().item()
-    return logits[0], agreement
+    forced = calibrate.teacher_forced(engine, question, settings, answer_ids)
+    return forced.first_logits, forced.agreement
 
 
 def kl(full: torch.Tensor, approx: torch.Tensor) -> float:
