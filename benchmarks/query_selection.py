@@ -77,8 +77,7 @@ class Recorder:
         )
         probe = attention_probe._ACTIVE.get()
         if probe is not None and key.shape[2] >= probe.num_keys:
-            keys = attention_probe.repeat_kv(key[:, :, : probe.num_keys], module.num_key_value_groups)
-            self.layers.append(((query @ keys.transpose(2, 3)).float() * scaling).softmax(-1)[0])
+            self.layers.append(attention_probe.weights(module, query, key, probe.num_keys, scaling)[0])
             probe.mass = self.layers[-1].sum(dim=(0, 1))
         return out
 

@@ -35,11 +35,15 @@ def _attention(module, query, key, value, attention_mask, scaling: float, dropou
     out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     probe = _ACTIVE.get()
     if probe is not None and key.shape[2] >= probe.num_keys:
-        keys = repeat_kv(key[:, :, : probe.num_keys], module.num_key_value_groups)  # (B, H, C, D)
-        weights = ((query @ keys.transpose(2, 3)).float() * scaling).softmax(-1)  # (B, H, q, C)
-        mass = weights.sum(dim=(0, 1, 2))  # (C,)
+        mass = weights(module, query, key, probe.num_keys, scaling).sum(dim=(0, 1, 2))  # (C,)
         probe.mass = mass if probe.mass is None else probe.mass + mass
     return out
+
+
+def weights(module, query: torch.Tensor, key: torch.Tensor, num_keys: int, scaling: float) -> torch.Tensor:
+    """The queries' attention over the first `num_keys` keys alone, (B, H, q, C) float32."""
+    keys = repeat_kv(key[:, :, :num_keys], module.num_key_value_groups)  # (B, H, C, D)
+    return ((query @ keys.transpose(2, 3)).float() * scaling).softmax(-1)
 
 
 AttentionInterface.register(IMPLEMENTATION, _attention)
