@@ -131,17 +131,21 @@ class LayeredRead:
         self.events = [threading.Event() for _ in layers]
 
         def run() -> None:
-            digest = xxhash.xxh3_64()
-            for i, (keys, values) in enumerate(layers):
-                targets = [
-                    memoryview(buffer[0, head, start : start + tokens].view(torch.uint8).numpy()).cast("B")
-                    for buffer in (keys, values)
-                    for head in range(heads)
-                ]
-                low = begin + i * per_layer
-                shards._read_verbatim(entry.shard, entry.tensor, opened, targets, low, low + per_layer, digest)
-                self.events[i].set()
-            self.ok = digest.hexdigest() == entry.checksum
+            digest, self.ok = xxhash.xxh3_64(), False
+            try:
+                for i, (keys, values) in enumerate(layers):
+                    targets = [
+                        memoryview(buffer[0, head, start : start + tokens].view(torch.uint8).numpy()).cast("B")
+                        for buffer in (keys, values)
+                        for head in range(heads)
+                    ]
+                    low = begin + i * per_layer
+                    shards._read_verbatim(entry.shard, entry.tensor, opened, targets, low, low + per_layer, digest)
+                    self.events[i].set()
+                self.ok = digest.hexdigest() == entry.checksum
+            finally:  # a failed read must not leave the prefill waiting
+                for event in self.events:
+                    event.set()
 
         part.read_ms = 0.0
         self.thread = threading.Thread(target=run)
