@@ -68,11 +68,12 @@ def measure_variant(store: Path, docs: dict[int, str], allocator: str, read: str
         engine.ram = ByteLRU(0)
         for length, doc in docs.items():
             engine.ask(QUESTION, doc_ids=[doc], max_new_tokens=1)  # warm: pages, kernels
-            cached, oracle, parts, answers = [], [], {name: [] for name in PARTS}, set()
+            cached, oracle, parts, answers = [], [], {name: [] for name in PARTS}, set[str]()
             for _ in range(repeats):
                 with layered or contextlib.nullcontext():
                     answer = engine.ask(QUESTION, doc_ids=[doc], max_new_tokens=1)
-                stats, answers = answer.stats, answers | {answer.text}
+                stats = answer.stats
+                answers.add(answer.text)
                 cached.append(stats.ttft_s - stats.retrieval_ms / 1000)
                 for name in PARTS:
                     parts[name].append(getattr(stats, name))
@@ -123,7 +124,6 @@ class LayeredRead:
         DynamicCache.update = waiting_update  # type: ignore[method-assign]
 
     def start(self, part, layers, start: int) -> None:
-        _, _, heads, tokens, _ = part.shape
         shards, entry = part.shards, part.entry
         opened, names = shards._entry(entry.shard, entry.tensor)
         _, _, begin, end = names[""]
@@ -133,12 +133,8 @@ class LayeredRead:
         def run() -> None:
             digest, self.ok = xxhash.xxh3_64(), False
             try:
-                for i, (keys, values) in enumerate(layers):
-                    targets = [
-                        memoryview(buffer[0, head, start : start + tokens].view(torch.uint8).numpy()).cast("B")
-                        for buffer in (keys, values)
-                        for head in range(heads)
-                    ]
+                for i, layer in enumerate(layers):
+                    targets = part.targets(layer, start)
                     low = begin + i * per_layer
                     shards._read_verbatim(entry.shard, entry.tensor, opened, targets, low, low + per_layer, digest)
                     self.events[i].set()

@@ -87,13 +87,9 @@ class StoredKV:
         """Read into tokens `[start, start + T)` of every layer's `(B, H, capacity, D)` keys
         and values buffers (batch row 0, then copied to the other rows)."""
         began = time.perf_counter()
-        _, _, heads, tokens, _ = self.shape
-        stop, targets = start + tokens, []
-        for keys, values in layers:
-            for buffer in (keys, values):
-                for head in range(heads):
-                    block = buffer[0, head, start:stop]  # (T, D): contiguous, as stored
-                    targets.append(memoryview(block.view(torch.uint8).numpy()).cast("B"))  # type: ignore[arg-type]
+        _, _, _, tokens, _ = self.shape
+        stop = start + tokens
+        targets = [target for layer in layers for target in self.targets(layer, start)]
         self.shards.read_into(self.entry.shard, self.entry.tensor, self.entry.checksum, targets)
         for keys, values in layers:
             keys[1:, :, start:stop] = keys[:1, :, start:stop]
@@ -104,6 +100,16 @@ class StoredKV:
             for layer, (keys, values) in enumerate(layers):
                 kept[layer, 0], kept[layer, 1] = keys[0, :, start:stop], values[0, :, start:stop]
             self.keep(kept)
+
+    def targets(self, layer: tuple[torch.Tensor, torch.Tensor], start: int) -> list[memoryview]:
+        """Where one layer's stored bytes go, in their order: the keys' then the values' heads,
+        tokens `[start, start + T)` of batch row 0 of the `(B, H, capacity, D)` buffers."""
+        _, _, heads, tokens, _ = self.shape
+        return [
+            memoryview(buffer[0, head, start : start + tokens].view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+            for buffer in layer  # each (T, D) block is contiguous, as stored
+            for head in range(heads)
+        ]
 
     def tensor(self) -> torch.Tensor:
         """The KV read into new memory, for a use that needs it whole."""
