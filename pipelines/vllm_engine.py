@@ -26,6 +26,7 @@ from pathlib import Path
 from pipelines.pending import Unit
 from ragkv.config import import_path
 from ragkv.errors import InputError, ModelError
+from ragkv.kv_layout import refuse_unless_plain
 from store import open_snapshot
 from store.remote import absolute
 
@@ -48,6 +49,7 @@ def check(store, settings) -> None:
 
 def fill(store, model_folder: str | Path, dtype: str, units: Sequence[Unit], report) -> None:
     """Compute the KV of `units` (what ingest planned) with vLLM; updates `report`'s counts."""
+    refuse_unless_plain(model_folder)  # before vLLM starts: the connector moves full-attention KV only
     if not units:
         return
     root = import_path()  # so vLLM's python imports this ragkv

@@ -34,6 +34,11 @@ def encode(kv: torch.Tensor, quant: str) -> dict[str, torch.Tensor]:
         return {"": kv}
     if quant in _FLOAT:
         return {"": kv.to(_FLOAT[quant])}
+    if kv.shape[1] != 2:
+        raise InputError(
+            f"--kv-dtype {quant} quantises keys per channel and values per token; this model's KV is a latent "
+            "(keys and values side by side): use --kv-dtype auto, float16 or bfloat16"
+        )
     if quant in _PACKED:
         return _encode_packed(kv.float(), _PACKED[quant])
     if quant != "int8":
@@ -122,8 +127,8 @@ def deferred(shards, entry, dtype: torch.dtype, device: str | torch.device) -> S
     if torch.device(device).type != "cpu":
         return None
     parts = shards.layout(entry.shard, entry.tensor)
-    if set(parts) != {""} or parts[""][0] != dtype or len(parts[""][1]) != 5:
-        return None
+    if set(parts) != {""} or parts[""][0] != dtype or len(parts[""][1]) != 5 or parts[""][1][1] != 2:
+        return None  # encoded, another dtype, or a latent (keys and values side by side: read whole)
     return StoredKV(shards, entry, dtype, parts[""][1])
 
 

@@ -1,8 +1,11 @@
-"""The one canonical KV layout, and the only place that converts to and from transformers' cache.
+"""The only place that converts canonical KV to and from transformers' cache.
 
-Canonical layout of one entry (one sequence of T tokens): a tensor of shape
-`(L, 2, H, T, D)`: layers, key/value, KV heads, tokens, head dim. Entries that follow each
-other in a prompt concatenate along dim 3 (tokens).
+Canonical layout of one entry (one sequence of T tokens), described in `ragkv.kv_layout`: a
+tensor of shape `(L, 2, H, T, D)` (layers, key/value, KV heads, tokens, head dim), or
+`(L, 1, H, T, Dk + Dv)` for models whose keys and values differ in width (latent attention).
+Entries that follow each other in a prompt concatenate along dim 3 (tokens). Every layer keeps
+every token, sliding-window layers too (the sliding mask bounds their attention; see
+`ragkv.kv_layout`).
 """
 
 from __future__ import annotations
@@ -12,12 +15,12 @@ from typing import Any, Protocol
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from ragkv.errors import ModelError
+from ragkv.kv_layout import TOKEN_DIM, KVLayout, layout_of
 
-KV_LAYOUT = "L2HTD"
-TOKEN_DIM = 3
+__all__ = ["TOKEN_DIM", "KVLayout", "layout_of"]
 
 
 class Deferred(Protocol):
@@ -51,14 +54,17 @@ def to_cache(parts: Sequence[Part], config, batch_size: int = 1) -> DynamicCache
     request's freed pages).
     """
     cache = growing_cache(config)
-    if len(cache.layers) != parts[0].shape[0] or any(type(layer) is not GrowingLayer for layer in cache.layers):
-        return _to_cache_generic([whole(p) for p in parts], config, batch_size)  # sliding-window or hybrid layers
-    _, _, heads, _, head_dim = parts[0].shape
+    layout = layout_of(config)
+    if len(cache.layers) != parts[0].shape[0]:
+        raise ModelError(f"stored KV has {parts[0].shape[0]} layers; this model has {len(cache.layers)}")
     total = sum(p.shape[TOKEN_DIM] for p in parts)
-    shape = (batch_size, heads, total + _spare(total), head_dim)
     dtype, device = parts[0].dtype, parts[0].device
-    buffers = [  # (B, H, capacity, D) keys and values per layer
-        (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+    capacity = total + _spare(total)
+    buffers = [  # (B, H, capacity, Dk) keys and (B, H, capacity, Dv) values per layer
+        (
+            torch.empty((batch_size, layout.num_heads, capacity, layout.key_dim), dtype=dtype, device=device),
+            torch.empty((batch_size, layout.num_heads, capacity, layout.value_dim), dtype=dtype, device=device),
+        )
         for _ in cache.layers
     ]
     start = 0
@@ -66,8 +72,9 @@ def to_cache(parts: Sequence[Part], config, batch_size: int = 1) -> DynamicCache
         if isinstance(part, torch.Tensor):
             stop = start + part.shape[TOKEN_DIM]
             for (keys, values), layer_kv in zip(buffers, part, strict=True):
-                keys[:, :, start:stop] = layer_kv[0]  # (H, T_i, D) broadcast over the batch
-                values[:, :, start:stop] = layer_kv[1]
+                layer_keys, layer_values = layout.split(layer_kv)  # (H, T_i, Dk), (H, T_i, Dv)
+                keys[:, :, start:stop] = layer_keys  # broadcast over the batch
+                values[:, :, start:stop] = layer_values
         else:
             part.fill(buffers, start)
         start += part.shape[TOKEN_DIM]
@@ -79,9 +86,11 @@ def to_cache(parts: Sequence[Part], config, batch_size: int = 1) -> DynamicCache
 def append(cache: DynamicCache, parts: Sequence[torch.Tensor]) -> None:
     """Append canonical `(L, 2, H, T_i, D)` `parts` to `cache` (batch 1) along the tokens, as a
     forward over their tokens would have."""
+    layout: KVLayout = cache.kv_layout  # set by growing_cache
     for part in parts:
         for index, layer_kv in enumerate(part):
-            cache.layers[index].update(layer_kv[0][None], layer_kv[1][None])
+            keys, values = layout.split(layer_kv)  # (H, T_i, Dk), (H, T_i, Dv)
+            cache.layers[index].update(keys[None], values[None])
 
 
 def whole(part: Part) -> torch.Tensor:
@@ -98,38 +107,21 @@ def left_padded(rows: Sequence[Sequence[torch.Tensor]], config) -> tuple[Dynamic
     lengths = [sum(part.shape[TOKEN_DIM] for part in parts) for parts in rows]
     width = max(lengths)
     first = rows[0][0]
-    _, _, heads, _, head_dim = first.shape
     cache = growing_cache(config)
-    if any(type(layer) is not GrowingLayer for layer in cache.layers):
-        raise ModelError("ragkv batches rows of different lengths only over plain attention layers")
+    layout = cache.kv_layout
     for index, layer in enumerate(cache.layers):
-        shape = (len(rows), heads, width + _spare(width), head_dim)
-        keys = first.new_zeros(shape)  # (B, H, capacity, D): pads stay finite
-        values = first.new_zeros(shape)
+        keys, values = (  # (B, H, capacity, Dk) and (B, H, capacity, Dv): pads stay finite
+            first.new_zeros((len(rows), layout.num_heads, width + _spare(width), dim))
+            for dim in (layout.key_dim, layout.value_dim)
+        )
         for row, parts in enumerate(rows):
             start = width - lengths[row]
             for part in parts:
                 stop = start + part.shape[TOKEN_DIM]
-                keys[row, :, start:stop] = part[index, 0]  # (H, T_part, D)
-                values[row, :, start:stop] = part[index, 1]
+                keys[row, :, start:stop], values[row, :, start:stop] = layout.split(part[index])  # (H, T_part, D*)
                 start = stop
         layer.hold(keys, values, width)
     return cache, lengths
-
-
-def _to_cache_generic(parts: Sequence[torch.Tensor], config, batch_size: int) -> DynamicCache:
-    num_layers = parts[0].shape[0]
-    layers = []
-    for layer in range(num_layers):
-        keys = torch.cat([p[layer, 0] for p in parts], dim=1)  # (H, T, D)
-        values = torch.cat([p[layer, 1] for p in parts], dim=1)  # (H, T, D)
-        layers.append(
-            (
-                keys.unsqueeze(0).expand(batch_size, -1, -1, -1),  # (B, H, T, D)
-                values.unsqueeze(0).expand(batch_size, -1, -1, -1),
-            )
-        )
-    return DynamicCache(layers, config=config)
 
 
 def from_cache(cache: DynamicCache, row: int = 0, start: int = 0, stop: int | None = None) -> torch.Tensor:
@@ -138,20 +130,11 @@ def from_cache(cache: DynamicCache, row: int = 0, start: int = 0, stop: int | No
     Returns a new contiguous `(L, 2, H, stop - start, D)` tensor (safe to keep after the
     cache is reused or freed).
     """
-    keys = [layer.keys[row, :, start:stop] for layer in cache.layers]  # each (H, T, D)
-    values = [layer.values[row, :, start:stop] for layer in cache.layers]
-    stacked = torch.stack([torch.stack(kv) for kv in zip(keys, values, strict=False)])  # (L, 2, H, T, D)
-    return stacked.contiguous()
-
-
-def check_layout(cache: DynamicCache) -> None:
-    """Refuse caches whose layers are not plain `(B, H, T, D)` key/value tensors."""
-    for layer in cache.layers:
-        if getattr(layer, "keys", None) is None or layer.keys.dim() != 4:
-            raise ModelError(
-                f"this model's cache has {type(layer).__name__} layers; ragkv stores plain (batch, heads, tokens, "
-                "head_dim) keys and values: use a model with standard attention (e.g. Llama, Qwen2, Mistral)"
-            )
+    keys = [layer.keys[row, :, start:stop] for layer in cache.layers]  # each (H, T, Dk)
+    values = [layer.values[row, :, start:stop] for layer in cache.layers]  # each (H, T, Dv)
+    if keys[0].shape[-1] == values[0].shape[-1]:
+        return torch.stack([torch.stack(kv) for kv in zip(keys, values, strict=True)])  # (L, 2, H, T, D), new memory
+    return torch.stack([torch.cat(kv, dim=-1)[None] for kv in zip(keys, values, strict=True)])  # (L, 1, H, T, Dk + Dv)
 
 
 def to_cache_empty(config) -> DynamicCache:
@@ -233,8 +216,10 @@ class GrowingLayer(DynamicLayer):
 
     def _reserve(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
         """Hold copies of `keys`/`values` in new buffers of `capacity` tokens."""
-        batch, heads, length, dim = keys.shape
-        new_keys, new_values = (t.new_empty((batch, heads, capacity, dim)) for t in (keys, values))
+        length = keys.shape[2]
+        new_keys, new_values = (  # (B, H, capacity, Dk) and (B, H, capacity, Dv)
+            t.new_empty((t.shape[0], t.shape[1], capacity, t.shape[3])) for t in (keys, values)
+        )
         new_keys[:, :, :length] = keys
         new_values[:, :, :length] = values
         self.hold(new_keys, new_values, length)
@@ -271,9 +256,20 @@ def _spare(length: int) -> int:
 
 
 def growing_cache(config) -> DynamicCache:
-    """An empty cache whose plain attention layers append in place (`GrowingLayer`)."""
+    """An empty cache whose attention layers append in place (`GrowingLayer`), sliding-window
+    layers included: they keep every token, and the sliding mask (absolute positions) bounds
+    what each query attends to, as in a full prefill. `cache.kv_layout` describes it. Raises
+    ModelError for layers that keep anything else (recurrent state)."""
+    layout = layout_of(config)
     cache = DynamicCache(config=config)
-    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    for layer in cache.layers:
+        if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer):
+            raise ModelError(
+                f"ragkv cannot serve this model exactly: its cache keeps {type(layer).__name__} (recurrent state), "
+                "which a stored prefix does not hold; use a model with attention layers only"
+            )
+    cache.layers = [GrowingLayer() for _ in cache.layers]
+    cache.kv_layout = layout
     return cache
 
 
@@ -347,8 +343,9 @@ class RaggedBatch:
             self.cache = DynamicCache(config=self.config)
             self.cache.layers = [SlotLayer() for _ in self.cache.layers]
         for layer, model in zip(self.cache.layers, like.layers, strict=False):
-            _, heads, _, dim = model.keys.shape
-            fresh = tuple(model.keys.new_zeros((rows, heads, columns, dim)) for _ in range(2))  # pads stay finite
+            fresh = tuple(  # (rows, H, columns, Dk) keys and (rows, H, columns, Dv) values: pads stay finite
+                t.new_zeros((rows, t.shape[1], columns, t.shape[3])) for t in (model.keys, model.values)
+            )
             if layer.buffers is not None:
                 for old, new in zip(layer.buffers, fresh, strict=False):
                     new[: self.num_rows, :, : self.width] = old[: self.num_rows, :, : self.width]
@@ -364,7 +361,6 @@ class RaggedBatch:
     def add(self, single: DynamicCache) -> int:
         """Append the batch-1 `single` as a new row (copied; `single` may be reused after).
         Returns the row's index."""
-        check_layout(single)
         length = single.get_seq_length()
         row = self.num_rows
         self._reserve(row + 1, max(self.width, length) + 1, single)
@@ -405,11 +401,9 @@ class RaggedBatch:
     def extract(self, row: int) -> DynamicCache:
         """Row `row`'s real tokens as a batch-1 cache of its own (new memory)."""
         length = self.lengths[row]
-        parts = [
-            torch.stack([layer.buffers[0][row, :, :length], layer.buffers[1][row, :, :length]])  # (2, H, T, D)
-            for layer in self.cache.layers
-        ]
-        return to_cache([torch.stack(parts)], self.config)  # (L, 2, H, T, D) copied into a new cache
+        keys = [layer.buffers[0][row, :, :length] for layer in self.cache.layers]  # each (H, T, Dk)
+        values = [layer.buffers[1][row, :, :length] for layer in self.cache.layers]  # each (H, T, Dv)
+        return to_cache([layout_of(self.config).join(keys, values)], self.config)  # copied into a new cache
 
     @torch.inference_mode()
     def step(self, model, tokens: Sequence[int]) -> torch.Tensor:
@@ -427,7 +421,7 @@ class RaggedBatch:
         ids = torch.tensor(list(tokens), dtype=torch.long)[:, None]  # (B, 1)
         out = model(
             input_ids=ids.to(device),
-            attention_mask=mask.to(device),
+            attention_mask=_row_masks(model, mask.to(device), self.cache, write_at),
             position_ids=lengths[:, None].to(device),
             cache=self.cache,
             use_cache=True,
@@ -435,3 +429,31 @@ class RaggedBatch:
         )
         self.lengths = [n + 1 for n in self.lengths]
         return out.logits[:, -1]
+
+
+def _row_masks(model, padding: torch.Tensor, cache, lengths: torch.Tensor):
+    """The attention mask of a ragged step: `padding` `(B, T + 1)` (1 on each row's tokens and
+    its new one) where every layer attends fully. Sliding layers need more: transformers places
+    the window by the cache's width, shared by all rows, but row b's new token sits at column
+    `lengths[b]` (its own position), so the window must end there. Returns the masks the model
+    takes then: per layer type for models that mix them, else the sliding one."""
+    config = model.config
+    window = getattr(config.get_text_config(), "sliding_window", None)
+    if window is None or all(w is None for w in layout_of(config).windows):
+        return padding
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    def own_window(batch_idx, head_idx, q_idx, kv_idx):
+        return kv_idx > lengths[batch_idx] - window  # with the padding: (length - window, length]
+
+    shape = dict(
+        config=config,
+        inputs_embeds=torch.empty((padding.shape[0], 1, 1), dtype=model.dtype, device=padding.device),
+        attention_mask=padding,
+        cache=cache,
+        position_ids=lengths[:, None],
+    )
+    sliding = create_sliding_window_causal_mask(**shape, or_mask_function=own_window)
+    if getattr(config.get_text_config(), "layer_types", None) is None:
+        return sliding  # every layer slides (Mistral): the model takes one mask
+    return {"full_attention": create_causal_mask(**shape), "sliding_attention": sliding}

@@ -349,7 +349,9 @@ class KVLoader:
         if writer is None:
             return
         profile = self.active.profile
-        metadata = shard_metadata(profile.profile_id, self.lm.facts.name, profile.dtype)
+        metadata = shard_metadata(
+            profile.profile_id, self.lm.facts.name, profile.dtype, kv.layout_of(self.lm.model.config).name
+        )
         writer.submit(
             ComputedKV(profile.profile_id, key, row.chunk_id, token_ids, parts, metadata, row.span_start, parent)
         )

@@ -20,6 +20,7 @@ from ragkv.cpu import keep_freed_memory, warn_if_slow
 from ragkv.errors import ModelError
 from ragkv.fingerprint import folder_fingerprint
 from ragkv.keys import digest
+from ragkv.kv_layout import KVLayout, describe
 
 log = logging.getLogger("ragkv")
 
@@ -57,10 +58,13 @@ class ModelFacts:
     head_dim: int
     max_context: int
     eos_ids: tuple[int, ...]
+    layout: KVLayout | None = None  # what its cache holds per layer (None: loaded without weights)
 
     @property
     def kv_bytes_per_token(self) -> int:
         itemsize = 4 if self.dtype == "float32" else 2
+        if self.layout is not None:
+            return self.layout.bytes_per_token(itemsize)
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * itemsize
 
 
@@ -195,8 +199,10 @@ def load_model(name: str, device: str, dtype: str, weights: bool = True) -> Load
                 config = AutoConfig.from_pretrained(folder)
     except Exception as exc:  # transformers raises many types; name the folder and the cause
         raise ModelError(f"could not load model from {folder}: {exc}".splitlines()[0]) from exc
+    layout = None
     if model is not None:
         model.to(device).eval()
+        layout = describe(model)  # refuses, in one line, a cache that keeps recurrent state
     config = config.get_text_config()
     eos_ids = _eos_ids(folder, tokenizer, GenerationConfig)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -211,6 +217,7 @@ def load_model(name: str, device: str, dtype: str, weights: bool = True) -> Load
         head_dim=head_dim,
         max_context=int(getattr(config, "max_position_embeddings", 0) or 2048),
         eos_ids=eos_ids,
+        layout=layout,
     )
     return LoadedModel(model=model, tokenizer=tokenizer, facts=facts, device=device)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ragkv.errors import ModelError
+from ragkv.kv_layout import layout_of
 
 # Rope types whose rotation is a fixed per-frequency rotation of the position, so that
 # R(p + d) = R(d) R(p) and attention_scaling stays 1. (yarn, longrope, dynamic: not so.)
@@ -24,7 +25,14 @@ def rope_type(model) -> str:
 
 
 def check_supported(model) -> None:
-    """Refuse models whose rotary embedding cannot be re-rotated by a position delta."""
+    """Refuse models whose rotary embedding cannot be re-rotated by a position delta, and
+    models whose layers are not all full attention of one width (sliding layers, as in Gemma 3,
+    may rotate with another base; a latent's rotary part sits inside it)."""
+    if not layout_of(model.config).is_plain:
+        raise ModelError(
+            f"the approximate modes re-rotate stored keys in full-attention layers; {type(model).__name__} has "
+            "sliding-window or latent attention layers. Use --mode exact"
+        )
     kind = rope_type(model)
     rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
     if kind not in SUPPORTED_ROPE_TYPES or rotary is None or getattr(rotary, "attention_scaling", 1.0) != 1.0:

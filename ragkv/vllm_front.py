@@ -51,6 +51,7 @@ from ragkv.api import (
 from ragkv.config import import_path
 from ragkv.errors import InputError, ModelError
 from ragkv.guard import RequestGuard
+from ragkv.kv_layout import refuse_unless_plain
 from ragkv.loader import continues_span
 from store.remote import absolute
 from store.writeback import FoldLoop
@@ -74,6 +75,7 @@ class VllmServer:
         write_back: bool = True,
         connector_options: dict | None = None,
     ):
+        self.model_folder = model_folder
         self.url = f"http://127.0.0.1:{port}"
         connector = {
             "kv_connector": "RagkvConnector",
@@ -104,6 +106,7 @@ class VllmServer:
         self.process: subprocess.Popen | None = None
 
     def start(self, timeout_s: float) -> None:
+        refuse_unless_plain(self.model_folder)  # before vLLM starts: the connector moves full-attention KV only
         self.process = subprocess.Popen(
             self.command,
             env=self.env,

@@ -83,6 +83,7 @@ from ragkv.integrations.store_match import (
     slot_mapping,
 )
 from ragkv.integrations.vllm_load import PagedLoader
+from ragkv.kv_layout import refuse_unless_plain
 from store import EntryRow
 from store.pending import PendingArea, PendingHits, PendingIndex
 from store.popularity import HitLog
@@ -150,6 +151,7 @@ class RagkvConnector(KVConnectorBase_V1):
                 "load and save another KV: serve with the default"
             )
         model_config = vllm_config.model_config
+        refuse_unless_plain(model_config.model)  # one line, before anything moves
         self._dtype = model_config.dtype
         identity = ModelIdentity.of_folder(model_config.model, str(self._dtype).removeprefix("torch."))
         self._profile = profile_for(store, identity)  # refuses another model, tokenizer or dtype, in one line
