@@ -24,7 +24,7 @@ from pipelines.progress import Reporter
 from pipelines.ray_ingest import RayJob, run_ray_job
 from pipelines.read import Document, Skipped, read_documents
 from pipelines.stored_kv import StoredKV
-from ragkv import codec
+from ragkv import codec, kv, self_check
 from ragkv.config import IngestSettings, ModelSettings
 from ragkv.embed import Embedder
 from ragkv.errors import InputError, ModelError
@@ -32,6 +32,7 @@ from ragkv.forward import compute_prefix, compute_spans, shard_metadata
 from ragkv.keys import Profile
 from ragkv.model import LoadedModel, load_model
 from ragkv.prompt import PromptLayout
+from ragkv.self_check import SelfCheck
 from store import ChunkRow, DocumentRow, StoreWriter, budget
 from store.catalog import ChunkLink, ProfileRow
 from store.writeback import fold_pending
@@ -116,7 +117,10 @@ def ingest(
     _check_fits(lm, layout, settings.chunk_tokens, "--chunk-tokens")
     _check_fits(lm, layout, settings.span_tokens, "--span-tokens")
     quant = codec.kv_quant(settings.kv_dtype, model.dtype)
-    profile = Profile.of_layout(lm.facts.fingerprint, lm.facts.tokenizer_fingerprint, layout, model.dtype, quant)
+    kv_layout = lm.facts.layout.key if lm.facts.layout else ""
+    profile = Profile.of_layout(
+        lm.facts.fingerprint, lm.facts.tokenizer_fingerprint, layout, model.dtype, quant, kv_layout
+    )
     report = IngestReport(
         str(store), model=lm.facts.name, dtype=model.dtype, device=model.device, engine=engine, skipped=found.skipped
     )
@@ -217,7 +221,8 @@ def _write(
 
     pending = _unlinked(catalog, plan, new_chunks, lm, layout, profile, settings, report)
     _check_chunks_fit(pending, lm, layout)
-    catalog.entries.add_profile(_profile_row(profile, lm, settings.system_prompt))
+    if catalog.entries.profile(profile.profile_id) is None:  # a new profile: its self-test first (raises)
+        catalog.entries.add_profile(_profile_row(profile, lm, settings.system_prompt, self_check.check_loaded(lm)))
     limit = settings.kv_budget if settings.kv_budget is not None else catalog.usage.kv_budget()
     # a span's chunks are all linked, KV or not: the link keeps each one's key and place
     links = pending if settings.span_tokens else None
@@ -381,7 +386,7 @@ def _compute_and_store(
     reporter: Reporter,
     report: IngestReport,
 ) -> None:
-    metadata = shard_metadata(profile.profile_id, lm.facts.name, profile.dtype)
+    metadata = shard_metadata(profile.profile_id, lm.facts.name, profile.dtype, kv.layout_of(lm.model.config).name)
     out = StoredKV(writer, profile.profile_id, profile.kv_quant, prefix_key, settings.shard_bytes, metadata)
     reporter.stage("KV", sum(len(u.chunks) for u in work))
     compute_started = time.perf_counter()
@@ -403,7 +408,7 @@ def _compute_and_store(
     report.compute_s = time.perf_counter() - compute_started
 
 
-def _profile_row(profile: Profile, lm: LoadedModel, system_prompt: str) -> ProfileRow:
+def _profile_row(profile: Profile, lm: LoadedModel, system_prompt: str, check: SelfCheck) -> ProfileRow:
     return ProfileRow(
         profile.profile_id,
         lm.facts.name,
@@ -417,4 +422,6 @@ def _profile_row(profile: Profile, lm: LoadedModel, system_prompt: str) -> Profi
         lm.facts.num_layers,
         lm.facts.num_kv_heads,
         lm.facts.head_dim,
+        kv.layout_of(lm.model.config).to_string(),
+        check.to_string(),
     )

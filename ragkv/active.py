@@ -3,7 +3,7 @@ loaded and checked against what the store was built with."""
 
 from __future__ import annotations
 
-from ragkv import codec
+from ragkv import codec, self_check
 from ragkv.config import resolve_dtype
 from ragkv.embed import Embedder
 from ragkv.errors import ModelError, StoreEmptyError
@@ -55,12 +55,16 @@ def open_model(
     matching = candidates(rows, last, lm.facts.fingerprint, dtype, quant)
     if not matching:
         raise no_kv()
-    active = first_matching(matching, lm.facts.fingerprint, lm.facts.tokenizer_fingerprint, lm.tokenizer)
+    kv_layout = lm.facts.layout.key if lm.facts.layout else ""
+    active = first_matching(matching, lm.facts.fingerprint, lm.facts.tokenizer_fingerprint, lm.tokenizer, kv_layout)
     if active is None:
         raise ModelError(
             f"model {name}'s tokenizer or chat template differs from when store {snapshot.location} was built; "
             "re-run ragkv ingest to recompute the KV"
         )
+    if lm.model is not None:  # a profile not checked on this machine is checked now (raises when not exact)
+        row = next(r for r in rows if r.profile_id == active.profile.profile_id)
+        self_check.check_once(lm, row.profile_id, row.self_check)
     return lm, active
 
 

@@ -4,6 +4,8 @@
                                                          2: segments flat or IVF-flat, still written when
                                                          a store has no IVF-PQ segment)
     catalog schema                   named migrations in store.catalog.schema.MIGRATIONS
+    KV layout                        ragkv.kv_layout.KVLayout, in each profile row (NULL: plain) and, when
+                                     not plain, in the profile id; shard headers name it (`layout`)
     KV shard (safetensors header)    SHARD_FORMAT    "1"
     cache key strings                KEY_FORMAT      1   (`kv1:PROFILE:DIGEST`)
     lexical file (safetensors)       store.lexical.ANALYSER, recorded in the file and the manifest

@@ -59,6 +59,10 @@ class Profile:
     prefix_ids: tuple[int, ...]  # the token ids every chunk is computed after (fixes positions)
     dtype: str  # compute and storage dtype, e.g. "float32"
     kv_quant: str = "none"  # storage quantisation of the KV
+    # What the cache holds per layer, when it is not every layer full attention of one width
+    # (ragkv.kv_layout.KVLayout.key: sliding windows, a latent). Hashed only when set, so the
+    # profiles of plain models keep the ids they had before layouts were recorded.
+    kv_layout: str = ""
 
     @property
     def profile_id(self) -> str:
@@ -71,6 +75,7 @@ class Profile:
             token_bytes(self.prefix_ids),
             self.dtype,
             self.kv_quant,
+            *([self.kv_layout] if self.kv_layout else []),
         )
 
     @property
@@ -78,21 +83,32 @@ class Profile:
         return len(self.prefix_ids)
 
     @classmethod
-    def from_row(cls, row, model_fingerprint: str, tokenizer_fingerprint: str, layout) -> Profile | None:
-        """The profile a loaded model (its fingerprints, and `layout`: the prompt layout its
-        tokenizer builds from `row.system_prompt`) computes for a stored profile `row`; None
-        when it is not that profile (other weights, tokenizer or template)."""
-        profile = cls.of_layout(model_fingerprint, tokenizer_fingerprint, layout, row.dtype, row.kv_quant)
+    def from_row(
+        cls, row, model_fingerprint: str, tokenizer_fingerprint: str, layout, kv_layout: str = ""
+    ) -> Profile | None:
+        """The profile a loaded model (its fingerprints, its `kv_layout` key, and `layout`: the
+        prompt layout its tokenizer builds from `row.system_prompt`) computes for a stored
+        profile `row`; None when it is not that profile (other weights, tokenizer, template or
+        KV layout)."""
+        profile = cls.of_layout(model_fingerprint, tokenizer_fingerprint, layout, row.dtype, row.kv_quant, kv_layout)
         return profile if profile.profile_id == row.profile_id else None
 
     @classmethod
     def of_layout(
-        cls, model_fingerprint: str, tokenizer_fingerprint: str, layout, dtype: str, kv_quant: str = "none"
+        cls,
+        model_fingerprint: str,
+        tokenizer_fingerprint: str,
+        layout,
+        dtype: str,
+        kv_quant: str = "none",
+        kv_layout: str = "",
     ) -> Profile:
-        """The profile of a model (its fingerprints) laying out prompts as `layout` (a
-        ragkv.prompt.PromptLayout: its template and prefix), computing in `dtype`."""
+        """The profile of a model (its fingerprints and KV layout key) laying out prompts as
+        `layout` (a ragkv.prompt.PromptLayout: its template and prefix), computing in `dtype`."""
         prefix = tuple(layout.prefix_ids)
-        return cls(model_fingerprint, tokenizer_fingerprint, layout.template_fingerprint, prefix, dtype, kv_quant)
+        return cls(
+            model_fingerprint, tokenizer_fingerprint, layout.template_fingerprint, prefix, dtype, kv_quant, kv_layout
+        )
 
 
 @dataclass(frozen=True)

@@ -31,12 +31,14 @@ def candidates(rows: Sequence, last: str | None, fingerprint: str, dtype: str, k
     return sorted(found, key=lambda r: r.profile_id != last)
 
 
-def first_matching(rows: Sequence, fingerprint: str, tokenizer_fingerprint: str, tokenizer) -> ActiveProfile | None:
-    """The first of `rows` whose tokenizer and template `tokenizer` lays out the same, as the
-    profile it answers with; None when none does."""
+def first_matching(
+    rows: Sequence, fingerprint: str, tokenizer_fingerprint: str, tokenizer, kv_layout: str = ""
+) -> ActiveProfile | None:
+    """The first of `rows` whose tokenizer and template `tokenizer` lays out the same (and whose
+    KV layout key is `kv_layout`), as the profile it answers with; None when none does."""
     for row in rows:
         layout = PromptLayout.build(tokenizer, row.system_prompt)
-        profile = Profile.from_row(row, fingerprint, tokenizer_fingerprint, layout)
+        profile = Profile.from_row(row, fingerprint, tokenizer_fingerprint, layout, kv_layout)
         if profile is not None:
             return ActiveProfile(profile, layout, row.system_prompt)
     return None

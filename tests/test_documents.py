@@ -227,13 +227,17 @@ def test_a_catalog_written_before_chunk_places_is_read_as_it_is_and_migrated_by_
     shutil.copytree(tiny_store, store)
     with open_snapshot(store) as snap:
         generation, base, expected = snap.generation, snap.catalog.base_name(), snap.catalog.documents.chunk_ids()
-    for path, table in ((store / base, "chunks"), (store / f"catalog-{generation:06d}.duckdb", "add_chunks")):
+    for path, prefix in ((store / base, ""), (store / f"catalog-{generation:06d}.duckdb", "add_")):
         con = duckdb.connect(str(path))  # as a ragkv before 0004_chunk_places wrote it
-        for column in ("section", "page_start", "page_end"):
+        for table, column in [(f"{prefix}chunks", c) for c in ("section", "page_start", "page_end")] + [
+            (f"{prefix}profiles", c)
+            for c in ("kv_layout", "self_check")  # 0005, after 0004
+        ]:
             con.execute(f"ALTER TABLE {table} DROP COLUMN {column}")
-        if table == "chunks":
+        if not prefix:
             migrations = json.loads(con.execute("SELECT value FROM meta WHERE key = 'migrations'").fetchone()[0])
-            con.execute("UPDATE meta SET value = ? WHERE key = 'migrations'", [json.dumps(migrations[:-1])])
+            before = migrations[: migrations.index("0004_chunk_places")]
+            con.execute("UPDATE meta SET value = ? WHERE key = 'migrations'", [json.dumps(before)])
         con.close()
     with ragkv.open(store) as engine:  # a reader: no error, no places
         found = engine.search("When are salaries paid?", top_k=2)

@@ -23,6 +23,8 @@ class ProfileRow:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    kv_layout: str | None = None  # ragkv.kv_layout.KVLayout.to_string(); None: written before, plain
+    self_check: str | None = None  # the self-test the profile's first ingest ran (JSON); None: none ran
 
     COLUMNS = (
         "profile_id",
@@ -37,6 +39,8 @@ class ProfileRow:
         "num_layers",
         "num_kv_heads",
         "head_dim",
+        "kv_layout",
+        "self_check",
     )
 
 

@@ -13,6 +13,7 @@ from store.catalog.overlay import Overlay
 FORMAT_VERSION = 1
 
 _CHUNK_PLACES = {"chunks": {"section": "VARCHAR[]", "page_start": "INTEGER", "page_end": "INTEGER"}}
+_PROFILE_CHECKS = {"profiles": {"kv_layout": "VARCHAR", "self_check": "VARCHAR"}}
 
 
 def _add_columns(tables: dict[str, dict[str, str]]) -> str:
@@ -71,10 +72,20 @@ MIGRATIONS: list[tuple[str, str]] = [
         "0004_chunk_places",
         _add_columns(_CHUNK_PLACES),
     ),
+    (
+        # What a profile's cache holds per layer (ragkv.kv_layout.KVLayout.to_string) and the
+        # self-test its first ingest ran (ragkv.self_check): NULL for profiles written before,
+        # whose KV is of the plain layout (every layer full attention, one width).
+        "0005_profile_checks",
+        _add_columns(_PROFILE_CHECKS),
+    ),
 ]
 # Migrations that only add columns a reader can take as NULL: an older catalog missing only
 # these is read as it is (its tables seen through views with the columns NULL), not refused.
-ADDITIVE: dict[str, dict[str, dict[str, str]]] = {"0004_chunk_places": _CHUNK_PLACES}
+ADDITIVE: dict[str, dict[str, dict[str, str]]] = {
+    "0004_chunk_places": _CHUNK_PLACES,
+    "0005_profile_checks": _PROFILE_CHECKS,
+}
 
 
 class Schema(Overlay):
