@@ -1,0 +1,99 @@
+"""Tiny random models of every model family ragkv is asked about, saved as model folders with
+SmolLM2's tokenizer and chat template (as a user would point `--model` at them).
+
+Each is hidden 64, 2 layers; sliding windows are WINDOW tokens, smaller than the tests' chunks,
+so the window matters. `benchmarks/families.py` and `tests/test_families.py` build them here.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+WINDOW = 12  # sliding window (tokens): shorter than a chunk and than the system prompt
+
+COMMON = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=2048,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+    tie_word_embeddings=True,
+)
+MIXED = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=WINDOW)
+MOE = dict(num_local_experts=4, num_experts_per_tok=2)
+
+# family -> (transformers model_type, config fields beside COMMON, what ragkv does with it)
+FAMILIES: dict[str, tuple[str, dict, str]] = {
+    "llama": ("llama", {}, "exact"),
+    "qwen2": ("qwen2", {"rope_theta": 1e6}, "exact"),
+    "qwen3": ("qwen3", {}, "exact"),
+    "mistral (sliding)": ("mistral", {"sliding_window": WINDOW}, "exact"),
+    "mixtral": ("mixtral", MOE, "exact"),
+    "phi3": ("phi3", {}, "exact"),
+    "olmo2": ("olmo2", {}, "exact"),
+    "granite": ("granite", {}, "exact"),
+    "smollm3 (NoPE layers)": ("smollm3", {"no_rope_layer_interval": 2}, "exact"),
+    "gpt-neox (partial rotary)": ("gpt_neox", {"rotary_pct": 0.5}, "exact"),
+    "gemma2 (sliding + full, soft-capping)": ("gemma2", MIXED, "exact"),
+    "gemma3 (sliding + full)": ("gemma3_text", MIXED, "exact"),
+    "gpt-oss (sliding + full, sinks)": ("gpt_oss", {**MIXED, **MOE}, "exact"),
+    "cohere2 (sliding + full)": ("cohere2", MIXED, "exact"),
+    "deepseek-v3 (latent attention)": (
+        "deepseek_v3",
+        dict(
+            kv_lora_rank=32,
+            q_lora_rank=None,
+            head_dim=8,  # the rotary width: qk_rope_head_dim
+            num_key_value_heads=4,  # MLA expands the latent to every head
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            moe_intermediate_size=32,
+        ),
+        "exact",
+    ),
+    "falcon-h1 (Mamba beside attention)": ("falcon_h1", {"mamba_d_ssm": 64, "mamba_n_heads": 4}, "refused"),
+    "granite 4 hybrid (Mamba layers)": ("granitemoehybrid", {}, "refused"),
+    "qwen3-next (linear attention)": ("qwen3_next", {}, "refused"),
+    "jamba (Mamba layers)": ("jamba", {}, "refused"),
+}
+
+
+def build(family: str, folder: Path) -> Path:
+    """Save a tiny random model of `family` (a FAMILIES key) with SmolLM2's tokenizer in `folder`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ragkv.model import bundled_smollm2_path
+
+    model_type, extra, _ = FAMILIES[family]
+    config = AutoConfig.for_model(model_type, **{**COMMON, **extra})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer_dir = bundled_smollm2_path()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(tokenizer_dir / name, folder / name)
+    return folder
+
+
+def exact_families() -> list[str]:
+    return [name for name, (_, _, verdict) in FAMILIES.items() if verdict == "exact"]
+
+
+def refused_families() -> list[str]:
+    return [name for name, (_, _, verdict) in FAMILIES.items() if verdict == "refused"]

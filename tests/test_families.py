@@ -1,0 +1,227 @@
+"""Every model family people serve is exact from the store or refused in one line, never silently
+inexact. Tiny random models of each family (tests/families.py: 2 layers, sliding windows
+shorter than a chunk), float32, answers compared with full prefills; the self-test refuses a
+deliberately broken cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import ragkv
+from ragkv import self_check
+from ragkv.batch import Question, answer_all
+from ragkv.config import AskSettings
+from ragkv.errors import ModelError
+from ragkv.kv_layout import refuse_unless_plain
+from ragkv.model import load_model
+from store import open_snapshot
+from tests import families
+from tests.conftest import QUESTIONS, build_store, run_cli
+from tests.test_conversation import full_prefill_answer
+from tests.test_exactness import assert_cached_equals_full
+from tests.test_spans import QUESTION as SPAN_QUESTION
+from tests.test_spans import SPAN_TOKENS, _assert_exact, write_doc
+
+NEW_LAYOUTS = [  # the layouts beyond plain full attention, each through the whole engine
+    "mistral (sliding)",
+    "gemma2 (sliding + full, soft-capping)",
+    "gemma3 (sliding + full)",
+    "gpt-oss (sliding + full, sinks)",
+    "cohere2 (sliding + full)",
+    "deepseek-v3 (latent attention)",
+]
+
+
+@pytest.fixture(scope="session")
+def family_model(tmp_path_factory):
+    """`family_model(name)`: the folder of a tiny random model of that family, built once."""
+    built = {}
+
+    def get(family: str):
+        if family not in built:
+            built[family] = families.build(family, tmp_path_factory.mktemp("family") / "model")
+        return built[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def family_store(family_model, corpus, tmp_path_factory):
+    """`family_store(name)`: a float32 store of the small corpus (24-token chunks) for that family."""
+    built = {}
+
+    def get(family: str):
+        if family not in built:
+            store = tmp_path_factory.mktemp("family-store") / "store"
+            build_store(corpus, store, str(family_model(family)), chunk_tokens=24)
+            built[family] = store
+        return built[family]
+
+    return get
+
+
+def test_the_families_windows_are_shorter_than_a_chunk_so_they_matter():
+    assert families.WINDOW < 24
+
+
+@pytest.mark.parametrize("family", families.exact_families())
+def test_every_exact_family_passes_the_self_test_and_a_broken_cache_fails_it(family, family_model):
+    lm = load_model(str(family_model(family)), "cpu", "float32")
+    check = self_check.check_loaded(lm)  # raises when the family is not exact
+    assert check.passed and check.difference < 1e-6 and check.model_class == type(lm.model).__name__
+
+    def noisy_layer_one(kv: torch.Tensor) -> torch.Tensor:  # one layer's stored KV off by 5% of its spread
+        noise = torch.randn(kv[1].shape, generator=torch.Generator().manual_seed(0))
+        broken = kv.clone()
+        broken[1] += 0.05 * kv[1].std() * noise  # (2, H, T, D) or (1, H, T, Dk + Dv)
+        return broken
+
+    broken = self_check.run(lm.model, lm.tokenizer, "float32", lm.pad_id, perturb=noisy_layer_one)
+    assert not broken.passed
+    with pytest.raises(ModelError, match=f"refuses {type(lm.model).__name__} in float32: .* differs .* by"):
+        broken.refuse()
+
+
+@pytest.mark.parametrize("family", families.refused_families())
+def test_recurrent_families_are_refused_in_one_line_at_ingest_and_at_open(family, family_model, corpus, tiny_store):
+    folder = family_model(family)
+    result = run_cli("ingest", corpus, "--store", corpus.parent / "refused", "--model", folder, "--device", "cpu")
+    assert result.exit_code != 0
+    said = [line for line in result.output.splitlines() if line.strip()]
+    assert len(said) == 1 and "cannot serve" in said[0] and "recurrent state" in said[0], result.output
+    assert "internal error" not in result.output
+    assert not (corpus.parent / "refused").exists()
+    with pytest.raises(ModelError, match="cannot serve .* exactly"):
+        ragkv.open(tiny_store, model=str(folder), device="cpu")
+
+
+@pytest.mark.parametrize("family", NEW_LAYOUTS)
+def test_one_and_several_chunks_from_the_store_equal_a_full_prefill(family, family_store):
+    store = family_store(family)
+    assert_cached_equals_full(store, QUESTIONS[:2], max_new_tokens=12, top_k=1)
+    assert_cached_equals_full(store, QUESTIONS[2:], max_new_tokens=8, top_k=3)  # the first from the store
+
+
+@pytest.mark.parametrize("family", NEW_LAYOUTS)
+def test_spans_across_chunk_borders_equal_a_full_prefill(family, family_model, tmp_path):
+    store = tmp_path / "store"
+    docs = write_doc(tmp_path / "docs")
+    build_store(docs, store, str(family_model(family)), chunk_tokens=24, span_tokens=SPAN_TOKENS)
+    with ragkv.open(store, device="cpu") as engine:
+        answer = _assert_exact(engine, SPAN_QUESTION, AskSettings(context="span", doc_ids=("incidents.md",)))
+        assert len(answer.sources) >= 2 or answer.sources[0].chunk_index == 0
+
+
+@pytest.mark.parametrize("family", NEW_LAYOUTS)
+def test_conversation_turns_equal_a_full_prefill(family, family_store):
+    with ragkv.open(family_store(family), device="cpu") as engine:
+        chat = engine.conversation(max_new_tokens=10)
+        for number, message in enumerate([QUESTIONS[0], "And who stores the new key?"]):
+            answer = chat.ask(message)
+            assert answer.token_ids == full_prefill_answer(engine, answer.prompt_ids, 10), number
+            assert answer.stats.reused_tokens > 0
+
+
+@pytest.mark.parametrize("family", NEW_LAYOUTS)
+def test_the_batcher_answers_as_each_question_alone(family, family_store):
+    settings = AskSettings(max_new_tokens=10)
+    questions = [Question(str(i), q) for i, q in enumerate(QUESTIONS)]  # prompts of different lengths
+    with ragkv.open(family_store(family), device="cpu") as engine:
+        outcomes = list(answer_all(engine, questions, settings, max_batch=4))
+        assert all(o.error is None for o in outcomes)
+        for outcome in outcomes:
+            alone = engine.ask(outcome.question.question, settings)
+            assert outcome.answer.token_ids == alone.token_ids, outcome.question.question
+
+
+@pytest.mark.parametrize("family", ["gemma3 (sliding + full)", "deepseek-v3 (latent attention)"])
+def test_approximate_modes_and_the_vllm_connector_refuse_layouts_they_do_not_move(family, family_store, family_model):
+    with ragkv.open(family_store(family), device="cpu") as engine:
+        with pytest.raises(ModelError, match="Use --mode exact"):
+            engine.ask(QUESTIONS[0], top_k=2, mode="concat")
+    with pytest.raises(ModelError, match="connector moves KV of full-attention layers only"):
+        refuse_unless_plain(family_model(family))
+
+
+def test_the_vllm_connector_takes_plain_models(family_model):
+    refuse_unless_plain(family_model("llama"))  # no error
+
+
+def test_ingest_records_the_layout_and_the_self_test_in_the_profile(family_store):
+    with open_snapshot(family_store("gemma3 (sliding + full)")) as snapshot:
+        (row,) = snapshot.catalog.entries.profiles()
+    assert json.loads(row.kv_layout)["windows"] == [families.WINDOW, None]
+    check = self_check.SelfCheck.from_string(row.self_check)
+    assert check.passed and check.model_class == "Gemma3ForCausalLM"
+    assert check.machine == self_check.machine_key("cpu")
+
+
+def test_an_engine_checks_a_profile_once_per_machine(family_model, monkeypatch, tmp_path):
+    monkeypatch.setenv("RAGKV_HOME", str(tmp_path))
+    lm = load_model(str(family_model("gpt-oss (sliding + full, sinks)")), "cpu", "float32")
+    elsewhere = self_check.SelfCheck("GptOssForCausalLM", "float32", 0.0, 1e-5, 10, "another machine")
+    first = self_check.check_once(lm, "p1", elsewhere.to_string())  # recorded elsewhere: runs here
+    assert first.machine == self_check.machine_key("cpu") and first.passed
+    assert (tmp_path / "checks" / "p1.json").is_file()
+
+    def no_second_run(*args, **kwargs):
+        raise AssertionError("the self-test ran again")
+
+    monkeypatch.setattr(self_check, "run", no_second_run)
+    assert self_check.check_once(lm, "p1", None) == first  # remembered on this machine
+    failed = self_check.SelfCheck("GptOssForCausalLM", "float32", 1e-3, 1e-5, 10, first.machine)
+    with pytest.raises(ModelError, match="refuses GptOssForCausalLM"):
+        self_check.check_once(lm, "p2", failed.to_string())  # a recorded failure here refuses
+
+
+def test_plain_profiles_keep_their_ids_and_other_layouts_get_their_own(family_store, tiny_store):
+    from ragkv.keys import Profile
+
+    plain = Profile("m", "t", "p", (1, 2), "float32")
+    assert plain.profile_id == Profile("m", "t", "p", (1, 2), "float32", "none", "").profile_id
+    assert plain.profile_id != Profile("m", "t", "p", (1, 2), "float32", "none", '{"windows":[12,null]}').profile_id
+
+
+def test_a_store_written_before_layouts_were_recorded_reads_and_is_checked_once(tiny_store, tmp_path, monkeypatch):
+    import shutil
+
+    import duckdb
+
+    from store import StoreWriter
+    from tests.conftest import fresh_home
+
+    store = tmp_path / "older"
+    shutil.copytree(tiny_store, store)
+    with open_snapshot(store) as snapshot:
+        generation, base = snapshot.generation, snapshot.catalog.base_name()
+    for path, prefix in ((store / base, ""), (store / f"catalog-{generation:06d}.duckdb", "add_")):
+        con = duckdb.connect(str(path))  # as a ragkv before 0005_profile_checks wrote it
+        for column in ("kv_layout", "self_check"):
+            con.execute(f"ALTER TABLE {prefix}profiles DROP COLUMN {column}")
+        if not prefix:
+            migrations = json.loads(con.execute("SELECT value FROM meta WHERE key = 'migrations'").fetchone()[0])
+            con.execute("UPDATE meta SET value = ? WHERE key = 'migrations'", [json.dumps(migrations[:-1])])
+        con.close()
+    fresh_home(tmp_path / "home", monkeypatch)
+    with ragkv.open(store, device="cpu") as engine:  # a reader: read as it is, the profile checked here
+        assert engine.ask(QUESTIONS[0], max_new_tokens=4).stats.reused_tokens > 0
+        (row,) = engine.snapshot.catalog.entries.profiles()
+        assert row.kv_layout is None and row.self_check is None
+    (record,) = (tmp_path / "home" / "checks").iterdir()
+    assert record.stem == row.profile_id and self_check.SelfCheck.from_string(record.read_text()).passed
+    with StoreWriter(store):  # the first writer migrates
+        pass
+    with open_snapshot(store) as snapshot:
+        assert snapshot.catalog.entries.profiles()[0].profile_id == row.profile_id  # a plain profile keeps its id
+
+
+def test_the_generated_families_table_lists_every_family_with_its_verdict():
+    from tests.conftest import ROOT
+
+    lines = (ROOT / "benchmarks" / "results" / "families.md").read_text().splitlines()
+    for family, (_, _, verdict) in families.FAMILIES.items():
+        row = next(line for line in lines if line.startswith(f"| {family} |"))
+        assert ("| exact (self-test" in row) == (verdict == "exact"), f"re-run python benchmarks/families.py: {row}"
