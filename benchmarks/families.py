@@ -78,14 +78,23 @@ def reference_layout(model_type: str) -> tuple[KVLayout, str]:
     return layout, f"{len(windows)} layers, hidden {text.hidden_size}"
 
 
+def stored_bytes(layout: KVLayout, tokens: int) -> int:
+    """Bytes the store keeps of an entry of `tokens` tokens in bfloat16, as codec.encode lays it out."""
+    import torch
+
+    from ragkv import codec
+
+    entry = torch.zeros(layout.shape(tokens), dtype=torch.bfloat16)
+    return sum(t.numel() * t.element_size() for t in codec.encode(entry, "none", layout.windows).values())
+
+
 def bytes_rows() -> list[str]:
     rows = []
     for model_type in ("llama", "mistral", "gemma2", "gemma3_text", "gpt_oss", "cohere2", "deepseek_v3"):
         layout, size = reference_layout(model_type)
-        stored = layout.bytes_per_token(2)
-        per_layer = layout.num_heads * (layout.key_dim + layout.value_dim) * 2
-        window_only = sum(min(CHUNK_TOKENS, w - 1) if w else CHUNK_TOKENS for w in layout.windows) * per_layer
-        other = f"window only: {window_only / CHUNK_TOKENS / 1024:,.1f} KiB" if any(layout.windows) else ""
+        every = layout.bytes_per_token(2)
+        stored = stored_bytes(layout, CHUNK_TOKENS) / CHUNK_TOKENS
+        other = f"every token: {every / 1024:,.1f} KiB ({every / stored:.2f}x)" if any(layout.windows) else ""
         if layout.is_packed:
             from transformers import AutoConfig
 
@@ -131,13 +140,14 @@ def main() -> None:
         "",
         "## Bytes per token",
         "",
-        "Of transformers' default config of each family (its reference size), bfloat16, as the store keeps "
-        f"it: every layer every token. A sliding layer needs only its window to continue; a chunk of "
-        f"{CHUNK_TOKENS} tokens stored window-only would take what the last column says (the store keeps the "
-        "whole chunk so that every entry is one tensor of one shape, and chunks placed after others see "
-        "exactly their window). A latent (multi-head latent attention) is stored as transformers caches it.",
+        "Of transformers' default config of each family (its reference size), bfloat16, for a chunk of "
+        f"{CHUNK_TOKENS} tokens, as the store keeps it: full-attention layers every token, a sliding layer its "
+        "last `window - 1` tokens (all that a continuation reads; `ragkv.codec`'s windowed form). The last "
+        "column is the other choice: every token of every layer (what the cache holds in memory), or, for a "
+        "latent, keys and values per head. A latent (multi-head latent attention) is stored as transformers "
+        "caches it.",
         "",
-        "| family | config | layout | sliding layers (window) | stored per token | the other choice |",
+        "| family | config | layout | sliding layers (window) | stored per token | the other choice per token |",
         "|---|---|---|---|---|---|",
         *bytes_rows(),
         "",

@@ -386,8 +386,11 @@ def _compute_and_store(
     reporter: Reporter,
     report: IngestReport,
 ) -> None:
-    metadata = shard_metadata(profile.profile_id, lm.facts.name, profile.dtype, kv.layout_of(lm.model.config).name)
-    out = StoredKV(writer, profile.profile_id, profile.kv_quant, prefix_key, settings.shard_bytes, metadata)
+    layout = kv.layout_of(lm.model.config)
+    metadata = shard_metadata(profile.profile_id, lm.facts.name, profile.dtype, layout.name)
+    out = StoredKV(
+        writer, profile.profile_id, profile.kv_quant, prefix_key, settings.shard_bytes, metadata, windows=layout.windows
+    )
     reporter.stage("KV", sum(len(u.chunks) for u in work))
     compute_started = time.perf_counter()
     prefix_kv = compute_prefix(lm.model, profile.prefix_ids)

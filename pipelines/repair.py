@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pipelines.stored_kv import StoredKV
-from ragkv import spans
+from ragkv import kv, spans
 from ragkv.config import IngestSettings
 from ragkv.embed import Embedder
 from ragkv.errors import ModelError
@@ -77,8 +77,10 @@ def _recompute(writer: StoreWriter, profile_id: str, keys: list[str], device: st
         report.unrepairable.append(f"{row.model_name}: weights differ from those the KV was computed with")
         return
     prefix_key = KVKey.prefix_of(profile_id).to_string()
-    metadata = shard_metadata(profile_id, row.model_name, row.dtype)
-    out = StoredKV(writer, profile_id, row.kv_quant, prefix_key, IngestSettings().shard_bytes, metadata, replace=True)
+    layout = kv.layout_of(lm.model.config)
+    metadata = shard_metadata(profile_id, row.model_name, row.dtype, layout.name)
+    shard_bytes = IngestSettings().shard_bytes
+    out = StoredKV(writer, profile_id, row.kv_quant, prefix_key, shard_bytes, metadata, True, layout.windows)
     prefix_kv = compute_prefix(lm.model, row.prefix_ids)
     if prefix_key in keys:
         out.put(prefix_key, prefix_kv)

@@ -4,11 +4,12 @@ transformers' caches differ by family, and ragkv's promise (stored KV + question
 prefill) holds only where the store keeps everything the continuation needs:
 - full-attention layers (Llama, Qwen, ...): every token's keys and values.
 - sliding-window layers (Mistral, Gemma 2/3, gpt-oss, Cohere2: alone or mixed with full ones):
-  transformers keeps the last `window - 1` tokens. ragkv keeps every token in these layers too,
-  and the sliding mask (built from absolute positions) limits what each query attends to, so
-  attention runs over exactly the window a full prefill sees, across chunk borders. A stored
-  entry thus has one shape for every layer (below); it holds more than the window only where a
-  chunk is longer than the window (`benchmarks/results/families.md` gives bytes per token).
+  transformers keeps the last `window - 1` tokens. ragkv's cache keeps every token in these
+  layers too, and the sliding mask (built from absolute positions) limits what each query
+  attends to, so attention runs over exactly the window a full prefill sees, across chunk
+  borders. An entry has one shape for every layer (below); the store keeps of a sliding layer
+  only the last `window - 1` tokens of each entry (`ragkv.codec`'s windowed form), all that a
+  continuation reads (`benchmarks/results/families.md` gives bytes per token).
 - multi-head latent attention (DeepSeek-V2/V3, Kimi, GLM-4.7-Flash, ...): transformers caches the
   compressed latent and the shared rotary key, of different widths and one head. ragkv stores
   them as cached (the latent, as vLLM does): keys and values side by side along the last dim.

@@ -280,7 +280,7 @@ class KVLoader:
         pieces = split_segments(result.kv, [len(s) for s in segments])
         for row, ids, key, piece in zip(rows, chunk_ids, keys, pieces, strict=True):
             name = key.to_string()
-            parts = codec.encode(piece, profile.kv_quant)
+            parts = codec.encode(piece, profile.kv_quant, kv.layout_of(self.lm.model.config).windows)
             kv_tensor = codec.decode({n: t.to(self.device) for n, t in parts.items()}, self.lm.model.dtype)
             self.ram.put(name, kv_tensor)
             loaded.kv_sources[row.chunk_id] = "computed"

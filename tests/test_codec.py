@@ -143,3 +143,35 @@ def test_an_entry_read_straight_into_the_cache_equals_one_read_then_copied(tmp_p
     assert broken is not None
     with pytest.raises(StoreCorruptError, match="checksum"):
         kv.to_cache([before, broken], config)
+
+
+@pytest.mark.parametrize("quant", ["none", "bfloat16"])
+def test_a_sliding_layer_stores_only_the_window_a_continuation_reads(quant, tmp_path):
+    from store.shards import ShardReader, ShardWriter
+
+    kv = torch.randn(3, 2, 2, 40, 8)  # (L, 2, H, T, D): a sliding layer, a full one, a sliding one
+    windows = (12, None, 12)
+    parts = codec.encode(kv, quant, windows)
+    assert parts["slid"].shape == (2, 2, 2, 11, 8) and parts[""].shape == (1, 2, 2, 40, 8)  # window - 1 kept
+    stored = sum(t.numel() * t.element_size() for t in parts.values())
+    assert stored < 0.55 * kv.numel() * parts[""].element_size()  # 1 full layer of 3, 11 of 40 tokens in 2
+    dtype = torch.float32 if quant == "none" else torch.bfloat16
+    back = codec.decode(parts, dtype)
+    assert back.shape == kv.shape and back.dtype == dtype
+    assert torch.equal(back[1], kv[1].to(dtype))  # the full layer whole
+    assert torch.equal(back[[0, 2], :, :, 29:], kv[[0, 2], :, :, 29:].to(dtype))  # the window's tail
+    assert not back[[0, 2], :, :, :29].any()  # zeros where no query looks
+    assert set(codec.encode(kv[:, :, :, :11], quant, windows)) == {""}  # within the window: whole
+    assert set(codec.encode(kv, quant)) == {""}  # no layout given: whole
+    every = codec.encode(kv, quant, (12, 12, 12))  # every layer slides (Mistral): no full layer
+    writer = ShardWriter(tmp_path, 1 << 20, {"layout": "L2HTD"})
+    (sealed,) = [*writer.add("entry", every), *writer.flush()]
+    read = ShardReader(tmp_path).read_parts(sealed.shard, sealed.name, sealed.checksum)
+    assert sealed.num_tokens == 40
+    assert read[""].shape == (0, 2, 2, 40, 8)
+    assert torch.equal(codec.decode(read, dtype)[:, :, :, 29:], kv[:, :, :, 29:].to(dtype))
+
+
+def test_int_quantisation_keeps_every_token_of_a_sliding_layer():
+    kv = torch.randn(2, 2, 2, 40, 8)
+    assert "slid" not in codec.encode(kv, "int8", (12, None))

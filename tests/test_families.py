@@ -153,6 +153,11 @@ def test_the_vllm_connector_takes_plain_models(family_model):
 def test_ingest_records_the_layout_and_the_self_test_in_the_profile(family_store):
     with open_snapshot(family_store("gemma3 (sliding + full)")) as snapshot:
         (row,) = snapshot.catalog.entries.profiles()
+        entries = snapshot.catalog.reports.all_entries()
+        parts = [snapshot.shards.read_parts(e.shard, e.tensor, e.checksum) for e in entries]
+    # chunks longer than the window keep only its tail in the sliding layer (what the exact tests above read)
+    windowed = [p for p in parts if "windowed" in p]
+    assert windowed and all(p["slid"].shape[3] == families.WINDOW - 1 for p in windowed)
     assert json.loads(row.kv_layout)["windows"] == [families.WINDOW, None]
     check = self_check.SelfCheck.from_string(row.self_check)
     assert check.passed and check.model_class == "Gemma3ForCausalLM"
