@@ -140,8 +140,10 @@ def main() -> None:
     runs: dict[str, list[dict]] = {"before": [], "after": []}
     with tempfile.TemporaryDirectory() as tmp:
         store = Path(tmp) / "store"
-        ingest = [sys.executable, str(ROOT / "cli.py"), "ingest", str(ROOT / "data"), "--store", str(store)]
-        subprocess.run([*ingest, "--device", "cpu", "--quiet"], check=True, cwd=ROOT)
+        # written by the before tree: a newer ragkv reads an older catalog, not the other way round
+        before = trees["before"]
+        ingest = [sys.executable, str(before / "cli.py"), "ingest", str(ROOT / "data"), "--store", str(store)]
+        subprocess.run([*ingest, "--device", "cpu", "--quiet"], check=True, cwd=before)
         for _ in range(args.repeats):
             for name, tree in trees.items():
                 runs[name].append(measure(tree, store, questions, args.tokens, args.threads))
