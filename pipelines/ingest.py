@@ -26,6 +26,7 @@ from pipelines.read import Document, Skipped, read_documents
 from pipelines.stored_kv import StoredKV
 from ragkv import codec, kv, self_check
 from ragkv.config import IngestSettings, ModelSettings
+from ragkv.cpu import run_aside
 from ragkv.embed import Embedder
 from ragkv.errors import InputError, ModelError
 from ragkv.forward import compute_prefix, compute_spans, shard_metadata
@@ -222,7 +223,8 @@ def _write(
     pending = _unlinked(catalog, plan, new_chunks, lm, layout, profile, settings, report)
     _check_chunks_fit(pending, lm, layout)
     if catalog.entries.profile(profile.profile_id) is None:  # a new profile: its self-test first (raises)
-        catalog.entries.add_profile(_profile_row(profile, lm, settings.system_prompt, self_check.check_loaded(lm)))
+        check = run_aside(self_check.check_loaded, lm)
+        catalog.entries.add_profile(_profile_row(profile, lm, settings.system_prompt, check))
     limit = settings.kv_budget if settings.kv_budget is not None else catalog.usage.kv_budget()
     # a span's chunks are all linked, KV or not: the link keeps each one's key and place
     links = pending if settings.span_tokens else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ragkv import codec, self_check
 from ragkv.config import resolve_dtype
+from ragkv.cpu import run_aside
 from ragkv.embed import Embedder
 from ragkv.errors import ModelError, StoreEmptyError
 from ragkv.model import LoadedModel, load_model, model_name
@@ -64,7 +65,7 @@ def open_model(
         )
     if lm.model is not None:  # a profile not checked on this machine is checked now (raises when not exact)
         row = next(r for r in rows if r.profile_id == active.profile.profile_id)
-        self_check.check_once(lm, row.profile_id, row.self_check)
+        run_aside(self_check.check_once, lm, row.profile_id, row.self_check)
     return lm, active
 
 

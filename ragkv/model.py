@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ragkv.config import DEFAULT_MODEL, cache_dir
-from ragkv.cpu import keep_freed_memory, warn_if_slow
+from ragkv.cpu import keep_freed_memory, run_aside, warn_if_slow
 from ragkv.errors import ModelError
 from ragkv.fingerprint import folder_fingerprint
 from ragkv.keys import digest
@@ -202,7 +202,7 @@ def load_model(name: str, device: str, dtype: str, weights: bool = True) -> Load
     layout = None
     if model is not None:
         model.to(device).eval()
-        layout = describe(model)  # refuses, in one line, a cache that keeps recurrent state
+        layout = run_aside(describe, model)  # refuses, in one line, a cache that keeps recurrent state
     config = config.get_text_config()
     eos_ids = _eos_ids(folder, tokenizer, GenerationConfig)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

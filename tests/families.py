@@ -70,6 +70,7 @@ FAMILIES: dict[str, tuple[str, dict, str]] = {
     "granite 4 hybrid (Mamba layers)": ("granitemoehybrid", {}, "refused"),
     "qwen3-next (linear attention)": ("qwen3_next", {}, "refused"),
     "jamba (Mamba layers)": ("jamba", {}, "refused"),
+    "nemotron-h (Mamba beside attention layers)": ("nemotron_h", {}, "refused"),
 }
 
 
