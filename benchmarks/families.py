@@ -121,8 +121,9 @@ def main() -> None:
         f"{families.WINDOW} tokens, shorter than a chunk), loaded as ragkv loads any model. *ragkv engine*: "
         "`ingest`, `ask`, `chat`, `batch`, `serve`; the self-test's number is the largest first-token logit "
         "difference from a full prefill, relative to the largest logit (float32; it refuses above 1e-05). "
-        "tests/test_families.py checks the same families through ingest, ask, several chunks, spans, "
-        "conversations and the batcher. *vLLM*: the connector, `ingest --engine vllm` and "
+        "tests/test_families.py runs the self-test on every exact family, and takes the sliding and latent "
+        "ones (Mistral with a window, Gemma 2, Gemma 3, gpt-oss, Cohere2, DeepSeek-V3) through ingest, ask, "
+        "several chunks, spans, conversations and the batcher against full prefills. *vLLM*: the connector, `ingest --engine vllm` and "
         "`serve --engine vllm`, which refuse what they cannot move before vLLM starts; *taken* means the "
         "connector accepts the layout (tests/test_vllm.py checks its answers live on a Llama model only).",
         "",
