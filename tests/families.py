@@ -14,20 +14,20 @@ import torch
 
 WINDOW = 12  # sliding window (tokens): shorter than a chunk and than the system prompt
 
-COMMON = dict(
+TINY = dict(  # every tiny test model's shape (conftest's Llama and Qwen2 too), SmolLM2's vocabulary
     vocab_size=49152,
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=2048,
+    max_position_embeddings=1024,
     bos_token_id=1,
     eos_token_id=2,
     pad_token_id=2,
     tie_word_embeddings=True,
 )
+COMMON = {**TINY, "head_dim": 16}  # stated: some families' defaults differ (Gemma's 256)
 MIXED = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=WINDOW)
 MOE = dict(num_local_experts=4, num_experts_per_tok=2)
 

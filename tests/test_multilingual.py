@@ -16,6 +16,7 @@ import ragkv
 from pipelines.chunk import chunk_text
 from ragkv.config import IngestSettings, ModelSettings
 from ragkv.prompt import encode_text
+from tests.families import TINY
 
 from .conftest import SAMPLE_DATA
 
@@ -105,19 +106,7 @@ def _multilingual_model(folder: Path) -> Path:
     fast.chat_template = (bundled_smollm2_path() / "chat_template.jinja").read_text()
     fast.save_pretrained(folder)
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=tokenizer.get_vocab_size(),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        tie_word_embeddings=True,
-    )
+    config = LlamaConfig(**{**TINY, "vocab_size": tokenizer.get_vocab_size()})
     LlamaForCausalLM(config).save_pretrained(folder)
     return folder
 
