@@ -18,7 +18,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from ragkv.errors import ModelError
-from ragkv.kv_layout import TOKEN_DIM, KVLayout, layout_of
+from ragkv.kv_layout import TOKEN_DIM, KVLayout, join, layout_of
 
 __all__ = ["TOKEN_DIM", "KVLayout", "layout_of"]
 
@@ -132,9 +132,7 @@ def from_cache(cache: DynamicCache, row: int = 0, start: int = 0, stop: int | No
     """
     keys = [layer.keys[row, :, start:stop] for layer in cache.layers]  # each (H, T, Dk)
     values = [layer.values[row, :, start:stop] for layer in cache.layers]  # each (H, T, Dv)
-    if keys[0].shape[-1] == values[0].shape[-1]:
-        return torch.stack([torch.stack(kv) for kv in zip(keys, values, strict=True)])  # (L, 2, H, T, D), new memory
-    return torch.stack([torch.cat(kv, dim=-1)[None] for kv in zip(keys, values, strict=True)])  # (L, 1, H, T, Dk + Dv)
+    return join(keys, values)  # new memory
 
 
 def to_cache_empty(config) -> DynamicCache:
@@ -403,7 +401,7 @@ class RaggedBatch:
         length = self.lengths[row]
         keys = [layer.buffers[0][row, :, :length] for layer in self.cache.layers]  # each (H, T, Dk)
         values = [layer.buffers[1][row, :, :length] for layer in self.cache.layers]  # each (H, T, Dv)
-        return to_cache([layout_of(self.config).join(keys, values)], self.config)  # copied into a new cache
+        return to_cache([join(keys, values)], self.config)  # copied into a new cache
 
     @torch.inference_mode()
     def step(self, model, tokens: Sequence[int]) -> torch.Tensor:

@@ -83,12 +83,6 @@ class KVLayout:
             return layer_kv[0, ..., : self.key_dim], layer_kv[0, ..., self.key_dim :]
         return layer_kv[0], layer_kv[1]
 
-    def join(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
-        """Per-layer keys `(H, T, Dk)` and values `(H, T, Dv)` as a new canonical tensor."""
-        if self.is_packed:
-            return torch.stack([torch.cat(kv, dim=-1)[None] for kv in zip(keys, values, strict=True)])
-        return torch.stack([torch.stack(kv) for kv in zip(keys, values, strict=True)])  # (L, 2, H, T, D)
-
     @property
     def key(self) -> str:
         """What a profile id hashes of the layout: "" for the plain one (so stores of plain models
@@ -105,6 +99,14 @@ class KVLayout:
     def from_string(cls, text: str) -> KVLayout:
         fields = json.loads(text)
         return cls(fields["heads"], fields["key_dim"], fields["value_dim"], tuple(fields["windows"]))
+
+
+def join(keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """Per-layer keys `(H, T, Dk)` and values `(H, T, Dv)` as a new canonical tensor: `(L, 2, H,
+    T, D)`, or `(L, 1, H, T, Dk + Dv)` when the widths differ (the widths alone say which)."""
+    if keys[0].shape[-1] != values[0].shape[-1]:
+        return torch.stack([torch.cat(kv, dim=-1)[None] for kv in zip(keys, values, strict=True)])
+    return torch.stack([torch.stack(kv) for kv in zip(keys, values, strict=True)])
 
 
 _LAYOUTS: dict[int, KVLayout] = {}  # id(config) -> layout, registered by `describe`
