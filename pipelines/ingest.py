@@ -118,9 +118,9 @@ def ingest(
     _check_fits(lm, layout, settings.chunk_tokens, "--chunk-tokens")
     _check_fits(lm, layout, settings.span_tokens, "--span-tokens")
     quant = codec.kv_quant(settings.kv_dtype, model.dtype)
-    kv_layout = lm.facts.layout.key if lm.facts.layout else ""
+    facts = lm.facts
     profile = Profile.of_layout(
-        lm.facts.fingerprint, lm.facts.tokenizer_fingerprint, layout, model.dtype, quant, kv_layout
+        facts.fingerprint, facts.tokenizer_fingerprint, layout, model.dtype, quant, facts.kv_layout_key
     )
     report = IngestReport(
         str(store), model=lm.facts.name, dtype=model.dtype, device=model.device, engine=engine, skipped=found.skipped

@@ -56,8 +56,8 @@ def open_model(
     matching = candidates(rows, last, lm.facts.fingerprint, dtype, quant)
     if not matching:
         raise no_kv()
-    kv_layout = lm.facts.layout.key if lm.facts.layout else ""
-    active = first_matching(matching, lm.facts.fingerprint, lm.facts.tokenizer_fingerprint, lm.tokenizer, kv_layout)
+    facts = lm.facts
+    active = first_matching(matching, facts.fingerprint, facts.tokenizer_fingerprint, lm.tokenizer, facts.kv_layout_key)
     if active is None:
         raise ModelError(
             f"model {name}'s tokenizer or chat template differs from when store {snapshot.location} was built; "

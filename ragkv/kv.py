@@ -15,10 +15,10 @@ from typing import Any, Protocol
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicLayer
 
 from ragkv.errors import ModelError
-from ragkv.kv_layout import TOKEN_DIM, KVLayout, join, layout_of
+from ragkv.kv_layout import TOKEN_DIM, KVLayout, join, layout_of, model_class, refuse_recurrent
 
 __all__ = ["TOKEN_DIM", "KVLayout", "layout_of"]
 
@@ -260,12 +260,7 @@ def growing_cache(config) -> DynamicCache:
     ModelError for layers that keep anything else (recurrent state)."""
     layout = layout_of(config)
     cache = DynamicCache(config=config)
-    for layer in cache.layers:
-        if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer):
-            raise ModelError(
-                f"ragkv cannot serve this model exactly: its cache keeps {type(layer).__name__} (recurrent state), "
-                "which a stored prefix does not hold; use a model with attention layers only"
-            )
+    refuse_recurrent(cache, model_class(config))
     cache.layers = [GrowingLayer() for _ in cache.layers]
     cache.kv_layout = layout
     return cache

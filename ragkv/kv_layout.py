@@ -120,13 +120,13 @@ def describe(model) -> KVLayout:
 
     config = model.config
     cache = DynamicCache(config=config)
-    _refuse_recurrent(model, cache)
+    refuse_recurrent(cache, type(model).__name__)
     try:
         with torch.inference_mode():
             model(input_ids=torch.zeros((1, 2), dtype=torch.long, device=model.device), cache=cache, use_cache=True)
     except (RuntimeError, ValueError, IndexError) as exc:  # the model's own code fails on its config
         raise ModelError(f"{type(model).__name__} fails a 2-token forward: {exc}".splitlines()[0]) from exc
-    _refuse_recurrent(model, cache)
+    refuse_recurrent(cache, type(model).__name__)
     shapes = {(layer.keys.shape[1], layer.keys.shape[3], layer.values.shape[3]) for layer in cache.layers}
     if len(shapes) != 1:
         raise ModelError(
@@ -140,11 +140,18 @@ def describe(model) -> KVLayout:
     return layout
 
 
-def _refuse_recurrent(model, cache) -> None:
+def model_class(config) -> str:
+    """The model class a config names (its own class name when it names none)."""
+    return (getattr(config, "architectures", None) or [type(config).__name__])[0]
+
+
+def refuse_recurrent(cache, model_class: str) -> None:
+    """ModelError, in one line naming `model_class`, when a transformers `cache` keeps anything
+    but attention keys and values (recurrent state)."""
     for layer in cache.layers:
         if type(layer).__name__ not in _ATTENTION_LAYERS:
             raise ModelError(
-                f"ragkv cannot serve {type(model).__name__} exactly: its cache keeps {type(layer).__name__} "
+                f"ragkv cannot serve {model_class} exactly: its cache keeps {type(layer).__name__} "
                 "(recurrent state beside or instead of attention KV), which a stored prefix does not hold; "
                 "use a model with attention layers only"
             )
@@ -183,7 +190,7 @@ def not_plain(config) -> str | None:
     from transformers import DynamicCache
 
     text = config.get_text_config()
-    name = (getattr(config, "architectures", None) or [type(config).__name__])[0]
+    name = model_class(config)
     if getattr(text, "kv_lora_rank", None):
         return f"{name} caches a latent (multi-head latent attention)"
     kinds = {type(layer).__name__ for layer in DynamicCache(config=config).layers}

@@ -61,6 +61,11 @@ class ModelFacts:
     layout: KVLayout | None = None  # what its cache holds per layer (None: loaded without weights)
 
     @property
+    def kv_layout_key(self) -> str:
+        """What the profile id hashes of the layout ("" for the plain one, or loaded without weights)."""
+        return self.layout.key if self.layout is not None else ""
+
+    @property
     def kv_bytes_per_token(self) -> int:
         itemsize = 4 if self.dtype == "float32" else 2
         if self.layout is not None:
