@@ -40,10 +40,10 @@ import ragkv  # noqa: E402
 from benchmarks.fidelity import python_faq, work_dir  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
 from benchmarks.passages import f1, gold_answers, kl  # noqa: E402
-from pipelines.calibrate import PLAIN, CalibrateSettings, calibrate, cold, teacher_forced  # noqa: E402
-from pipelines.progress import default_reporter  # noqa: E402
 from ragkv.calibration import Calibration  # noqa: E402
 from ragkv.config import AskSettings, IngestSettings, ModelSettings  # noqa: E402
+from ragkv.pipelines.calibrate import PLAIN, CalibrateSettings, calibrate, cold, teacher_forced  # noqa: E402
+from ragkv.pipelines.progress import default_reporter  # noqa: E402
 
 KS = (3, 5, 10)
 CONFIGS = (("exact", None), ("concat", None), ("epic", 0.05), ("blend", 0.15), ("query", 0.2), ("approximate", None))

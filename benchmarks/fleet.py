@@ -44,8 +44,8 @@ from benchmarks.machine import describe  # noqa: E402
 from benchmarks.serve_load import Server  # noqa: E402
 from ragkv.config import cache_dir  # noqa: E402
 from ragkv.model import load_model  # noqa: E402
-from store import open_snapshot, verify  # noqa: E402
-from store.writeback import fold  # noqa: E402
+from ragkv.store import open_snapshot, verify  # noqa: E402
+from ragkv.store.writeback import fold  # noqa: E402
 from tests import s3server  # noqa: E402
 
 WINDOW = 100
@@ -57,7 +57,7 @@ def serve(store: str, home: Path, *args: str) -> Server:
     home.mkdir(parents=True, exist_ok=True)
     if not (home / "models").exists():
         (home / "models").symlink_to(MODELS)
-    command = [sys.executable, "-c", "import cli; cli.main()", "serve", "--store", store, "--port", "{port}"]
+    command = [sys.executable, "-m", "ragkv", "serve", "--store", store, "--port", "{port}"]
     return Server([*command, "--device", "cpu", *args], env={"RAGKV_HOME": str(home)})
 
 
@@ -148,7 +148,7 @@ def run_fleet(uri: str, work: Path, questions: list[str], fold_every: float, cli
 
 
 def pending_names(uri: str) -> list[str]:
-    from store.pending import PendingArea
+    from ragkv.store.pending import PendingArea
 
     return sorted(PendingArea(uri).names())
 

@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks.machine import describe  # noqa: E402
 from benchmarks.scale import PROFILE, build  # noqa: E402
-from store import open_snapshot  # noqa: E402
+from ragkv.store import open_snapshot  # noqa: E402
 
 LOOKUPS = 300
 

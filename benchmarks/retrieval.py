@@ -50,7 +50,7 @@ from benchmarks.retrieval_sets import Question, build, split  # noqa: E402
 from ragkv import rerank as reranking  # noqa: E402
 from ragkv import search as first_stages  # noqa: E402
 from ragkv.config import ModelSettings  # noqa: E402
-from store import Hit  # noqa: E402
+from ragkv.store import Hit  # noqa: E402
 
 SETS = ("sample", "python-faq", "debian-faq")
 DEPTH = first_stages.FUSION_DEPTH

@@ -49,10 +49,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.machine import describe  # noqa: E402
-from store.catalog import ChunkLink, ChunkRow, DocumentRow, ProfileRow  # noqa: E402
-from store.lexical import query_terms  # noqa: E402
-from store.shards import SealedEntry  # noqa: E402
-from store.store import StoreWriter, open_snapshot  # noqa: E402
+from ragkv.store.catalog import ChunkLink, ChunkRow, DocumentRow, ProfileRow  # noqa: E402
+from ragkv.store.lexical import query_terms  # noqa: E402
+from ragkv.store.shards import SealedEntry  # noqa: E402
+from ragkv.store.store import StoreWriter, open_snapshot  # noqa: E402
 
 DIM = 384
 CHUNKS_PER_DOC = 10
@@ -108,7 +108,7 @@ def doc_rows(doc_ids, first_chunk: int, rng, version: int = 0):
 def build(root: Path, n: int, rng) -> dict:
     """A store of `n` chunks through the real write path (writers of up to 250k chunks each),
     then `gc` as a nightly job runs it (one IVF segment, a compacted catalog)."""
-    from store.gc import collect_garbage
+    from ragkv.store.gc import collect_garbage
 
     start = time.perf_counter()
     profile = ProfileRow(PROFILE, "synthetic", "m", "t", "p", "", (1, 2, 3), "float32", "none", 2, 1, 4)
@@ -178,7 +178,7 @@ def publish_one_document(root: Path, rng, version: int) -> tuple[float, int, int
 def write_back(root: Path, version: int) -> tuple[float, int]:
     import torch
 
-    from store.writeback import ComputedKV, WriteBack
+    from ragkv.store.writeback import ComputedKV, WriteBack
 
     with open_snapshot(root) as snap:
         misses = snap.catalog.con.execute(
@@ -276,7 +276,7 @@ def reader_ram(root: Path) -> int:
     """Resident bytes a fresh process gains by opening the store and answering one search."""
     code = (
         f"import sys, numpy as np; sys.path.insert(0, {str(ROOT)!r})\n"
-        "from store.store import open_snapshot\n"
+        "from ragkv.store.store import open_snapshot\n"
         "import faiss, duckdb, torch\n"
         "rss = lambda: int(open('/proc/self/statm').read().split()[1]) * 4096\n"
         "before = rss()\n"
@@ -312,8 +312,8 @@ def s3(folder: Path):
 def refresh_s3(root: Path, work: Path, rng, version: int, n: int) -> dict:
     """Upload the store, let a reader's mirror copy it, publish one document through an S3
     writer (its own mirror), then time the reader's refresh and count what it downloads."""
-    from store.remote import RemoteStore
-    from store.writer import open_writer
+    from ragkv.store.remote import RemoteStore
+    from ragkv.store.writer import open_writer
     from tests import s3server
 
     uri = f"s3://{s3server.BUCKET}/scale-{n}"
@@ -394,7 +394,7 @@ def real_embeddings(count: int) -> dict:
 
     from ragkv.config import DEFAULT_EMBEDDER
     from ragkv.embed import Embedder
-    from store import segments
+    from ragkv.store import segments
 
     paragraphs = []
     for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 import ragkv  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
 from ragkv.config import IngestSettings, ModelSettings, cache_dir  # noqa: E402
-from store.remote import RemoteStore  # noqa: E402
+from ragkv.store.remote import RemoteStore  # noqa: E402
 from tests import s3server  # noqa: E402
 
 QUESTIONS = (Path(__file__).parent / "questions.txt").read_text().splitlines()[:5]

@@ -98,8 +98,8 @@ def ragkv_server(store: Path, max_batch: int, tree: Path = ROOT) -> Server:
     return Server(
         [
             sys.executable,
-            "-c",
-            "import cli; cli.main()",
+            "-m",
+            "ragkv",
             "serve",
             "--store",
             str(store),
@@ -160,8 +160,8 @@ def ragkv_vllm_server(python: str, store: Path) -> Server:
     return Server(
         [
             sys.executable,
-            "-c",
-            "import cli; cli.main()",
+            "-m",
+            "ragkv",
             "serve",
             "--store",
             str(store),
@@ -372,7 +372,7 @@ def pylib_pages(work: Path | None, tokens: int) -> tuple[Path, int]:
 def page_questions(store: Path, count: int) -> list[str]:
     """One question per page, `count` pages: the opening words of its second chunk (every
     page's first one opens with the same navigation links)."""
-    from store import open_snapshot
+    from ragkv.store import open_snapshot
 
     with open_snapshot(store) as snapshot:
         rows = snapshot.catalog.con.execute(
@@ -527,8 +527,8 @@ def main() -> None:
         subprocess.run(
             [
                 sys.executable,
-                "-c",
-                "import cli; cli.main()",
+                "-m",
+                "ragkv",
                 "ingest",
                 str(docs),
                 "--store",

@@ -43,7 +43,7 @@ from ragkv.generate import prefill  # noqa: E402
 from ragkv.lru import ByteLRU  # noqa: E402
 from ragkv.model import resolve_model_path  # noqa: E402
 from ragkv.prompt import encode_text  # noqa: E402
-from store.stats import store_stats  # noqa: E402
+from ragkv.store.stats import store_stats  # noqa: E402
 
 LENGTHS = (256, 512, 1024, 2048, 4096)
 QUESTION = (
@@ -166,8 +166,8 @@ def measure(engine, docs: dict[int, str], repeats: int) -> list[dict]:
 
 def ingest_vs_bare(engine, docs_dir: Path, settings: IngestSettings) -> float:
     """Bare forward tokens/s over the same chunks as the ingest (the ingest's limit)."""
-    from pipelines.chunk import chunk_text
-    from pipelines.read import read_documents
+    from ragkv.pipelines.chunk import chunk_text
+    from ragkv.pipelines.read import read_documents
 
     lm, layout = engine.lm, engine.active.layout
     chunks = [
@@ -184,7 +184,7 @@ def ingest_vs_bare(engine, docs_dir: Path, settings: IngestSettings) -> float:
 
 def retrieval_latency(engine, sizes=(10_000, 100_000), queries: int = 200) -> list[dict]:
     """p50/p99 of question embedding and of a flat FAISS search over `size` synthetic vectors."""
-    from store.vectors import VectorIndex
+    from ragkv.store.vectors import VectorIndex
 
     rng = np.random.default_rng(0)
     questions = [f"{QUESTION} (variant {i})" for i in range(queries)]

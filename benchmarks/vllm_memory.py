@@ -37,8 +37,8 @@ from ragkv import codec  # noqa: E402
 from ragkv.api import ServeSettings  # noqa: E402
 from ragkv.config import DEFAULT_MODEL, AskSettings, IngestSettings, ModelSettings  # noqa: E402
 from ragkv.model import load_model  # noqa: E402
+from ragkv.store import open_snapshot  # noqa: E402
 from ragkv.vllm_front import _layout_params  # noqa: E402
-from store import open_snapshot  # noqa: E402
 from tests import vllm_probe  # noqa: E402
 
 CHUNK_TOKENS = 256

@@ -12,7 +12,7 @@ def cli_reference() -> str:
     import typer
     import typer.cli
 
-    from cli import app
+    from ragkv.cli import app
 
     command = typer.main.get_command(app)
     text = typer.cli.get_docs_for_click(obj=command, ctx=typer.models.Context(command), name="ragkv", title="ragkv")

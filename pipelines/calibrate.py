@@ -28,13 +28,13 @@ from pathlib import Path
 
 import torch
 
-from pipelines.progress import Reporter
 from ragkv.calibration import Calibration, Measured, choose, lower_bound, meta_key
 from ragkv.config import AskSettings
 from ragkv.errors import InputError
 from ragkv.generate import prefill
+from ragkv.pipelines.progress import Reporter
 from ragkv.query import QueryEngine
-from store.writer import open_writer
+from ragkv.store.writer import open_writer
 
 SENTENCE_END = re.compile(r"(?<=[.!?])\s|\n")
 PLAIN = {"repetition_penalty": 1.0, "no_repeat_ngram": 0}  # the reference answer is the argmax path

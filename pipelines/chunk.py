@@ -24,7 +24,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pipelines.blocks import Block, paths
+from ragkv.pipelines.blocks import Block, paths
 from ragkv.prompt import encode_text
 
 CHUNKER_VERSION = "2"  # plain text: chunk_text

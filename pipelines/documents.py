@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from pipelines.blocks import Block
+from ragkv.pipelines.blocks import Block
 
 DOCUMENT_SUFFIXES = {".pdf", ".docx", ".pptx"}
 UNPACKED_LIMIT = 8  # a .docx/.pptx may unpack to this many times --max-doc-bytes, no more

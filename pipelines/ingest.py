@@ -16,14 +16,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pipelines import ray_engine, vllm_engine
-from pipelines.chunk import Chunk, chunk_blocks, chunk_text, chunking_id
-from pipelines.pending import PendingChunk, Unit, pending_alone, pending_spans, plan_work, within_budget
-from pipelines.plan import DocumentPlan, content_hash, plan_documents
-from pipelines.progress import Reporter
-from pipelines.ray_ingest import RayJob, run_ray_job
-from pipelines.read import Document, Skipped, read_documents
-from pipelines.stored_kv import StoredKV
 from ragkv import codec, kv, self_check
 from ragkv.config import IngestSettings, ModelSettings
 from ragkv.cpu import run_aside
@@ -32,12 +24,20 @@ from ragkv.errors import InputError, ModelError
 from ragkv.forward import compute_prefix, compute_spans, shard_metadata
 from ragkv.keys import Profile
 from ragkv.model import LoadedModel, load_model
+from ragkv.pipelines import ray_engine, vllm_engine
+from ragkv.pipelines.chunk import Chunk, chunk_blocks, chunk_text, chunking_id
+from ragkv.pipelines.pending import PendingChunk, Unit, pending_alone, pending_spans, plan_work, within_budget
+from ragkv.pipelines.plan import DocumentPlan, content_hash, plan_documents
+from ragkv.pipelines.progress import Reporter
+from ragkv.pipelines.ray_ingest import RayJob, run_ray_job
+from ragkv.pipelines.read import Document, Skipped, read_documents
+from ragkv.pipelines.stored_kv import StoredKV
 from ragkv.prompt import PromptLayout
 from ragkv.self_check import SelfCheck
-from store import ChunkRow, DocumentRow, StoreWriter, budget
-from store.catalog import ChunkLink, ProfileRow
-from store.writeback import fold_pending
-from store.writer import open_writer
+from ragkv.store import ChunkRow, DocumentRow, StoreWriter, budget
+from ragkv.store.catalog import ChunkLink, ProfileRow
+from ragkv.store.writeback import fold_pending
+from ragkv.store.writer import open_writer
 
 ENGINES = ("local", "ray", "vllm")
 ROOM_FOR_QUESTION = 64  # tokens a chunk must leave free in the context for question and answer
@@ -144,7 +144,7 @@ def ingest(
     if to_vllm is not None:
         vllm_engine.fill(store, lm.facts.path, model.dtype, to_vllm, report)
     if settings.calibrate:
-        from pipelines.calibrate import CalibrateSettings, calibrate
+        from ragkv.pipelines.calibrate import CalibrateSettings, calibrate
 
         del lm, embedder  # the calibration loads the model it answers with
         calibrated = calibrate(store, CalibrateSettings(), reporter, device=model.device)  # the profile just built

@@ -16,10 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipelines.ingest import ingest
-from pipelines.progress import Reporter
 from ragkv.config import IngestSettings, ModelSettings
-from store import collect_garbage, open_snapshot, verify
+from ragkv.pipelines.ingest import ingest
+from ragkv.pipelines.progress import Reporter
+from ragkv.store import collect_garbage, open_snapshot, verify
 
 EXIT_PROBLEMS = 4
 

@@ -13,7 +13,7 @@ from ragkv.forward import compute_prefix
 from ragkv.keys import KVKey, Profile
 from ragkv.model import LoadedModel
 from ragkv.prompt import encode_text
-from store import ChunkRow, StoreWriter, budget
+from ragkv.store import ChunkRow, StoreWriter, budget
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pipelines.read import Document, Skipped
 from ragkv.keys import digest
-from store import DocumentRow
+from ragkv.pipelines.read import Document, Skipped
+from ragkv.store import DocumentRow
 
 # Where a document is, what it is called and when it changed (a file's own dates and counts
 # too): not its content, which is what its chunks depend on.

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ragkv.errors import InputError, MissingExtraError, ModelError
-from store.remote import is_remote
+from ragkv.store.remote import is_remote
 
 RETRIES = 4  # actor restarts and task retries before the job fails
 DEFAULT_BATCH_ROWS = 8  # chunks per map_batches call (one shard each)
@@ -105,7 +105,7 @@ class KVWorker:
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         from ragkv import codec
         from ragkv.forward import compute_chunks
-        from store.remote_shards import ShardSink
+        from ragkv.store.remote_shards import ShardSink
 
         n = len(batch["chunk_id"])
         vectors = np.zeros((n, self.embedder.dim), dtype=np.float32)

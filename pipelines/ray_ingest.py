@@ -9,13 +9,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipelines import ray_engine
-from pipelines.progress import Reporter
 from ragkv.config import IngestSettings, ModelSettings
 from ragkv.forward import shard_metadata
 from ragkv.keys import Profile
 from ragkv.model import LoadedModel
-from store import ChunkRow, SealedEntry, StoreWriter
+from ragkv.pipelines import ray_engine
+from ragkv.pipelines.progress import Reporter
+from ragkv.store import ChunkRow, SealedEntry, StoreWriter
 
 AFTER_SEAL = None  # a hook each worker runs after sealing a shard (see WorkerSpec.after_seal): tests set it
 

@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from pipelines.blocks import Block, html_blocks, markdown_blocks, plain_blocks, rst_blocks, text_of
-from pipelines.chunk import is_structured
-from pipelines.documents import DOCUMENT_SUFFIXES, UNPACKED_LIMIT, Unreadable, read_document
 from ragkv.config import DEFAULT_MAX_DOCUMENT_BYTES as MAX_DOCUMENT_BYTES  # a jsonl file is not capped; each record is
 from ragkv.errors import InputError
+from ragkv.pipelines.blocks import Block, html_blocks, markdown_blocks, plain_blocks, rst_blocks, text_of
+from ragkv.pipelines.chunk import is_structured
+from ragkv.pipelines.documents import DOCUMENT_SUFFIXES, UNPACKED_LIMIT, Unreadable, read_document
 
 TEXT_SUFFIXES = {".txt", ".md", ".markdown", ".rst", ".text"}
 HTML_SUFFIXES = {".html", ".htm"}

@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pipelines.stored_kv import StoredKV
 from ragkv import kv, spans
 from ragkv.config import IngestSettings
 from ragkv.embed import Embedder
@@ -15,11 +14,12 @@ from ragkv.errors import ModelError
 from ragkv.forward import compute_prefix, compute_spans, shard_metadata
 from ragkv.keys import KVKey
 from ragkv.model import load_model
+from ragkv.pipelines.stored_kv import StoredKV
 from ragkv.prompt import PromptLayout
-from store import StoreWriter, open_snapshot, verify
-from store.generations import restore_current
-from store.remote import is_remote
-from store.writer import open_writer
+from ragkv.store import StoreWriter, open_snapshot, verify
+from ragkv.store.generations import restore_current
+from ragkv.store.remote import is_remote
+from ragkv.store.writer import open_writer
 
 
 @dataclass

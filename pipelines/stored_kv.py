@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ragkv import codec
-from store import StoreWriter
+from ragkv.store import StoreWriter
 
 
 class StoredKV:

@@ -23,12 +23,12 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from pipelines.pending import Unit
 from ragkv.config import import_path
 from ragkv.errors import InputError, ModelError
 from ragkv.kv_layout import refuse_unless_plain
-from store import open_snapshot
-from store.remote import absolute
+from ragkv.pipelines.pending import Unit
+from ragkv.store import open_snapshot
+from ragkv.store.remote import absolute
 
 VLLM_PYTHON_ENV = "RAGKV_VLLM_PYTHON"
 

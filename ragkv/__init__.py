@@ -55,7 +55,7 @@ def ingest(paths, store, model=None, settings=None, reporter=None, wait=False, p
     """Ingest documents (files or directories) into a store (a folder or s3://bucket/prefix);
     returns an `IngestReport`. `model` is a `ModelSettings`, `settings` an `IngestSettings`
     (defaults if omitted); `engine="ray"` runs embedding and KV as a Ray Data job."""
-    from pipelines.ingest import ingest as run
+    from ragkv.pipelines.ingest import ingest as run
 
     if isinstance(paths, (str, bytes)) or hasattr(paths, "__fspath__"):
         paths = [paths]

@@ -10,7 +10,7 @@ from ragkv.embed import Embedder
 from ragkv.errors import ModelError, StoreEmptyError
 from ragkv.model import LoadedModel, load_model, model_name
 from ragkv.profiles import ActiveProfile, candidates, first_matching
-from store import StoreSnapshot
+from ragkv.store import StoreSnapshot
 
 __all__ = ["ActiveProfile", "open_embedder", "open_model"]
 

@@ -22,10 +22,10 @@ from ragkv.model import LoadedModel
 from ragkv.prefix_cache import PrefixCache
 from ragkv.profiles import ActiveProfile
 from ragkv.prompt import encode_text
-from store import ContextRow, StoreSnapshot
-from store.pending import PendingArea, PendingHits, PendingIndex
-from store.popularity import HitLog, Use
-from store.writeback import PENDING_BYTES, ComputedKV, WriteBack, leaves_pending
+from ragkv.store import ContextRow, StoreSnapshot
+from ragkv.store.pending import PendingArea, PendingHits, PendingIndex
+from ragkv.store.popularity import HitLog, Use
+from ragkv.store.writeback import PENDING_BYTES, ComputedKV, WriteBack, leaves_pending
 
 log = logging.getLogger("ragkv")
 

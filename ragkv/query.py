@@ -24,8 +24,8 @@ from ragkv.retrieval import Prompt, Retrieved, Retriever
 from ragkv.runtime import Prepared, Runtime
 from ragkv.scheduler import BatchSettings
 from ragkv.search import Searched
-from store import ContextRow, StoreSnapshot, open_snapshot
-from store.writeback import PENDING_BYTES
+from ragkv.store import ContextRow, StoreSnapshot, open_snapshot
+from ragkv.store.writeback import PENDING_BYTES
 
 __all__ = ["ActiveProfile", "Prepared", "Prompt", "QueryEngine"]
 

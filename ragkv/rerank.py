@@ -28,7 +28,7 @@ from ragkv.forward import compute_chunks
 from ragkv.loader import KVLoader, Loaded
 from ragkv.prompt import encode_text
 from ragkv.retrieval import Retrieved, Retriever
-from store import ContextRow
+from ragkv.store import ContextRow
 
 FIRST_WEIGHT = 3.0  # the first stage's z-score's weight beside the model's (benchmarks/retrieval.py: dev halves)
 INSTRUCTION = ""  # "": the answer prompt's own question head ("\n\nQuestion: ")

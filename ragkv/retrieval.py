@@ -15,8 +15,8 @@ from ragkv.errors import InputError, StoreEmptyError
 from ragkv.filters import check_fields
 from ragkv.prompt import PromptLayout, encode_text
 from ragkv.search import Searched, first_stage
+from ragkv.store import ContextRow, Hit, StoreSnapshot
 from ragkv.text import check_text
-from store import ContextRow, Hit, StoreSnapshot
 
 MIN_ANSWER_TOKENS = 16  # a prompt must leave at least this much of the context to answer in
 ROW_CACHE_ENTRIES = 100_000  # catalog rows kept per engine (small: text and token ids)

@@ -18,7 +18,7 @@ from ragkv.profiles import ActiveProfile
 from ragkv.rerank import FIRST_WEIGHT, Reranker
 from ragkv.retrieval import Retrieved, Retriever, SearchResult
 from ragkv.search import Searched
-from store import Hit, StoreSnapshot
+from ragkv.store import Hit, StoreSnapshot
 
 
 @dataclass

@@ -18,8 +18,8 @@ import numpy as np
 
 from ragkv.embed import Embedder
 from ragkv.errors import StoreCorruptError
-from store import Hit, VectorIndex
-from store.lexical import query_terms
+from ragkv.store import Hit, VectorIndex
+from ragkv.store.lexical import query_terms
 
 LEXICAL_WEIGHT = 0.2  # hybrid: the lexical list's weight beside the dense one's (benchmarks/retrieval.py: dev halves)
 FUSION_DEPTH = 30  # hybrid: each list's candidates, at least (more when more are asked for)

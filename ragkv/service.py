@@ -48,7 +48,7 @@ from ragkv.guard import RequestGuard, backstop_concurrency
 from ragkv.keys import digest
 from ragkv.lru import ByteLRU
 from ragkv.scheduler import BatchSettings, Busy
-from store.writeback import FoldLoop
+from ragkv.store.writeback import FoldLoop
 
 log = logging.getLogger("ragkv")
 

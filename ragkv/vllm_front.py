@@ -53,8 +53,8 @@ from ragkv.errors import InputError, ModelError
 from ragkv.guard import RequestGuard
 from ragkv.kv_layout import refuse_unless_plain
 from ragkv.loader import continues_span
-from store.remote import absolute
-from store.writeback import FoldLoop
+from ragkv.store.remote import absolute
+from ragkv.store.writeback import FoldLoop
 
 log = logging.getLogger("ragkv")
 VLLM_MODEL_ID = "ragkv-llm"  # the name the front's vLLM serves the model under

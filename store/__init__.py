@@ -1,12 +1,12 @@
 """Persistence only: KV shards (safetensors), the DuckDB catalog, the FAISS index, and the
 generations that publish catalog and index together. Never imports transformers."""
 
-from store.catalog import Catalog, ChunkRow, ContextRow, DocumentRow, EntryRow
-from store.gc import GcReport, collect_garbage
-from store.shards import SealedEntry, ShardReader, ShardWriter, checksum
-from store.store import StoreSnapshot, StoreWriter, is_store, open_snapshot
-from store.vectors import Hit, VectorIndex
-from store.verify import Problem, VerifyReport, verify
+from ragkv.store.catalog import Catalog, ChunkRow, ContextRow, DocumentRow, EntryRow
+from ragkv.store.gc import GcReport, collect_garbage
+from ragkv.store.shards import SealedEntry, ShardReader, ShardWriter, checksum
+from ragkv.store.store import StoreSnapshot, StoreWriter, is_store, open_snapshot
+from ragkv.store.vectors import Hit, VectorIndex
+from ragkv.store.verify import Problem, VerifyReport, verify
 
 __all__ = [
     "Catalog",

@@ -24,10 +24,10 @@ from itertools import groupby
 from typing import NamedTuple
 
 from ragkv.errors import InputError
-from store.catalog import Catalog
-from store.gc import drop_dead, maintaining
-from store.popularity import HITS_DIR, read_pending, remove_finished
-from store.store import StoreWriter
+from ragkv.store.catalog import Catalog
+from ragkv.store.gc import drop_dead, maintaining
+from ragkv.store.popularity import HITS_DIR, read_pending, remove_finished
+from ragkv.store.store import StoreWriter
 
 log = logging.getLogger("ragkv")
 
@@ -261,7 +261,7 @@ def set_budget(root, size: int | None, wait: bool = False) -> BudgetReport:
 
 def budget_status(root) -> BudgetReport:
     """The store's KV budget and the bytes its KV takes, read from the current generation."""
-    from store.snapshot import open_snapshot
+    from ragkv.store.snapshot import open_snapshot
 
     with open_snapshot(root, require_documents=False) as snapshot:
         catalog = snapshot.catalog

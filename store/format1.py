@@ -14,9 +14,9 @@ from pathlib import Path
 import duckdb
 
 from ragkv.errors import StoreFormatError
-from store.catalog import Catalog
-from store.generations import SEGMENT_DIR, base_name, catalog_path, vectors_path
-from store.segments import Segment, SegmentInfo, open_flat_file
+from ragkv.store.catalog import Catalog
+from ragkv.store.generations import SEGMENT_DIR, base_name, catalog_path, vectors_path
+from ragkv.store.segments import Segment, SegmentInfo, open_flat_file
 
 log = logging.getLogger("ragkv")
 
@@ -55,7 +55,7 @@ def migrate(root: Path, old_generation: int, generation: int) -> Migrated:
 
 def _current_schema(path: Path) -> bool:
     """Whether the plain catalog at `path` has exactly this code's schema migrations."""
-    from store.catalog import schema
+    from ragkv.store.catalog import schema
 
     try:
         con = duckdb.connect(str(path), read_only=True)

@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ragkv.errors import StoreCorruptError, StoreNotFoundError
-from store.store import StoreWriter
-from store.writer import open_writer
+from ragkv.store.store import StoreWriter
+from ragkv.store.writer import open_writer
 
 REWRITE_BELOW = 0.5  # rewrite a shard once less than this fraction of its bytes is live
 COMPACT_ROWS = 5_000  # gc compacts a delta of at least this many rows (a smaller one costs writers nothing)

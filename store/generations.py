@@ -40,7 +40,7 @@ from pathlib import Path
 
 from ragkv.errors import StoreFormatError, StoreLockedError, StoreNotFoundError
 from ragkv.formats import STORE_FORMAT, __version__
-from store.shards import fsync_dir
+from ragkv.store.shards import fsync_dir
 
 log = logging.getLogger("ragkv")
 

@@ -43,9 +43,9 @@ from pathlib import Path
 import torch
 
 from ragkv.errors import StoreCorruptError
-from store.popularity import Pending, Use, parse_use, use_line
-from store.remote import RemoteStore
-from store.shards import SHARD_SUFFIX, ShardReader, ShardWriter
+from ragkv.store.popularity import Pending, Use, parse_use, use_line
+from ragkv.store.remote import RemoteStore
+from ragkv.store.shards import SHARD_SUFFIX, ShardReader, ShardWriter
 
 log = logging.getLogger("ragkv")
 

@@ -42,7 +42,7 @@ from pathlib import Path
 
 from ragkv.config import cache_dir
 from ragkv.errors import InputError, StoreCorruptError, StoreLockedError, StoreNotFoundError, StoreWriteError
-from store.generations import (
+from ragkv.store.generations import (
     CURRENT,
     LOCK,
     SEGMENT_DIR,
@@ -59,7 +59,7 @@ from store.generations import (
     vectors_path,
     write_atomic,
 )
-from store.shards import SHARD_SUFFIX, is_shard_name
+from ragkv.store.shards import SHARD_SUFFIX, is_shard_name
 
 log = logging.getLogger("ragkv")
 

@@ -34,8 +34,8 @@ import faiss
 import numpy as np
 
 from ragkv.errors import StoreCorruptError
-from store.generations import SEGMENT_DIR
-from store.lexical import ANALYSER, Postings, load_postings
+from ragkv.store.generations import SEGMENT_DIR
+from ragkv.store.lexical import ANALYSER, Postings, load_postings
 
 IVF_MIN = 50_000  # a segment with fewer vectors is searched exactly
 RECALL_TARGET = 0.95

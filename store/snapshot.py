@@ -6,8 +6,8 @@ import time
 from pathlib import Path
 
 from ragkv.errors import StoreCorruptError, StoreEmptyError, StoreFormatError, StoreNotFoundError
-from store.catalog import Catalog
-from store.generations import (
+from ragkv.store.catalog import Catalog
+from ragkv.store.generations import (
     SEGMENT_DIR,
     ReaderLease,
     RetiredError,
@@ -17,10 +17,10 @@ from store.generations import (
     read_manifest,
     vectors_path,
 )
-from store.remote import RemoteStore, is_remote
-from store.segments import SegmentInfo, open_flat_file
-from store.shards import ShardReader
-from store.vectors import VectorIndex
+from ragkv.store.remote import RemoteStore, is_remote
+from ragkv.store.segments import SegmentInfo, open_flat_file
+from ragkv.store.shards import ShardReader
+from ragkv.store.vectors import VectorIndex
 
 SHARD_DIR = "shards"
 REMOTE_POLL_S = 2.0  # how often a long-lived reader asks an S3 store for a newer generation

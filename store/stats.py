@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from store.pending import HITS_SUFFIX, MANIFEST_SUFFIX, PendingArea, read_hits
-from store.popularity import decay, read_pending, tally
-from store.shards import shard_files
-from store.snapshot import StoreSnapshot
+from ragkv.store.pending import HITS_SUFFIX, MANIFEST_SUFFIX, PendingArea, read_hits
+from ragkv.store.popularity import decay, read_pending, tally
+from ragkv.store.shards import shard_files
+from ragkv.store.snapshot import StoreSnapshot
 
 NUM_LISTED = 5  # hottest and coldest documents shown
 

@@ -11,10 +11,10 @@ import duckdb
 
 from ragkv.errors import InputError, StoreCorruptError, StoreFormatError, StoreWriteError
 from ragkv.keys import KVKey
-from store.catalog import Catalog
-from store.catalog.overlay import Overlay
-from store.format1 import migrate as migrate_format1
-from store.generations import (
+from ragkv.store.catalog import Catalog
+from ragkv.store.catalog.overlay import Overlay
+from ragkv.store.format1 import migrate as migrate_format1
+from ragkv.store.generations import (
     SEGMENT_DIR,
     WriteLock,
     base_name,
@@ -31,11 +31,19 @@ from store.generations import (
     remove_unshared,
     write_manifest,
 )
-from store.segments import Segment, SegmentInfo, load_segment
-from store.shards import SealedEntry, ShardReader, ShardWriter, fsync_dir, remove_temporary, sealed_entries, shard_files
-from store.snapshot import SHARD_DIR, StoreSnapshot, open_snapshot
-from store.transport import LocalTransport, Transport
-from store.vectors import VectorIndex
+from ragkv.store.segments import Segment, SegmentInfo, load_segment
+from ragkv.store.shards import (
+    SealedEntry,
+    ShardReader,
+    ShardWriter,
+    fsync_dir,
+    remove_temporary,
+    sealed_entries,
+    shard_files,
+)
+from ragkv.store.snapshot import SHARD_DIR, StoreSnapshot, open_snapshot
+from ragkv.store.transport import LocalTransport, Transport
+from ragkv.store.vectors import VectorIndex
 
 __all__ = ["SHARD_DIR", "StoreSnapshot", "StoreWriter", "is_store", "open_snapshot"]
 

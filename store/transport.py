@@ -10,8 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from store.shards import ShardReader, ShardWriter, shard_files
-from store.snapshot import SHARD_DIR
+from ragkv.store.shards import ShardReader, ShardWriter, shard_files
+from ragkv.store.snapshot import SHARD_DIR
 
 
 class Transport(Protocol):

@@ -22,8 +22,8 @@ from typing import Any
 import faiss
 import numpy as np
 
-from store.lexical import Postings, bm25
-from store.segments import (
+from ragkv.store.lexical import Postings, bm25
+from ragkv.store.segments import (
     Segment,
     SegmentInfo,
     build_segment,

@@ -14,8 +14,8 @@ import numpy as np
 
 from ragkv.errors import StoreCorruptError
 from ragkv.keys import KVKey
-from store.popularity import HITS_DIR, read_pending
-from store.snapshot import StoreSnapshot
+from ragkv.store.popularity import HITS_DIR, read_pending
+from ragkv.store.snapshot import StoreSnapshot
 
 
 @dataclass(frozen=True)

@@ -23,13 +23,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ragkv.errors import RagkvError, StoreLockedError
-from store import budget
-from store.catalog import ChunkLink
-from store.gc import drop_dead
-from store.pending import ComputedKV, PendingArea, PendingWriter, read_hits, read_objects
-from store.popularity import HITS_DIR
-from store.remote import is_remote
-from store.writer import open_writer
+from ragkv.store import budget
+from ragkv.store.catalog import ChunkLink
+from ragkv.store.gc import drop_dead
+from ragkv.store.pending import ComputedKV, PendingArea, PendingWriter, read_hits, read_objects
+from ragkv.store.popularity import HITS_DIR
+from ragkv.store.remote import is_remote
+from ragkv.store.writer import open_writer
 
 log = logging.getLogger("ragkv")
 
@@ -249,7 +249,7 @@ def fold_pending(writer) -> FoldReport:
 
 def fold(root, wait: bool = False) -> FoldReport:
     """`ragkv fold`: fold the readers' pending KV and hit logs into the store at `root`, publish."""
-    from store.gc import maintaining
+    from ragkv.store.gc import maintaining
 
     with maintaining(root, wait) as writer:
         report = fold_pending(writer)

@@ -14,12 +14,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ragkv.errors import RagkvError, StoreLockedError, StoreWriteError
-from store.generations import LOCK, catalog_path
-from store.remote import RemoteStore, is_remote, write_error
-from store.remote_shards import UploadingShardWriter
-from store.shards import ShardReader, ShardWriter
-from store.snapshot import SHARD_DIR
-from store.store import StoreWriter
+from ragkv.store.generations import LOCK, catalog_path
+from ragkv.store.remote import RemoteStore, is_remote, write_error
+from ragkv.store.remote_shards import UploadingShardWriter
+from ragkv.store.shards import ShardReader, ShardWriter
+from ragkv.store.snapshot import SHARD_DIR
+from ragkv.store.store import StoreWriter
 
 log = logging.getLogger("ragkv")
 
@@ -187,7 +187,7 @@ def _alive(pid) -> bool:
 
 def referenced_shards(remote: RemoteStore, generations: set[int]) -> set[str]:
     """Shards the catalogs of `generations` on the bucket reference (catalogs copied down)."""
-    from store.catalog import Catalog
+    from ragkv.store.catalog import Catalog
 
     referenced: set[str] = set()
     for generation in generations:

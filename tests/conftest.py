@@ -123,8 +123,8 @@ def running_server(store: Path, *args: str, env: dict | None = None):
     server = subprocess.Popen(
         [
             sys.executable,
-            "-c",
-            "import cli; cli.main()",
+            "-m",
+            "ragkv",
             "serve",
             "--store",
             str(store),
@@ -157,7 +157,7 @@ def running_server(store: Path, *args: str, env: dict | None = None):
 def run_cli(*args):
     from typer.testing import CliRunner
 
-    from cli import app
+    from ragkv.cli import app
 
     return CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
 
@@ -178,8 +178,8 @@ def computed_kv_of(store: Path, count: int = 2) -> tuple[list, list]:
     """The KV of `store`'s first `count` chunks as `ComputedKV` (what a reader that computed
     them on a miss hands to its write-back, or leaves pending), and their context rows."""
     from ragkv import codec
-    from store import open_snapshot
-    from store.writeback import ComputedKV
+    from ragkv.store import open_snapshot
+    from ragkv.store.writeback import ComputedKV
 
     with open_snapshot(store) as snapshot:
         profile_id = snapshot.catalog.entries.profiles()[0].profile_id

@@ -13,7 +13,7 @@ def kill_after_sealing_a_shard(not_before: threading.Event | None = None) -> Non
     catalog rows for it: the moment "data before index" must survive. `not_before`: a
     background write-back waits for it before the kill (set it once the main thread has said
     what the test reads, which the write-back would otherwise race)."""
-    from store.shards import ShardWriter
+    from ragkv.store.shards import ShardWriter
 
     original = ShardWriter.flush
 
@@ -46,7 +46,7 @@ def kill_once(marker: str):
 def kill_mid_compaction() -> None:
     """SIGKILL this process in the middle of a catalog compaction: once the new base holds its
     chunks but before the rest of its tables (and long before anything publishes it)."""
-    from store.catalog.overlay import Overlay
+    from ragkv.store.catalog.overlay import Overlay
 
     original = Overlay.compact_into
 

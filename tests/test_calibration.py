@@ -9,13 +9,13 @@ import shutil
 import pytest
 
 import ragkv
-from pipelines.calibrate import CalibrateSettings, calibrate, held_in_questions
-from pipelines.progress import default_reporter
 from ragkv.calibration import Calibration, Measured, choose, lower_bound, meta_key, resolve
 from ragkv.config import AskSettings
 from ragkv.errors import InputError
-from store import open_snapshot, verify
-from store.writer import open_writer
+from ragkv.pipelines.calibrate import CalibrateSettings, calibrate, held_in_questions
+from ragkv.pipelines.progress import default_reporter
+from ragkv.store import open_snapshot, verify
+from ragkv.store.writer import open_writer
 from tests.conftest import QUESTIONS, run_cli
 
 PASSED = Measured("query", 0.3, 0.95, 0.97, 0.4)

@@ -110,7 +110,7 @@ def test_bad_input_gets_one_line_and_leaves_the_store_untouched(sample_store, tm
 
 def test_ask_on_a_missing_or_empty_store(tmp_path):
     one_line_error(run("ask", "hi", "--store", tmp_path / "nowhere"), 3, "no ragkv store", "ragkv ingest")
-    from store import StoreWriter
+    from ragkv.store import StoreWriter
 
     with StoreWriter(tmp_path / "empty") as writer:
         writer.ensure_vectors(384)

@@ -8,7 +8,7 @@ import torch
 
 import ragkv
 from ragkv import codec
-from store import open_snapshot
+from ragkv.store import open_snapshot
 from tests.conftest import QUESTIONS, build_store
 
 
@@ -116,7 +116,7 @@ def test_an_entry_read_straight_into_the_cache_equals_one_read_then_copied(tmp_p
 
     from ragkv import kv
     from ragkv.errors import StoreCorruptError
-    from store import ShardReader, ShardWriter
+    from ragkv.store import ShardReader, ShardWriter
     from tests.conftest import flip_bit_of_entry
 
     config = LlamaConfig(num_hidden_layers=4, num_attention_heads=3, num_key_value_heads=3, hidden_size=48)
@@ -147,7 +147,7 @@ def test_an_entry_read_straight_into_the_cache_equals_one_read_then_copied(tmp_p
 
 @pytest.mark.parametrize("quant", ["none", "bfloat16"])
 def test_a_sliding_layer_stores_only_the_window_a_continuation_reads(quant, tmp_path):
-    from store.shards import ShardReader, ShardWriter
+    from ragkv.store.shards import ShardReader, ShardWriter
 
     kv = torch.randn(3, 2, 2, 40, 8)  # (L, 2, H, T, D): a sliding layer, a full one, a sliding one
     windows = (12, None, 12)

@@ -21,7 +21,7 @@ import textwrap
 
 import ragkv
 from ragkv.config import ModelSettings
-from store import collect_garbage
+from ragkv.store import collect_garbage
 from tests.conftest import ROOT
 
 ITERATIONS = 20_000  # the reader's bound: far more than the re-index needs

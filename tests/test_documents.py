@@ -10,9 +10,9 @@ import shutil
 import pytest
 
 import ragkv
-from pipelines.blocks import Block, markdown_blocks, paths
-from pipelines.chunk import chunk_blocks
-from pipelines.read import read_documents
+from ragkv.pipelines.blocks import Block, markdown_blocks, paths
+from ragkv.pipelines.chunk import chunk_blocks
+from ragkv.pipelines.read import read_documents
 from ragkv.prompt import encode_text
 from tests.conftest import build_store, run_cli
 from tests.office import (
@@ -221,7 +221,7 @@ def test_spans_keep_a_section_whole_when_it_fits(tmp_path, tiny_llama):
 def test_a_catalog_written_before_chunk_places_is_read_as_it_is_and_migrated_by_a_writer(tmp_path, tiny_store):
     import duckdb
 
-    from store import StoreWriter, open_snapshot
+    from ragkv.store import StoreWriter, open_snapshot
 
     store = tmp_path / "older"
     shutil.copytree(tiny_store, store)

@@ -10,8 +10,8 @@ import shutil
 import pytest
 
 import ragkv.active
-from store import StoreWriter, collect_garbage
-from store.generations import read_current
+from ragkv.store import StoreWriter, collect_garbage
+from ragkv.store.generations import read_current
 
 from .conftest import QUESTIONS, ROOT, run_cli
 

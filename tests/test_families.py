@@ -17,7 +17,7 @@ from ragkv.config import AskSettings
 from ragkv.errors import ModelError
 from ragkv.kv_layout import refuse_unless_plain
 from ragkv.model import load_model
-from store import open_snapshot
+from ragkv.store import open_snapshot
 from tests import families
 from tests.conftest import QUESTIONS, build_store, run_cli
 from tests.test_conversation import full_prefill_answer
@@ -195,7 +195,7 @@ def test_a_store_written_before_layouts_were_recorded_reads_and_is_checked_once(
 
     import duckdb
 
-    from store import StoreWriter
+    from ragkv.store import StoreWriter
     from tests.conftest import fresh_home
 
     store = tmp_path / "older"

@@ -14,8 +14,8 @@ import pytest
 import ragkv
 from ragkv.errors import InputError
 from ragkv.filters import Filter, parse_filter
-from store import StoreWriter, open_snapshot
-from store import segments as segment_files
+from ragkv.store import StoreWriter, open_snapshot
+from ragkv.store import segments as segment_files
 from tests.conftest import build_store, run_cli
 from tests.test_segments import add_docs, unit
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import ragkv
-from pipelines.read import read_documents
+from ragkv.pipelines.read import read_documents
 from tests.conftest import QUESTIONS
 
 
@@ -28,7 +28,7 @@ def cli(*args):
     """(exit code, output) of the CLI; it must never print a traceback or call itself broken."""
     from typer.testing import CliRunner
 
-    from cli import app
+    from ragkv.cli import app
 
     result = CliRunner().invoke(app, [str(a) for a in args])
     output = result.output or ""
@@ -84,7 +84,7 @@ def test_a_bad_current_is_exit_4_harms_nothing_and_repair_points_it_back(store, 
 
 
 def test_a_current_put_back_past_a_newer_generation_stops_writers(store, corpus, tiny_llama, tmp_path):
-    from store import open_snapshot
+    from ragkv.store import open_snapshot
 
     docs = tmp_path / "docs"
     shutil.copytree(corpus, docs)
@@ -118,7 +118,7 @@ def test_repair_re_embeds_only_the_chunks_of_the_segment_that_is_damaged(store, 
     """Two segments (the first ingest's, then one more document's); the first is truncated:
     repair keeps the other as it is and re-embeds the first one's chunks, not the store's."""
     from ragkv.config import ModelSettings
-    from store import open_snapshot
+    from ragkv.store import open_snapshot
 
     docs = tmp_path / "more"
     shutil.copytree(corpus, docs)

@@ -8,7 +8,7 @@ import pytest
 
 import ragkv
 from ragkv.errors import InputError, ModelError
-from store.generations import read_current
+from ragkv.store.generations import read_current
 from tests.conftest import QUESTIONS, build_store, flip_bit_of_entry
 
 

@@ -24,7 +24,7 @@ from ragkv.integrations.store_match import (
     slot_mapping,
 )
 from ragkv.keys import KVKey
-from store import open_snapshot, verify
+from ragkv.store import open_snapshot, verify
 from tests.conftest import QUESTIONS, build_store
 
 
@@ -180,7 +180,7 @@ def test_a_span_store_saves_every_missing_chunk_of_a_span_from_its_start(tiny_ll
     continues chunks the prompt lacks)."""
     from ragkv import spans
     from ragkv.prompt import PromptLayout
-    from store.gc import drop_dead, maintaining
+    from ragkv.store.gc import drop_dead, maintaining
     from tests.test_spans import SPAN_TOKENS, write_doc
 
     store = tmp_path / "spans"
@@ -343,10 +343,10 @@ def test_kv_a_replica_left_pending_is_read_there_then_from_the_store_once_folded
     """A replica loads KV another left pending: from the pending area, and, when the fold
     took it between the match and the read, from the store's newest generation; the same
     tensors either way. A key neither pending nor stored is a one-line StoreCorruptError."""
-    from store import EntryRow
-    from store.pending import PendingArea, PendingIndex, PendingWriter
-    from store.shards import SHARD_SUFFIX
-    from store.writeback import fold
+    from ragkv.store import EntryRow
+    from ragkv.store.pending import PendingArea, PendingIndex, PendingWriter
+    from ragkv.store.shards import SHARD_SUFFIX
+    from ragkv.store.writeback import fold
     from tests.conftest import computed_kv_of
 
     full, lazy = full_and_lazy
@@ -403,9 +403,9 @@ def test_a_save_behind_another_writer_waits_then_gives_up_and_a_full_disk_warns_
     import errno
     import logging
 
-    from store import writeback
-    from store.shards import ShardWriter
-    from store.writer import open_writer
+    from ragkv.store import writeback
+    from ragkv.store.shards import ShardWriter
+    from ragkv.store.writer import open_writer
 
     full, lazy = full_and_lazy
     targets, kvs, profile = saves_for(str(full), str(lazy), str(tiny_llama))

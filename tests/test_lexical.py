@@ -16,9 +16,9 @@ import Stemmer
 
 import ragkv
 from ragkv.search import fuse
-from store import Hit, StoreWriter, collect_garbage, open_snapshot, verify
-from store.catalog import ChunkRow, DocumentRow
-from store.lexical import Postings, bm25, query_terms
+from ragkv.store import Hit, StoreWriter, collect_garbage, open_snapshot, verify
+from ragkv.store.catalog import ChunkRow, DocumentRow
+from ragkv.store.lexical import Postings, bm25, query_terms
 from tests.conftest import QUESTIONS, run_cli
 
 WORDS = "key rotate vault admin leave manager salary paid deploy canary traffic replica lag failover".split()

@@ -13,8 +13,8 @@ import torch
 from transformers import AutoTokenizer
 
 import ragkv
-from pipelines.chunk import chunk_text
 from ragkv.config import IngestSettings, ModelSettings
+from ragkv.pipelines.chunk import chunk_text
 from ragkv.prompt import encode_text
 from tests.families import TINY
 

@@ -11,16 +11,16 @@ import pytest
 
 import ragkv
 from ragkv.formats import STORE_FORMAT
-from store import open_snapshot
-from store.generations import manifest_path, read_current
+from ragkv.store import open_snapshot
+from ragkv.store.generations import manifest_path, read_current
 from tests.conftest import ROOT, run_cli
 
 
 def test_version_is_the_packages_and_loads_no_model_or_store():
     code = (
-        "import sys; sys.argv = ['ragkv', '--version']; import cli\n"
-        "try:\n    cli.main()\nexcept SystemExit:\n    pass\n"
-        "print(sorted(m for m in ('torch', 'transformers', 'duckdb', 'store') if m in sys.modules))"
+        "import sys; sys.argv = ['ragkv', '--version']; from ragkv.cli import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'duckdb', 'ragkv.store') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
     assert out.splitlines() == [f"ragkv {ragkv.__version__} (store format {STORE_FORMAT})", "[]"]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from pipelines.chunk import chunk_text
-from pipelines.read import read_documents
 from ragkv.errors import InputError
+from ragkv.pipelines.chunk import chunk_text
+from ragkv.pipelines.read import read_documents
 from ragkv.prompt import encode_text
 
 

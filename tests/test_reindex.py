@@ -16,9 +16,9 @@ import pytest
 import ragkv
 from ragkv.errors import ModelError, StoreFormatError
 from ragkv.keys import KVKey
-from store import SealedEntry, StoreWriter, collect_garbage, open_snapshot, verify
-from store.catalog import schema as catalog_schema
-from store.generations import read_current
+from ragkv.store import SealedEntry, StoreWriter, collect_garbage, open_snapshot, verify
+from ragkv.store.catalog import schema as catalog_schema
+from ragkv.store.generations import read_current
 from tests.conftest import QUESTIONS, ROOT, build_store, flip_bit_of_entry, run_cli
 from tests.test_exactness import assert_cached_equals_full
 
@@ -68,8 +68,8 @@ def test_the_nightly_command_writes_its_report_and_exit_code(docs, store, tiny_l
     report_file = tmp_path / "report.json"
     cmd = [
         sys.executable,
-        "-c",
-        "import cli; cli.main()",
+        "-m",
+        "ragkv",
         "reindex",
         str(docs),
         "--store",
@@ -184,7 +184,7 @@ def test_a_second_writer_fails_fast_or_waits(store):
     result = run_cli("gc", "--store", store)
     assert result.exit_code == 5 and f"pid {os.getpid()}" in result.stderr
     waiter = subprocess.Popen(
-        [sys.executable, "-c", "import cli; cli.main()", "gc", "--store", str(store), "--wait"],
+        [sys.executable, "-m", "ragkv", "gc", "--store", str(store), "--wait"],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -226,7 +226,7 @@ INGEST_MORE = textwrap.dedent("""
     import resource, signal, sys
     sys.path.insert(0, {root!r})
     {limit}
-    from cli import main
+    from ragkv.cli import main
     sys.argv = ["ragkv", "ingest", {docs!r}, "--store", {store!r}, "--model", {model!r}]
     main()
 """)

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from ragkv.errors import StoreCorruptError
-from store import StoreWriter, collect_garbage, open_snapshot, segments, vectors, verify
-from store.catalog import ChunkRow, DocumentRow
-from store.generations import manifest_path, read_current
-from store.stats import store_stats
+from ragkv.store import StoreWriter, collect_garbage, open_snapshot, segments, vectors, verify
+from ragkv.store.catalog import ChunkRow, DocumentRow
+from ragkv.store.generations import manifest_path, read_current
+from ragkv.store.stats import store_stats
 from tests.conftest import ROOT
 
 DIM = 16
@@ -243,7 +243,7 @@ def test_a_store_of_format_1_is_read_as_it_is_and_migrated_once(tmp_path, caplog
 KILL_MID_COMPACTION = textwrap.dedent("""
     import sys
     sys.path.insert(0, {root!r})
-    from store.store import StoreWriter
+    from ragkv.store.store import StoreWriter
     from tests.faults import kill_mid_compaction
 
     kill_mid_compaction()
@@ -301,7 +301,7 @@ def test_a_delta_reads_like_the_whole_catalog(tmp_path):
     writer = StoreWriter(root)
     writer.catalog.compact_into(plain)  # what a compaction would write
     writer.abort()
-    from store.catalog import Catalog
+    from ragkv.store.catalog import Catalog
 
     with Catalog(plain, read_only=True) as whole, open_snapshot(root) as snap:
         for query in (
@@ -317,8 +317,8 @@ SWITCHING_READER = textwrap.dedent("""
     import sys
     sys.path.insert(0, {root!r})
     from pathlib import Path
-    from store.catalog import Catalog
-    from store.generations import catalog_path
+    from ragkv.store.catalog import Catalog
+    from ragkv.store.generations import catalog_path
 
     root, generations = Path({store!r}), {generations!r}
     old = Catalog(catalog_path(root, generations[0]), read_only=True)

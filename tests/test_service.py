@@ -14,7 +14,7 @@ from openai import OpenAI
 
 import ragkv
 from ragkv.config import ModelSettings
-from store import open_snapshot
+from ragkv.store import open_snapshot
 from tests.conftest import QUESTIONS, run_cli, running_server
 
 KEY = "test-key-123"

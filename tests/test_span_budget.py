@@ -11,8 +11,8 @@ import torch
 import ragkv
 from ragkv import codec
 from ragkv.config import AskSettings
-from store import open_snapshot, verify
-from store.gc import drop_dead, maintaining
+from ragkv.store import open_snapshot, verify
+from ragkv.store.gc import drop_dead, maintaining
 from tests.conftest import build_store, run_cli
 from tests.test_spans import QUESTION, SPAN_TOKENS, _assert_exact, _rows, write_doc
 

@@ -12,7 +12,7 @@ from ragkv import spans
 from ragkv.config import AskSettings, IngestSettings
 from ragkv.errors import InputError
 from ragkv.keys import KVKey, Profile
-from store import open_snapshot
+from ragkv.store import open_snapshot
 from tests.conftest import build_store, flip_bit_of_entry, run_cli
 
 PARAGRAPHS = [  # each about one 24-token chunk; spans of 64 tokens hold two or three of them

@@ -23,8 +23,8 @@ from ragkv.errors import (
     StoreWriteError,
 )
 from ragkv.keys import KVKey, Profile
-from store import Catalog, ShardReader, ShardWriter, StoreWriter, open_snapshot
-from store.generations import read_current
+from ragkv.store import Catalog, ShardReader, ShardWriter, StoreWriter, open_snapshot
+from ragkv.store.generations import read_current
 from tests.conftest import flip_bit_of_entry
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -215,7 +215,7 @@ def test_a_failed_seal_leaves_no_file_and_no_row(tmp_path, monkeypatch):
 CRASH_BEFORE_SEAL = textwrap.dedent("""
     import os, sys, torch
     sys.path.insert(0, {root!r})
-    from store import StoreWriter
+    from ragkv.store import StoreWriter
     writer = StoreWriter({store!r})
     shards = writer.shard_writer(1 << 30, {{}})
     shards.add("unsealed", torch.ones(1, 2, 1, 3, 4))
@@ -280,7 +280,7 @@ def test_a_catalog_from_a_newer_ragkv_is_refused(tmp_path):
 def test_a_compacted_base_is_sorted_by_key_in_small_row_groups(tmp_path):
     """A point lookup reads the row groups its keys' zone maps do not rule out: the base a
     compaction writes keeps each table in key order, in groups of BASE_ROW_GROUP rows."""
-    from store.catalog.overlay import BASE_ROW_GROUP
+    from ragkv.store.catalog.overlay import BASE_ROW_GROUP
 
     catalog = Catalog(tmp_path / "plain.duckdb", read_only=False)
     rows = 3 * BASE_ROW_GROUP + 5
@@ -305,7 +305,7 @@ def test_context_rows_point_lookups_return_what_one_join_over_the_tables_returns
     id is left out."""
     import shutil
 
-    import store.catalog.entries as entries_module
+    import ragkv.store.catalog.entries as entries_module
     from tests.conftest import build_store
 
     docs, store = tmp_path / "docs", tmp_path / "store"

@@ -25,8 +25,8 @@ import ragkv
 from ragkv import codec
 from ragkv.config import AskSettings
 from ragkv.keys import KVKey
-from store import open_snapshot, verify
-from store.popularity import HITS_DIR
+from ragkv.store import open_snapshot, verify
+from ragkv.store.popularity import HITS_DIR
 from tests import vllm_probe
 from tests.conftest import ROOT, SAMPLE_DATA, free_port, run_cli
 
@@ -228,8 +228,8 @@ def test_serve_engine_vllm_answers_with_the_store_kv(sample_store, tmp_path):
     server = subprocess.Popen(
         [
             sys.executable,
-            "-c",
-            "import cli; cli.main()",
+            "-m",
+            "ragkv",
             "serve",
             "--store",
             str(served),

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -20,7 +21,10 @@ from tests.conftest import ROOT, SAMPLE_DATA, run_cli
 pytestmark = pytest.mark.slow
 
 QUESTION = "How do I rotate the API key?"
-IMPORTS = "import ragkv, store, pipelines, store.catalog, pipelines.ingest, ragkv.integrations.adapter, cli"
+IMPORTS = (
+    "import ragkv, ragkv.store, ragkv.pipelines, ragkv.store.catalog, ragkv.pipelines.ingest, "
+    "ragkv.integrations.adapter, ragkv.cli"
+)
 
 
 def clean_env() -> dict:
@@ -61,19 +65,27 @@ def installed(dist, tmp_path_factory):
 
 def test_the_wheel_holds_every_package_and_the_sdist_builds_it(dist):
     wheel, sdist = dist
-    names = zipfile.ZipFile(wheel).namelist()
-    for folder in ("ragkv", "ragkv/integrations", "store", "store/catalog", "pipelines"):
-        on_disk = {p.name for p in (ROOT / folder).glob("*.py")}
-        in_wheel = {n.rsplit("/", 1)[1] for n in names if n.rsplit("/", 1)[0] == folder and n.endswith(".py")}
-        assert on_disk == in_wheel, folder
-    assert "cli.py" in names
+    archive = zipfile.ZipFile(wheel)
+    names = archive.namelist()
+    packages = [Path(d) for d, _, files in os.walk(ROOT / "ragkv", followlinks=True) if "__init__.py" in files]
+    assert {"store", "pipelines", "cli"} <= {p.name for p in packages}  # the links followed
+    for folder in packages:
+        on_disk = {p.name for p in folder.glob("*.py")}
+        inside = folder.relative_to(ROOT).as_posix()
+        in_wheel = {n.rsplit("/", 1)[1] for n in names if n.rsplit("/", 1)[0] == inside and n.endswith(".py")}
+        assert on_disk == in_wheel, inside
+    (top_level,) = [n for n in names if n.endswith(".dist-info/top_level.txt")]
+    assert archive.read(top_level).decode().split() == ["ragkv"]  # one name in site-packages
+    assert {n.split("/")[0] for n in names if not n.startswith("ragkv-")} == {"ragkv"}
     assert sdist.name == f"ragkv-{ragkv.__version__}.tar.gz" and wheel.name.startswith(f"ragkv-{ragkv.__version__}-")
 
 
 def test_installed_wheel_runs_the_demo_outside_the_checkout_with_the_editable_answer(installed, sample_store):
     venv, work = installed
     python, cli = venv / "bin" / "python", venv / "bin" / "ragkv"
-    where = run(python, "-c", f"{IMPORTS}; print(ragkv.__file__, store.__file__, pipelines.__file__)", cwd=work)
+    where = run(
+        python, "-c", f"{IMPORTS}; print(ragkv.__file__, ragkv.store.__file__, ragkv.pipelines.__file__)", cwd=work
+    )
     assert all(str(venv) in path and str(ROOT) not in path for path in where.stdout.split())
     assert run(cli, "--version", cwd=work).stdout.strip().startswith(f"ragkv {ragkv.__version__} ")
 
@@ -101,13 +113,13 @@ def test_each_extra_installs_and_imports(installed, dist):
     extras = f"ragkv[ray,langchain,llama-index,bench] @ {wheel.as_uri()}"
     run(venv / "bin" / "pip", "install", "-q", "--no-compile", extras, cwd=work)
     run(python, "-c", "import ray, matplotlib, ragkv.integrations.langchain, ragkv.integrations.llama_index", cwd=work)
-    found = run(python, "-c", "from pipelines.ray_engine import connect; print('ok')", cwd=work)
+    found = run(python, "-c", "from ragkv.pipelines.ray_engine import connect; print('ok')", cwd=work)
     assert found.stdout.strip() == "ok"
 
 
 def test_vllm_imports_the_installed_ragkv_without_its_site_packages(installed):
     """vLLM runs in its own environment (it pins its own torch): the folder an installed ragkv
-    puts on its PYTHONPATH holds ragkv's packages only, and the connector imports from it."""
+    puts on its PYTHONPATH holds ragkv only, and the connector imports from it."""
     vllm_python = os.environ.get("RAGKV_VLLM_PYTHON")
     if not vllm_python:
         pytest.skip("RAGKV_VLLM_PYTHON is not set (bash tests/vllm_env.sh .venv-vllm makes one)")
@@ -115,7 +127,7 @@ def test_vllm_imports_the_installed_ragkv_without_its_site_packages(installed):
     folder = run(
         venv / "bin" / "python", "-c", "from ragkv.config import import_path; print(import_path())", cwd=work
     ).stdout.strip()
-    assert sorted(os.listdir(folder)) == ["pipelines", "ragkv", "store"]
+    assert os.listdir(folder) == ["ragkv"]  # one link; ragkv.store and ragkv.pipelines are inside it
     code = "import ragkv.integrations.vllm as c, torch; print('FILES', c.__file__, torch.__file__)"
     done = subprocess.run(
         [vllm_python, "-c", code], cwd=work, capture_output=True, text=True, env={**clean_env(), "PYTHONPATH": folder}

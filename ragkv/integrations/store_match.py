@@ -39,10 +39,10 @@ from ragkv import codec, kv, spans
 from ragkv.errors import InputError, ModelError, StoreCorruptError
 from ragkv.keys import KVKey, Profile
 from ragkv.profiles import candidates, first_matching
-from store import EntryRow, open_snapshot
-from store.pending import PendingArea, PendingIndex, read_pending
-from store.popularity import Use
-from store.shards import ShardReader
+from ragkv.store import EntryRow, open_snapshot
+from ragkv.store.pending import PendingArea, PendingIndex, read_pending
+from ragkv.store.popularity import Use
+from ragkv.store.shards import ShardReader
 
 PARAMS_KEY = "ragkv"  # the entry of a request's kv_transfer_params that ragkv reads
 TIMINGS_KEPT = 4096  # recent copy timings a long-running engine keeps (to log their p50)
@@ -388,7 +388,7 @@ def slot_mapping(block_ids: Sequence[int], block_size: int, start: int, end: int
 class KVSaver:
     """Hands KV an engine computed to the store's write-back, off the engine's thread: a thread
     waits for each gathered copy (an event, on CUDA), encodes it as the store does, and submits
-    it to `store.writeback.WriteBack` (which batches, admits by budget and publishes).
+    it to `ragkv.store.writeback.WriteBack` (which batches, admits by budget and publishes).
 
     `wait=True` (an ingest): a full write-back queue makes `submit` wait instead of dropping.
     `options`: the WriteBack's (`pending_bytes`, `leave_pending`, `writer`)."""
@@ -400,7 +400,7 @@ class KVSaver:
         import threading
 
         from ragkv.forward import shard_metadata
-        from store.writeback import WriteBack
+        from ragkv.store.writeback import WriteBack
 
         self.profile = profile
         self.metadata = {**shard_metadata(profile.profile_id, model_name, profile.dtype), "engine": engine}
@@ -432,7 +432,7 @@ class KVSaver:
             )
 
     def _run(self) -> None:
-        from store.writeback import ComputedKV
+        from ragkv.store.writeback import ComputedKV
 
         while True:
             item = self._queue.get()

@@ -84,11 +84,11 @@ from ragkv.integrations.store_match import (
 )
 from ragkv.integrations.vllm_load import PagedLoader
 from ragkv.kv_layout import refuse_unless_plain
-from store import EntryRow
-from store.pending import PendingArea, PendingHits, PendingIndex
-from store.popularity import HitLog
-from store.snapshot import shard_reader
-from store.writeback import PENDING_BYTES, leaves_pending
+from ragkv.store import EntryRow
+from ragkv.store.pending import PendingArea, PendingHits, PendingIndex
+from ragkv.store.popularity import HitLog
+from ragkv.store.snapshot import shard_reader
+from ragkv.store.writeback import PENDING_BYTES, leaves_pending
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

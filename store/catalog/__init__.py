@@ -14,10 +14,10 @@ from pathlib import Path
 import duckdb
 
 from ragkv.errors import StoreFormatError
-from store.catalog.documents import Documents
-from store.catalog.entries import Entries
-from store.catalog.reports import Reports
-from store.catalog.rows import (
+from ragkv.store.catalog.documents import Documents
+from ragkv.store.catalog.entries import Entries
+from ragkv.store.catalog.reports import Reports
+from ragkv.store.catalog.rows import (
     ChunkLink,
     ChunkRow,
     ContextRow,
@@ -27,8 +27,8 @@ from store.catalog.rows import (
     ProfileTotals,
     SpanLink,
 )
-from store.catalog.schema import FORMAT_VERSION, Schema
-from store.catalog.usage import Usage
+from ragkv.store.catalog.schema import FORMAT_VERSION, Schema
+from ragkv.store.catalog.usage import Usage
 
 __all__ = [
     "FORMAT_VERSION",

@@ -8,8 +8,8 @@ from collections.abc import Iterable, Sequence
 import pyarrow as pa
 
 from ragkv.filters import Filter
-from store.catalog.part import Part
-from store.catalog.rows import ChunkRow, DocumentRow, pages_of
+from ragkv.store.catalog.part import Part
+from ragkv.store.catalog.rows import ChunkRow, DocumentRow, pages_of
 
 # A filter field's value in SQL (`d`: documents); other fields are keys of the metadata JSON.
 # `path` falls back to the document id, which is a file's path under the folder ingested

@@ -7,9 +7,18 @@ from collections.abc import Iterable, Sequence, Set
 
 import pyarrow as pa
 
-from store.catalog.part import Part
-from store.catalog.rows import ENTRY_COLUMNS, ChunkLink, ContextRow, EntryRow, ProfileRow, SpanChunk, SpanLink, pages_of
-from store.shards import SealedEntry
+from ragkv.store.catalog.part import Part
+from ragkv.store.catalog.rows import (
+    ENTRY_COLUMNS,
+    ChunkLink,
+    ContextRow,
+    EntryRow,
+    ProfileRow,
+    SpanChunk,
+    SpanLink,
+    pages_of,
+)
+from ragkv.store.shards import SealedEntry
 
 POINT_LOOKUPS = 16  # context_rows probes each table for up to this many ids, and joins beyond
 

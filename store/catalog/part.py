@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import duckdb
 
-    from store.catalog.schema import Schema
+    from ragkv.store.catalog.schema import Schema
 
 
 class Part:

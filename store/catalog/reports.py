@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from store.catalog.part import Part
-from store.catalog.rows import ENTRY_COLUMNS, EntryRow, ProfileTotals
+from ragkv.store.catalog.part import Part
+from ragkv.store.catalog.rows import ENTRY_COLUMNS, EntryRow, ProfileTotals
 
 
 class Reports(Part):

@@ -8,7 +8,7 @@ import json
 
 from ragkv.errors import StoreFormatError
 from ragkv.formats import __version__
-from store.catalog.overlay import Overlay
+from ragkv.store.catalog.overlay import Overlay
 
 FORMAT_VERSION = 1
 

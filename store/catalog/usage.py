@@ -7,8 +7,8 @@ from collections.abc import Iterable, Sequence
 
 import pyarrow as pa
 
-from store.catalog.part import Part
-from store.popularity import HALF_LIFE_S, ChunkHits, Pending, decay, tally
+from ragkv.store.catalog.part import Part
+from ragkv.store.popularity import HALF_LIFE_S, ChunkHits, Pending, decay, tally
 
 
 class Usage(Part):

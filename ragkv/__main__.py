@@ -1,0 +1,5 @@
+"""`python -m ragkv ...`: the `ragkv` command."""
+
+from ragkv.cli import main
+
+main()
