@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 import ragkv  # noqa: E402
 from benchmarks.fidelity import python_faq, work_dir  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
-from ragkv.config import IngestSettings, ModelSettings  # noqa: E402
+from ragkv.core.config import IngestSettings, ModelSettings  # noqa: E402
 
 # (label, ask options): the first is the old behaviour, the last the new defaults.
 VARIANTS = [

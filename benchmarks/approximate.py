@@ -40,8 +40,8 @@ import ragkv  # noqa: E402
 from benchmarks.fidelity import python_faq, work_dir  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
 from benchmarks.passages import f1, gold_answers, kl  # noqa: E402
-from ragkv.calibration import Calibration  # noqa: E402
-from ragkv.config import AskSettings, IngestSettings, ModelSettings  # noqa: E402
+from ragkv.core.config import AskSettings, IngestSettings, ModelSettings  # noqa: E402
+from ragkv.modes.calibration import Calibration  # noqa: E402
 from ragkv.pipelines.calibrate import PLAIN, CalibrateSettings, calibrate, cold, teacher_forced  # noqa: E402
 from ragkv.pipelines.progress import default_reporter  # noqa: E402
 

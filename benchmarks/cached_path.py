@@ -7,7 +7,7 @@ SmolLM2-135M), before and after the two changes that took it to the oracle:
   read, in a thread, one layer at a time, while the question's prefill runs; the prefill's layer
   i waits for layer i's bytes only. It asks whether the read can be hidden behind the prefill.
 - *allocator*: `glibc default` hands freed blocks back to the kernel, so every answer's new
-  cache is fresh memory, faulted in 4 KiB at a time; `kept` is `ragkv.cpu.keep_freed_memory`,
+  cache is fresh memory, faulted in 4 KiB at a time; `kept` is `ragkv.core.cpu.keep_freed_memory`,
   which a process turns on when it loads a model onto the CPU.
 
 Each variant runs in its own process (the allocator setting is per process), every variant
@@ -54,14 +54,14 @@ PARTS = ("kv_read_ms", "assemble_ms", "prefill_ms")
 def measure_variant(store: Path, docs: dict[int, str], allocator: str, read: str, repeats: int) -> list[dict]:
     """In this process: the variant's cached and oracle times per document length."""
     import ragkv
-    import ragkv.codec
-    import ragkv.model
-    from ragkv.lru import ByteLRU
+    import ragkv.kv.codec
+    import ragkv.model.llm
+    from ragkv.core.lru import ByteLRU
 
     if allocator == "glibc default":
-        ragkv.model.keep_freed_memory = lambda: False  # type: ignore[attr-defined]
+        ragkv.model.llm.keep_freed_memory = lambda: False  # type: ignore[attr-defined]
     if read == "buffer + copy":
-        ragkv.codec.deferred = lambda *args, **kwargs: None  # type: ignore[assignment]
+        ragkv.kv.codec.deferred = lambda *args, **kwargs: None  # type: ignore[assignment]
     layered = LayeredRead() if read == LAYERED else None
     rows = []
     with ragkv.open(store, device="cpu") as engine:
@@ -101,12 +101,12 @@ class LayeredRead:
     def __init__(self):
         from transformers import DynamicCache
 
-        import ragkv.codec
+        import ragkv.kv.codec
 
         self.events: list[threading.Event] = []
         self.thread: threading.Thread | None = None
         self.ok = True
-        direct, update = ragkv.codec.StoredKV.fill, DynamicCache.update
+        direct, update = ragkv.kv.codec.StoredKV.fill, DynamicCache.update
         outer = self
 
         def fill(part, layers, start):
@@ -120,7 +120,7 @@ class LayeredRead:
             return update(cache, key_states, value_states, layer_idx, *args, **kwargs)
 
         self.active = False
-        ragkv.codec.StoredKV.fill = fill  # type: ignore[method-assign]
+        ragkv.kv.codec.StoredKV.fill = fill  # type: ignore[method-assign]
         DynamicCache.update = waiting_update  # type: ignore[method-assign]
 
     def start(self, part, layers, start: int) -> None:
@@ -161,12 +161,12 @@ class LayeredRead:
 
 def build(folder: Path) -> tuple[Path, dict[int, str]]:
     import ragkv
-    from ragkv.config import IngestSettings, ModelSettings
+    from ragkv.core.config import IngestSettings, ModelSettings
 
     model = ModelSettings(model="smollm2", device="cpu", dtype="float32")
     from transformers import AutoTokenizer
 
-    from ragkv.model import resolve_model_path
+    from ragkv.model.llm import resolve_model_path
 
     docs = write_documents(folder / "docs", AutoTokenizer.from_pretrained(resolve_model_path("smollm2")), LENGTHS)
     ragkv.ingest([folder / "docs"], folder / "store", model=model, settings=IngestSettings(chunk_tokens=4160))

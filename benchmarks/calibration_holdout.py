@@ -35,8 +35,8 @@ import ragkv  # noqa: E402
 from benchmarks.approximate import bootstrap, python_faq_with_gold, sample_faq  # noqa: E402
 from benchmarks.fidelity import work_dir  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
-from ragkv.calibration import Calibration, Measured, choose  # noqa: E402
-from ragkv.config import APPROXIMATE, DEFAULT_BLEND_RATIOS, AskSettings, IngestSettings, ModelSettings  # noqa: E402
+from ragkv.core.config import APPROXIMATE, DEFAULT_BLEND_RATIOS, AskSettings, IngestSettings, ModelSettings  # noqa: E402
+from ragkv.modes.calibration import Calibration, Measured, choose  # noqa: E402
 from ragkv.pipelines.calibrate import PLAIN, CalibrateSettings, calibrate, cold, teacher_forced  # noqa: E402
 from ragkv.pipelines.progress import default_reporter  # noqa: E402
 

@@ -27,8 +27,8 @@ sys.path.insert(0, str(ROOT))
 import ragkv  # noqa: E402
 from benchmarks.fidelity import python_faq_or_exit, work_dir  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
-from ragkv.config import IngestSettings, ModelSettings  # noqa: E402
-from ragkv.model import load_model  # noqa: E402
+from ragkv.core.config import IngestSettings, ModelSettings  # noqa: E402
+from ragkv.model.llm import load_model  # noqa: E402
 from ragkv.pipelines.read import read_documents  # noqa: E402
 from ragkv.store import open_snapshot  # noqa: E402
 from ragkv.store.budget import Candidate, plan  # noqa: E402

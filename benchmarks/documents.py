@@ -29,11 +29,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.machine import describe  # noqa: E402
+from ragkv.model.prompt import encode_text  # noqa: E402
 from ragkv.pipelines.blocks import Block  # noqa: E402
 from ragkv.pipelines.chunk import chunk_blocks, chunk_text  # noqa: E402
 from ragkv.pipelines.documents import read_docx, read_pdf, read_pptx  # noqa: E402
 from ragkv.pipelines.read import read_documents  # noqa: E402
-from ragkv.prompt import encode_text  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "documents.md"
 REPEATS = 3
@@ -163,7 +163,7 @@ def chunk_quality(documents, tokenizer) -> dict[int, tuple[int, int, int]]:
 
 def ingest_times(work: Path) -> dict[str, float]:
     import ragkv
-    from ragkv.config import ModelSettings
+    from ragkv.core.config import ModelSettings
 
     pdf = work / "long.pdf"
     (work / "as-text").mkdir(exist_ok=True)
@@ -186,7 +186,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pages", type=int, default=40)
     args = parser.parse_args()
-    from ragkv.model import load_model
+    from ragkv.model.llm import load_model
 
     work = Path(tempfile.mkdtemp(prefix="ragkv-documents-"))
     speeds = reading_speeds(work, args.pages)

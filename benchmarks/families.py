@@ -3,7 +3,7 @@ how many bytes a token of each stored layout takes. Generated, never written by 
 
 For each family of tests/families.py, a tiny random model is built, loaded as `ragkv` loads
 any model (a family it refuses says so here in its own words), and put through the self-test
-(`ragkv.self_check`: first-token logits from stored KV against a full prefill). The engine
+(`ragkv.model.self_check`: first-token logits from stored KV against a full prefill). The engine
 tests (tests/test_families.py) check the same families through ingest, ask, spans,
 conversations and the batcher. Bytes per token come from transformers' default config of each
 family (its reference size), computed as the store lays it out.
@@ -22,11 +22,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.machine import describe as describe_machine  # noqa: E402
-from ragkv import self_check  # noqa: E402
-from ragkv.errors import ModelError  # noqa: E402
-from ragkv.kv_layout import KVLayout, not_plain  # noqa: E402
-from ragkv.model import load_model  # noqa: E402
-from ragkv.rope import check_supported  # noqa: E402
+from ragkv.core.errors import ModelError  # noqa: E402
+from ragkv.kv.layout import KVLayout, not_plain  # noqa: E402
+from ragkv.kv.rope import check_supported  # noqa: E402
+from ragkv.model import self_check  # noqa: E402
+from ragkv.model.llm import load_model  # noqa: E402
 from tests import families  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "families.md"
@@ -82,7 +82,7 @@ def stored_bytes(layout: KVLayout, tokens: int) -> int:
     """Bytes the store keeps of an entry of `tokens` tokens in bfloat16, as codec.encode lays it out."""
     import torch
 
-    from ragkv import codec
+    from ragkv.kv import codec
 
     entry = torch.zeros(layout.shape(tokens), dtype=torch.bfloat16)
     return sum(t.numel() * t.element_size() for t in codec.encode(entry, "none", layout.windows).values())
@@ -144,7 +144,7 @@ def main() -> None:
         "",
         "Of transformers' default config of each family (its reference size), bfloat16, for a chunk of "
         f"{CHUNK_TOKENS} tokens, as the store keeps it: full-attention layers every token, a sliding layer its "
-        "last `window - 1` tokens (all that a continuation reads; `ragkv.codec`'s windowed form). The last "
+        "last `window - 1` tokens (all that a continuation reads; `ragkv.kv.codec`'s windowed form). The last "
         "column is the other choice: every token of every layer (what the cache holds in memory), or, for a "
         "latent, keys and values per head. A latent (multi-head latent attention) is stored as transformers "
         "caches it.",

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 import ragkv  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
-from ragkv.config import ModelSettings  # noqa: E402
+from ragkv.core.config import ModelSettings  # noqa: E402
 
 MODES = ("exact", "concat", "blend")
 KS = (1, 3, 5)

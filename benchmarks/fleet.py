@@ -42,8 +42,8 @@ from benchmarks.corpus_scale import corpus, ingest, questions_for  # noqa: E402
 from benchmarks.fidelity import work_dir  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
 from benchmarks.serve_load import Server  # noqa: E402
-from ragkv.config import cache_dir  # noqa: E402
-from ragkv.model import load_model  # noqa: E402
+from ragkv.core.config import cache_dir  # noqa: E402
+from ragkv.model.llm import load_model  # noqa: E402
 from ragkv.store import open_snapshot, verify  # noqa: E402
 from ragkv.store.writeback import fold  # noqa: E402
 from tests import s3server  # noqa: E402

@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 import ragkv  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
-from ragkv.config import AskSettings, IngestSettings, ModelSettings  # noqa: E402
+from ragkv.core.config import AskSettings, IngestSettings, ModelSettings  # noqa: E402
 from tests import vllm_probe  # noqa: E402
 
 QUESTIONS = [line.strip() for line in (ROOT / "benchmarks" / "questions.txt").read_text().splitlines() if line.strip()]

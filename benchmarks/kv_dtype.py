@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 import ragkv  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
 from benchmarks.passages import PLAIN, teacher_forced  # noqa: E402
-from ragkv.config import AskSettings, IngestSettings, ModelSettings  # noqa: E402
+from ragkv.core.config import AskSettings, IngestSettings, ModelSettings  # noqa: E402
 
 QUESTIONS = (ROOT / "benchmarks" / "questions.txt").read_text().splitlines()
 KV_DTYPES = ("auto", "bfloat16", "float16", "int8", "int4", "int2")

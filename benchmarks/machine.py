@@ -21,7 +21,7 @@ def describe() -> str:
     """e.g. 'AMD EPYC, 2 cores, torch 2.13.0+cpu (AVX512), bf16: avx512_bf16'."""
     import torch
 
-    from ragkv.cpu import bf16_features
+    from ragkv.core.cpu import bf16_features
 
     features = bf16_features()
     gpu = f", GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""

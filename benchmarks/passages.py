@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 import ragkv  # noqa: E402
 from benchmarks.fidelity import python_faq_or_exit, work_dir  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
-from ragkv.config import AskSettings, IngestSettings, ModelSettings  # noqa: E402
+from ragkv.core.config import AskSettings, IngestSettings, ModelSettings  # noqa: E402
 from ragkv.pipelines import calibrate  # noqa: E402
 from ragkv.pipelines.calibrate import PLAIN, cold  # noqa: E402
 

@@ -33,9 +33,9 @@ import ragkv  # noqa: E402
 from benchmarks.approximate import bootstrap, interval, python_faq_with_gold, sample_faq  # noqa: E402
 from benchmarks.fidelity import work_dir  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
-from ragkv.blend import Recompute, _recompute  # noqa: E402
-from ragkv.config import AskSettings, IngestSettings, ModelSettings  # noqa: E402
-from ragkv.generate import prefill  # noqa: E402
+from ragkv.core.config import AskSettings, IngestSettings, ModelSettings  # noqa: E402
+from ragkv.model.generate import prefill  # noqa: E402
+from ragkv.modes.blend import Recompute, _recompute  # noqa: E402
 from ragkv.pipelines.calibrate import PLAIN, cold, teacher_forced  # noqa: E402
 
 KS = (3, 5, 10)

@@ -44,9 +44,10 @@ import ragkv  # noqa: E402
 from benchmarks.approximate import bootstrap, interval, python_faq_with_gold  # noqa: E402
 from benchmarks.fidelity import python_faq, work_dir  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
-from ragkv import assemble, attention_probe, kv  # noqa: E402
-from ragkv.blend import Recompute, _share  # noqa: E402
-from ragkv.config import AskSettings, IngestSettings, ModelSettings  # noqa: E402
+from ragkv.core.config import AskSettings, IngestSettings, ModelSettings  # noqa: E402
+from ragkv.kv import cache as kv  # noqa: E402
+from ragkv.modes import assemble, attention_probe  # noqa: E402
+from ragkv.modes.blend import Recompute, _share  # noqa: E402
 from ragkv.pipelines.calibrate import PLAIN, cold, teacher_forced  # noqa: E402
 
 K = 5

@@ -8,8 +8,8 @@ set is ingested with the bundled SmolLM2 (float32), as `ragkv ingest` does by de
 First stages, DEPTH candidates each, all ragkv's own (`QueryEngine.search`):
 - dense: all-MiniLM-L6-v2, cosine;
 - lexical: BM25 over the store's lexical index (store.lexical);
-- hybrid: the two fused by ragkv.search.fuse, the lexical list weighted w.
-Rerank: the first N candidates (N = 5, 10, 20) scored by ragkv.rerank, fused with the first
+- hybrid: the two fused by ragkv.retrieval.search.fuse, the lexical list weighted w.
+Rerank: the first N candidates (N = 5, 10, 20) scored by ragkv.retrieval.rerank, fused with the first
 stage's score weighted f:
 - likelihood: the question's mean log-probability after each candidate's stored KV (one row
   per candidate), under each instruction wording;
@@ -47,9 +47,9 @@ from benchmarks.approximate import bootstrap  # noqa: E402
 from benchmarks.fidelity import work_dir  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
 from benchmarks.retrieval_sets import Question, build, split  # noqa: E402
-from ragkv import rerank as reranking  # noqa: E402
-from ragkv import search as first_stages  # noqa: E402
-from ragkv.config import ModelSettings  # noqa: E402
+from ragkv.core.config import ModelSettings  # noqa: E402
+from ragkv.retrieval import rerank as reranking  # noqa: E402
+from ragkv.retrieval import search as first_stages  # noqa: E402
 from ragkv.store import Hit  # noqa: E402
 
 SETS = ("sample", "python-faq", "debian-faq")
@@ -280,9 +280,9 @@ def report(results: dict, weights: dict, machine: str) -> str:
         "is on the test half of its set (weights chosen on the dev halves), with its 95% interval.",
         "",
         f"Chosen on the dev halves: hybrid's lexical weight {weights['lexical_weight']} "
-        f"(ragkv.search.LEXICAL_WEIGHT is {first_stages.LEXICAL_WEIGHT}); the rerank's first-stage weight "
+        f"(ragkv.retrieval.search.LEXICAL_WEIGHT is {first_stages.LEXICAL_WEIGHT}); the rerank's first-stage weight "
         + ", ".join(f"{w} for {label}" for label, w in weights["first_weight"].items())
-        + f" (ragkv.rerank.FIRST_WEIGHT is {reranking.FIRST_WEIGHT}).",
+        + f" (ragkv.retrieval.rerank.FIRST_WEIGHT is {reranking.FIRST_WEIGHT}).",
         "",
     ]
     for name, (rows, timing, count) in results.items():

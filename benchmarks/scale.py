@@ -392,8 +392,8 @@ def real_embeddings(count: int) -> dict:
     import ast
     import sysconfig
 
-    from ragkv.config import DEFAULT_EMBEDDER
-    from ragkv.embed import Embedder
+    from ragkv.core.config import DEFAULT_EMBEDDER
+    from ragkv.model.embed import Embedder
     from ragkv.store import segments
 
     paragraphs = []

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 import ragkv  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
-from ragkv.config import IngestSettings, ModelSettings, cache_dir  # noqa: E402
+from ragkv.core.config import IngestSettings, ModelSettings, cache_dir  # noqa: E402
 from ragkv.store.remote import RemoteStore  # noqa: E402
 from tests import s3server  # noqa: E402
 

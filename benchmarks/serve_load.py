@@ -363,7 +363,7 @@ def pylib_pages(work: Path | None, tokens: int) -> tuple[Path, int]:
     """Python library reference pages of 1-3k tokens, `tokens` in all (see corpus_scale)."""
     from benchmarks.corpus_scale import corpus
     from benchmarks.fidelity import work_dir
-    from ragkv.model import load_model
+    from ragkv.model.llm import load_model
 
     tokenizer = load_model("smollm2", "cpu", "float32").tokenizer
     return corpus(work_dir(work, "serve-load"), tokens, tokenizer, (1000, 3000))

@@ -46,7 +46,7 @@ from pathlib import Path
 tree, docs, work, questions = sys.argv[1:5]
 sys.path.insert(0, tree)
 import ragkv
-from ragkv.config import AskSettings
+from ragkv.core.config import AskSettings
 work = Path(work)
 store = work / "store"
 start = time.perf_counter()

@@ -33,8 +33,8 @@ import ragkv  # noqa: E402
 from benchmarks.corpus_scale import corpus, draw  # noqa: E402
 from benchmarks.fidelity import work_dir  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
-from ragkv.config import AskSettings, IngestSettings, ModelSettings  # noqa: E402
-from ragkv.model import load_model  # noqa: E402
+from ragkv.core.config import AskSettings, IngestSettings, ModelSettings  # noqa: E402
+from ragkv.model.llm import load_model  # noqa: E402
 from ragkv.store import open_snapshot  # noqa: E402
 from ragkv.store.budget import Candidate, plan  # noqa: E402
 
@@ -120,7 +120,7 @@ def vllm_part(python: str, lazy: Path, full: Path, questions: list[str], work: P
     the store's hit log, as the connector logs it), and on the all-KV store with vLLM alone
     (no connector: a full prefill) on every fourth question."""
     from benchmarks.vllm_memory import SKIP, hits_logged
-    from ragkv.config import DEFAULT_MODEL
+    from ragkv.core.config import DEFAULT_MODEL
     from tests import vllm_probe
 
     model = load_model(DEFAULT_MODEL, "cpu", "float32", weights=False).facts.path
@@ -135,8 +135,8 @@ def vllm_part(python: str, lazy: Path, full: Path, questions: list[str], work: P
         }
         return vllm_probe.run(python, model, store, spec, work)
 
-    from ragkv.api import ServeSettings
-    from ragkv.vllm_front import _layout_params
+    from ragkv.serve.api import ServeSettings
+    from ragkv.serve.vllm_front import _layout_params
 
     prompts = []
     with ragkv.open(lazy, device="cpu", weights=False) as engine:

@@ -32,8 +32,8 @@ import ragkv  # noqa: E402
 from benchmarks.fidelity import python_faq_or_exit, work_dir  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
 from benchmarks.passages import cold  # noqa: E402
-from ragkv.config import AskSettings, DecodeSettings, IngestSettings, ModelSettings  # noqa: E402
-from ragkv.generate import decode_alone  # noqa: E402
+from ragkv.core.config import AskSettings, DecodeSettings, IngestSettings, ModelSettings  # noqa: E402
+from ragkv.model.generate import decode_alone  # noqa: E402
 
 PAGES = ("general.html", "design.html", "library.html", "extending.html")
 KS = (2, 3, 5)

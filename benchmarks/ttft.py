@@ -36,13 +36,13 @@ from transformers import AutoTokenizer  # noqa: E402
 
 import ragkv  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
-from ragkv import kv  # noqa: E402
-from ragkv.config import AskSettings, IngestSettings, ModelSettings, cache_dir  # noqa: E402
-from ragkv.forward import compute_chunks, compute_prefix  # noqa: E402
-from ragkv.generate import prefill  # noqa: E402
-from ragkv.lru import ByteLRU  # noqa: E402
-from ragkv.model import resolve_model_path  # noqa: E402
-from ragkv.prompt import encode_text  # noqa: E402
+from ragkv.core.config import AskSettings, IngestSettings, ModelSettings, cache_dir  # noqa: E402
+from ragkv.core.lru import ByteLRU  # noqa: E402
+from ragkv.kv import cache as kv  # noqa: E402
+from ragkv.model.forward import compute_chunks, compute_prefix  # noqa: E402
+from ragkv.model.generate import prefill  # noqa: E402
+from ragkv.model.llm import resolve_model_path  # noqa: E402
+from ragkv.model.prompt import encode_text  # noqa: E402
 from ragkv.store.stats import store_stats  # noqa: E402
 
 LENGTHS = (256, 512, 1024, 2048, 4096)
@@ -60,7 +60,7 @@ def qwen_shape_model() -> Path:
     heads, 151,936 vocab), built once into the cache, with SmolLM2's tokenizer."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from ragkv.model import bundled_smollm2_path
+    from ragkv.model.llm import bundled_smollm2_path
 
     folder = cache_dir() / "bench" / "qwen2.5-0.5b-shape"
     if (folder / "config.json").is_file():

@@ -33,12 +33,12 @@ import ragkv  # noqa: E402
 from benchmarks.corpus_scale import corpus, questions_for, replay  # noqa: E402
 from benchmarks.fidelity import work_dir  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
-from ragkv import codec  # noqa: E402
-from ragkv.api import ServeSettings  # noqa: E402
-from ragkv.config import DEFAULT_MODEL, AskSettings, IngestSettings, ModelSettings  # noqa: E402
-from ragkv.model import load_model  # noqa: E402
+from ragkv.core.config import DEFAULT_MODEL, AskSettings, IngestSettings, ModelSettings  # noqa: E402
+from ragkv.kv import codec  # noqa: E402
+from ragkv.model.llm import load_model  # noqa: E402
+from ragkv.serve.api import ServeSettings  # noqa: E402
+from ragkv.serve.vllm_front import _layout_params  # noqa: E402
 from ragkv.store import open_snapshot  # noqa: E402
-from ragkv.vllm_front import _layout_params  # noqa: E402
 from tests import vllm_probe  # noqa: E402
 
 CHUNK_TOKENS = 256

@@ -12,9 +12,9 @@ recompute shares until it reaches the target first-token agreement:
   positions whose top token is the reference's;
 - time to first token over the full prefill's (medians; RAM tier and prefix cache emptied).
 A configuration reaches the target when the lower end of its first-token agreement's one-sided
-90% interval does (ragkv.calibration.lower_bound), so the default 32 questions must nearly all
+90% interval does (ragkv.modes.calibration.lower_bound), so the default 32 questions must nearly all
 agree. The fastest configuration that reached the target, and only if faster than exact, is
-recorded in the store's catalog (ragkv.calibration); when none is, `--mode approximate`
+recorded in the store's catalog (ragkv.modes.calibration); when none is, `--mode approximate`
 answers exactly.
 """
 
@@ -28,12 +28,12 @@ from pathlib import Path
 
 import torch
 
-from ragkv.calibration import Calibration, Measured, choose, lower_bound, meta_key
-from ragkv.config import AskSettings
-from ragkv.errors import InputError
-from ragkv.generate import prefill
+from ragkv.core.config import AskSettings
+from ragkv.core.errors import InputError
+from ragkv.engine.query import QueryEngine
+from ragkv.model.generate import prefill
+from ragkv.modes.calibration import Calibration, Measured, choose, lower_bound, meta_key
 from ragkv.pipelines.progress import Reporter
-from ragkv.query import QueryEngine
 from ragkv.store.writer import open_writer
 
 SENTENCE_END = re.compile(r"(?<=[.!?])\s|\n")

@@ -24,8 +24,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ragkv.model.prompt import encode_text
 from ragkv.pipelines.blocks import Block, paths
-from ragkv.prompt import encode_text
 
 CHUNKER_VERSION = "2"  # plain text: chunk_text
 SECTIONS_VERSION = "3"  # documents with headings or pages: chunk_blocks

@@ -16,14 +16,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ragkv import codec, kv, self_check
-from ragkv.config import IngestSettings, ModelSettings
-from ragkv.cpu import run_aside
-from ragkv.embed import Embedder
-from ragkv.errors import InputError, ModelError
-from ragkv.forward import compute_prefix, compute_spans, shard_metadata
-from ragkv.keys import Profile
-from ragkv.model import LoadedModel, load_model
+from ragkv.core.config import IngestSettings, ModelSettings
+from ragkv.core.cpu import run_aside
+from ragkv.core.errors import InputError, ModelError
+from ragkv.core.keys import Profile
+from ragkv.kv import cache as kv
+from ragkv.kv import codec
+from ragkv.model import self_check
+from ragkv.model.embed import Embedder
+from ragkv.model.forward import compute_prefix, compute_spans, shard_metadata
+from ragkv.model.llm import LoadedModel, load_model
+from ragkv.model.prompt import PromptLayout
+from ragkv.model.self_check import SelfCheck
 from ragkv.pipelines import ray_engine, vllm_engine
 from ragkv.pipelines.chunk import Chunk, chunk_blocks, chunk_text, chunking_id
 from ragkv.pipelines.pending import PendingChunk, Unit, pending_alone, pending_spans, plan_work, within_budget
@@ -32,8 +36,6 @@ from ragkv.pipelines.progress import Reporter
 from ragkv.pipelines.ray_ingest import RayJob, run_ray_job
 from ragkv.pipelines.read import Document, Skipped, read_documents
 from ragkv.pipelines.stored_kv import StoredKV
-from ragkv.prompt import PromptLayout
-from ragkv.self_check import SelfCheck
 from ragkv.store import ChunkRow, DocumentRow, StoreWriter, budget
 from ragkv.store.catalog import ChunkLink, ProfileRow
 from ragkv.store.writeback import fold_pending

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ragkv.config import IngestSettings, ModelSettings
+from ragkv.core.config import IngestSettings, ModelSettings
 from ragkv.pipelines.ingest import ingest
 from ragkv.pipelines.progress import Reporter
 from ragkv.store import collect_garbage, open_snapshot, verify

@@ -1,6 +1,6 @@
 """The chunks whose KV ingest computes, each with the key its entry is stored under: a chunk
 alone, or a document's chunks cut into spans (computed as one sequence, keyed by the chain of
-ragkv.spans); and the units one sequence computes."""
+ragkv.kv.spans); and the units one sequence computes."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ragkv import codec, spans
-from ragkv.forward import compute_prefix
-from ragkv.keys import KVKey, Profile
-from ragkv.model import LoadedModel
-from ragkv.prompt import encode_text
+from ragkv.core.keys import KVKey, Profile
+from ragkv.kv import codec, spans
+from ragkv.model.forward import compute_prefix
+from ragkv.model.llm import LoadedModel
+from ragkv.model.prompt import encode_text
 from ragkv.store import ChunkRow, StoreWriter, budget
 
 

@@ -8,7 +8,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ragkv.keys import digest
+from ragkv.core.keys import digest
 from ragkv.pipelines.read import Document, Skipped
 from ragkv.store import DocumentRow
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ragkv.errors import InputError, MissingExtraError, ModelError
+from ragkv.core.errors import InputError, MissingExtraError, ModelError
 from ragkv.store.remote import is_remote
 
 RETRIES = 4  # actor restarts and task retries before the job fails
@@ -84,9 +84,9 @@ class KVWorker:
     def __init__(self, spec: WorkerSpec):
         import torch
 
-        from ragkv.embed import Embedder
-        from ragkv.forward import compute_prefix
-        from ragkv.model import load_model
+        from ragkv.model.embed import Embedder
+        from ragkv.model.forward import compute_prefix
+        from ragkv.model.llm import load_model
 
         torch.set_num_threads(spec.threads)
         self.spec = spec
@@ -103,8 +103,8 @@ class KVWorker:
         self.prefix_kv = compute_prefix(self.lm.model, spec.prefix_ids)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        from ragkv import codec
-        from ragkv.forward import compute_chunks
+        from ragkv.kv import codec
+        from ragkv.model.forward import compute_chunks
         from ragkv.store.remote_shards import ShardSink
 
         n = len(batch["chunk_id"])

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ragkv.config import IngestSettings, ModelSettings
-from ragkv.forward import shard_metadata
-from ragkv.keys import Profile
-from ragkv.model import LoadedModel
+from ragkv.core.config import IngestSettings, ModelSettings
+from ragkv.core.keys import Profile
+from ragkv.model.forward import shard_metadata
+from ragkv.model.llm import LoadedModel
 from ragkv.pipelines import ray_engine
 from ragkv.pipelines.progress import Reporter
 from ragkv.store import ChunkRow, SealedEntry, StoreWriter

@@ -2,7 +2,7 @@
 .pptx (pipelines.documents). Each document's structure (headings, pages, table rows) comes
 with it as blocks (pipelines.blocks).
 
-Each document carries metadata a filter can use (ragkv.filters): its format, its path (the
+Each document carries metadata a filter can use (ragkv.core.filters): its format, its path (the
 id a file is stored under; a jsonl record: its file's), the file's modified time, a title (the
 first heading; an HTML page's <title>), and a jsonl record's other fields.
 
@@ -25,8 +25,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ragkv.config import DEFAULT_MAX_DOCUMENT_BYTES as MAX_DOCUMENT_BYTES  # a jsonl file is not capped; each record is
-from ragkv.errors import InputError
+from ragkv.core.config import (
+    DEFAULT_MAX_DOCUMENT_BYTES as MAX_DOCUMENT_BYTES,  # a jsonl file is not capped; each record is
+)
+from ragkv.core.errors import InputError
 from ragkv.pipelines.blocks import Block, html_blocks, markdown_blocks, plain_blocks, rst_blocks, text_of
 from ragkv.pipelines.chunk import is_structured
 from ragkv.pipelines.documents import DOCUMENT_SUFFIXES, UNPACKED_LIMIT, Unreadable, read_document
@@ -109,7 +111,7 @@ def _read_file(path: Path, doc_id: str, max_document_bytes: int) -> Iterator[Doc
         if suffix not in JSONL_SUFFIXES and size > max_file_bytes:
             yield Skipped(str(path), _too_large(size, max_file_bytes))
             return
-        where = {"path": doc_id, "modified": _modified(path)}  # a filter's fields (ragkv.filters)
+        where = {"path": doc_id, "modified": _modified(path)}  # a filter's fields (ragkv.core.filters)
         if suffix in DOCUMENT_SUFFIXES:
             yield _read_document(path, doc_id, suffix, max_document_bytes, where)
             return

@@ -7,15 +7,16 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ragkv import kv, spans
-from ragkv.config import IngestSettings
-from ragkv.embed import Embedder
-from ragkv.errors import ModelError
-from ragkv.forward import compute_prefix, compute_spans, shard_metadata
-from ragkv.keys import KVKey
-from ragkv.model import load_model
+from ragkv.core.config import IngestSettings
+from ragkv.core.errors import ModelError
+from ragkv.core.keys import KVKey
+from ragkv.kv import cache as kv
+from ragkv.kv import spans
+from ragkv.model.embed import Embedder
+from ragkv.model.forward import compute_prefix, compute_spans, shard_metadata
+from ragkv.model.llm import load_model
+from ragkv.model.prompt import PromptLayout
 from ragkv.pipelines.stored_kv import StoredKV
-from ragkv.prompt import PromptLayout
 from ragkv.store import StoreWriter, open_snapshot, verify
 from ragkv.store.generations import restore_current
 from ragkv.store.remote import is_remote

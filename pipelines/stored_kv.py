@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ragkv import codec
+from ragkv.kv import codec
 from ragkv.store import StoreWriter
 
 

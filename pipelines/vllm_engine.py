@@ -23,9 +23,9 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from ragkv.config import import_path
-from ragkv.errors import InputError, ModelError
-from ragkv.kv_layout import refuse_unless_plain
+from ragkv.core.config import import_path
+from ragkv.core.errors import InputError, ModelError
+from ragkv.kv.layout import refuse_unless_plain
 from ragkv.pipelines.pending import Unit
 from ragkv.store import open_snapshot
 from ragkv.store.remote import absolute

@@ -9,10 +9,10 @@
             print(text, end="")
 
 Heavy imports (torch, transformers) happen on first use, so `store` (which imports
-`ragkv.errors` and `ragkv.keys`) stays light.
+`ragkv.core.errors` and `ragkv.core.keys`) stays light.
 """
 
-from ragkv.errors import (
+from ragkv.core.errors import (
     InputError,
     ModelError,
     RagkvError,
@@ -22,7 +22,7 @@ from ragkv.errors import (
     StoreLockedError,
     StoreNotFoundError,
 )
-from ragkv.formats import __version__ as __version__  # re-exported: ragkv.__version__
+from ragkv.core.formats import __version__ as __version__  # re-exported: ragkv.__version__
 
 __all__ = [
     "open",
@@ -46,7 +46,7 @@ __all__ = [
 def open(store, model=None, embedder=None, device="auto", dtype=None, **options):  # noqa: A001 - the API's verb
     """Open a store for questions: `ragkv.open("./kvstore").ask("...")`. Options as for
     `QueryEngine` (kv_dtype, ram_bytes, prefix_cache_bytes)."""
-    from ragkv.query import QueryEngine
+    from ragkv.engine.query import QueryEngine
 
     return QueryEngine(store, model=model, embedder=embedder, device=device, dtype=dtype, **options)
 
@@ -74,15 +74,15 @@ def ingest(paths, store, model=None, settings=None, reporter=None, wait=False, p
 
 def __getattr__(name):
     if name == "QueryEngine":
-        from ragkv.query import QueryEngine
+        from ragkv.engine.query import QueryEngine
 
         return QueryEngine
     if name == "Answer":
-        from ragkv.answer import Answer
+        from ragkv.engine.answer import Answer
 
         return Answer
     if name in ("AskSettings", "IngestSettings", "ModelSettings"):
-        from ragkv import config
+        from ragkv.core import config
 
         return getattr(config, name)
     raise AttributeError(f"module 'ragkv' has no attribute {name!r}")

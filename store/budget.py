@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from itertools import groupby
 from typing import NamedTuple
 
-from ragkv.errors import InputError
+from ragkv.core.errors import InputError
 from ragkv.store.catalog import Catalog
 from ragkv.store.gc import drop_dead, maintaining
 from ragkv.store.popularity import HITS_DIR, read_pending, remove_finished

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import duckdb
 
-from ragkv.errors import StoreFormatError
+from ragkv.core.errors import StoreFormatError
 from ragkv.store.catalog import Catalog
 from ragkv.store.generations import SEGMENT_DIR, base_name, catalog_path, vectors_path
 from ragkv.store.segments import Segment, SegmentInfo, open_flat_file

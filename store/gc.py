@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ragkv.errors import StoreCorruptError, StoreNotFoundError
+from ragkv.core.errors import StoreCorruptError, StoreNotFoundError
 from ragkv.store.store import StoreWriter
 from ragkv.store.writer import open_writer
 

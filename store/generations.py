@@ -38,8 +38,8 @@ import uuid
 from collections.abc import Set
 from pathlib import Path
 
-from ragkv.errors import StoreFormatError, StoreLockedError, StoreNotFoundError
-from ragkv.formats import STORE_FORMAT, __version__
+from ragkv.core.errors import StoreFormatError, StoreLockedError, StoreNotFoundError
+from ragkv.core.formats import STORE_FORMAT, __version__
 from ragkv.store.shards import fsync_dir
 
 log = logging.getLogger("ragkv")

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from ragkv.errors import StoreCorruptError
+from ragkv.core.errors import StoreCorruptError
 
 ANALYSER = "bm25s-en_plus-snowball-cjk2"  # recorded per lexical file; another analyser's file is rebuilt
 K1 = 1.5

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from ragkv.errors import StoreCorruptError
+from ragkv.core.errors import StoreCorruptError
 from ragkv.store.popularity import Pending, Use, parse_use, use_line
 from ragkv.store.remote import RemoteStore
 from ragkv.store.shards import SHARD_SUFFIX, ShardReader, ShardWriter

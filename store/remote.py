@@ -40,8 +40,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from ragkv.config import cache_dir
-from ragkv.errors import InputError, StoreCorruptError, StoreLockedError, StoreNotFoundError, StoreWriteError
+from ragkv.core.config import cache_dir
+from ragkv.core.errors import InputError, StoreCorruptError, StoreLockedError, StoreNotFoundError, StoreWriteError
 from ragkv.store.generations import (
     CURRENT,
     LOCK,

@@ -33,7 +33,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from ragkv.errors import StoreCorruptError
+from ragkv.core.errors import StoreCorruptError
 from ragkv.store.generations import SEGMENT_DIR
 from ragkv.store.lexical import ANALYSER, Postings, load_postings
 

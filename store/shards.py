@@ -24,8 +24,8 @@ import xxhash
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ragkv.errors import StoreCorruptError
-from ragkv.formats import SHARD_FORMAT
+from ragkv.core.errors import StoreCorruptError
+from ragkv.core.formats import SHARD_FORMAT
 
 SHARD_SUFFIX = ".safetensors"
 _SHARD_NAME = re.compile(r"^[0-9a-f]{32}\.safetensors$")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ragkv.errors import StoreCorruptError, StoreEmptyError, StoreFormatError, StoreNotFoundError
+from ragkv.core.errors import StoreCorruptError, StoreEmptyError, StoreFormatError, StoreNotFoundError
 from ragkv.store.catalog import Catalog
 from ragkv.store.generations import (
     SEGMENT_DIR,

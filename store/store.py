@@ -9,8 +9,8 @@ from pathlib import Path
 
 import duckdb
 
-from ragkv.errors import InputError, StoreCorruptError, StoreFormatError, StoreWriteError
-from ragkv.keys import KVKey
+from ragkv.core.errors import InputError, StoreCorruptError, StoreFormatError, StoreWriteError
+from ragkv.core.keys import KVKey
 from ragkv.store.catalog import Catalog
 from ragkv.store.catalog.overlay import Overlay
 from ragkv.store.format1 import migrate as migrate_format1

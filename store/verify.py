@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from ragkv.errors import StoreCorruptError
-from ragkv.keys import KVKey
+from ragkv.core.errors import StoreCorruptError
+from ragkv.core.keys import KVKey
 from ragkv.store.popularity import HITS_DIR, read_pending
 from ragkv.store.snapshot import StoreSnapshot
 

@@ -22,7 +22,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ragkv.errors import RagkvError, StoreLockedError
+from ragkv.core.errors import RagkvError, StoreLockedError
 from ragkv.store import budget
 from ragkv.store.catalog import ChunkLink
 from ragkv.store.gc import drop_dead

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from ragkv.errors import RagkvError, StoreLockedError, StoreWriteError
+from ragkv.core.errors import RagkvError, StoreLockedError, StoreWriteError
 from ragkv.store.generations import LOCK, catalog_path
 from ragkv.store.remote import RemoteStore, is_remote, write_error
 from ragkv.store.remote_shards import UploadingShardWriter

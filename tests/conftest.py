@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ragkv
-from ragkv.config import IngestSettings, ModelSettings, cache_dir
+from ragkv.core.config import IngestSettings, ModelSettings, cache_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE_DATA = ROOT / "data"
@@ -46,7 +46,7 @@ QUESTIONS = [
 def _build_tiny(kind: str, folder: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    from ragkv.model import bundled_smollm2_path
+    from ragkv.model.llm import bundled_smollm2_path
     from tests.families import TINY as common
 
     torch.manual_seed(0)
@@ -177,7 +177,7 @@ def sample_store(tmp_path_factory):
 def computed_kv_of(store: Path, count: int = 2) -> tuple[list, list]:
     """The KV of `store`'s first `count` chunks as `ComputedKV` (what a reader that computed
     them on a miss hands to its write-back, or leaves pending), and their context rows."""
-    from ragkv import codec
+    from ragkv.kv import codec
     from ragkv.store import open_snapshot
     from ragkv.store.writeback import ComputedKV
 

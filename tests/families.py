@@ -78,7 +78,7 @@ def build(family: str, folder: Path) -> Path:
     """Save a tiny random model of `family` (a FAMILIES key) with SmolLM2's tokenizer in `folder`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ragkv.model import bundled_smollm2_path
+    from ragkv.model.llm import bundled_smollm2_path
 
     model_type, extra, _ = FAMILIES[family]
     config = AutoConfig.for_model(model_type, **{**COMMON, **extra})

@@ -7,8 +7,8 @@ import json
 import pytest
 
 import ragkv
-from ragkv.batch import Question, answer_all, read_questions
-from ragkv.config import AskSettings
+from ragkv.core.config import AskSettings
+from ragkv.engine.batch import Question, answer_all, read_questions
 from tests.conftest import QUESTIONS, run_cli
 
 BATCH = [

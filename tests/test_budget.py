@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ragkv
-from ragkv.errors import InputError
+from ragkv.core.errors import InputError
 from ragkv.store import open_snapshot, verify
 from ragkv.store.budget import Candidate, plan
 from ragkv.store.catalog import Catalog

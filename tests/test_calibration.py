@@ -9,9 +9,9 @@ import shutil
 import pytest
 
 import ragkv
-from ragkv.calibration import Calibration, Measured, choose, lower_bound, meta_key, resolve
-from ragkv.config import AskSettings
-from ragkv.errors import InputError
+from ragkv.core.config import AskSettings
+from ragkv.core.errors import InputError
+from ragkv.modes.calibration import Calibration, Measured, choose, lower_bound, meta_key, resolve
 from ragkv.pipelines.calibrate import CalibrateSettings, calibrate, held_in_questions
 from ragkv.pipelines.progress import default_reporter
 from ragkv.store import open_snapshot, verify

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ragkv
-from ragkv import codec
+from ragkv.kv import codec
 from ragkv.store import open_snapshot
 from tests.conftest import QUESTIONS, build_store
 
@@ -58,7 +58,7 @@ def test_packed_round_trip_stays_within_half_a_step_and_is_small(quant, bits, mo
 
 
 def test_packing_needs_a_head_dimension_it_divides():
-    from ragkv.errors import InputError
+    from ragkv.core.errors import InputError
 
     with pytest.raises(InputError, match="head dimension 6 does not divide by 4"):
         codec.encode(torch.randn(1, 2, 1, 3, 6), "int2")
@@ -114,8 +114,8 @@ def test_an_entry_read_straight_into_the_cache_equals_one_read_then_copied(tmp_p
 
     from transformers import LlamaConfig
 
-    from ragkv import kv
-    from ragkv.errors import StoreCorruptError
+    from ragkv.core.errors import StoreCorruptError
+    from ragkv.kv import cache as kv
     from ragkv.store import ShardReader, ShardWriter
     from tests.conftest import flip_bit_of_entry
 

@@ -20,7 +20,7 @@ import sys
 import textwrap
 
 import ragkv
-from ragkv.config import ModelSettings
+from ragkv.core.config import ModelSettings
 from ragkv.store import collect_garbage
 from tests.conftest import ROOT
 

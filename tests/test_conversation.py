@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 import ragkv
-from ragkv import kv
-from ragkv.errors import InputError
-from ragkv.generate import decode_alone
+from ragkv.core.errors import InputError
+from ragkv.kv import cache as kv
+from ragkv.model.generate import decode_alone
 from tests.conftest import QUESTIONS
 
 

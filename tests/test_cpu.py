@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import ragkv
-from ragkv import cpu
-from ragkv.config import ModelSettings, resolve_dtype
-from ragkv.errors import ModelError
-from ragkv.model import load_model
+from ragkv.core import cpu
+from ragkv.core.config import ModelSettings, resolve_dtype
+from ragkv.core.errors import ModelError
+from ragkv.model.llm import load_model
 
 
 @pytest.fixture()
@@ -77,7 +77,7 @@ def test_the_cpu_features_are_read_from_proc_cpuinfo():
 
 ROUNDS = """
 import resource, torch
-from ragkv.cpu import keep_freed_memory
+from ragkv.core.cpu import keep_freed_memory
 print(keep_freed_memory())
 def allocate_and_free(i):  # 16 blocks of 4 to 16 MB (160 MB), as caches' layers are allocated
     blocks = [torch.ones((1 + (i + j) % 4) << 20) for j in range(16)]

@@ -16,8 +16,8 @@ import pytest
 from safetensors import safe_open
 
 import ragkv
-from ragkv.config import IngestSettings, ModelSettings
-from ragkv.keys import KVKey
+from ragkv.core.config import IngestSettings, ModelSettings
+from ragkv.core.keys import KVKey
 from ragkv.store import open_snapshot, verify
 from ragkv.store.generations import read_current
 from ragkv.store.shards import shard_files
@@ -30,7 +30,7 @@ INGEST = textwrap.dedent("""
     sys.path.insert(0, {root!r})
     import ragkv
     from ragkv.pipelines.progress import Reporter
-    from ragkv.config import IngestSettings, ModelSettings
+    from ragkv.core.config import IngestSettings, ModelSettings
 
     class Signal(Reporter):
         def stage(self, name, total, unit="chunks"):

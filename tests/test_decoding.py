@@ -8,11 +8,11 @@ import torch
 from transformers import AutoTokenizer
 
 import ragkv
-from ragkv.batch import Question, answer_all
-from ragkv.config import AskSettings, DecodeSettings
-from ragkv.decoding import Decoder, held_back, stop_at
-from ragkv.errors import InputError
-from ragkv.generate import TextStream
+from ragkv.core.config import AskSettings, DecodeSettings
+from ragkv.core.errors import InputError
+from ragkv.engine.batch import Question, answer_all
+from ragkv.model.decoding import Decoder, held_back, stop_at
+from ragkv.model.generate import TextStream
 from tests.conftest import QUESTIONS
 
 PLAIN = dict(repetition_penalty=1.0, no_repeat_ngram=0)  # the old behaviour: greedy, no controls

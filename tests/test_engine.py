@@ -9,8 +9,8 @@ import threading
 import pytest
 
 import ragkv
-from ragkv import kv
-from ragkv.generate import decode_alone
+from ragkv.kv import cache as kv
+from ragkv.model.generate import decode_alone
 from tests.conftest import QUESTIONS
 
 LONG = dict(max_new_tokens=40, no_repeat_ngram=0, repetition_penalty=1.0)  # runs past a short answer

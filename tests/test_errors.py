@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-import ragkv.active
+import ragkv.engine.active
 from ragkv.store import StoreWriter, collect_garbage
 from ragkv.store.generations import read_current
 
@@ -89,7 +89,7 @@ def test_ask_checks_its_options_before_loading_a_model(tiny_store, monkeypatch, 
     def no_loading(*args, **kwargs):
         raise AssertionError("a model was loaded before the options were checked")
 
-    monkeypatch.setattr(ragkv.active, "load_model", no_loading)
+    monkeypatch.setattr(ragkv.engine.active, "load_model", no_loading)
     result = run_cli("ask", QUESTIONS[0], "--store", tiny_store, *option)
     _assert_one_line_error(result, 2)
     assert option[0] in result.stderr

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 import ragkv
-from ragkv import self_check
-from ragkv.batch import Question, answer_all
-from ragkv.config import AskSettings
-from ragkv.errors import ModelError
-from ragkv.kv_layout import refuse_unless_plain
-from ragkv.model import load_model
+from ragkv.core.config import AskSettings
+from ragkv.core.errors import ModelError
+from ragkv.engine.batch import Question, answer_all
+from ragkv.kv.layout import refuse_unless_plain
+from ragkv.model import self_check
+from ragkv.model.llm import load_model
 from ragkv.store import open_snapshot
 from tests import families
 from tests.conftest import QUESTIONS, build_store, run_cli
@@ -183,7 +183,7 @@ def test_an_engine_checks_a_profile_once_per_machine(family_model, monkeypatch, 
 
 
 def test_plain_profiles_keep_their_ids_and_other_layouts_get_their_own(family_store, tiny_store):
-    from ragkv.keys import Profile
+    from ragkv.core.keys import Profile
 
     plain = Profile("m", "t", "p", (1, 2), "float32")
     assert plain.profile_id == Profile("m", "t", "p", (1, 2), "float32", "none", "").profile_id

@@ -1,4 +1,4 @@
-"""Metadata filters (ragkv.filters): the grammar and its one-line errors, documents' metadata
+"""Metadata filters (ragkv.core.filters): the grammar and its one-line errors, documents' metadata
 (path, title, modified, a jsonl record's fields) kept current without re-chunking, filters
 applied inside the vector search so top-k stays top-k (IVF segments too), and the same
 filters from the CLI, the service and the LangChain/LlamaIndex adapters."""
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import ragkv
-from ragkv.errors import InputError
-from ragkv.filters import Filter, parse_filter
+from ragkv.core.errors import InputError
+from ragkv.core.filters import Filter, parse_filter
 from ragkv.store import StoreWriter, open_snapshot
 from ragkv.store import segments as segment_files
 from tests.conftest import build_store, run_cli
@@ -128,10 +128,10 @@ def test_the_service_and_the_adapters_take_the_same_filters(filtered_store):
     from fastapi.testclient import TestClient
     from llama_index.core.vector_stores.types import FilterCondition, MetadataFilter, MetadataFilters
 
-    from ragkv.api import ServeSettings
     from ragkv.integrations.langchain import RagkvRetriever
     from ragkv.integrations.llama_index import RagkvNodeRetriever
-    from ragkv.service import build_app
+    from ragkv.serve.api import ServeSettings
+    from ragkv.serve.service import build_app
 
     with ragkv.open(filtered_store) as engine:
         with TestClient(build_app(engine, ServeSettings())) as client:

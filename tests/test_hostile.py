@@ -117,7 +117,7 @@ def test_a_damaged_vector_index_is_reported_and_rebuilt(store):
 def test_repair_re_embeds_only_the_chunks_of_the_segment_that_is_damaged(store, corpus, tiny_llama, tmp_path):
     """Two segments (the first ingest's, then one more document's); the first is truncated:
     repair keeps the other as it is and re-embeds the first one's chunks, not the store's."""
-    from ragkv.config import ModelSettings
+    from ragkv.core.config import ModelSettings
     from ragkv.store import open_snapshot
 
     docs = tmp_path / "more"
@@ -278,9 +278,9 @@ def test_usage_errors_are_one_line(store):
 
 
 def test_options_are_checked_before_the_model_loads(store, monkeypatch):
-    import ragkv.active
+    import ragkv.engine.active
 
-    monkeypatch.setattr(ragkv.active, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    monkeypatch.setattr(ragkv.engine.active, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
     for args, fragment in (
         (("serve", "--port", 70000), "--port"),
         (("serve", "--port", -1), "--port"),

@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 import ragkv
-from ragkv.errors import InputError, ModelError
+from ragkv.core.errors import InputError, ModelError
 from ragkv.store.generations import read_current
 from tests.conftest import QUESTIONS, build_store, flip_bit_of_entry
 

@@ -9,9 +9,9 @@ import torch
 from safetensors import safe_open
 
 import ragkv
-from ragkv import codec, kv
-from ragkv.config import AskSettings
-from ragkv.errors import InputError, ModelError, StoreCorruptError
+from ragkv.core.config import AskSettings
+from ragkv.core.errors import InputError, ModelError, StoreCorruptError
+from ragkv.core.keys import KVKey
 from ragkv.integrations.paged import LayoutError, PagedLayout, block_dim_of
 from ragkv.integrations.store_match import (
     KVSaver,
@@ -23,7 +23,8 @@ from ragkv.integrations.store_match import (
     profile_for,
     slot_mapping,
 )
-from ragkv.keys import KVKey
+from ragkv.kv import cache as kv
+from ragkv.kv import codec
 from ragkv.store import open_snapshot, verify
 from tests.conftest import QUESTIONS, build_store
 
@@ -135,8 +136,8 @@ def test_malformed_params_are_one_line_input_errors(block, problem):
 def test_a_missing_chunk_is_saved_under_ingest_key_and_uses_are_what_ragkv_logs(tiny_llama, corpus, tmp_path, identity):
     """The plan for a lazy store (no chunk KV): the first chunk is saved under the key ingest
     gives it, only when its ids are its text's; each chunk's use is logged with its source."""
-    from ragkv.config import AskSettings
-    from ragkv.prompt import PromptLayout
+    from ragkv.core.config import AskSettings
+    from ragkv.model.prompt import PromptLayout
 
     store = tmp_path / "lazy"
     build_store(corpus, store, str(tiny_llama), precompute=0)
@@ -178,8 +179,8 @@ def test_a_span_store_saves_every_missing_chunk_of_a_span_from_its_start(tiny_ll
     out as ingest computed it, saves each chunk the store lacks under ingest's chained key,
     from the first missing one on; a prompt opening inside a span saves nothing (that KV
     continues chunks the prompt lacks)."""
-    from ragkv import spans
-    from ragkv.prompt import PromptLayout
+    from ragkv.kv import spans
+    from ragkv.model.prompt import PromptLayout
     from ragkv.store.gc import drop_dead, maintaining
     from tests.test_spans import SPAN_TOKENS, write_doc
 
@@ -304,8 +305,8 @@ print("not killed")
 def saves_for(full: str, lazy: str, model: str):
     """What an engine would save for each question on the lazy store: the plan's targets, the
     KV (ingest's, read from the full store), and the profile."""
-    from ragkv.config import AskSettings
-    from ragkv.prompt import PromptLayout
+    from ragkv.core.config import AskSettings
+    from ragkv.model.prompt import PromptLayout
 
     identity = ModelIdentity.of_folder(model, "float32")
     profile = profile_for(lazy, identity)

@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from ragkv.errors import StoreFormatError
-from ragkv.fingerprint import folder_fingerprint
-from ragkv.keys import KVKey, Profile
-from ragkv.model import tokenizer_fingerprint
-from ragkv.prompt import PromptLayout
+from ragkv.core.errors import StoreFormatError
+from ragkv.core.keys import KVKey, Profile
+from ragkv.model.fingerprint import folder_fingerprint
+from ragkv.model.llm import tokenizer_fingerprint
+from ragkv.model.prompt import PromptLayout
 
 BASE = Profile(
     model_fingerprint="m" * 64,
@@ -63,7 +63,7 @@ def test_keys_are_stable_across_processes_and_releases():
     """Pinned value: a change here silently turns every existing store into misses."""
     key = KVKey.for_chunk(BASE, CHUNK).to_string()
     code = (
-        "from tests.test_keys import BASE, CHUNK; from ragkv.keys import KVKey; "
+        "from tests.test_keys import BASE, CHUNK; from ragkv.core.keys import KVKey; "
         "print(KVKey.for_chunk(BASE, CHUNK).to_string())"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}

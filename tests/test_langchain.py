@@ -120,7 +120,7 @@ def test_stop_max_tokens_and_history_map_to_ragkv(rag):
 
 
 def test_bad_input_gets_one_line(rag):
-    from ragkv.errors import InputError
+    from ragkv.core.errors import InputError
 
     with pytest.raises(ValueError, match="human message") as raised:  # what LangChain code catches for bad input
         ChatRagkv(engine=rag).invoke([AIMessage("hello")])

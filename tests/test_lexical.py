@@ -1,4 +1,4 @@
-"""The lexical index (store.lexical) and hybrid retrieval (ragkv.search): BM25 over the store's
+"""The lexical index (store.lexical) and hybrid retrieval (ragkv.retrieval.search): BM25 over the store's
 segments equals bm25s over the live corpus; it follows generations (tombstones, merges, an
 older store's segments given one by the next writer); a damaged file is named by verify,
 rebuilt by repair, and answered around with dense retrieval meanwhile; a question with no
@@ -15,7 +15,7 @@ import pytest
 import Stemmer
 
 import ragkv
-from ragkv.search import fuse
+from ragkv.retrieval.search import fuse
 from ragkv.store import Hit, StoreWriter, collect_garbage, open_snapshot, verify
 from ragkv.store.catalog import ChunkRow, DocumentRow
 from ragkv.store.lexical import Postings, bm25, query_terms

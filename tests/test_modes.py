@@ -8,12 +8,12 @@ import pytest
 import torch
 
 import ragkv
-from ragkv.config import DecodeSettings
-from ragkv.errors import InputError, ModelError
-from ragkv.forward import compute_chunks, compute_prefix
-from ragkv.keys import KVKey
-from ragkv.prefix_cache import PrefixCache
-from ragkv.rope import check_supported, shift_positions
+from ragkv.core.config import DecodeSettings
+from ragkv.core.errors import InputError, ModelError
+from ragkv.core.keys import KVKey
+from ragkv.kv.rope import check_supported, shift_positions
+from ragkv.model.forward import compute_chunks, compute_prefix
+from ragkv.modes.prefix_cache import PrefixCache
 from tests.conftest import QUESTIONS
 
 
@@ -111,7 +111,7 @@ def test_ape_attends_the_same_in_a_conversation_and_beside_other_rows(tiny_store
 
 
 def test_blend_narrows_its_selection_layer_by_layer():
-    from ragkv.blend import _narrowing
+    from ragkv.modes.blend import _narrowing
 
     assert _narrowing(10, 100, 5) == [20, 18, 15, 12, 10]
     assert _narrowing(10, 15, 3) == [15, 12, 10]  # never more than there is
@@ -119,8 +119,8 @@ def test_blend_narrows_its_selection_layer_by_layer():
 
 
 def test_blend_repairs_the_tokens_it_selects_and_everything_at_ratio_one():
-    from ragkv import kv
-    from ragkv.blend import blend
+    from ragkv.kv import cache as kv
+    from ragkv.modes.blend import blend
 
     model, config = random_llama(num_layers=6)
     ids, start = list(range(3, 63)), 20  # 60 tokens; the first 20 stay as they are
@@ -191,9 +191,9 @@ def test_approximate_modes_answer_and_say_what_they_did(tiny_store, mode):
 def test_the_query_recompute_in_the_prefill_equals_recomputing_then_prefilling():
     """`query` recomputes its chosen context tokens in the question's own prefill: one forward
     gives the logits and the cache that recomputing first and prefilling after give."""
-    from ragkv import kv
-    from ragkv.blend import Recompute, _recompute
-    from ragkv.generate import prefill
+    from ragkv.kv import cache as kv
+    from ragkv.model.generate import prefill
+    from ragkv.modes.blend import Recompute, _recompute
 
     model, config = random_llama(num_layers=4)
     context, question = list(range(3, 53)), [60, 61, 62, 63, 64, 65]
@@ -216,9 +216,9 @@ def test_the_query_recompute_in_the_prefill_equals_recomputing_then_prefilling()
 
 
 def test_the_attention_probe_measures_without_changing_the_forward(tiny_store):
-    from ragkv import kv
-    from ragkv.attention_probe import Probe, probed_forward
-    from ragkv.generate import prefill
+    from ragkv.kv import cache as kv
+    from ragkv.model.generate import prefill
+    from ragkv.modes.attention_probe import Probe, probed_forward
 
     with ragkv.open(tiny_store, device="cpu") as engine:
         model, config = engine.lm.model, engine.lm.model.config
@@ -286,7 +286,7 @@ def test_too_many_chunks_for_the_context_are_trimmed_and_said(tiny_llama, tmp_pa
 
 
 def test_the_ram_tier_serves_hot_chunks_and_evicts_by_bytes(tiny_store):
-    from ragkv.lru import ByteLRU
+    from ragkv.core.lru import ByteLRU
 
     with ragkv.open(tiny_store, device="cpu") as engine:
         first = engine.ask(QUESTIONS[0], max_new_tokens=6)
@@ -303,7 +303,7 @@ def test_the_ram_tier_serves_hot_chunks_and_evicts_by_bytes(tiny_store):
 
 
 def test_byte_lru_keeps_the_most_recent_within_its_budget():
-    from ragkv.lru import ByteLRU
+    from ragkv.core.lru import ByteLRU
 
     lru = ByteLRU(max_bytes=1000)
     for name in "abc":

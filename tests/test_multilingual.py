@@ -13,9 +13,9 @@ import torch
 from transformers import AutoTokenizer
 
 import ragkv
-from ragkv.config import IngestSettings, ModelSettings
+from ragkv.core.config import IngestSettings, ModelSettings
+from ragkv.model.prompt import encode_text
 from ragkv.pipelines.chunk import chunk_text
-from ragkv.prompt import encode_text
 from tests.families import TINY
 
 from .conftest import SAMPLE_DATA
@@ -27,7 +27,7 @@ NUMBERS = re.compile(r"\d+(?:\.\d+)+%?")
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
-    from ragkv.model import bundled_smollm2_path
+    from ragkv.model.llm import bundled_smollm2_path
 
     return AutoTokenizer.from_pretrained(bundled_smollm2_path())
 
@@ -83,7 +83,7 @@ def _multilingual_model(folder: Path) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    from ragkv.model import bundled_smollm2_path
+    from ragkv.model.llm import bundled_smollm2_path
 
     corpus = [p.read_text() for p in ZH_DOCS.glob("*.md")] + ["How do I rotate the API key? 如何轮换密钥？"]
     tokenizer = Tokenizer(models.BPE())

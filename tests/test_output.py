@@ -1,4 +1,4 @@
-"""ragkv.output: what the commands print without --json says what their --json reports say."""
+"""ragkv.cli.output: what the commands print without --json says what their --json reports say."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from ragkv.errors import InputError, OutputError
-from ragkv.output import OutputFile, place
+from ragkv.cli.output import OutputFile, place
+from ragkv.core.errors import InputError, OutputError
 from tests.conftest import run_cli
 
 
@@ -68,9 +68,9 @@ def test_an_output_file_is_checked_when_named_and_a_failed_write_is_named(tmp_pa
 def test_stats_are_built_from_what_the_retrieval_and_the_loader_report():
     from dataclasses import fields
 
-    from ragkv.answer import Stats
-    from ragkv.loader import Loaded
-    from ragkv.retrieval import Prompt
+    from ragkv.engine.answer import Stats
+    from ragkv.loading.loader import Loaded
+    from ragkv.retrieval.retriever import Prompt
 
     # Every measure the loader and the retrieval report reaches the stats (a renamed field would
     # silently drop out of Stats.of).

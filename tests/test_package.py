@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import ragkv
-from ragkv.formats import STORE_FORMAT
+from ragkv.core.formats import STORE_FORMAT
 from ragkv.store import open_snapshot
 from ragkv.store.generations import manifest_path, read_current
 from tests.conftest import ROOT, run_cli
@@ -65,7 +65,7 @@ def test_an_adapter_without_its_extra_names_the_install(module, hidden, extra):
     code = (
         f"import sys; sys.modules[{hidden!r}] = None\n"
         f"try:\n    import {module}\nexcept ImportError as exc:\n"
-        "    from ragkv.errors import InputError\n"
+        "    from ragkv.core.errors import InputError\n"
         "    print(isinstance(exc, InputError), exc)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ragkv import kv
-from ragkv.generate import prefill
+from ragkv.kv import cache as kv
+from ragkv.model.generate import prefill
 
 
 @pytest.fixture(scope="module")

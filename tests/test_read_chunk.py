@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from ragkv.errors import InputError
+from ragkv.core.errors import InputError
+from ragkv.model.prompt import encode_text
 from ragkv.pipelines.chunk import chunk_text
 from ragkv.pipelines.read import read_documents
-from ragkv.prompt import encode_text
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ from contextlib import contextmanager
 import pytest
 
 import ragkv
-from ragkv.errors import ModelError, StoreFormatError
-from ragkv.keys import KVKey
+from ragkv.core.errors import ModelError, StoreFormatError
+from ragkv.core.keys import KVKey
 from ragkv.store import SealedEntry, StoreWriter, collect_garbage, open_snapshot, verify
 from ragkv.store.catalog import schema as catalog_schema
 from ragkv.store.generations import read_current

@@ -1,4 +1,4 @@
-"""The rerank that reads the stored KV (ragkv.rerank): each candidate's score equals the one a
+"""The rerank that reads the stored KV (ragkv.retrieval.rerank): each candidate's score equals the one a
 full prefill of the same ids gives, whether the KV comes from the store, a span's run, or the
 candidate's text; `ask --rerank` answers from the reranked chunks exactly; `search` is one
 function for the CLI, the API and the service."""
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import ragkv
-from ragkv import kv
-from ragkv.config import AskSettings
-from ragkv.prompt import encode_text
-from ragkv.rerank import question_likelihoods
+from ragkv.core.config import AskSettings
+from ragkv.kv import cache as kv
+from ragkv.model.prompt import encode_text
+from ragkv.retrieval.rerank import question_likelihoods
 from tests.conftest import QUESTIONS, build_store, run_cli
 from tests.test_spans import SPAN_TOKENS, write_doc
 
@@ -160,8 +160,8 @@ def test_settings_bound_rerank():
 def test_the_service_retrieves_with_the_same_search(tiny_store):
     from fastapi.testclient import TestClient
 
-    from ragkv.api import ServeSettings
-    from ragkv.service import build_app
+    from ragkv.serve.api import ServeSettings
+    from ragkv.serve.service import build_app
 
     with ragkv.open(tiny_store) as engine:
         with TestClient(build_app(engine, ServeSettings())) as client:
@@ -174,13 +174,13 @@ def test_the_service_retrieves_with_the_same_search(tiny_store):
 
 
 def test_the_attention_score_of_one_candidate_is_the_attention_a_full_prefill_pays_it(tiny_llama):
-    """ICR's mass (ragkv.rerank.attention_mass, the probe over stored KV) against the attention
+    """ICR's mass (ragkv.retrieval.rerank.attention_mass, the probe over stored KV) against the attention
     weights of a plain forward of the whole prompt (eager attention), each question token's
     weights over the context taken as a distribution (the probe's softmax is over the context):
     with one candidate the cache is the exact one, so the two must agree."""
     from transformers import AutoModelForCausalLM
 
-    from ragkv.rerank import attention_mass
+    from ragkv.retrieval.rerank import attention_mass
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32, attn_implementation="eager").eval()

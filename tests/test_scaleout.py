@@ -20,8 +20,8 @@ import torch
 
 import ragkv
 import ragkv.store.snapshot as snapshot_module
-from ragkv.config import IngestSettings, ModelSettings
-from ragkv.errors import StoreNotFoundError
+from ragkv.core.config import IngestSettings, ModelSettings
+from ragkv.core.errors import StoreNotFoundError
 from ragkv.store import open_snapshot, verify
 from tests import s3server
 from tests.conftest import MODELS, QUESTIONS, fresh_home, run_cli, running_server
@@ -328,7 +328,7 @@ def test_a_rebuilt_bucket_is_not_confused_with_the_local_mirror(s3_env, tiny_lla
 
 def test_a_worker_with_other_weights_fails_the_job_in_one_line(ray_cluster, tiny_llama, tmp_path):
     """A node whose model differs from the driver's must not write KV under the driver's keys."""
-    from ragkv.errors import ModelError
+    from ragkv.core.errors import ModelError
     from ragkv.pipelines import ray_engine
 
     spec = ray_engine.WorkerSpec(

@@ -11,10 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import ragkv
-from ragkv import kv
-from ragkv.config import AskSettings, DecodeSettings
-from ragkv.errors import InputError
-from ragkv.scheduler import Busy
+from ragkv.core.config import AskSettings, DecodeSettings
+from ragkv.core.errors import InputError
+from ragkv.engine.scheduler import Busy
+from ragkv.kv import cache as kv
 from tests.conftest import QUESTIONS, flip_bit_of_entry
 
 MIXED = [  # different contexts, prompt lengths, answer lengths and paths
@@ -204,7 +204,7 @@ def test_a_turn_that_cannot_start_decoding_fails_alone_and_the_batch_goes_on(eng
 
 
 def test_a_prefill_that_fails_fails_its_turn_alone(engine, monkeypatch):
-    from ragkv import scheduler
+    from ragkv.engine import scheduler
 
     long_alone = engine.ask(QUESTIONS[0], max_new_tokens=30).token_ids
     real_prefill = scheduler.prefill
@@ -269,7 +269,7 @@ def test_questions_over_one_context_admitted_together_prefill_its_later_chunks_o
     """Three turns over the same top-3 context join in one step: the first prefills the chunks
     after the stored first one, the others take them from the prefix cache as their own prefill
     starts (before: each prefilled them), and every answer equals asking alone."""
-    from ragkv.prefix_cache import PrefixCache
+    from ragkv.modes.prefix_cache import PrefixCache
 
     settings = _settings(dict(max_new_tokens=8, top_k=3))
     question = "How do I rotate the API key?"

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ragkv.errors import StoreCorruptError
+from ragkv.core.errors import StoreCorruptError
 from ragkv.store import StoreWriter, collect_garbage, open_snapshot, segments, vectors, verify
 from ragkv.store.catalog import ChunkRow, DocumentRow
 from ragkv.store.generations import manifest_path, read_current

@@ -13,7 +13,7 @@ import pytest
 from openai import OpenAI
 
 import ragkv
-from ragkv.config import ModelSettings
+from ragkv.core.config import ModelSettings
 from ragkv.store import open_snapshot
 from tests.conftest import QUESTIONS, run_cli, running_server
 
@@ -277,7 +277,7 @@ def test_a_chunk_without_kv_is_computed_then_kept_in_ram(served):
 
 
 def test_a_chat_request_is_one_settings_value_for_both_fronts():
-    from ragkv.api import ChatRequest
+    from ragkv.serve.api import ChatRequest
 
     body = ChatRequest.model_validate(
         {
@@ -297,10 +297,10 @@ def test_a_chat_request_is_one_settings_value_for_both_fronts():
 def test_every_front_checks_its_options_in_one_place():
     from pydantic import ValidationError
 
-    from ragkv.api import ChatRequest
-    from ragkv.config import AskSettings
-    from ragkv.errors import InputError
+    from ragkv.core.config import AskSettings
+    from ragkv.core.errors import InputError
     from ragkv.integrations.adapter import AnswerOptions
+    from ragkv.serve.api import ChatRequest
 
     # The same bad option is refused with the same message by the CLI's, the adapters' and the
     # OpenAI fronts' settings: AskSettings is the one check.

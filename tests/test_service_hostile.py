@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 import ragkv
-from ragkv.config import ModelSettings
+from ragkv.core.config import ModelSettings
 from tests.conftest import QUESTIONS, running_server
 
 LONG = 1000  # max_tokens of a request that would run for thousands of steps if nobody cut it
@@ -199,7 +199,7 @@ def test_the_guard_answers_503_with_retry_after_past_its_in_flight_limit_but_let
     ragkv's 503 (uvicorn's own limit would answer a bare one, with no Retry-After)."""
     import asyncio
 
-    from ragkv.guard import RequestGuard
+    from ragkv.serve.guard import RequestGuard
 
     async def scenario() -> list[httpx.Response]:
         held, release = asyncio.Semaphore(0), asyncio.Event()

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import ragkv
-from ragkv import codec
-from ragkv.config import AskSettings
+from ragkv.core.config import AskSettings
+from ragkv.kv import codec
 from ragkv.store import open_snapshot, verify
 from ragkv.store.gc import drop_dead, maintaining
 from tests.conftest import build_store, run_cli

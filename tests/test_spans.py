@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 
 import ragkv
-from ragkv import spans
-from ragkv.config import AskSettings, IngestSettings
-from ragkv.errors import InputError
-from ragkv.keys import KVKey, Profile
+from ragkv.core.config import AskSettings, IngestSettings
+from ragkv.core.errors import InputError
+from ragkv.core.keys import KVKey, Profile
+from ragkv.kv import spans
 from ragkv.store import open_snapshot
 from tests.conftest import build_store, flip_bit_of_entry, run_cli
 

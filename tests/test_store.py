@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from ragkv.errors import (
+from ragkv.core.errors import (
     InputError,
     StoreCorruptError,
     StoreEmptyError,
@@ -22,7 +22,7 @@ from ragkv.errors import (
     StoreNotFoundError,
     StoreWriteError,
 )
-from ragkv.keys import KVKey, Profile
+from ragkv.core.keys import KVKey, Profile
 from ragkv.store import Catalog, ShardReader, ShardWriter, StoreWriter, open_snapshot
 from ragkv.store.generations import read_current
 from tests.conftest import flip_bit_of_entry

@@ -22,9 +22,9 @@ import pytest
 import torch
 
 import ragkv
-from ragkv import codec
-from ragkv.config import AskSettings
-from ragkv.keys import KVKey
+from ragkv.core.config import AskSettings
+from ragkv.core.keys import KVKey
+from ragkv.kv import codec
 from ragkv.store import open_snapshot, verify
 from ragkv.store.popularity import HITS_DIR
 from tests import vllm_probe
@@ -101,9 +101,9 @@ def test_vllm_stores_what_it_computes_and_logs_each_use(sample_store, lazy_sampl
     """A chunk the store lacks: vLLM prefills it, the connector saves exactly its token range
     through the write-back, and the next request loads it. The saved KV agrees with
     transformers' (float32), and ragkv's own engine answers from it token-identically."""
-    from ragkv.api import ServeSettings
-    from ragkv.config import AskSettings
-    from ragkv.vllm_front import _layout_params
+    from ragkv.core.config import AskSettings
+    from ragkv.serve.api import ServeSettings
+    from ragkv.serve.vllm_front import _layout_params
 
     full_store, _ = sample_store
     store = tmp_path / "store"
@@ -169,8 +169,8 @@ def test_vllm_learns_every_missing_chunk_of_a_span(tmp_path):
     has vLLM prefill it, and the connector saves each of its chunks under ingest's chained
     key, equal to ingest's KV within cross-engine tolerance; the next request loads them all,
     and ragkv's own engine answers from them token-identically."""
-    from ragkv.api import ServeSettings
-    from ragkv.vllm_front import _layout_params
+    from ragkv.serve.api import ServeSettings
+    from ragkv.serve.vllm_front import _layout_params
 
     spans_args = ["--chunk-tokens", "64", "--span-tokens", "512", "--device", "cpu"]
     full, store = tmp_path / "full", tmp_path / "lazy"
@@ -360,8 +360,8 @@ def test_vllm_on_an_s3_store_ingests_and_learns_through_the_fold(sample_store, s
     the published store unchanged. A second replica, on another machine, loads that pending
     KV instead of computing it again (first tokens equal to vLLM's own full prefill's), and
     `ragkv fold` stores each chunk once, with both replicas' uses."""
-    from ragkv.api import ServeSettings
-    from ragkv.vllm_front import _layout_params
+    from ragkv.serve.api import ServeSettings
+    from ragkv.serve.vllm_front import _layout_params
     from tests import s3server
     from tests.conftest import fresh_home
 

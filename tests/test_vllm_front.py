@@ -7,9 +7,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 import ragkv
-from ragkv.api import ChatRequest, ServeSettings
-from ragkv.config import AskSettings
-from ragkv.vllm_front import build_front_app, completion_payload, refuse_unsupported
+from ragkv.core.config import AskSettings
+from ragkv.serve.api import ChatRequest, ServeSettings
+from ragkv.serve.vllm_front import build_front_app, completion_payload, refuse_unsupported
 from tests.conftest import QUESTIONS
 
 UNREACHABLE = "http://127.0.0.1:9"  # nothing listens: a request that got this far would fail
@@ -28,7 +28,7 @@ def front(tiny_store):
         ({"mode": "approximate"}, "ragkv.mode"),
         ({"repetition_penalty": 1.3}, "ragkv.repetition_penalty"),
         ({"no_repeat_ngram": 3}, "ragkv.no_repeat_ngram"),
-        ({"rerank": 10}, "ragkv.rerank"),
+        ({"rerank": 10}, "ragkv.retrieval.rerank"),
     ],
 )
 def test_an_option_vllm_cannot_honour_is_a_400_naming_it(front, options, named):
@@ -65,7 +65,7 @@ def test_vllm_is_started_on_the_store_as_named_with_the_replica_s_pending_option
     options that make the replica leave its KV pending within its bound."""
     import json
 
-    from ragkv.vllm_front import VllmServer
+    from ragkv.serve.vllm_front import VllmServer
 
     def connector_config(store: str) -> dict:
         server = VllmServer("python", "model", "float32", store, 8100, (), True, {"pending_bytes": 5 << 20})

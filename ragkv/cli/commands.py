@@ -1,6 +1,6 @@
 """The `ragkv` command: a thin layer over the library. Each command parses its options,
 calls one library function and prints the result; errors become one line and an exit code
-in one place (`ragkv.command.CommandGroup`)."""
+in one place (`ragkv.cli.app.CommandGroup`)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from ragkv import output as text
-from ragkv.cli_options import (
+import ragkv.cli.output as text
+from ragkv.cli.app import new_app, quiet_libraries
+from ragkv.cli.options import (
     ApeScaleOption,
     DeviceOption,
     DtypeChoiceOption,
@@ -29,14 +30,13 @@ from ragkv.cli_options import (
     retrieval_options,
     runner_options,
 )
-from ragkv.cli_serve import serve_options, vllm_front_options
-from ragkv.command import new_app, quiet_libraries
-from ragkv.config import AskSettings, SearchSettings
-from ragkv.errors import InputError
+from ragkv.cli.serve import serve_options, vllm_front_options
+from ragkv.core.config import AskSettings, SearchSettings
+from ragkv.core.errors import InputError
 
 if TYPE_CHECKING:
-    from ragkv.api import ServeSettings
-    from ragkv.cli_serve import VllmFront
+    from ragkv.cli.serve import VllmFront
+    from ragkv.serve.api import ServeSettings
 
 
 app = new_app(
@@ -80,7 +80,7 @@ def ingest(
     import dataclasses
 
     import ragkv
-    from ragkv.config import parse_precompute, parse_size
+    from ragkv.core.config import parse_precompute, parse_size
     from ragkv.pipelines.progress import default_reporter
 
     model_settings, ingest_settings = settings
@@ -176,7 +176,7 @@ def verify(
     json_out: bool = JsonOption,
 ):
     """Check every KV entry's checksum, every chunk's link, and the vector index. Exit 4 on problems."""
-    from ragkv.config import resolve_device
+    from ragkv.core.config import resolve_device
     from ragkv.store import open_snapshot
     from ragkv.store import verify as verify_store
 
@@ -264,7 +264,7 @@ def search(
     --file, many questions are searched in one process (evaluations, batch jobs)."""
     quiet_libraries()
     import ragkv
-    from ragkv.batch import Question, read_questions, search_all
+    from ragkv.engine.batch import Question, read_questions, search_all
 
     if (question is None) == (questions_file is None):
         raise InputError("give a question or --file questions.jsonl (one of the two)")
@@ -290,7 +290,7 @@ def _check_filter_fields(store: str, settings: SearchSettings) -> None:
     """A filter naming a field no document of the store has is refused before any model loads."""
     if not settings.filters:
         return
-    from ragkv.filters import check_fields
+    from ragkv.core.filters import check_fields
     from ragkv.store import open_snapshot
 
     with open_snapshot(store, require_documents=False) as snapshot:
@@ -319,7 +319,7 @@ def batch(
     does): each answer equals `ragkv ask`'s, and is counted and logged like one."""
     quiet_libraries()
     import ragkv
-    from ragkv.batch import read_questions, run_batch
+    from ragkv.engine.batch import read_questions, run_batch
     from ragkv.pipelines.progress import default_reporter
 
     if max_batch < 1:
@@ -404,11 +404,11 @@ def serve(
     /v1/retrieve, /v1/models, /healthz, /metrics. Picks up re-indexed generations live."""
     quiet_libraries()
     import ragkv
-    from ragkv.service import serve as serve_engine
+    from ragkv.serve.service import serve as serve_engine
 
     announce = lambda line: typer.echo(line, err=True)  # noqa: E731
     if front is not None:
-        from ragkv.vllm_front import serve_on_vllm
+        from ragkv.serve.vllm_front import serve_on_vllm
 
         with ragkv.open(store, model=model, device="cpu", weights=False) as engine:
             serve_on_vllm(engine, store, settings, front.python, front.port, front.args, announce)
@@ -458,7 +458,7 @@ def budget(
 ):
     """Show or change the store's KV budget. A smaller budget evicts the least-asked chunks' KV now
     (LFU with ageing: each question adds 1, halving every 7 days); they are computed again on a miss."""
-    from ragkv.config import parse_size
+    from ragkv.core.config import parse_size
     from ragkv.store.budget import budget_status, set_budget
 
     if size is None:
@@ -487,7 +487,7 @@ def _echo(lines: list[str], err: bool = False) -> None:
 
 
 def _print(report: dict, json_out: bool, lines) -> None:
-    """A report as one JSON object (--json), or as the `lines` (a ragkv.output function) of it."""
+    """A report as one JSON object (--json), or as the `lines` (a ragkv.cli.output function) of it."""
     _echo([json.dumps(report)] if json_out else lines(report))
 
 

@@ -10,15 +10,15 @@ from typing import Any
 
 from pydantic import BaseModel, model_validator
 
-from ragkv.answer import SECTION_SEPARATOR, Answer, AnswerStream, cite
-from ragkv.config import (
+from ragkv.core.config import (
     DEFAULT_NO_REPEAT_NGRAM,
     DEFAULT_REPETITION_PENALTY,
     DEFAULT_RERANK,
     DEFAULT_RETRIEVAL,
     AskSettings,
 )
-from ragkv.errors import InputError
+from ragkv.core.errors import InputError
+from ragkv.engine.answer import SECTION_SEPARATOR, Answer, AnswerStream, cite
 
 IDENTITY = "ragkv"  # the metadata key under which results carry a chunk's identity
 
@@ -133,7 +133,7 @@ def source_texts(engine, answer: Answer, passages: Sequence[str]) -> list[tuple[
     (read between two steps, which own the catalog), passages' from `passages`."""
     stored = [s.chunk_id for s in answer.sources if s.chunk_id >= 0]
     texts = engine.engine.call(engine.snapshot.catalog.documents.chunk_texts, stored) if stored else {}
-    # A passage's Source has chunk id -1 - its index (see ragkv.retrieval.live_rows).
+    # A passage's Source has chunk id -1 - its index (see ragkv.retrieval.retriever.live_rows).
     return [(s, texts.get(s.chunk_id, "") if s.chunk_id >= 0 else passages[-1 - s.chunk_id]) for s in answer.sources]
 
 
@@ -165,7 +165,7 @@ _OPERATORS = {"$eq": "=", "$ne": "!=", "$gt": ">", "$gte": ">=", "$lt": "<", "$l
 
 def filters_from_mapping(where: Mapping[str, Any] | None) -> tuple[str, ...]:
     """A vector store's filter dict, as LangChain's retrievers take it (`{"year": 2025}`,
-    `{"year": {"$gte": 2025}}`, `{"$and": [...]}`), as ragkv filters (ragkv.filters). Only
+    `{"year": {"$gte": 2025}}`, `{"$and": [...]}`), as ragkv filters (ragkv.core.filters). Only
     conjunctions of comparisons have a form there; anything else is an InputError naming it."""
     if not where:
         return ()

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ragkv.errors import MissingExtraError
+from ragkv.core.errors import MissingExtraError
 
 try:
     from langchain_core.callbacks import CallbackManagerForLLMRun, CallbackManagerForRetrieverRun
@@ -38,8 +38,8 @@ try:
 except ModuleNotFoundError as exc:  # said once, naming the extra to install
     raise MissingExtraError("ragkv.integrations.langchain", "langchain", exc.name) from None
 
-from ragkv.config import DEFAULT_RERANK, DEFAULT_RETRIEVAL, AskSettings
-from ragkv.errors import InputError
+from ragkv.core.config import DEFAULT_RERANK, DEFAULT_RETRIEVAL, AskSettings
+from ragkv.core.errors import InputError
 from ragkv.integrations import adapter
 from ragkv.integrations.adapter import IDENTITY, AnswerOptions
 

@@ -18,7 +18,7 @@ import asyncio
 from collections.abc import Generator, Sequence
 from typing import Any
 
-from ragkv.errors import MissingExtraError
+from ragkv.core.errors import MissingExtraError
 
 try:
     from llama_index.core.base.response.schema import Response, StreamingResponse
@@ -30,8 +30,8 @@ try:
 except ModuleNotFoundError as exc:  # said once, naming the extra to install
     raise MissingExtraError("ragkv.integrations.llama_index", "llama-index", exc.name) from None
 
-from ragkv.config import DEFAULT_RERANK, DEFAULT_RETRIEVAL
-from ragkv.errors import InputError
+from ragkv.core.config import DEFAULT_RERANK, DEFAULT_RETRIEVAL
+from ragkv.core.errors import InputError
 from ragkv.integrations import adapter
 from ragkv.integrations.adapter import IDENTITY, AnswerOptions
 
@@ -90,7 +90,7 @@ _OPERATORS = {"==": "=", "!=": "!=", ">": ">", ">=": ">=", "<": "<", "<=": "<="}
 
 def filters_of(filters: MetadataFilters | Sequence[str] | None) -> tuple[str, ...]:
     """LlamaIndex's MetadataFilters (comparisons joined by AND, nested too) as ragkv filters
-    (ragkv.filters); OR, NOT and list operators have no ragkv form: InputError naming them."""
+    (ragkv.core.filters); OR, NOT and list operators have no ragkv form: InputError naming them."""
     if filters is None:
         return ()
     if not isinstance(filters, MetadataFilters):

@@ -35,10 +35,11 @@ from typing import Any
 
 import torch
 
-from ragkv import codec, kv, spans
-from ragkv.errors import InputError, ModelError, StoreCorruptError
-from ragkv.keys import KVKey, Profile
-from ragkv.profiles import candidates, first_matching
+from ragkv.core.errors import InputError, ModelError, StoreCorruptError
+from ragkv.core.keys import KVKey, Profile
+from ragkv.kv import cache as kv
+from ragkv.kv import codec, spans
+from ragkv.model.profiles import candidates, first_matching
 from ragkv.store import EntryRow, open_snapshot
 from ragkv.store.pending import PendingArea, PendingIndex, read_pending
 from ragkv.store.popularity import Use
@@ -154,8 +155,8 @@ class ModelIdentity:
     def of_folder(cls, folder: str | Path, dtype: str) -> ModelIdentity:
         from transformers import AutoTokenizer
 
-        from ragkv.fingerprint import folder_fingerprint
-        from ragkv.model import tokenizer_fingerprint
+        from ragkv.model.fingerprint import folder_fingerprint
+        from ragkv.model.llm import tokenizer_fingerprint
 
         tokenizer = AutoTokenizer.from_pretrained(folder)
         return cls(folder_fingerprint(Path(folder)), tokenizer_fingerprint(tokenizer), dtype, tokenizer)
@@ -297,7 +298,7 @@ class StoreMatcher:
         on, each under the key ingest gives it: what to save. The run ends at a chunk whose ids in the prompt
         are not its link's (or its text's), and after a chunk stored alone; a prompt that opens
         inside a span saves nothing (that KV continues chunks the prompt lacks)."""
-        from ragkv.prompt import encode_text
+        from ragkv.model.prompt import encode_text
 
         targets: list[SaveTarget] = []
         key: KVKey | None = None
@@ -399,7 +400,7 @@ class KVSaver:
         import queue
         import threading
 
-        from ragkv.forward import shard_metadata
+        from ragkv.model.forward import shard_metadata
         from ragkv.store.writeback import WriteBack
 
         self.profile = profile

@@ -66,7 +66,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from ragkv.errors import InputError, ModelError, StoreCorruptError
+from ragkv.core.errors import InputError, ModelError, StoreCorruptError
 from ragkv.integrations.paged import LayoutError, PagedLayout, block_dim_of
 from ragkv.integrations.store_match import (
     TIMINGS_KEPT,
@@ -83,7 +83,7 @@ from ragkv.integrations.store_match import (
     slot_mapping,
 )
 from ragkv.integrations.vllm_load import PagedLoader
-from ragkv.kv_layout import refuse_unless_plain
+from ragkv.kv.layout import refuse_unless_plain
 from ragkv.store import EntryRow
 from ragkv.store.pending import PendingArea, PendingHits, PendingIndex
 from ragkv.store.popularity import HitLog
@@ -167,7 +167,7 @@ class RagkvConnector(KVConnectorBase_V1):
         }
         self._leaves_pending = leaves_pending(store, leave, writer)
         if role == KVConnectorRole.SCHEDULER:
-            from ragkv.prompt import PromptLayout
+            from ragkv.model.prompt import PromptLayout
 
             layout = PromptLayout.build(identity.tokenizer, "")
             self._separator_len = len(layout.separator_ids)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import duckdb
 
-from ragkv.errors import StoreFormatError
+from ragkv.core.errors import StoreFormatError
 from ragkv.store.catalog.documents import Documents
 from ragkv.store.catalog.entries import Entries
 from ragkv.store.catalog.reports import Reports

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 
 import pyarrow as pa
 
-from ragkv.filters import Filter
+from ragkv.core.filters import Filter
 from ragkv.store.catalog.part import Part
 from ragkv.store.catalog.rows import ChunkRow, DocumentRow, pages_of
 
@@ -148,7 +148,7 @@ class Documents(Part):
         return sorted(r[0] for r in rows)
 
     def chunk_ids_matching(self, conditions: Sequence[Filter]) -> list[int]:
-        """The chunks of the documents matching every condition (ragkv.filters; values are
+        """The chunks of the documents matching every condition (ragkv.core.filters; values are
         bound as parameters, fields are column names or metadata keys checked by the parser)."""
         clauses, params = [], []
         for condition in conditions:

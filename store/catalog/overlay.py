@@ -23,7 +23,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from ragkv.errors import StoreFormatError
+from ragkv.core.errors import StoreFormatError
 
 # Every table with the columns that identify a row.
 TABLE_KEYS: dict[str, tuple[str, ...]] = {

@@ -23,7 +23,7 @@ class ProfileRow:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    kv_layout: str | None = None  # ragkv.kv_layout.KVLayout.to_string(); None: written before, plain
+    kv_layout: str | None = None  # ragkv.kv.layout.KVLayout.to_string(); None: written before, plain
     self_check: str | None = None  # the self-test the profile's first ingest ran (JSON); None: none ran
 
     COLUMNS = (

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
-from ragkv.errors import StoreFormatError
-from ragkv.formats import __version__
+from ragkv.core.errors import StoreFormatError
+from ragkv.core.formats import __version__
 from ragkv.store.catalog.overlay import Overlay
 
 FORMAT_VERSION = 1
@@ -73,8 +73,8 @@ MIGRATIONS: list[tuple[str, str]] = [
         _add_columns(_CHUNK_PLACES),
     ),
     (
-        # What a profile's cache holds per layer (ragkv.kv_layout.KVLayout.to_string) and the
-        # self-test its first ingest ran (ragkv.self_check): NULL for profiles written before,
+        # What a profile's cache holds per layer (ragkv.kv.layout.KVLayout.to_string) and the
+        # self-test its first ingest ran (ragkv.model.self_check): NULL for profiles written before,
         # whose KV is of the plain layout (every layer full attention, one width).
         "0005_profile_checks",
         _add_columns(_PROFILE_CHECKS),

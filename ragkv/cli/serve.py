@@ -1,0 +1,172 @@
+"""`ragkv serve`'s options: the service's settings (`serve_options`, building `ServeSettings`)
+and the engine in front of which it serves (`vllm_front_options`, building a `VllmFront`)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import typer
+
+from ragkv.cli.app import OptionGroup
+from ragkv.cli.options import VllmPythonOption
+from ragkv.core.config import parse_size
+from ragkv.core.errors import InputError
+
+
+def _serve_settings(**values):
+    from ragkv.serve.api import ServeSettings
+
+    return ServeSettings(
+        **{
+            **values,
+            "api_key": values["api_key"] or None,
+            "pending_bytes": parse_size(values["pending_bytes"], "--pending-bytes"),
+        }
+    )
+
+
+serve_options = OptionGroup(
+    "settings",
+    (
+        ("host", str, typer.Option("127.0.0.1", "--host", help="Address to bind (loopback unless you say otherwise).")),
+        ("port", int, typer.Option(8000, "--port", help="TCP port.")),
+        (
+            "api_key",
+            str | None,
+            typer.Option(
+                None, "--api-key", envvar="RAGKV_API_KEY", help="Require Authorization: Bearer KEY (env RAGKV_API_KEY)."
+            ),
+        ),
+        (
+            "max_queue",
+            int,
+            typer.Option(16, "--max-queue", help="Requests that may wait to join the batch; more get 503."),
+        ),
+        (
+            "max_batch",
+            int,
+            typer.Option(
+                16,
+                "--max-batch",
+                help="Requests decoded together (continuous batching: each "
+                "forward advances every running answer by one token).",
+            ),
+        ),
+        (
+            "max_batch_tokens",
+            int,
+            typer.Option(
+                32768,
+                "--max-batch-tokens",
+                help="KV tokens the running batch may hold (rows x the longest prompt + "
+                "answer); requests beyond it wait. Bounds memory.",
+            ),
+        ),
+        (
+            "prefill_chunk",
+            int,
+            typer.Option(
+                256,
+                "--prefill-chunk",
+                help="Prompt tokens a request prefills per step, so a long prefill never stalls running streams.",
+            ),
+        ),
+        ("max_tokens_cap", int, typer.Option(1024, "--max-tokens-cap", help="Largest max_tokens a request gets.")),
+        (
+            "write_back",
+            bool,
+            typer.Option(
+                True,
+                "--write-back/--no-write-back",
+                help="Store the KV computed for a retrieved chunk the store lacks (in the "
+                "background, within the KV budget), so the next question that uses it "
+                "loads it. --no-write-back leaves the store as it is.",
+            ),
+        ),
+        (
+            "pending_bytes",
+            str,
+            typer.Option(
+                "1GiB",
+                "--pending-bytes",
+                help="On an S3 store, which replicas read but never write: the most computed KV this "
+                "replica leaves pending for the writer's fold (its oldest goes first).",
+            ),
+        ),
+        (
+            "leave_pending",
+            bool,
+            typer.Option(
+                False,
+                "--leave-pending",
+                help="On a folder store shared by replicas on several machines: leave computed KV "
+                "pending for the --writer replica's fold, as on S3, instead of taking the store's lock.",
+            ),
+        ),
+        (
+            "writer",
+            bool,
+            typer.Option(
+                False,
+                "--writer/--no-writer",
+                help="This replica is the store's one writer: every --fold-every seconds it folds what "
+                "the replicas left pending (computed KV, hit logs) into a new generation, which each "
+                "picks up on its next request. Start one per store (or run `ragkv fold` from cron).",
+            ),
+        ),
+        ("fold_every_s", float, typer.Option(60.0, "--fold-every", help="--writer: seconds between folds.")),
+    ),
+    _serve_settings,
+)
+
+
+@dataclass(frozen=True)
+class VllmFront:
+    """`serve --engine vllm`: the python that has vLLM, the port it listens on, more arguments."""
+
+    python: str
+    port: int
+    args: str
+
+
+def _vllm_front(engine_name: str, vllm_python: str | None, vllm_port: int, vllm_args: str | None) -> VllmFront | None:
+    if engine_name == "ragkv":
+        return None
+    if engine_name != "vllm":
+        raise InputError(f"unknown --engine {engine_name!r}; use ragkv or vllm")
+    return VllmFront(vllm_python or sys.executable, vllm_port, vllm_args or "")
+
+
+vllm_front_options = OptionGroup(
+    "front",
+    (
+        (
+            "engine_name",
+            str,
+            typer.Option(
+                "ragkv",
+                "--engine",
+                help="ragkv (this process runs the model) or vllm (a vLLM server runs it, loading the store's KV "
+                "through the ragkv connector; ragkv retrieves and lays out the prompt in front, with the same API).",
+            ),
+        ),
+        ("vllm_python", str | None, VllmPythonOption),
+        (
+            "vllm_port",
+            int,
+            typer.Option(8100, "--vllm-port", help="--engine vllm: the port vLLM listens on (loopback)."),
+        ),
+        (
+            "vllm_args",
+            str | None,
+            typer.Option(
+                None,
+                "--vllm-args",
+                help="--engine vllm: more arguments for vLLM's server, e.g. \"--max-model-len 4096 "
+                '--gpu-memory-utilization 0.8".',
+            ),
+        ),
+    ),
+    _vllm_front,
+)

@@ -1,0 +1,199 @@
+"""Multi-turn conversations over one retrieved context. The first turn retrieves and loads the
+chunk KV; every later turn keeps the cache of everything before it (system, context, earlier
+questions and answers) and prefills only the new message and the template around it.
+
+The conversation is defined by token ids, answers included as generated, so turn N's cached
+answer equals a full prefill of the whole conversation so far (float32).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ragkv.core.config import AskSettings, DecodeSettings
+from ragkv.core.errors import InputError, RagkvError
+from ragkv.core.text import check_text
+from ragkv.engine.answer import Answer, AnswerStream, Source, Stats
+from ragkv.engine.runtime import Prepared, Runtime
+from ragkv.kv import cache as kv
+from ragkv.model.generate import Generated
+from ragkv.model.prompt import encode_text
+from ragkv.modes.ape import Scaling
+from ragkv.modes.blend import Recompute
+
+
+@dataclass
+class TurnPlan:
+    """One turn's generation: prefill `live_ids` on top of `cache`, decode up to `budget`."""
+
+    message: str
+    cache: Any  # the conversation's cache (batch 1), holding prompt_ids[:num_cached]
+    live_ids: list[int]
+    budget: int
+    after_prefill: Callable[[object], None] | None
+    stats: Stats
+    start: float  # the caller's clock when the turn began
+    prompt_ids: list[int]  # the whole conversation up to the answer
+    attention: Scaling | None = None  # ape: how the turn's tokens attend to the context
+    catch_up: Callable[[object], int] | None = None  # see Assembly.catch_up (the first turn's)
+    recompute: Recompute | None = None  # query: context tokens its prefill recomputes (Assembly.recompute)
+
+
+class Streams(Protocol):
+    """What runs a conversation's turns: the engine (ragkv.engine.engine.Engine)."""
+
+    def stream(
+        self, conversation: Conversation, message: str, max_new_tokens: int, decoding: DecodeSettings
+    ) -> AnswerStream: ...
+
+
+@dataclass
+class Turn:
+    message: str
+    ids: list[int]  # the ids this turn added before its answer (message and template)
+    answer_ids: list[int]
+
+
+class Conversation:
+    """Use `engine.conversation()`; then `ask` (or `stream`) once per user message. Its turns
+    run on the engine that opened it, batched with whatever else that engine answers."""
+
+    def __init__(self, runtime: Runtime, settings: AskSettings, engine: Streams | None = None):
+        self.runtime = runtime
+        self.settings = settings
+        self.engine = engine
+        self.reset()
+
+    def ids(self) -> list[int]:
+        """The whole conversation so far, as the model sees it."""
+        ids = list(self.context_ids)
+        for turn in self.turns:
+            ids += turn.ids + turn.answer_ids
+        return ids
+
+    def ask(self, message: str, max_new_tokens: int | None = None, decoding: DecodeSettings | None = None) -> Answer:
+        return self.stream(message, max_new_tokens, decoding).drain()
+
+    def stream(
+        self, message: str, max_new_tokens: int | None = None, decoding: DecodeSettings | None = None
+    ) -> AnswerStream:
+        """This turn's answer as it is generated; `max_new_tokens` and `decoding` default to
+        the conversation's settings."""
+        if not message.strip():
+            raise InputError("the message is empty; say something")
+        if self.engine is None:
+            raise RagkvError("this conversation has no engine to run on; open it with engine.conversation()")
+        return self.engine.stream(
+            self, message, max_new_tokens or self.settings.max_new_tokens, decoding or self.settings.decoding
+        )
+
+    def replay(self, message: str, answer: str) -> None:
+        """Add an earlier turn as a client remembers it (its answer as text; nothing is
+        generated). Its tokens are prefilled with the next message."""
+        check_text(message, "a message")
+        check_text(answer, "an answer")
+        runtime = self.runtime
+        if not self.turns:
+            prepared = runtime.prepare(message, self.settings)
+            self._open_context(prepared)
+            new_ids = prepared.question_ids
+        else:
+            new_ids = runtime.active.layout.turn_ids(runtime.lm.tokenizer, message)
+        self.turns.append(Turn(message, new_ids, encode_text(runtime.lm.tokenizer, answer)))
+
+    def reset(self) -> None:
+        """Forget everything: the next message retrieves again."""
+        self.turns: list[Turn] = []
+        self.context_ids: list[int] = []  # prefix + retrieved chunks
+        self.sources: list[Source] = []
+        self.cache: Any = None  # holds the KV of ids()[:cached length]
+        self.attention: Scaling | None = None  # ape: how the turns attend to the context
+        self.recompute: Recompute | None = None  # query: what the next prefill recomputes of the context
+        self._stored_context: int = 0  # leading context tokens whose KV came from the store
+
+    def begin_turn(self, message: str, max_new_tokens: int) -> TurnPlan:
+        """Add `message` as the next turn and say what generating its answer takes: prefill
+        `live_ids` on top of `cache` (this conversation's cache, which the caller grows), then
+        decode up to `budget` tokens. The first turn retrieves and assembles the context.
+        Finish with `end_turn`."""
+        check_text(message, "the message")
+        start = time.perf_counter()
+        runtime = self.runtime
+        after_prefill = catch_up = None
+        if not self.turns:  # the counts come from assembling the context
+            prepared = self.runtime.prepare(message, self.settings)
+            self._open_context(prepared)
+            new_ids, after_prefill, stats = prepared.question_ids, prepared.assembly.after_prefill, prepared.stats
+            catch_up = prepared.assembly.catch_up
+            live_ids = prepared.live_ids
+            self.turns.append(Turn(message, new_ids, []))
+        else:
+            stats = runtime.new_stats(self.settings)
+            new_ids = runtime.active.layout.turn_ids(runtime.lm.tokenizer, message)
+            self._fit(len(new_ids) + max_new_tokens, stats)
+            self.turns.append(Turn(message, new_ids, []))
+            cached = kv.num_cached(self.cache)
+            live_ids = self.ids()[cached:]
+            stats.reused_tokens = cached
+            stats.computed_tokens = len(live_ids)
+        conversation = self.ids()
+        budget = runtime.fit_budget(len(conversation), max_new_tokens, stats)
+        recompute, self.recompute = self.recompute, None  # the first prefill after the context takes it
+        return TurnPlan(
+            message,
+            self.cache,
+            live_ids,
+            budget,
+            after_prefill,
+            stats,
+            start,
+            conversation,
+            self.attention,
+            catch_up,
+            recompute,
+        )
+
+    def end_turn(self, plan: TurnPlan, done: Generated, cache=None) -> Answer:
+        """Record the turn's answer (`done`); `cache`, when given, replaces the conversation's
+        cache (it must hold the conversation's KV so far, as `plan.cache` would)."""
+        if cache is not None:
+            self.cache = cache
+        self.turns[-1].answer_ids = list(done.token_ids)
+        plan.stats.record(done, plan.start)
+        self.runtime.savings.add(plan.stats)
+        return Answer(plan.message, done.text, done.token_ids, self.sources, plan.stats, plan.prompt_ids)
+
+    def _open_context(self, prepared: Prepared) -> None:
+        """Take the first message's retrieved context and its assembled cache."""
+        self.context_ids = prepared.prompt_ids[: len(prepared.prompt_ids) - len(prepared.question_ids)]
+        self.sources = prepared.sources()
+        self.cache = prepared.assembly.cache
+        self.attention = prepared.assembly.attention
+        self.recompute = prepared.assembly.recompute
+        self._stored_context = prepared.assembly.num_cached
+
+    def _fit(self, needed: int, stats: Stats) -> None:
+        """Drop the oldest turns until the conversation plus `needed` tokens fits the context,
+        then rebuild the cache from the stored context and re-prefill the rest (said in stats)."""
+        room = self.runtime.lm.facts.max_context
+        dropped = 0
+        while self.turns and len(self.ids()) + needed > room:
+            self.turns.pop(0)
+            dropped += 1
+        if not dropped:
+            return
+        if self.turns:  # the oldest kept turn now follows the context: it opens with the question head
+            first = self.turns[0]
+            layout = self.runtime.active.layout
+            question = first.ids[len(layout.turn_head_ids or ()) :]
+            first.ids = [*layout.question_head_ids, *question]
+        if len(self.ids()) + needed > room:
+            raise InputError("the context and this message do not fit the model's context; start a new conversation")
+        kv.crop(self.cache, self._stored_context)
+        stats.warnings.append(
+            f"dropped the {dropped} oldest turn(s) to fit the model's context; "
+            "re-prefilled the rest of the conversation"
+        )

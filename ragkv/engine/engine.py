@@ -1,0 +1,266 @@
+"""The one engine every question goes through: `ask`, `stream`, conversations, `ragkv batch`,
+`ragkv serve` and the framework adapters all add requests to one `Scheduler` and wait for
+them, so whatever runs at the same time decodes together.
+
+Who runs the steps:
+- nobody asked for a thread (the Python API, `ragkv ask`): a caller waiting for its answer
+  steps the scheduler in its own thread, while no other caller does (a lock). Alone, that is
+  the plain prefill-then-decode loop; several threads asking at once take turns stepping and
+  share each step's forward.
+- `start()` (a `Batcher`, `ragkv serve`): a background thread steps while there is work, and
+  callers only wait. `stop()` finishes what is queued, then ends the thread.
+A stream left before its end cancels its request; the request's row leaves at the next step
+(its conversation keeps the turn, cut short).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Generator
+from concurrent.futures import Future
+
+from ragkv.core.config import AskSettings, DecodeSettings
+from ragkv.core.errors import InputError
+from ragkv.core.text import check_text
+from ragkv.engine.answer import Answer, AnswerStream
+from ragkv.engine.conversation import Conversation
+from ragkv.engine.runtime import Runtime
+from ragkv.engine.scheduler import BatchSettings, Scheduler, Ticket
+
+RATE_WINDOW_S = 10.0  # tokens_per_s looks this far back
+
+
+class Engine:
+    """One runtime's requests, stepped by whoever waits for them (see the module docstring)."""
+
+    def __init__(self, runtime: Runtime, settings: BatchSettings | None = None):
+        self.runtime = runtime
+        self.scheduler = Scheduler(runtime, settings)
+        self._step_lock = threading.Lock()  # one step at a time, in whichever thread
+        self._stepper: int | None = None  # the thread inside a step
+        self._progress = threading.Condition()  # notified after every step and when the lock frees
+        self._thread: threading.Thread | None = None
+        self._users = 0  # start() calls not yet stopped
+        self._stopping = False
+        self._rate: deque[tuple[float, int]] = deque()  # (when, tokens generated) over the window
+
+    # -- requests --------------------------------------------------------------------------
+    def submit(
+        self,
+        conversation: Conversation | Callable[[], Conversation],
+        message: str,
+        max_new_tokens: int,
+        decoding: DecodeSettings,
+        on_text: Callable[[str], None] | None = None,
+    ) -> Ticket:
+        """Queue the next turn of `conversation` (or of the one a factory returns once the turn is
+        admitted); see `Scheduler.add_request`. Without a background thread, wait for it with
+        `wait(ticket.future)`, which steps."""
+        ticket = self.scheduler.add_request(conversation, message, max_new_tokens, decoding, on_text)
+        self._notify()
+        return ticket
+
+    def call(self, fn: Callable, *args):
+        """`fn(*args)` run between two steps (work that must not overlap the model's: retrieval,
+        the catalog); returns its result."""
+        return self.wait(self.call_soon(fn, *args))
+
+    def call_soon(self, fn: Callable, *args) -> Future:
+        """`call`, without waiting: a future of its result."""
+        future = self.scheduler.call(fn, *args)
+        self._notify()
+        return future
+
+    def wait(self, future: Future):
+        """The future's result, stepping the scheduler meanwhile where nobody else does."""
+        self._advance(future.done)
+        return future.result()
+
+    def stream(
+        self,
+        conversation: Conversation | Callable[[], Conversation],
+        message: str,
+        max_new_tokens: int,
+        decoding: DecodeSettings,
+    ) -> AnswerStream:
+        """The turn's answer as it is generated (iterate it; then `.result()`). The request is
+        queued when iteration starts: a stream never iterated costs nothing."""
+        if not check_text(message, "the message").strip():
+            raise InputError("the message is empty; say something")
+        return AnswerStream(self._follow(conversation, message, max_new_tokens, decoding))
+
+    def ask_stream(self, question: str, settings: AskSettings) -> AnswerStream:
+        """A new question: retrieve, load the stored KV, prefill the rest, generate."""
+        if not question.strip():
+            raise InputError("the question is empty; ask something")
+        return self.stream(
+            lambda: Conversation(self.runtime, settings, self), question, settings.max_new_tokens, settings.decoding
+        )
+
+    def ask(self, question: str, settings: AskSettings) -> Answer:
+        return self.ask_stream(question, settings).drain()
+
+    def _follow(
+        self,
+        conversation: Conversation | Callable[[], Conversation],
+        message: str,
+        max_new_tokens: int,
+        decoding: DecodeSettings,
+    ) -> Generator[str, None, Answer]:
+        deltas: deque[str] = deque()  # appended in the stepping thread
+        ticket = self.submit(conversation, message, max_new_tokens, decoding, deltas.append)
+        try:
+            while True:
+                while deltas:
+                    yield deltas.popleft()
+                if ticket.future.done():
+                    break
+                self._advance(lambda: bool(deltas) or ticket.future.done())
+        except GeneratorExit:  # the caller left the stream: free its row
+            ticket.cancel()
+            self._notify()
+            if self._stepper != threading.get_ident():  # not closed from inside a step (by the collector)
+                self._advance(ticket.future.done)
+            raise
+        return ticket.result()
+
+    # -- who steps -------------------------------------------------------------------------
+    def _advance(self, until: Callable[[], bool]) -> None:
+        """Return once `until()` holds: step in this thread while no other thread steps."""
+        while not until():
+            if self._thread is None and self._step_lock.acquire(blocking=False):
+                try:
+                    while not until() and self._thread is None:
+                        self._step()
+                finally:
+                    self._step_lock.release()
+                    self._notify()
+            else:
+                with self._progress:
+                    self._progress.wait_for(lambda: until() or (self._thread is None and not self._step_lock.locked()))
+
+    def _step(self) -> None:
+        self._stepper = threading.get_ident()
+        try:
+            self.scheduler.step()
+        finally:
+            self._stepper = None
+        now = time.monotonic()
+        self._rate.append((now, self.scheduler.tokens_generated))
+        while self._rate and now - self._rate[0][0] > RATE_WINDOW_S:
+            self._rate.popleft()
+        self._notify()
+
+    def _notify(self) -> None:
+        with self._progress:
+            self._progress.notify_all()
+
+    def start(self, settings: BatchSettings | None = None, before_admit: Callable[[], None] | None = None) -> None:
+        """Step in a background thread from now on, until as many `stop()` calls as starts.
+        `settings` (the batch's bounds) and `before_admit` (e.g. move to a newer store
+        generation before new turns join) apply from the next step."""
+        with self._progress:
+            if settings is not None:
+                self.scheduler.settings = settings
+            if before_admit is not None:
+                self.scheduler.before_admit = before_admit
+            self._users += 1
+            if self._thread is None:
+                self._stopping = False
+                self._thread = threading.Thread(target=self._loop, name="ragkv-engine", daemon=True)
+                self._thread.start()
+            self._progress.notify_all()
+
+    def stop(self) -> None:
+        """Undo one `start()`; the last finishes what is queued, then ends the thread."""
+        with self._progress:
+            self._users -= 1
+            if self._users > 0 or self._thread is None:
+                return
+            self._stopping = True
+            self._progress.notify_all()
+            thread = self._thread
+        thread.join()
+        with self._progress:
+            self._thread = None
+            self.scheduler.before_admit = None
+            self._progress.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self._progress:
+                self._progress.wait_for(lambda: self._stopping or self.scheduler.has_work)
+                if self._stopping and not self.scheduler.has_work:
+                    return
+            with self._step_lock:
+                self._step()
+
+    # -- what it is doing ------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    def tokens_per_s(self) -> float:
+        """Answer tokens generated per second over the last 10 s."""
+        rate = list(self._rate)
+        if len(rate) < 2 or rate[-1][0] == rate[0][0]:
+            return 0.0
+        return (rate[-1][1] - rate[0][1]) / (rate[-1][0] - rate[0][0])
+
+
+class Batcher:
+    """The engine, stepped by a background thread while this is open: call `ask` or `submit`
+    from any number of threads and their answers decode together. What `engine.batched()`
+    returns; close it (or use `with`) to finish what is queued and stop the thread."""
+
+    def __init__(self, engine: Engine, settings: BatchSettings | None = None):
+        self.engine = engine
+        self._open = True
+        engine.start(settings)
+
+    def ask(self, question: str, settings: AskSettings | None = None, **options) -> Answer:
+        """Answer `question` (options as in `AskSettings`), batched with whatever else runs."""
+        return self.engine.ask(question, settings or AskSettings.from_dict(options))
+
+    def submit(
+        self,
+        conversation: Conversation | Callable[[], Conversation],
+        message: str,
+        max_new_tokens: int,
+        decoding: DecodeSettings,
+        on_text: Callable[[str], None] | None = None,
+    ) -> Ticket:
+        """Queue a turn (see `Engine.submit`); `ticket.result()` waits for its answer."""
+        return self.engine.submit(conversation, message, max_new_tokens, decoding, on_text)
+
+    def call(self, fn: Callable, *args) -> Future:
+        """`fn(*args)` between two steps; a future of its result."""
+        return self.engine.call_soon(fn, *args)
+
+    @property
+    def num_running(self) -> int:
+        return self.engine.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.engine.num_waiting
+
+    def tokens_per_s(self) -> float:
+        return self.engine.tokens_per_s()
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self.engine.stop()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

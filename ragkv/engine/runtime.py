@@ -1,0 +1,146 @@
+"""What every online path answers with: the loaded model and its stored profile, the retriever
+and the KV loader over one open generation, and the prefill accounting since open. `prepare`
+is the one seam a prompt is built through (ask, conversations, the batcher, the fronts)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ragkv.core.config import AskSettings, SearchSettings
+from ragkv.core.errors import InputError
+from ragkv.engine.answer import Savings, Source, Stats
+from ragkv.loading.loader import KVLoader
+from ragkv.model.llm import LoadedModel
+from ragkv.model.profiles import ActiveProfile
+from ragkv.modes import calibration
+from ragkv.modes.assemble import Assembly
+from ragkv.retrieval.rerank import FIRST_WEIGHT, Reranker
+from ragkv.retrieval.retriever import Retrieved, Retriever, SearchResult
+from ragkv.retrieval.search import Searched
+from ragkv.store import Hit, StoreSnapshot
+
+
+@dataclass
+class Prepared:
+    """A question ready to prefill: what `Runtime.prepare` returns."""
+
+    retrieved: Retrieved
+    prompt_ids: list[int]  # the whole prompt
+    question_ids: list[int]  # its tail: the question with its template
+    live_ids: list[int]  # the part to prefill now (after what the assembled cache holds)
+    assembly: Assembly
+    stats: Stats  # what retrieving and loading did (counts, timings, warnings)
+
+    def sources(self) -> list[Source]:
+        return [Source.of(r, score) for r, score in self.retrieved]
+
+
+class Runtime:
+    def __init__(self, lm: LoadedModel, active: ActiveProfile, retriever: Retriever, loader: KVLoader):
+        self.lm = lm
+        self.active = active
+        self.retriever = retriever
+        self.loader = loader
+        self.reranker = Reranker(loader, retriever, FIRST_WEIGHT)
+        self.savings = Savings()  # every answer's prefill accounting, since open
+        self.calibration = calibration.load(retriever.snapshot.catalog.meta(), active.profile.profile_id)
+
+    @property
+    def snapshot(self) -> StoreSnapshot:
+        return self.retriever.snapshot
+
+    def switch(self, snapshot: StoreSnapshot) -> None:
+        """Answer from `snapshot` from now on."""
+        self.retriever.switch(snapshot)
+        self.loader.switch(snapshot)
+        self.calibration = calibration.load(snapshot.catalog.meta(), self.active.profile.profile_id)
+
+    def new_stats(self, settings: AskSettings) -> Stats:
+        return Stats(mode=self._mode(settings), store_generation=self.snapshot.generation)
+
+    @staticmethod
+    def _mode(settings: AskSettings) -> str:
+        return settings.mode if settings.use_cache else "full"
+
+    def prepare(self, question: str, settings: AskSettings) -> Prepared:
+        """Retrieve (widened to `settings.context`, cut to fit), build the prompt ids, assemble
+        what the store holds of the prompt into a cache, and log the chunks' uses. `--mode
+        approximate` runs as the store's calibration says (ragkv.modes.calibration)."""
+        resolved = calibration.resolve(settings, self.calibration)
+        settings = resolved.settings
+        prompt = self.retriever.prompt_for(question, settings, self.reranker.best)
+        load_start = time.perf_counter()
+        loaded = self.loader.load([row for row, _ in prompt.retrieved], prompt.chunk_ids, settings, prompt.question_ids)
+        kv_load_ms = (time.perf_counter() - load_start) * 1000.0
+        self.loader.record_uses([row for row, _ in prompt.retrieved], loaded.kv_sources)
+        assembly = loaded.assembly
+        live_ids = prompt.prompt_ids[assembly.num_cached :]
+        computed = sum(
+            len(ids)
+            for (row, _), ids in zip(prompt.retrieved, prompt.chunk_ids, strict=False)
+            if loaded.kv_sources.get(row.chunk_id) == "computed"
+        )  # prefilled now, as a miss
+        stats = Stats.of(
+            "fallback" if loaded.fallback else self._mode(settings),
+            prompt,
+            loaded,
+            assembly,
+            store_generation=self.snapshot.generation,
+            approximation=resolved.note,
+            kv_load_ms=kv_load_ms,
+            reused_tokens=assembly.reused_tokens - computed,
+            computed_tokens=len(live_ids) + computed,
+        )
+        if resolved.warning:
+            stats.warnings.insert(0, resolved.warning)
+        return Prepared(prompt.retrieved, prompt.prompt_ids, prompt.question_ids, live_ids, assembly, stats)
+
+    def search(self, question: str, settings: SearchSettings) -> Searched:
+        """The `settings.top_k` chunks for `question`, best first, as `SearchResult`s: the first
+        stage's, or with `settings.rerank` > 1 the best of its first N as the model scores them
+        (ragkv.retrieval.rerank; this uses the model, so call it where the engine's steps run)."""
+        searched = self.retriever.search(question, settings)
+        hits = self.retriever.rows(searched.hits)
+        if settings.rerank < 2 or len(hits) < 2:
+            results = [_result(row, score, score, None) for row, score in hits[: settings.top_k]]
+            return Searched(results, searched.retrieval, searched.warnings)
+        reranked = self.reranker.rerank(question, hits)
+        results = [_result(s.row, s.score, s.first_score, s.model_score) for s in reranked.scored[: settings.top_k]]
+        return Searched(results, searched.retrieval, searched.warnings + reranked.warnings)
+
+    def retrieve(self, question: str, settings: SearchSettings, context: str) -> Retrieved:
+        """`search`'s chunks as catalog rows with their scores, widened to `context` (see
+        `Retriever.widen`)."""
+        found = self.search(question, settings).hits
+        return self.retriever.widen(self.retriever.rows([Hit(r.chunk_id, r.score) for r in found]), context)
+
+    def fit_budget(self, num_prompt_tokens: int, max_new_tokens: int, stats: Stats) -> int:
+        """How many tokens an answer after `num_prompt_tokens` may have (at most
+        `max_new_tokens`); a cut is said in `stats`' warnings."""
+        room = self.lm.facts.max_context - num_prompt_tokens
+        if room < 1:
+            raise InputError(
+                f"the prompt is {num_prompt_tokens} tokens, over the model's context of {self.lm.facts.max_context}; "
+                "ask a shorter question or use a smaller --top-k"
+            )
+        if room < max_new_tokens:
+            stats.warnings.append(f"max_new_tokens cut from {max_new_tokens} to {room} to fit the context")
+        return min(room, max_new_tokens)
+
+
+def _result(row, score: float, retrieval_score: float, likelihood: float | None) -> SearchResult:
+    source = Source.of(row, score)  # where it is: section, pages and their citation
+    return SearchResult(
+        row.doc_id,
+        row.source,
+        row.chunk_index,
+        row.chunk_id,
+        row.text,
+        score,
+        retrieval_score,
+        likelihood,
+        source.section,
+        source.pages,
+        source.citation,
+    )

@@ -1,0 +1,178 @@
+"""Build the cache a prompt starts from, in one of these modes (how several chunks' KV is used):
+
+- `exact`: the first chunk's KV comes from the store; the other chunks are prefilled live on
+  top of it (or taken from the in-process prefix cache, which holds exactly that computation
+  from an earlier request). Equals a full prefill.
+- `concat` (approximate, TurboRAG-style): every chunk's stored KV, re-rotated to its place.
+- `blend` (approximate, CacheBlend-style): `concat`, then the most-deviating share of the
+  context tokens recomputed, the selection narrowing layer by layer.
+- `epic` (approximate, EPIC/LegoLink-style): `concat`, then the first share of every passage
+  after the first recomputed (its separator and first tokens: where it learned its own
+  attention sink). No selection pass.
+- `query` (approximate, ProphetKV-style): `concat`, then the share of the context tokens the
+  question attends to most recomputed, in one forward with the question's prefill
+  (`ragkv.modes.blend.attended_recompute`).
+- `ape` (approximate, APE-style): `concat`, recomputing nothing; the question and answer attend
+  to the passages with APE's temperature and scaling (`ragkv.modes.ape`).
+
+Every function returns an `Assembly`: a cache holding the KV of the prompt's first
+`num_cached` tokens, and what it cost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ragkv.core.keys import KVKey
+from ragkv.kv import cache as kv
+from ragkv.kv.rope import check_supported, shift_positions
+from ragkv.modes.ape import Scaling, attending
+from ragkv.modes.blend import BlendResult, Recompute, attended_recompute, blend, recompute_starts
+from ragkv.modes.prefix_cache import PrefixCache
+
+
+@dataclass
+class Assembly:
+    cache: Any  # transformers cache holding the prompt's first `num_cached` tokens (batch 1)
+    reused_tokens: int = 0  # of those, KV taken from the store or the prefix cache
+    recomputed_tokens: int = 0  # context tokens whose approximate KV was recomputed (blend)
+    prefix_cache_tokens: int = 0  # of the reused, those that came from the in-process prefix cache
+    after_prefill: Callable[[object], None] | None = field(default=None, repr=False)
+    # exact: before the prefill starts, append to the cache what the prefix cache holds now of
+    # the tokens after it (another request computed them since); returns the tokens appended
+    catch_up: Callable[[object], int] | None = field(default=None, repr=False)
+    attention: Scaling | None = None  # ape: how the tokens after the cache attend to it
+    recompute: Recompute | None = None  # query: context tokens the prefill recomputes with it
+
+    def attending(self, model):
+        """`model`, or the model wrapped to attend as this assembly needs (`ape`)."""
+        return attending(model, self.attention)
+
+    @property
+    def num_cached(self) -> int:
+        return kv.num_cached(self.cache)
+
+
+def exact(
+    model, stored: list[kv.Part], segments: Sequence[Sequence[int]], prefix_cache: PrefixCache, root: KVKey
+) -> Assembly:
+    """`stored`: the prefix and first chunk KV from the store. `segments`: the token ids that
+    follow the first chunk (whose entry `root` names), one per further chunk (separator +
+    chunk). Matched segments come from `prefix_cache`; `catch_up` takes more of them from it
+    if another request computed them before this one's prefill starts (requests over the same
+    context admitted together: the first computes, the others reuse); `after_prefill` adds the
+    ones the prefill computes."""
+    match = prefix_cache.match(root, segments)
+    cache = kv.to_cache([*stored, *match.kvs], model.config)
+    stored_tokens = sum(kv.num_tokens(t) for t in stored)
+    held = list(match.kvs)  # the segments' KV the cache holds after the stored, in order
+
+    def catch_up(filled_cache) -> int:
+        new = prefix_cache.match(root, segments, count=False).kvs[len(held) :]
+        if not new:
+            return 0
+        prefix_cache.hits += len(new)
+        prefix_cache.misses -= len(new)
+        kv.append(filled_cache, new)
+        held.extend(new)
+        return sum(kv.num_tokens(t) for t in new)
+
+    def remember(filled_cache) -> None:
+        start, kvs = stored_tokens + sum(kv.num_tokens(t) for t in held), []
+        for ids in segments[len(held) :]:
+            kvs.append(kv.from_cache(filled_cache, 0, start, start + len(ids)))
+            start += len(ids)
+        prefix_cache.insert(root, segments, [*held, *kvs])
+
+    missing = len(segments) > match.num_segments
+    return Assembly(
+        cache,
+        stored_tokens + match.num_tokens,
+        prefix_cache_tokens=match.num_tokens,
+        after_prefill=remember if missing else None,
+        catch_up=catch_up if missing else None,
+    )
+
+
+def concat(model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor]) -> Assembly:
+    """`pieces`: KV computed right after `prefix` (stored chunks, and separators between
+    them), placed one after another: each piece's keys move from the position it was
+    computed at to the position it now starts at."""
+    check_supported(model)
+    start = num_prefix = kv.num_tokens(prefix)
+    placed = [prefix]
+    for piece in pieces:
+        placed.append(shift_positions(piece, start - num_prefix, model))
+        start += kv.num_tokens(piece)
+    cache = kv.to_cache(placed, model.config)
+    return Assembly(cache, reused_tokens=start)
+
+
+def blended(
+    model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor], context_ids: Sequence[int], ratio: float
+) -> Assembly:
+    """`concat`, then recompute `ratio` of the tokens after the first chunk (the most deviating
+    ones, layer by layer). The first chunk sits where it was computed, after the prefix only:
+    its KV is exact."""
+    assembly = concat(model, prefix, pieces)
+    return _recomputed(assembly, blend(model, assembly.cache, context_ids, _after_first(prefix, pieces), ratio))
+
+
+def epic(
+    model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor], context_ids: Sequence[int], ratio: float
+) -> Assembly:
+    """`concat`, then recompute the first `ratio` of every passage after the first: pieces
+    come as [passage, separator, passage, separator, passage...]; a separator starts the
+    passage after it."""
+    assembly = concat(model, prefix, pieces)
+    starts, lengths, start = [], [], _after_first(prefix, pieces)
+    for i in range(1, len(pieces), 2):
+        length = kv.num_tokens(pieces[i]) + kv.num_tokens(pieces[i + 1])  # separator + passage
+        starts.append(start)
+        lengths.append(length)
+        start += length
+    return _recomputed(assembly, recompute_starts(model, assembly.cache, context_ids, starts, lengths, ratio))
+
+
+def attended(
+    model,
+    prefix: torch.Tensor,
+    pieces: Sequence[torch.Tensor],
+    context_ids: Sequence[int],
+    question_ids: Sequence[int],
+    ratio: float,
+) -> Assembly:
+    """`concat`, then choose the `ratio` share of the tokens after the first chunk that the
+    question attends to most (`query` mode): the prompt's prefill recomputes them as it runs
+    (`Assembly.recompute`)."""
+    assembly = concat(model, prefix, pieces)
+    chosen = attended_recompute(model, assembly.cache, context_ids, question_ids, _after_first(prefix, pieces), ratio)
+    assembly.recompute = chosen
+    return _recomputed(assembly, BlendResult(0 if chosen is None else chosen.positions.numel()))
+
+
+def ape(model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor], temperature: float, scale: float) -> Assembly:
+    """`concat`; what attends to the passages after the first does so with APE's scaling. The
+    first passage sits where it was computed, right after the prefix, as in a full prefill: it
+    is not scaled (with one passage, `ape` is exact)."""
+    assembly = concat(model, prefix, pieces)
+    if _after_first(prefix, pieces) < assembly.num_cached:
+        assembly.attention = Scaling(_after_first(prefix, pieces), assembly.num_cached, temperature, scale)
+    return assembly
+
+
+def _after_first(prefix: torch.Tensor, pieces: Sequence[torch.Tensor]) -> int:
+    """Where the context after the first chunk starts: the first chunk sits where it was
+    computed, right after the prefix, so its KV is exact and no approximate mode touches it."""
+    return kv.num_tokens(prefix) + kv.num_tokens(pieces[0])
+
+
+def _recomputed(assembly: Assembly, result) -> Assembly:
+    """Count `result`'s recomputed tokens in `assembly` (they are no longer reused)."""
+    assembly.recomputed_tokens = result.num_recomputed
+    assembly.reused_tokens -= result.num_recomputed
+    return assembly

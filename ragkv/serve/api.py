@@ -1,0 +1,314 @@
+"""What both OpenAI-compatible fronts share (`ragkv serve`'s own engine, ragkv.serve.service, and vLLM
+behind ragkv, ragkv.serve.vllm_front): the settings, the request schemas, the JSON errors, chat
+message parsing, and the reply and server-sent event formats."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from dataclasses import dataclass
+from typing import Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from ragkv.core.config import (
+    DEFAULT_NO_REPEAT_NGRAM,
+    DEFAULT_REPETITION_PENALTY,
+    DEFAULT_RERANK,
+    DEFAULT_RETRIEVAL,
+    MAX_RERANK,
+    MAX_SEED,
+    MAX_TOP_K,
+    AskSettings,
+    SearchSettings,
+)
+from ragkv.core.errors import InputError, ModelError, RagkvError, StoreEmptyError
+from ragkv.core.text import check_text
+from ragkv.serve.guard import BodyTooLarge
+
+log = logging.getLogger("ragkv")
+
+DONE_EVENT = "data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_body_bytes: int = 1 << 20
+    max_tokens_cap: int = 1024  # a request's max_tokens is cut to this
+    default_max_tokens: int = 256
+    max_queue: int = 16  # requests that may wait to be admitted; more get 503
+    max_batch: int = 16  # requests decoded together (continuous batching)
+    max_batch_tokens: int = 32768  # KV tokens the running batch may hold (rows x longest prompt + answer)
+    prefill_chunk: int = 256  # prompt tokens one request prefills per step (the others keep decoding)
+    conversation_bytes: int = 512 << 20  # KV of recent conversations kept for their next turn
+    shutdown_grace_s: int = 10  # on SIGTERM, requests still running after this long are cut off
+    write_back: bool = True  # store KV computed for a chunk the store lacks (within the budget)
+    pending_bytes: int = 1 << 30  # on a store this replica does not write (S3): its pending KV's bound
+    leave_pending: bool = False  # on a folder too: leave computed KV pending, never take the store's lock
+    writer: bool = False  # this replica folds what the others left pending, every fold_every_s
+    fold_every_s: float = 60.0
+
+    def engine_options(self) -> dict:
+        """What `ragkv.open` takes of these settings: how the engine learns from its misses."""
+        return {"write_back": self.write_back, "pending_bytes": self.pending_bytes, "leave_pending": self.leave_pending}
+
+    def __post_init__(self):
+        for name in ("max_queue", "max_batch", "max_tokens_cap", "max_batch_tokens", "prefill_chunk"):
+            if getattr(self, name) < 1:
+                raise InputError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.fold_every_s <= 0:
+            raise InputError(f"--fold-every must be more than 0 seconds, got {self.fold_every_s:g}")
+        if not 0 <= self.port <= 65535:  # checked before the model loads
+            raise InputError(f"--port must be a TCP port from 0 to 65535, got {self.port}")
+
+
+# -- request bodies ------------------------------------------------------------------------
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields ragkv does not use
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class RagkvOptions(_Body):
+    model_config = ConfigDict(extra="forbid")
+    top_k: int = Field(1, ge=1, le=50)
+    repetition_penalty: float = Field(DEFAULT_REPETITION_PENALTY, ge=1.0, le=10.0)
+    no_repeat_ngram: int = Field(DEFAULT_NO_REPEAT_NGRAM, ge=0, le=64)
+    mode: str = "exact"  # one of config.MODES, or "approximate"
+    context: str = "span"  # one of config.CONTEXTS
+    no_cache: bool = False
+    doc_ids: list[str] | None = Field(None, max_length=100)
+    rerank: int = Field(DEFAULT_RERANK, ge=0, le=MAX_RERANK)  # candidates the model scores (0: off)
+    retrieval: str = DEFAULT_RETRIEVAL  # one of config.RETRIEVALS
+    filters: list[str] = Field(default_factory=list, max_length=32)  # ragkv.core.filters' grammar, all must match
+
+
+class ChatRequest(_Body):
+    model: str | None = None
+    messages: list[Message] = Field(min_length=1, max_length=200)
+    stream: bool = False
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(0.0, ge=0.0, le=5.0)  # 0 (the default here): greedy
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stop: str | list[str] | None = Field(None, max_length=16)
+    ragkv: RagkvOptions = Field(default_factory=RagkvOptions)
+
+    def ask_settings(self, max_new_tokens: int) -> AskSettings:
+        """The request as ragkv's settings, for both fronts: its `ragkv` options and OpenAI's
+        sampling fields, generating at most `max_new_tokens` (see `max_tokens`). Checked where
+        every front's are, in AskSettings (an InputError: a 400 naming the option)."""
+        options = self.ragkv.model_dump()
+        use_cache = not options.pop("no_cache")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return AskSettings.from_dict(
+            {
+                **options,
+                "use_cache": use_cache,
+                "max_new_tokens": max_new_tokens,
+                "temperature": self.temperature,
+                "top_p": self.top_p,
+                "seed": self.seed,
+                "stop": stop,
+            }
+        )
+
+
+class RetrieveRequest(_Body):
+    query: str = Field(min_length=1, max_length=20_000)
+    top_k: int = Field(5, ge=1, le=MAX_TOP_K)
+    retrieval: str = DEFAULT_RETRIEVAL  # one of config.RETRIEVALS (checked by SearchSettings)
+    rerank: int = Field(0, ge=0, le=MAX_RERANK)  # score this many candidates with the model (0: off)
+    doc_ids: list[str] | None = Field(None, max_length=100)
+    filters: list[str] = Field(default_factory=list, max_length=32)  # ragkv.core.filters' grammar, all must match
+
+    def settings(self) -> SearchSettings:
+        """As the search's settings (InputError, a 400, for a retrieval or filter it refuses)."""
+        doc_ids = tuple(self.doc_ids) if self.doc_ids is not None else None
+        return SearchSettings(self.top_k, self.retrieval, self.rerank, doc_ids, tuple(self.filters))
+
+
+# -- errors --------------------------------------------------------------------------------
+def json_error(status: int, message: str, kind: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status, headers=headers)
+
+
+def run_server(app: FastAPI, settings: ServeSettings, announce, line: str, **options) -> None:
+    """Serve `app` on uvicorn at the settings' address until interrupted (both fronts); `announce`
+    gets `line` once the socket listens, not before, so a client that waits for the line can
+    connect. `options`: more of uvicorn's settings."""
+    import uvicorn
+
+    class Announcing(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                announce(line)
+
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="warning",
+        timeout_graceful_shutdown=settings.shutdown_grace_s,
+        **options,
+    )
+    Announcing(config).run()
+
+
+SERVED_MODEL_ID = "ragkv"  # what /v1/models lists and replies name; requests may also name the LLM itself
+_STATUS = {InputError: 400, StoreEmptyError: 404, ModelError: 409}
+
+
+def models_listing(llm_name: str) -> dict:
+    """What /v1/models answers: the RAG service's one id, the LLM behind it as its root."""
+    return {
+        "object": "list",
+        "data": [{"id": SERVED_MODEL_ID, "object": "model", "created": 0, "owned_by": "ragkv", "root": llm_name}],
+    }
+
+
+def install_errors(app: FastAPI, settings: ServeSettings, llm_name: str):
+    """JSON errors for bad bodies, ragkv errors, unknown models and a wrong API key; returns
+    the dependency that checks the key."""
+
+    async def authorised(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        sent = request.headers.get("authorization", "")
+        if not hmac.compare_digest(sent.encode(), f"Bearer {settings.api_key}".encode()):
+            raise _Unauthorised()
+
+    @app.exception_handler(_Unauthorised)
+    async def unauthorised(request, exc):
+        return json_error(401, "missing or wrong API key: send Authorization: Bearer KEY", "invalid_api_key")
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, exc):
+        first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":
+            return json_error(400, "the request body is not valid JSON", "invalid_request_error")
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
+        return json_error(400, f"invalid request: {where}: {first.get('msg', 'malformed')}", "invalid_request_error")
+
+    @app.exception_handler(RagkvError)
+    async def ragkv_error(request, exc):
+        status = next((code for kind, code in _STATUS.items() if isinstance(exc, kind)), 500)
+        return json_error(status, str(exc), type(exc).__name__)
+
+    @app.exception_handler(BodyTooLarge)
+    async def too_large(request, exc):
+        return json_error(413, exc.detail, "request_too_large", headers={"Connection": "close"})
+
+    @app.exception_handler(Exception)
+    async def internal(request, exc):  # a bug: the client still gets the JSON error shape (uvicorn logs the traceback)
+        log.error("request to %s failed: %r", request.url.path, exc)
+        return json_error(500, f"internal error: {type(exc).__name__}", "internal_error")
+
+    @app.exception_handler(UnknownModel)
+    async def unknown_model(request, exc):
+        return json_error(
+            404,
+            f"the model {exc.args[0]!r} does not exist; this service serves {SERVED_MODEL_ID!r} (the LLM {llm_name})",
+            "model_not_found",
+        )
+
+    return authorised
+
+
+class _Unauthorised(Exception):
+    pass
+
+
+class UnknownModel(Exception):
+    pass
+
+
+def split_messages(messages: list[Message]) -> tuple[list[tuple[str, str]], str, list[str]]:
+    """(earlier (user, assistant) pairs, the last user message, warnings) from chat messages."""
+    warnings = []
+    if any(m.role in ("system", "developer") for m in messages):
+        warnings.append("system messages are ignored: the store's system prompt is part of its cache keys")
+    for number, message in enumerate(messages):
+        check_text(message.text, f"message {number}")
+    turns = [m for m in messages if m.role in ("user", "assistant")]
+    if not turns or turns[-1].role != "user" or not turns[-1].text.strip():
+        raise InputError("the last message must be a user message with text")
+    history, pending_user = [], None
+    for message in turns[:-1]:
+        if message.role == "user":
+            if pending_user is not None:
+                raise InputError("user messages must alternate with assistant messages")
+            pending_user = message.text
+        else:
+            if pending_user is None:
+                raise InputError("an assistant message must follow a user message")
+            history.append((pending_user, message.text))
+            pending_user = None
+    if pending_user is not None:
+        raise InputError("user messages must alternate with assistant messages")
+    return history, turns[-1].text, warnings
+
+
+def max_tokens(body: ChatRequest, settings: ServeSettings, warnings: list[str]) -> int:
+    """The answer tokens a request may have: what it asks for (or the default), cut to the
+    cap (said in `warnings`)."""
+    requested = body.max_completion_tokens or body.max_tokens or settings.default_max_tokens
+    if requested > settings.max_tokens_cap:
+        warnings.append(f"max_tokens cut from {requested} to {settings.max_tokens_cap}")
+    return min(requested, settings.max_tokens_cap)
+
+
+def completion(
+    reply_id: str, created: int, model_id: str, text: str, finish_reason: str, usage: dict | None, ragkv: dict
+) -> dict:
+    """A whole chat completion reply."""
+    return {
+        "id": reply_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model_id,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}],
+        "usage": usage,
+        "ragkv": ragkv,
+    }
+
+
+def chunk_event(reply_id: str, created: int, model_id: str, delta: dict, finish: str | None = None, **extra) -> str:
+    """One server-sent event in OpenAI's chat completion chunk format."""
+    body = {
+        "id": reply_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model_id,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        **extra,
+    }
+    return f"data: {json.dumps(body)}\n\n"
+
+
+def error_event(message: str, kind: str) -> str:
+    """The last event of a stream that failed after it began."""
+    return f"data: {json.dumps({'error': {'message': message, 'type': kind}})}\n\n"
