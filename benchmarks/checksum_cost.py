@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.machine import describe  # noqa: E402
-from ragkv.store.shards import ShardReader, ShardWriter, checksum  # noqa: E402
+from ragkv.store.kv.shards import ShardReader, ShardWriter, checksum  # noqa: E402
 
 
 def median_ms(fn, repeats: int) -> float:

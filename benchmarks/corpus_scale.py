@@ -29,11 +29,11 @@ from benchmarks.fidelity import python_faq_or_exit, work_dir  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
 from ragkv.core.config import IngestSettings, ModelSettings  # noqa: E402
 from ragkv.model.llm import load_model  # noqa: E402
-from ragkv.pipelines.read import read_documents  # noqa: E402
+from ragkv.pipelines.reading.read import read_documents  # noqa: E402
 from ragkv.store import open_snapshot  # noqa: E402
-from ragkv.store.budget import Candidate, plan  # noqa: E402
-from ragkv.store.popularity import ChunkHits, Use  # noqa: E402
-from ragkv.store.shards import shard_files  # noqa: E402
+from ragkv.store.kv.budget import Candidate, plan  # noqa: E402
+from ragkv.store.kv.popularity import ChunkHits, Use  # noqa: E402
+from ragkv.store.kv.shards import shard_files  # noqa: E402
 
 CHUNK_TOKENS = 256
 BUDGET_SHARE = 0.10
@@ -314,7 +314,7 @@ def render(
         "",
         f"The chunks the replay used, in order, against a cache of the same bytes ({limit / 1e9:.2f} GB less "
         "the system prompt's KV), empty at the start, storing a miss when the policy admits it. LFU and ragkv "
-        "run ragkv's own budget plan (`ragkv.store.budget.plan`): a miss is stored only when it is more popular than "
+        "run ragkv's own budget plan (`ragkv.store.kv.budget.plan`): a miss is stored only when it is more popular than "
         "what it would evict. The second trace renames every chunk halfway, as when a new release moves "
         "what users ask about. ragkv's default half-life is 7 days of wall-clock time; here it is 200 questions, "
         "since a replay lasts minutes.",

@@ -30,10 +30,10 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.machine import describe  # noqa: E402
 from ragkv.model.prompt import encode_text  # noqa: E402
-from ragkv.pipelines.blocks import Block  # noqa: E402
-from ragkv.pipelines.chunk import chunk_blocks, chunk_text  # noqa: E402
-from ragkv.pipelines.documents import read_docx, read_pdf, read_pptx  # noqa: E402
-from ragkv.pipelines.read import read_documents  # noqa: E402
+from ragkv.pipelines.reading.blocks import Block  # noqa: E402
+from ragkv.pipelines.reading.chunk import chunk_blocks, chunk_text  # noqa: E402
+from ragkv.pipelines.reading.documents import read_docx, read_pdf, read_pptx  # noqa: E402
+from ragkv.pipelines.reading.read import read_documents  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "documents.md"
 REPEATS = 3

@@ -45,7 +45,7 @@ from benchmarks.serve_load import Server  # noqa: E402
 from ragkv.core.config import cache_dir  # noqa: E402
 from ragkv.model.llm import load_model  # noqa: E402
 from ragkv.store import open_snapshot, verify  # noqa: E402
-from ragkv.store.writeback import fold  # noqa: E402
+from ragkv.store.kv.writeback import fold  # noqa: E402
 from tests import s3server  # noqa: E402
 
 WINDOW = 100
@@ -148,7 +148,7 @@ def run_fleet(uri: str, work: Path, questions: list[str], fold_every: float, cli
 
 
 def pending_names(uri: str) -> list[str]:
-    from ragkv.store.pending import PendingArea
+    from ragkv.store.kv.pending import PendingArea
 
     return sorted(PendingArea(uri).names())
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.machine import describe  # noqa: E402
 from benchmarks.scale import CHUNKS_PER_DOC, corpus_vectors, unit  # noqa: E402
-from ragkv.store import segments  # noqa: E402
+from ragkv.store.index import segments  # noqa: E402
 
 QUERIES = 200
 
@@ -39,8 +39,8 @@ import json, sys, time
 import numpy as np
 sys.path.insert(0, {root!r})
 from pathlib import Path
-from ragkv.store import segments
-from ragkv.store.segments import SegmentInfo
+from ragkv.store.index import segments
+from ragkv.store.index.segments import SegmentInfo
 rss = lambda: int(open('/proc/self/statm').read().split()[1]) * 4096
 queries, truth = np.load({queries!r}), np.load({truth!r})
 before = rss()

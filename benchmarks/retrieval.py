@@ -7,7 +7,7 @@ set is ingested with the bundled SmolLM2 (float32), as `ragkv ingest` does by de
 
 First stages, DEPTH candidates each, all ragkv's own (`QueryEngine.search`):
 - dense: all-MiniLM-L6-v2, cosine;
-- lexical: BM25 over the store's lexical index (store.lexical);
+- lexical: BM25 over the store's lexical index (ragkv.store.index.lexical);
 - hybrid: the two fused by ragkv.retrieval.search.fuse, the lexical list weighted w.
 Rerank: the first N candidates (N = 5, 10, 20) scored by ragkv.retrieval.rerank, fused with the first
 stage's score weighted f:

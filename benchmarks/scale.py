@@ -50,8 +50,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.machine import describe  # noqa: E402
 from ragkv.store.catalog import ChunkLink, ChunkRow, DocumentRow, ProfileRow  # noqa: E402
-from ragkv.store.lexical import query_terms  # noqa: E402
-from ragkv.store.shards import SealedEntry  # noqa: E402
+from ragkv.store.index.lexical import query_terms  # noqa: E402
+from ragkv.store.kv.shards import SealedEntry  # noqa: E402
 from ragkv.store.store import StoreWriter, open_snapshot  # noqa: E402
 
 DIM = 384
@@ -178,7 +178,7 @@ def publish_one_document(root: Path, rng, version: int) -> tuple[float, int, int
 def write_back(root: Path, version: int) -> tuple[float, int]:
     import torch
 
-    from ragkv.store.writeback import ComputedKV, WriteBack
+    from ragkv.store.kv.writeback import ComputedKV, WriteBack
 
     with open_snapshot(root) as snap:
         misses = snap.catalog.con.execute(
@@ -394,7 +394,7 @@ def real_embeddings(count: int) -> dict:
 
     from ragkv.core.config import DEFAULT_EMBEDDER
     from ragkv.model.embed import Embedder
-    from ragkv.store import segments
+    from ragkv.store.index import segments
 
     paragraphs = []
     for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):

@@ -36,7 +36,7 @@ from benchmarks.machine import describe  # noqa: E402
 from ragkv.core.config import AskSettings, IngestSettings, ModelSettings  # noqa: E402
 from ragkv.model.llm import load_model  # noqa: E402
 from ragkv.store import open_snapshot  # noqa: E402
-from ragkv.store.budget import Candidate, plan  # noqa: E402
+from ragkv.store.kv.budget import Candidate, plan  # noqa: E402
 
 CHUNK_TOKENS = 256
 SPAN_TOKENS = 2048
@@ -167,7 +167,7 @@ def replay(paths: list[list[int]], sizes: dict[int, int], room: int, policy: str
     """Chunk-use hit rate of a cache of `room` bytes over `paths` (each question's span path),
     starting empty. A chunk hits when it and every chunk before it on its path are held (the
     loader computes from the first gap on). Policies:
-    "radix": ragkv's (`ragkv.store.budget.plan` with parents and path-credited counts);
+    "radix": ragkv's (`ragkv.store.kv.budget.plan` with parents and path-credited counts);
     "chunks": the same plan, each chunk on its own (no parents, its own count);
     "spans": a span admitted and evicted whole, by its count;
     "radix-lru": every miss admitted, the least recently used tail evicted first;
@@ -368,7 +368,7 @@ def replay_only(args, full: Path) -> None:
             else f"at none of the budgets up to {REPLAY_SHARES[-1]:.0%}."
         ),
         "",
-        "radix: ragkv's policy (`ragkv.store.budget.plan`: paths kept as prefixes, scores credited along the path). "
+        "radix: ragkv's policy (`ragkv.store.kv.budget.plan`: paths kept as prefixes, scores credited along the path). "
         "oracle: a fixed set chosen knowing the whole trace's counts (each chunk's first use still misses). "
         "belady: every miss admitted, the tail whose next use is furthest in the future evicted first "
         "(Belady's rule, knowing the whole trace).",
@@ -490,7 +490,7 @@ def render(
         "|---|---|---|---|---|",
     ]
     what = {
-        "radix": "ragkv: paths kept as prefixes, scores credited along the path (`ragkv.store.budget.plan`)",
+        "radix": "ragkv: paths kept as prefixes, scores credited along the path (`ragkv.store.kv.budget.plan`)",
         "chunks": "the same plan with every chunk on its own (no parents, own counts)",
         "spans": "a span kept or dropped whole, by its count",
         "radix-lru": "every miss admitted, least recently used tails evicted (sglang's radix cache)",

@@ -166,8 +166,8 @@ def measure(engine, docs: dict[int, str], repeats: int) -> list[dict]:
 
 def ingest_vs_bare(engine, docs_dir: Path, settings: IngestSettings) -> float:
     """Bare forward tokens/s over the same chunks as the ingest (the ingest's limit)."""
-    from ragkv.pipelines.chunk import chunk_text
-    from ragkv.pipelines.read import read_documents
+    from ragkv.pipelines.reading.chunk import chunk_text
+    from ragkv.pipelines.reading.read import read_documents
 
     lm, layout = engine.lm, engine.active.layout
     chunks = [
@@ -184,7 +184,7 @@ def ingest_vs_bare(engine, docs_dir: Path, settings: IngestSettings) -> float:
 
 def retrieval_latency(engine, sizes=(10_000, 100_000), queries: int = 200) -> list[dict]:
     """p50/p99 of question embedding and of a flat FAISS search over `size` synthetic vectors."""
-    from ragkv.store.vectors import VectorIndex
+    from ragkv.store.index.vectors import VectorIndex
 
     rng = np.random.default_rng(0)
     questions = [f"{QUESTION} (variant {i})" for i in range(queries)]

@@ -30,8 +30,8 @@ from benchmarks.machine import describe  # noqa: E402
 from ragkv.core.config import IngestSettings, ModelSettings  # noqa: E402
 from ragkv.model.forward import compute_chunks, compute_prefix  # noqa: E402
 from ragkv.model.prompt import encode_text  # noqa: E402
-from ragkv.pipelines.chunk import chunk_text  # noqa: E402
-from ragkv.pipelines.read import read_documents  # noqa: E402
+from ragkv.pipelines.reading.chunk import chunk_text  # noqa: E402
+from ragkv.pipelines.reading.read import read_documents  # noqa: E402
 
 QUESTIONS = (Path(__file__).parent / "questions.txt").read_text().splitlines()
 

@@ -1,7 +1,7 @@
 """`ingest`: read → chunk → plan → embed → compute KV → write shards → publish a generation.
 
 Embedding and KV run in this process (`engine="local"`) or as a Ray Data job
-(`engine="ray"`, see pipelines.ray_engine); reading, chunking and planning always run here,
+(`engine="ray"`, see ragkv.pipelines.engines.ray_engine); reading, chunking and planning always run here,
 against the catalog, so both engines build the same store.
 
 Idempotent: a document whose content and chunking are unchanged is not chunked or embedded
@@ -28,17 +28,18 @@ from ragkv.model.forward import compute_prefix, compute_spans, shard_metadata
 from ragkv.model.llm import LoadedModel, load_model
 from ragkv.model.prompt import PromptLayout
 from ragkv.model.self_check import SelfCheck
-from ragkv.pipelines import ray_engine, vllm_engine
-from ragkv.pipelines.chunk import Chunk, chunk_blocks, chunk_text, chunking_id
+from ragkv.pipelines.engines import ray_engine, vllm_engine
+from ragkv.pipelines.engines.ray_ingest import RayJob, run_ray_job
 from ragkv.pipelines.pending import PendingChunk, Unit, pending_alone, pending_spans, plan_work, within_budget
 from ragkv.pipelines.plan import DocumentPlan, content_hash, plan_documents
 from ragkv.pipelines.progress import Reporter
-from ragkv.pipelines.ray_ingest import RayJob, run_ray_job
-from ragkv.pipelines.read import Document, Skipped, read_documents
+from ragkv.pipelines.reading.chunk import Chunk, chunk_blocks, chunk_text, chunking_id
+from ragkv.pipelines.reading.read import Document, Skipped, read_documents
 from ragkv.pipelines.stored_kv import StoredKV
-from ragkv.store import ChunkRow, DocumentRow, StoreWriter, budget
+from ragkv.store import ChunkRow, DocumentRow, StoreWriter
 from ragkv.store.catalog import ChunkLink, ProfileRow
-from ragkv.store.writeback import fold_pending
+from ragkv.store.kv import budget
+from ragkv.store.kv.writeback import fold_pending
 from ragkv.store.writer import open_writer
 
 ENGINES = ("local", "ray", "vllm")

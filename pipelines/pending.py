@@ -13,7 +13,8 @@ from ragkv.kv import codec, spans
 from ragkv.model.forward import compute_prefix
 from ragkv.model.llm import LoadedModel
 from ragkv.model.prompt import encode_text
-from ragkv.store import ChunkRow, StoreWriter, budget
+from ragkv.store import ChunkRow, StoreWriter
+from ragkv.store.kv import budget
 
 
 @dataclass(frozen=True)

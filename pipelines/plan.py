@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ragkv.core.keys import digest
-from ragkv.pipelines.read import Document, Skipped
+from ragkv.pipelines.reading.read import Document, Skipped
 from ragkv.store import DocumentRow
 
 # Where a document is, what it is called and when it changed (a file's own dates and counts

@@ -3,9 +3,9 @@ generations that publish catalog and index together. Never imports transformers.
 
 from ragkv.store.catalog import Catalog, ChunkRow, ContextRow, DocumentRow, EntryRow
 from ragkv.store.gc import GcReport, collect_garbage
-from ragkv.store.shards import SealedEntry, ShardReader, ShardWriter, checksum
+from ragkv.store.index.vectors import Hit, VectorIndex
+from ragkv.store.kv.shards import SealedEntry, ShardReader, ShardWriter, checksum
 from ragkv.store.store import StoreSnapshot, StoreWriter, is_store, open_snapshot
-from ragkv.store.vectors import Hit, VectorIndex
 from ragkv.store.verify import Problem, VerifyReport, verify
 
 __all__ = [

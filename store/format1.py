@@ -16,7 +16,7 @@ import duckdb
 from ragkv.core.errors import StoreFormatError
 from ragkv.store.catalog import Catalog
 from ragkv.store.generations import SEGMENT_DIR, base_name, catalog_path, vectors_path
-from ragkv.store.segments import Segment, SegmentInfo, open_flat_file
+from ragkv.store.index.segments import Segment, SegmentInfo, open_flat_file
 
 log = logging.getLogger("ragkv")
 

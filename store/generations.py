@@ -6,7 +6,7 @@
     manifest-000007.json    that generation's base catalog and vector segments
     base-000005.duckdb      a whole catalog some generations' deltas are over (immutable)
     segments/               index segments: seg-*.faiss indexes, vec-*.npy vectors (IVF-PQ), terms-*.safetensors words
-                            (immutable; see store.segments)
+                            (immutable; see ragkv.store.index.segments)
     shards/                 KV shards shared by all generations
     LOCK                    held (flock) by the one writer, with its pid
 
@@ -40,7 +40,7 @@ from pathlib import Path
 
 from ragkv.core.errors import StoreFormatError, StoreLockedError, StoreNotFoundError
 from ragkv.core.formats import STORE_FORMAT, __version__
-from ragkv.store.shards import fsync_dir
+from ragkv.store.kv.shards import fsync_dir
 
 log = logging.getLogger("ragkv")
 
@@ -119,7 +119,7 @@ def write_manifest(root: Path, generation: int, manifest: dict) -> None:
 def segment_files(manifest: dict) -> list[str]:
     """The names of the files in SEGMENT_DIR a manifest names: each segment's index file and,
     when it has them, its lexical file and its vectors file (an "ivfpq" segment's). The same
-    fields as store.segments.SegmentInfo.files, listed here: store.segments imports this module,
+    fields as ragkv.store.index.segments.SegmentInfo.files, listed here: ragkv.store.index.segments imports this module,
     and the layering test refuses the cycle."""
     return [
         name for s in manifest.get("segments", []) for name in (s["name"], s.get("terms"), s.get("vectors")) if name

@@ -59,7 +59,7 @@ from ragkv.store.generations import (
     vectors_path,
     write_atomic,
 )
-from ragkv.store.shards import SHARD_SUFFIX, is_shard_name
+from ragkv.store.kv.shards import SHARD_SUFFIX, is_shard_name
 
 log = logging.getLogger("ragkv")
 
@@ -311,7 +311,7 @@ class RemoteStore:
     def delete_shard(self, name: str) -> None:
         self.fs.delete_file(self.location.key("shards", name))
 
-    # The reader side (store.shards.RemoteShards): read ranges now, keep a local copy for later.
+    # The reader side (ragkv.store.kv.shards.RemoteShards): read ranges now, keep a local copy for later.
     def local(self, shard: str) -> Path | None:
         path = self.mirror / "shards" / shard
         try:

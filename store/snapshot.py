@@ -17,10 +17,10 @@ from ragkv.store.generations import (
     read_manifest,
     vectors_path,
 )
+from ragkv.store.index.segments import SegmentInfo, open_flat_file
+from ragkv.store.index.vectors import VectorIndex
+from ragkv.store.kv.shards import ShardReader
 from ragkv.store.remote import RemoteStore, is_remote
-from ragkv.store.segments import SegmentInfo, open_flat_file
-from ragkv.store.shards import ShardReader
-from ragkv.store.vectors import VectorIndex
 
 SHARD_DIR = "shards"
 REMOTE_POLL_S = 2.0  # how often a long-lived reader asks an S3 store for a newer generation

@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ragkv.store.pending import HITS_SUFFIX, MANIFEST_SUFFIX, PendingArea, read_hits
-from ragkv.store.popularity import decay, read_pending, tally
-from ragkv.store.shards import shard_files
+from ragkv.store.kv.pending import HITS_SUFFIX, MANIFEST_SUFFIX, PendingArea, read_hits
+from ragkv.store.kv.popularity import decay, read_pending, tally
+from ragkv.store.kv.shards import shard_files
 from ragkv.store.snapshot import StoreSnapshot
 
 NUM_LISTED = 5  # hottest and coldest documents shown
@@ -59,7 +59,7 @@ def store_stats(snapshot: StoreSnapshot) -> dict:
 
 
 def pending_totals(snapshot: StoreSnapshot) -> dict:
-    """What readers left for the writer to fold (store.pending): whole objects and their bytes."""
+    """What readers left for the writer to fold (ragkv.store.kv.pending): whole objects and their bytes."""
     names = PendingArea(snapshot.location).names()
     manifests = {n.removesuffix(MANIFEST_SUFFIX) for n in names if n.endswith(MANIFEST_SUFFIX)}
     whole = {n: size for n, size in names.items() if n.rsplit(".", 1)[0] in manifests}

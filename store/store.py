@@ -31,8 +31,9 @@ from ragkv.store.generations import (
     remove_unshared,
     write_manifest,
 )
-from ragkv.store.segments import Segment, SegmentInfo, load_segment
-from ragkv.store.shards import (
+from ragkv.store.index.segments import Segment, SegmentInfo, load_segment
+from ragkv.store.index.vectors import VectorIndex
+from ragkv.store.kv.shards import (
     SealedEntry,
     ShardReader,
     ShardWriter,
@@ -43,7 +44,6 @@ from ragkv.store.shards import (
 )
 from ragkv.store.snapshot import SHARD_DIR, StoreSnapshot, open_snapshot
 from ragkv.store.transport import LocalTransport, Transport
-from ragkv.store.vectors import VectorIndex
 
 __all__ = ["SHARD_DIR", "StoreSnapshot", "StoreWriter", "is_store", "open_snapshot"]
 
@@ -79,7 +79,7 @@ class StoreWriter:
 
     Holds the store's write lock from construction to commit/abort. The catalog is a copy of
     the current generation's delta (see store.catalog.overlay), the vector index the current
-    segments plus what this writer adds (see store.vectors): what it copies and writes grows
+    segments plus what this writer adds (see ragkv.store.index.vectors): what it copies and writes grows
     with the change, not the store. Shards sealed before an abort (or a kill) stay: no
     published catalog references them, the next writer adopts what it can use
     (`adopt_orphans`) and gc removes the rest. File-system failures (read-only, disk full)
@@ -309,7 +309,7 @@ class StoreWriter:
         return self.generation
 
     def _write_vectors(self) -> dict:
-        """Write the vector index's changes (store.vectors keeps its own bounds) and record its
+        """Write the vector index's changes (ragkv.store.index.vectors keeps its own bounds) and record its
         tombstones in the delta; returns the manifest's vector part."""
         if self.vectors is None:
             return {"dim": 0, "segments": []}

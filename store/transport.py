@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from ragkv.store.shards import ShardReader, ShardWriter, shard_files
+from ragkv.store.kv.shards import ShardReader, ShardWriter, shard_files
 from ragkv.store.snapshot import SHARD_DIR
 
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from ragkv.core.errors import StoreCorruptError
 from ragkv.core.keys import KVKey
-from ragkv.store.popularity import HITS_DIR, read_pending
+from ragkv.store.kv.popularity import HITS_DIR, read_pending
 from ragkv.store.snapshot import StoreSnapshot
 
 

@@ -179,7 +179,7 @@ def computed_kv_of(store: Path, count: int = 2) -> tuple[list, list]:
     them on a miss hands to its write-back, or leaves pending), and their context rows."""
     from ragkv.kv import codec
     from ragkv.store import open_snapshot
-    from ragkv.store.writeback import ComputedKV
+    from ragkv.store.kv.writeback import ComputedKV
 
     with open_snapshot(store) as snapshot:
         profile_id = snapshot.catalog.entries.profiles()[0].profile_id

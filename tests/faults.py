@@ -13,7 +13,7 @@ def kill_after_sealing_a_shard(not_before: threading.Event | None = None) -> Non
     catalog rows for it: the moment "data before index" must survive. `not_before`: a
     background write-back waits for it before the kill (set it once the main thread has said
     what the test reads, which the write-back would otherwise race)."""
-    from ragkv.store.shards import ShardWriter
+    from ragkv.store.kv.shards import ShardWriter
 
     original = ShardWriter.flush
 

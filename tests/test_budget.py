@@ -17,10 +17,10 @@ import torch
 import ragkv
 from ragkv.core.errors import InputError
 from ragkv.store import open_snapshot, verify
-from ragkv.store.budget import Candidate, plan
 from ragkv.store.catalog import Catalog
-from ragkv.store.popularity import HITS_DIR, HitLog, Use, decay, read_pending
-from ragkv.store.shards import ShardWriter, shard_files
+from ragkv.store.kv.budget import Candidate, plan
+from ragkv.store.kv.popularity import HITS_DIR, HitLog, Use, decay, read_pending
+from ragkv.store.kv.shards import ShardWriter, shard_files
 from ragkv.store.stats import store_stats
 from tests.conftest import QUESTIONS, ROOT, build_store, computed_kv_of, run_cli
 
@@ -93,8 +93,8 @@ def test_hit_log_folds_once_and_its_file_goes_when_its_reader_has(tmp_path):
 def test_pending_hits_fold_once_even_when_a_fold_dies_before_deleting_them(tiny_llama, corpus, tmp_path, monkeypatch):
     """A reader that does not write the store leaves its uses as hits objects; a fold counts
     each use once, also when the fold before it published and died before deleting them."""
-    from ragkv.store.pending import HITS_SUFFIX, PendingHits
-    from ragkv.store.writeback import FoldReport, fold
+    from ragkv.store.kv.pending import HITS_SUFFIX, PendingHits
+    from ragkv.store.kv.writeback import FoldReport, fold
 
     build_store(corpus, tmp_path / "s", str(tiny_llama), precompute=0)
     root = tmp_path / "s"
@@ -129,12 +129,12 @@ def test_pending_hits_fold_once_even_when_a_fold_dies_before_deleting_them(tiny_
 def test_uses_a_process_buffered_are_left_when_it_exits_without_closing(tmp_path):
     """An engine embedded in another (vLLM's offline LLM never closes its connector) still
     leaves its last uses: at the process's exit, before the timer would have."""
-    from ragkv.store.pending import HITS_SUFFIX
+    from ragkv.store.kv.pending import HITS_SUFFIX
 
     script = (
         "import sys; sys.path.insert(0, sys.argv[2])\n"
-        "from ragkv.store.pending import PendingHits\n"
-        "from ragkv.store.popularity import Use\n"
+        "from ragkv.store.kv.pending import PendingHits\n"
+        "from ragkv.store.kv.popularity import Use\n"
         "PendingHits(sys.argv[1], flush_s=3600.0).record([Use('keys.md', 0, 'computed')])\n"
     )
     proc = subprocess.run([sys.executable, "-c", script, str(tmp_path), str(ROOT)], capture_output=True, text=True)
@@ -147,7 +147,7 @@ def test_folder_replicas_that_leave_pending_never_take_the_lock_and_find_each_ot
     """On a folder shared by machines, replicas opened with leave_pending learn as on S3: a
     miss's KV goes under pending/ even while a writer holds the store, another replica reads
     it from there instead of computing it, and a fold stores it."""
-    from ragkv.store.writeback import fold
+    from ragkv.store.kv.writeback import fold
     from ragkv.store.writer import open_writer
 
     _, lazy = stores
@@ -170,8 +170,8 @@ def test_folder_replicas_that_leave_pending_never_take_the_lock_and_find_each_ot
 
 
 def test_a_writer_replica_folds_only_when_readers_left_something_and_the_store_is_free(tiny_llama, corpus, tmp_path):
-    from ragkv.store.pending import PendingHits
-    from ragkv.store.writeback import FoldLoop
+    from ragkv.store.kv.pending import PendingHits
+    from ragkv.store.kv.writeback import FoldLoop
     from ragkv.store.writer import open_writer
 
     build_store(corpus, tmp_path / "s", str(tiny_llama), precompute=0)
@@ -391,9 +391,9 @@ def test_a_full_disk_during_write_back_warns_once_and_answers_go_on(stores, monk
 def test_a_fold_stores_pending_kv_once_and_leaves_nothing_partial(stores, monkeypatch):
     """KV left pending by two readers (as on S3) is folded once per key; an object whose
     manifest never came is never taken, and goes once old."""
-    import ragkv.store.pending as pending_module
-    from ragkv.store.pending import PendingWriter
-    from ragkv.store.writeback import fold
+    import ragkv.store.kv.pending as pending_module
+    from ragkv.store.kv.pending import PendingWriter
+    from ragkv.store.kv.writeback import fold
 
     full, lazy = stores
     batch, rows = computed_kv_of(full)

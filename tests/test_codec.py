@@ -147,7 +147,7 @@ def test_an_entry_read_straight_into_the_cache_equals_one_read_then_copied(tmp_p
 
 @pytest.mark.parametrize("quant", ["none", "bfloat16"])
 def test_a_sliding_layer_stores_only_the_window_a_continuation_reads(quant, tmp_path):
-    from ragkv.store.shards import ShardReader, ShardWriter
+    from ragkv.store.kv.shards import ShardReader, ShardWriter
 
     kv = torch.randn(3, 2, 2, 40, 8)  # (L, 2, H, T, D): a sliding layer, a full one, a sliding one
     windows = (12, None, 12)

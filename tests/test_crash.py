@@ -20,7 +20,7 @@ from ragkv.core.config import IngestSettings, ModelSettings
 from ragkv.core.keys import KVKey
 from ragkv.store import open_snapshot, verify
 from ragkv.store.generations import read_current
-from ragkv.store.shards import shard_files
+from ragkv.store.kv.shards import shard_files
 from tests.conftest import ROOT, computed_kv_of
 
 SETTINGS = dict(chunk_tokens=48, batch_tokens=192, shard_bytes=48 * 1024)  # many batches, many small shards
@@ -169,8 +169,8 @@ def test_kill_nine_at_least_twenty_times(crash_setup, tiny_llama, tmp_path):
 FOLD = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {root!r})
-    import ragkv.store.writeback as writeback
-    from ragkv.store.pending import PendingArea
+    import ragkv.store.kv.writeback as writeback
+    from ragkv.store.kv.pending import PendingArea
 
     def die(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
@@ -211,9 +211,9 @@ def fold_setup(tmp_path_factory, tiny_llama, corpus):
 def test_a_fold_killed_at_any_step_loses_nothing_and_counts_nothing_twice(point, fold_setup, tmp_path):
     """Kill -9 a fold at each of its steps: the store verifies as it is, and the next fold
     stores each pending key once and counts each use once."""
-    from ragkv.store.pending import PendingHits, PendingWriter
-    from ragkv.store.popularity import Use
-    from ragkv.store.writeback import fold
+    from ragkv.store.kv.pending import PendingHits, PendingWriter
+    from ragkv.store.kv.popularity import Use
+    from ragkv.store.kv.writeback import fold
 
     lazy, batch, rows = fold_setup
     store = tmp_path / "store"

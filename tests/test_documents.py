@@ -11,9 +11,9 @@ import pytest
 
 import ragkv
 from ragkv.model.prompt import encode_text
-from ragkv.pipelines.blocks import Block, markdown_blocks, paths
-from ragkv.pipelines.chunk import chunk_blocks
-from ragkv.pipelines.read import read_documents
+from ragkv.pipelines.reading.blocks import Block, markdown_blocks, paths
+from ragkv.pipelines.reading.chunk import chunk_blocks
+from ragkv.pipelines.reading.read import read_documents
 from tests.conftest import build_store, run_cli
 from tests.office import (
     write_docx,

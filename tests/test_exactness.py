@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ragkv
-from ragkv.store.shards import ShardWriter
+from ragkv.store.kv.shards import ShardWriter
 from tests.conftest import QUESTIONS, ROOT, build_store
 
 FP32_LOGIT_TOLERANCE = 1e-4

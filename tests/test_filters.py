@@ -15,7 +15,7 @@ import ragkv
 from ragkv.core.errors import InputError
 from ragkv.core.filters import Filter, parse_filter
 from ragkv.store import StoreWriter, open_snapshot
-from ragkv.store import segments as segment_files
+from ragkv.store.index import segments as segment_files
 from tests.conftest import build_store, run_cli
 from tests.test_segments import add_docs, unit
 

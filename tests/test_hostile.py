@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import ragkv
-from ragkv.pipelines.read import read_documents
+from ragkv.pipelines.reading.read import read_documents
 from tests.conftest import QUESTIONS
 
 

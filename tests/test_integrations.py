@@ -345,9 +345,9 @@ def test_kv_a_replica_left_pending_is_read_there_then_from_the_store_once_folded
     took it between the match and the read, from the store's newest generation; the same
     tensors either way. A key neither pending nor stored is a one-line StoreCorruptError."""
     from ragkv.store import EntryRow
-    from ragkv.store.pending import PendingArea, PendingIndex, PendingWriter
-    from ragkv.store.shards import SHARD_SUFFIX
-    from ragkv.store.writeback import fold
+    from ragkv.store.kv.pending import PendingArea, PendingIndex, PendingWriter
+    from ragkv.store.kv.shards import SHARD_SUFFIX
+    from ragkv.store.kv.writeback import fold
     from tests.conftest import computed_kv_of
 
     full, lazy = full_and_lazy
@@ -404,8 +404,8 @@ def test_a_save_behind_another_writer_waits_then_gives_up_and_a_full_disk_warns_
     import errno
     import logging
 
-    from ragkv.store import writeback
-    from ragkv.store.shards import ShardWriter
+    from ragkv.store.kv import writeback
+    from ragkv.store.kv.shards import ShardWriter
     from ragkv.store.writer import open_writer
 
     full, lazy = full_and_lazy

@@ -43,9 +43,9 @@ STILL_LONG_MODULES: dict[str, int] = {
     "ragkv.kv.cache": 452,
     "ragkv.loading.loader": 480,
     "ragkv.pipelines.ingest": 434,
-    "ragkv.store.pending": 440,
-    "ragkv.store.segments": 498,
-    "ragkv.store.shards": 414,
+    "ragkv.store.kv.pending": 440,
+    "ragkv.store.index.segments": 498,
+    "ragkv.store.kv.shards": 414,
 }
 STILL_LONG_FUNCTIONS: dict[str, int] = {
     "ragkv.integrations.vllm.__init__": 63,

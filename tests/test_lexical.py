@@ -1,4 +1,4 @@
-"""The lexical index (store.lexical) and hybrid retrieval (ragkv.retrieval.search): BM25 over the store's
+"""The lexical index (ragkv.store.index.lexical) and hybrid retrieval (ragkv.retrieval.search): BM25 over the store's
 segments equals bm25s over the live corpus; it follows generations (tombstones, merges, an
 older store's segments given one by the next writer); a damaged file is named by verify,
 rebuilt by repair, and answered around with dense retrieval meanwhile; a question with no
@@ -18,7 +18,7 @@ import ragkv
 from ragkv.retrieval.search import fuse
 from ragkv.store import Hit, StoreWriter, collect_garbage, open_snapshot, verify
 from ragkv.store.catalog import ChunkRow, DocumentRow
-from ragkv.store.lexical import Postings, bm25, query_terms
+from ragkv.store.index.lexical import Postings, bm25, query_terms
 from tests.conftest import QUESTIONS, run_cli
 
 WORDS = "key rotate vault admin leave manager salary paid deploy canary traffic replica lag failover".split()

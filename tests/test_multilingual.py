@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 import ragkv
 from ragkv.core.config import IngestSettings, ModelSettings
 from ragkv.model.prompt import encode_text
-from ragkv.pipelines.chunk import chunk_text
+from ragkv.pipelines.reading.chunk import chunk_text
 from tests.families import TINY
 
 from .conftest import SAMPLE_DATA

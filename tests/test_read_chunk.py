@@ -7,8 +7,8 @@ from transformers import AutoTokenizer
 
 from ragkv.core.errors import InputError
 from ragkv.model.prompt import encode_text
-from ragkv.pipelines.chunk import chunk_text
-from ragkv.pipelines.read import read_documents
+from ragkv.pipelines.reading.chunk import chunk_text
+from ragkv.pipelines.reading.read import read_documents
 
 
 @pytest.fixture(scope="module")

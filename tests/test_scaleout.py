@@ -88,7 +88,7 @@ def _assert_same_store(a, b) -> None:
 
 
 def test_ray_ingest_builds_the_same_store_as_a_local_one(ray_cluster, local_store, corpus, tmp_path, monkeypatch):
-    from ragkv.pipelines import ray_engine
+    from ragkv.pipelines.engines import ray_engine
 
     monkeypatch.setattr(ray_engine, "DEFAULT_BATCH_ROWS", 3)
     report = ragkv.ingest(corpus, tmp_path / "kv", model=SMOLLM2, settings=SETTINGS, engine="ray", workers=2)
@@ -103,7 +103,7 @@ def test_a_killed_ray_worker_is_retried_without_duplicates(ray_cluster, local_st
     from ray import cloudpickle
 
     import tests.faults
-    from ragkv.pipelines import ray_engine, ray_ingest
+    from ragkv.pipelines.engines import ray_engine, ray_ingest
 
     marker = tmp_path / "killed"
     monkeypatch.setattr(ray_engine, "DEFAULT_BATCH_ROWS", 3)
@@ -329,7 +329,7 @@ def test_a_rebuilt_bucket_is_not_confused_with_the_local_mirror(s3_env, tiny_lla
 def test_a_worker_with_other_weights_fails_the_job_in_one_line(ray_cluster, tiny_llama, tmp_path):
     """A node whose model differs from the driver's must not write KV under the driver's keys."""
     from ragkv.core.errors import ModelError
-    from ragkv.pipelines import ray_engine
+    from ragkv.pipelines.engines import ray_engine
 
     spec = ray_engine.WorkerSpec(
         model=str(tiny_llama),
@@ -358,7 +358,7 @@ def test_s3_replicas_learn_through_pending_kv_that_one_fold_stores_once(
     """Readers of an S3 store never take its lock: the KV one computes on a miss is left under
     pending/ (shard, then manifest), where another replica finds it instead of computing it
     again, and a fold stores it within the budget."""
-    from ragkv.store.writeback import fold
+    from ragkv.store.kv.writeback import fold
 
     uri = "s3://ragkv/replicas"
     model = ModelSettings(model=str(tiny_llama), device="cpu")
@@ -410,7 +410,7 @@ def test_a_writer_replica_folds_what_a_reader_replica_learnt(s3_env, tiny_llama,
     """Two `ragkv serve` replicas of one S3 store, each with its own mirror: the reader answers
     a miss and leaves its KV pending; the replica started with --writer folds it on its own;
     the writer then answers from the store, with the same tokens, and both count their uses."""
-    from ragkv.store.writeback import fold
+    from ragkv.store.kv.writeback import fold
 
     uri = "s3://ragkv/fleet"
     model = ModelSettings(model=str(tiny_llama), device="cpu")

@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 from ragkv.core.errors import StoreCorruptError
-from ragkv.store import StoreWriter, collect_garbage, open_snapshot, segments, vectors, verify
+from ragkv.store import StoreWriter, collect_garbage, open_snapshot, verify
 from ragkv.store.catalog import ChunkRow, DocumentRow
 from ragkv.store.generations import manifest_path, read_current
+from ragkv.store.index import segments, vectors
 from ragkv.store.stats import store_stats
 from tests.conftest import ROOT
 

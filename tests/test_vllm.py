@@ -26,7 +26,7 @@ from ragkv.core.config import AskSettings
 from ragkv.core.keys import KVKey
 from ragkv.kv import codec
 from ragkv.store import open_snapshot, verify
-from ragkv.store.popularity import HITS_DIR
+from ragkv.store.kv.popularity import HITS_DIR
 from tests import vllm_probe
 from tests.conftest import ROOT, SAMPLE_DATA, free_port, run_cli
 

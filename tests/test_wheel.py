@@ -113,7 +113,7 @@ def test_each_extra_installs_and_imports(installed, dist):
     extras = f"ragkv[ray,langchain,llama-index,bench] @ {wheel.as_uri()}"
     run(venv / "bin" / "pip", "install", "-q", "--no-compile", extras, cwd=work)
     run(python, "-c", "import ray, matplotlib, ragkv.integrations.langchain, ragkv.integrations.llama_index", cwd=work)
-    found = run(python, "-c", "from ragkv.pipelines.ray_engine import connect; print('ok')", cwd=work)
+    found = run(python, "-c", "from ragkv.pipelines.engines.ray_engine import connect; print('ok')", cwd=work)
     assert found.stdout.strip() == "ok"
 
 

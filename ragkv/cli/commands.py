@@ -163,7 +163,7 @@ def gc(
 @app.command()
 def fold(store: str = StoreOption, wait: bool = WaitOption, json_out: bool = JsonOption):
     """Fold what readers left pending (S3: KV computed on misses) into the store; ingest and reindex fold too."""
-    from ragkv.store.writeback import fold as fold_store
+    from ragkv.store.kv.writeback import fold as fold_store
 
     _print(fold_store(store, wait=wait).to_dict(), json_out, text.fold_lines)
 
@@ -459,7 +459,7 @@ def budget(
     """Show or change the store's KV budget. A smaller budget evicts the least-asked chunks' KV now
     (LFU with ageing: each question adds 1, halving every 7 days); they are computed again on a miss."""
     from ragkv.core.config import parse_size
-    from ragkv.store.budget import budget_status, set_budget
+    from ragkv.store.kv.budget import budget_status, set_budget
 
     if size is None:
         report = budget_status(store)

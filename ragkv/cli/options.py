@@ -279,7 +279,7 @@ retrieval_options = OptionGroup(
 
 def _runner(engine: str, workers: int, vllm_python: str | None) -> dict:
     """The offline engine's options; --vllm-python is where `--engine vllm` finds vLLM
-    (pipelines.vllm_engine reads the variable)."""
+    (ragkv.pipelines.engines.vllm_engine reads the variable)."""
     if vllm_python:
         os.environ["RAGKV_VLLM_PYTHON"] = vllm_python
     return {"engine": engine, "workers": workers}

@@ -43,7 +43,7 @@ class OutputFile:
 
 def format_bytes(size: float) -> str:
     """As the budget writes sizes (20.0 GB); imported here so that `ragkv --help` loads no store code."""
-    from ragkv.store.budget import format_bytes as in_units
+    from ragkv.store.kv.budget import format_bytes as in_units
 
     return in_units(size)
 

@@ -8,7 +8,7 @@
                                      not plain, in the profile id; shard headers name it (`layout`)
     KV shard (safetensors header)    SHARD_FORMAT    "1"
     cache key strings                KEY_FORMAT      1   (`kv1:PROFILE:DIGEST`)
-    lexical file (safetensors)       store.lexical.ANALYSER, recorded in the file and the manifest
+    lexical file (safetensors)       ragkv.store.index.lexical.ANALYSER, recorded in the file and the manifest
 
 The policy:
 - **Read as it is:** every older store format (1 and 2) and every older catalog schema. A

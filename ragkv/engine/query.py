@@ -25,7 +25,7 @@ from ragkv.modes.prefix_cache import PrefixCache
 from ragkv.retrieval.retriever import Prompt, Retrieved, Retriever
 from ragkv.retrieval.search import Searched
 from ragkv.store import ContextRow, StoreSnapshot, open_snapshot
-from ragkv.store.writeback import PENDING_BYTES
+from ragkv.store.kv.writeback import PENDING_BYTES
 
 __all__ = ["ActiveProfile", "Prepared", "Prompt", "QueryEngine"]
 

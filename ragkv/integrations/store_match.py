@@ -41,9 +41,9 @@ from ragkv.kv import cache as kv
 from ragkv.kv import codec, spans
 from ragkv.model.profiles import candidates, first_matching
 from ragkv.store import EntryRow, open_snapshot
-from ragkv.store.pending import PendingArea, PendingIndex, read_pending
-from ragkv.store.popularity import Use
-from ragkv.store.shards import ShardReader
+from ragkv.store.kv.pending import PendingArea, PendingIndex, read_pending
+from ragkv.store.kv.popularity import Use
+from ragkv.store.kv.shards import ShardReader
 
 PARAMS_KEY = "ragkv"  # the entry of a request's kv_transfer_params that ragkv reads
 TIMINGS_KEPT = 4096  # recent copy timings a long-running engine keeps (to log their p50)
@@ -389,7 +389,7 @@ def slot_mapping(block_ids: Sequence[int], block_size: int, start: int, end: int
 class KVSaver:
     """Hands KV an engine computed to the store's write-back, off the engine's thread: a thread
     waits for each gathered copy (an event, on CUDA), encodes it as the store does, and submits
-    it to `ragkv.store.writeback.WriteBack` (which batches, admits by budget and publishes).
+    it to `ragkv.store.kv.writeback.WriteBack` (which batches, admits by budget and publishes).
 
     `wait=True` (an ingest): a full write-back queue makes `submit` wait instead of dropping.
     `options`: the WriteBack's (`pending_bytes`, `leave_pending`, `writer`)."""
@@ -401,7 +401,7 @@ class KVSaver:
         import threading
 
         from ragkv.model.forward import shard_metadata
-        from ragkv.store.writeback import WriteBack
+        from ragkv.store.kv.writeback import WriteBack
 
         self.profile = profile
         self.metadata = {**shard_metadata(profile.profile_id, model_name, profile.dtype), "engine": engine}
@@ -433,7 +433,7 @@ class KVSaver:
             )
 
     def _run(self) -> None:
-        from ragkv.store.writeback import ComputedKV
+        from ragkv.store.kv.writeback import ComputedKV
 
         while True:
             item = self._queue.get()

@@ -30,7 +30,7 @@ Worker side, saving: after the forward (`wait_for_save`), each chunk's token ran
 out of every layer's blocks (the backend's layout is probed once, ragkv.integrations.paged)
 into one copy, so vLLM may reuse the blocks at once and decoding never waits on the store;
 on CUDA the copy to host is asynchronous. A thread encodes it and hands it to the store's
-write-back (store.writeback): one writer, batched generations, the budget's admission by
+write-back (ragkv.store.kv.writeback): one writer, batched generations, the budget's admission by
 popularity, a bounded wait behind another writer, and a failed write logged once while
 answering goes on. A kill at any point leaves the published store as it was.
 
@@ -41,7 +41,7 @@ the KV it computes and the uses it logs are left as objects under the store's `p
 (`ragkv fold`, `ragkv serve --writer`, the nightly `reindex`); shards are read from the
 machine's mirror of the bucket, fetched when first needed. Such a replica also loads what
 the others left pending (the scheduler matches a laid-out request's missing chunks against
-`pending/`, store.pending.PendingIndex) instead of computing it again. `"writer": true` makes
+`pending/`, ragkv.store.kv.pending.PendingIndex) instead of computing it again. `"writer": true` makes
 it the one writer instead (what `ingest --engine vllm` runs).
 
 A request opts out with `extra_args={"kv_transfer_params": {"ragkv": "skip"}}` (a full prefill:
@@ -85,10 +85,10 @@ from ragkv.integrations.store_match import (
 from ragkv.integrations.vllm_load import PagedLoader
 from ragkv.kv.layout import refuse_unless_plain
 from ragkv.store import EntryRow
-from ragkv.store.pending import PendingArea, PendingHits, PendingIndex
-from ragkv.store.popularity import HitLog
+from ragkv.store.kv.pending import PendingArea, PendingHits, PendingIndex
+from ragkv.store.kv.popularity import HitLog
+from ragkv.store.kv.writeback import PENDING_BYTES, leaves_pending
 from ragkv.store.snapshot import shard_reader
-from ragkv.store.writeback import PENDING_BYTES, leaves_pending
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -75,7 +75,7 @@ def decode(parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
 
 def read(shards, entry, dtype: torch.dtype, device: str | torch.device = "cpu", out=None) -> torch.Tensor:
     """The stored KV of catalog `entry` (its shard, tensor and checksum), `(L, 2, H, T, D)` in
-    `dtype` on `device`: read from `shards` (a store.shards.ShardReader, into buffer `out` when
+    `dtype` on `device`: read from `shards` (a ragkv.store.kv.shards.ShardReader, into buffer `out` when
     given), verified, and decoded. From pinned host memory the copy to a GPU is asynchronous;
     work queued after it on the same stream sees the data."""
     parts = shards.read_parts(entry.shard, entry.tensor, entry.checksum, out=out)

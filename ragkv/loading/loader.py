@@ -25,9 +25,9 @@ from ragkv.modes import assemble
 from ragkv.modes.assemble import Assembly
 from ragkv.modes.prefix_cache import PrefixCache
 from ragkv.store import ContextRow, StoreSnapshot
-from ragkv.store.pending import PendingArea, PendingHits, PendingIndex
-from ragkv.store.popularity import HitLog, Use
-from ragkv.store.writeback import PENDING_BYTES, ComputedKV, WriteBack, leaves_pending
+from ragkv.store.kv.pending import PendingArea, PendingHits, PendingIndex
+from ragkv.store.kv.popularity import HitLog, Use
+from ragkv.store.kv.writeback import PENDING_BYTES, ComputedKV, WriteBack, leaves_pending
 
 log = logging.getLogger("ragkv")
 

@@ -1,5 +1,5 @@
 """The first stage of retrieval: the chunks nearest a question by meaning (dense: the embedder's
-vectors, cosine), by its words (lexical: BM25 over the chunks' text, store.lexical), or both
+vectors, cosine), by its words (lexical: BM25 over the chunks' text, ragkv.store.index.lexical), or both
 fused (hybrid). The rerank (ragkv.retrieval.rerank) orders what this finds.
 
 Hybrid fuses the two lists by a weighted sum of each list's scores scaled to [0, 1] over its
@@ -19,7 +19,7 @@ import numpy as np
 from ragkv.core.errors import StoreCorruptError
 from ragkv.model.embed import Embedder
 from ragkv.store import Hit, VectorIndex
-from ragkv.store.lexical import query_terms
+from ragkv.store.index.lexical import query_terms
 
 LEXICAL_WEIGHT = 0.2  # hybrid: the lexical list's weight beside the dense one's (benchmarks/retrieval.py: dev halves)
 FUSION_DEPTH = 30  # hybrid: each list's candidates, at least (more when more are asked for)

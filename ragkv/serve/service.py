@@ -48,7 +48,7 @@ from ragkv.serve.api import (
     split_messages,
 )
 from ragkv.serve.guard import RequestGuard, backstop_concurrency
-from ragkv.store.writeback import FoldLoop
+from ragkv.store.kv.writeback import FoldLoop
 
 log = logging.getLogger("ragkv")
 

@@ -53,8 +53,8 @@ from ragkv.serve.api import (
     split_messages,
 )
 from ragkv.serve.guard import RequestGuard
+from ragkv.store.kv.writeback import FoldLoop
 from ragkv.store.remote import absolute
-from ragkv.store.writeback import FoldLoop
 
 log = logging.getLogger("ragkv")
 VLLM_MODEL_ID = "ragkv-llm"  # the name the front's vLLM serves the model under

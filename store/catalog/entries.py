@@ -18,7 +18,7 @@ from ragkv.store.catalog.rows import (
     SpanLink,
     pages_of,
 )
-from ragkv.store.shards import SealedEntry
+from ragkv.store.kv.shards import SealedEntry
 
 POINT_LOOKUPS = 16  # context_rows probes each table for up to this many ids, and joins beyond
 

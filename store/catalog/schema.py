@@ -56,7 +56,7 @@ MIGRATIONS: list[tuple[str, str]] = [
         "ALTER TABLE chunk_kv ADD COLUMN span_start INTEGER;",
     ),
     (
-        # Popularity (see store.popularity): uses per (document, chunk index), and how far each
+        # Popularity (see ragkv.store.kv.popularity): uses per (document, chunk index), and how far each
         # reader's hit log has been folded in.
         "0003_chunk_hits",
         """
@@ -67,7 +67,7 @@ MIGRATIONS: list[tuple[str, str]] = [
         """,
     ),
     (
-        # Where a chunk is in its document (pipelines.blocks): the deepest section holding it
+        # Where a chunk is in its document (ragkv.pipelines.reading.blocks): the deepest section holding it
         # (headings, outermost first) and the pages (or slides) it covers; NULL: none known.
         "0004_chunk_places",
         _add_columns(_CHUNK_PLACES),

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 import pyarrow as pa
 
 from ragkv.store.catalog.part import Part
-from ragkv.store.popularity import HALF_LIFE_S, ChunkHits, Pending, decay, tally
+from ragkv.store.kv.popularity import HALF_LIFE_S, ChunkHits, Pending, decay, tally
 
 
 class Usage(Part):

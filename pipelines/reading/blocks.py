@@ -1,7 +1,7 @@
 """A document's structure: its text as blocks (paragraphs, headings, table rows), each with its
 place: the heading it opens (its level), and the page or slide it is on. Readers produce them
-(pipelines.read for text formats, pipelines.documents for PDF, Word and PowerPoint); the
-chunker keeps sections whole by them (pipelines.chunk); each chunk's section path and pages
+(ragkv.pipelines.reading.read for text formats, ragkv.pipelines.reading.documents for PDF, Word and PowerPoint); the
+chunker keeps sections whole by them (ragkv.pipelines.reading.chunk); each chunk's section path and pages
 are what an answer cites.
 
 A document's text is its blocks joined by blank lines, so a Markdown or reStructuredText file

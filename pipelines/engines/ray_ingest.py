@@ -1,4 +1,4 @@
-"""The driver side of `ingest --engine ray`: what the workers (pipelines.ray_engine) are sent,
+"""The driver side of `ingest --engine ray`: what the workers (ragkv.pipelines.engines.ray_engine) are sent,
 and committing what they send back."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from ragkv.core.config import IngestSettings, ModelSettings
 from ragkv.core.keys import Profile
 from ragkv.model.forward import shard_metadata
 from ragkv.model.llm import LoadedModel
-from ragkv.pipelines import ray_engine
+from ragkv.pipelines.engines import ray_engine
 from ragkv.pipelines.progress import Reporter
 from ragkv.store import ChunkRow, SealedEntry, StoreWriter
 

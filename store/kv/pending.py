@@ -6,7 +6,7 @@ fresh id, the manifest written last:
 
     pending/<id>.safetensors   the entries, sealed as a shard of `shards/` is (id: time, then random)
     pending/<id>.json          the manifest: per entry its key, chunk, token ids, span and checksum
-    pending/<id>.hits.jsonl    uses it logged (store.popularity's lines), one object per flush
+    pending/<id>.hits.jsonl    uses it logged (ragkv.store.kv.popularity's lines), one object per flush
 
 An object whose manifest is missing is incomplete (a replica killed mid-upload): a fold never
 takes it, and one deletes it once it is an hour old. A reader keeps at most `pending_bytes` of its own
@@ -43,9 +43,9 @@ from pathlib import Path
 import torch
 
 from ragkv.core.errors import StoreCorruptError
-from ragkv.store.popularity import Pending, Use, parse_use, use_line
+from ragkv.store.kv.popularity import Pending, Use, parse_use, use_line
+from ragkv.store.kv.shards import SHARD_SUFFIX, ShardReader, ShardWriter
 from ragkv.store.remote import RemoteStore
-from ragkv.store.shards import SHARD_SUFFIX, ShardReader, ShardWriter
 
 log = logging.getLogger("ragkv")
 
@@ -151,7 +151,7 @@ def new_object_id() -> str:
 class PendingHits:
     """The uses a reader of a store it does not write logs: buffered, and left as one hits
     object `flush_s` seconds after the first use buffered (a timer: an idle replica's last
-    uses are not held back), on `flush` and on `close` (the interface of store.popularity's
+    uses are not held back), on `flush` and on `close` (the interface of ragkv.store.kv.popularity's
     HitLog). A failed upload raises from `flush`; from the timer it is logged once."""
 
     def __init__(self, location: str | Path, flush_s: float = HITS_FLUSH_S):

@@ -1,4 +1,4 @@
-"""PDF, Word (.docx) and PowerPoint (.pptx) files as blocks with their places (pipelines.blocks),
+"""PDF, Word (.docx) and PowerPoint (.pptx) files as blocks with their places (ragkv.pipelines.reading.blocks),
 and the metadata they hold (title, author, dates, pages).
 
 - PDF (pypdf): each page's text runs with their font sizes; a line set larger than the body
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ragkv.pipelines.blocks import Block
+from ragkv.pipelines.reading.blocks import Block
 
 DOCUMENT_SUFFIXES = {".pdf", ".docx", ".pptx"}
 UNPACKED_LIMIT = 8  # a .docx/.pptx may unpack to this many times --max-doc-bytes, no more

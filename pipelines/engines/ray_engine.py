@@ -105,7 +105,7 @@ class KVWorker:
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         from ragkv.kv import codec
         from ragkv.model.forward import compute_chunks
-        from ragkv.store.remote_shards import ShardSink
+        from ragkv.store.kv.remote_shards import ShardSink
 
         n = len(batch["chunk_id"])
         vectors = np.zeros((n, self.embedder.dim), dtype=np.float32)

@@ -10,7 +10,7 @@ Pieces are joined back with the white space that separated them (none between CJ
 sentences). Token counts are exact: every chunk is checked by tokenising it as it will be
 stored.
 
-A document with structure (headings, pages: pipelines.blocks) is chunked by its sections
+A document with structure (headings, pages: ragkv.pipelines.reading.blocks) is chunked by its sections
 (`chunk_blocks`): a section that fits in `max_tokens` is never split between chunks (a short
 one shares a chunk with its neighbours rather than becoming a crumb); one that does not fit is
 split by its subsections the same way, and at the bottom by paragraphs and sentences as above.
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ragkv.model.prompt import encode_text
-from ragkv.pipelines.blocks import Block, paths
+from ragkv.pipelines.reading.blocks import Block, paths
 
 CHUNKER_VERSION = "2"  # plain text: chunk_text
 SECTIONS_VERSION = "3"  # documents with headings or pages: chunk_blocks

@@ -1,6 +1,6 @@
 """Read documents from files and directory trees: .txt .md .rst .html .jsonl, and .pdf .docx
-.pptx (pipelines.documents). Each document's structure (headings, pages, table rows) comes
-with it as blocks (pipelines.blocks).
+.pptx (ragkv.pipelines.reading.documents). Each document's structure (headings, pages, table rows) comes
+with it as blocks (ragkv.pipelines.reading.blocks).
 
 Each document carries metadata a filter can use (ragkv.core.filters): its format, its path (the
 id a file is stored under; a jsonl record: its file's), the file's modified time, a title (the
@@ -29,9 +29,9 @@ from ragkv.core.config import (
     DEFAULT_MAX_DOCUMENT_BYTES as MAX_DOCUMENT_BYTES,  # a jsonl file is not capped; each record is
 )
 from ragkv.core.errors import InputError
-from ragkv.pipelines.blocks import Block, html_blocks, markdown_blocks, plain_blocks, rst_blocks, text_of
-from ragkv.pipelines.chunk import is_structured
-from ragkv.pipelines.documents import DOCUMENT_SUFFIXES, UNPACKED_LIMIT, Unreadable, read_document
+from ragkv.pipelines.reading.blocks import Block, html_blocks, markdown_blocks, plain_blocks, rst_blocks, text_of
+from ragkv.pipelines.reading.chunk import is_structured
+from ragkv.pipelines.reading.documents import DOCUMENT_SUFFIXES, UNPACKED_LIMIT, Unreadable, read_document
 
 TEXT_SUFFIXES = {".txt", ".md", ".markdown", ".rst", ".text"}
 HTML_SUFFIXES = {".html", ".htm"}
@@ -45,7 +45,9 @@ class Document:
     source: str  # where it was read from (path, plus line for jsonl)
     text: str
     metadata: dict = field(default_factory=dict)
-    blocks: tuple[Block, ...] = ()  # its structure (headings, pages), when it has any: see pipelines.blocks
+    blocks: tuple[
+        Block, ...
+    ] = ()  # its structure (headings, pages), if any: see reading.blocks
 
 
 @dataclass(frozen=True)

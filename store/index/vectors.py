@@ -1,7 +1,7 @@
-"""The chunk index of one generation: its segments (store.segments: each a set of chunk ids'
+"""The chunk index of one generation: its segments (ragkv.store.index.segments: each a set of chunk ids'
 vectors and words), the ids removed since (tombstones, kept in the generation's catalog) and,
 in a writer, what was added since it opened. Dense search is inner product over normalised
-vectors (= cosine); lexical search is BM25 over the same chunks (store.lexical). Ids are
+vectors (= cosine); lexical search is BM25 over the same chunks (ragkv.store.index.lexical). Ids are
 catalog chunk ids, never reused.
 
 Publishing a change writes only the chunks it added (one new segment) and the ids it removed,
@@ -22,8 +22,8 @@ from typing import Any
 import faiss
 import numpy as np
 
-from ragkv.store.lexical import Postings, bm25
-from ragkv.store.segments import (
+from ragkv.store.index.lexical import Postings, bm25
+from ragkv.store.index.segments import (
     Segment,
     SegmentInfo,
     build_segment,
@@ -142,7 +142,7 @@ class VectorIndex:
         return sum(s.count for s in self.segments if not s.has_terms)
 
     def search_terms(self, terms: Sequence[str], k: int, allowed: Sequence[int] | None = None) -> list[Hit]:
-        """The `k` best chunks for `terms` (store.lexical.query_terms) by BM25, best first; only
+        """The `k` best chunks for `terms` (ragkv.store.index.lexical.query_terms) by BM25, best first; only
         chunk ids in `allowed` when given. Segments without a lexical file are not searched
         (see `num_without_terms`); a damaged one raises StoreCorruptError naming it. Chunks
         added in a writer are not searched until written."""

@@ -1,4 +1,4 @@
-"""Segment files: a generation's chunk index is a list of immutable segments (see store.vectors
+"""Segment files: a generation's chunk index is a list of immutable segments (see ragkv.store.index.vectors
 for the index over them). A segment holds a set of chunk ids twice over:
 
 - their vectors, a FAISS file (`segments/seg-*.faiss`): a small segment is exact,
@@ -13,7 +13,7 @@ for the index over them). A segment holds a set of chunk ids twice over:
   against exact search on queries near its own vectors, and recorded in the manifest. A store
   of an earlier ragkv may hold kind "ivf", `IndexIVFFlat` (float32 vectors in its lists, all
   in memory): read as it is, rewritten as "ivfpq" by the next compaction;
-- their words, a lexical file (`segments/terms-*.safetensors`, store.lexical): the postings
+- their words, a lexical file (`segments/terms-*.safetensors`, ragkv.store.index.lexical): the postings
   BM25 searches. A segment written by a ragkv before the lexical index has none; the next
   writer builds it from the chunks' text (once).
 
@@ -35,7 +35,7 @@ import numpy as np
 
 from ragkv.core.errors import StoreCorruptError
 from ragkv.store.generations import SEGMENT_DIR
-from ragkv.store.lexical import ANALYSER, Postings, load_postings
+from ragkv.store.index.lexical import ANALYSER, Postings, load_postings
 
 IVF_MIN = 50_000  # a segment with fewer vectors is searched exactly
 RECALL_TARGET = 0.95
@@ -59,7 +59,7 @@ class SegmentInfo:
     recall: float = 1.0  # recall@10 measured when the segment was built (flat: exact)
     terms: str = ""  # its lexical file ("": none, a segment written before the lexical index)
     terms_nbytes: int = 0
-    analyser: str = ""  # what split its lexical file's words (store.lexical.ANALYSER when current)
+    analyser: str = ""  # what split its lexical file's words (ragkv.store.index.lexical.ANALYSER when current)
     vectors: str = ""  # "ivfpq": its float32 vectors sorted by id, for the re-score
     vectors_nbytes: int = 0
     pq_bytes: int = 0  # "ivfpq": bytes of one vector's code

@@ -23,11 +23,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ragkv.core.errors import RagkvError, StoreLockedError
-from ragkv.store import budget
 from ragkv.store.catalog import ChunkLink
 from ragkv.store.gc import drop_dead
-from ragkv.store.pending import ComputedKV, PendingArea, PendingWriter, read_hits, read_objects
-from ragkv.store.popularity import HITS_DIR
+from ragkv.store.kv import budget
+from ragkv.store.kv.pending import ComputedKV, PendingArea, PendingWriter, read_hits, read_objects
+from ragkv.store.kv.popularity import HITS_DIR
 from ragkv.store.remote import is_remote
 from ragkv.store.writer import open_writer
 
@@ -222,7 +222,7 @@ class FoldReport:
 
 
 def fold_pending(writer) -> FoldReport:
-    """Fold the readers' hit logs, pending hits and pending KV (store.pending) into the
+    """Fold the readers' hit logs, pending hits and pending KV (ragkv.store.kv.pending) into the
     generation `writer` builds; the folded objects are deleted once it is published
     (`FoldReport.delete_folded`)."""
     area = PendingArea(writer.location)

@@ -2,7 +2,7 @@
 
 A budget caps the bytes of every KV entry in the store. The prefix KV and other models' KV
 are never evicted; what is left of the budget goes to chunk KV, most popular first
-(store.popularity), ties kept in favour of what is already stored and then by document order.
+(ragkv.store.kv.popularity), ties kept in favour of what is already stored and then by document order.
 Every writer applies it: ingest (which chunks to precompute), the write-back of KV computed on
 a miss (whether it earns a place), and `ragkv budget`.
 
@@ -26,7 +26,7 @@ from typing import NamedTuple
 from ragkv.core.errors import InputError
 from ragkv.store.catalog import Catalog
 from ragkv.store.gc import drop_dead, maintaining
-from ragkv.store.popularity import HITS_DIR, read_pending, remove_finished
+from ragkv.store.kv.popularity import HITS_DIR, read_pending, remove_finished
 from ragkv.store.store import StoreWriter
 
 log = logging.getLogger("ragkv")

@@ -1,6 +1,6 @@
 """The lexical index: BM25 over the chunks' words, kept in the same segments as the vectors.
 
-Each vector segment (store.segments) has a lexical part: a file of postings for the same chunk
+Each vector segment (ragkv.store.index.segments) has a lexical part: a file of postings for the same chunk
 ids (`seg-*.terms.safetensors`), so the lexical index follows the store's generations exactly
 as the vectors do: a publish writes postings only for the chunks it adds, a removed chunk is
 a tombstone shared with its vector, merges and compactions rewrite both parts together, and

@@ -1,0 +1,2 @@
+"""The chunk index of a generation: immutable segments of vectors (FAISS) and of words (BM25),
+searched together."""
