@@ -19,7 +19,7 @@ def test_cuda_ingest_and_ask_use_pinned_buffers_and_agree(tiny_llama, corpus, tm
         assert engine.device == "cuda"
         answer = engine.ask(QUESTIONS[0], max_new_tokens=8)
         assert answer.stats.reused_tokens > 0 and answer.stats.ram_misses == 1
-        assert all(buffer.is_pinned() for buffer in engine.loader._read_buffers)
+        assert all(buffer.is_pinned() for buffer in engine.loader.reads._read_buffers)
         cached = engine.first_token_logits(QUESTIONS[1])
         full = engine.first_token_logits(QUESTIONS[1], use_cache=False)
         bound = 1.5 * 2.0**-8 * engine.lm.facts.num_layers**0.5  # bf16 noise, as in test_exactness

@@ -1,4 +1,4 @@
-"""`kv.RaggedBatch`, the rows of continuous batching: whatever joins, leaves, or makes the
+"""`RaggedBatch`, the rows of continuous batching: whatever joins, leaves, or makes the
 buffers grow, every row's logits equal those of the same sequence decoded alone (float32)."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ragkv.kv import cache as kv
+from ragkv.kv.ragged import RaggedBatch
 from ragkv.model.generate import prefill
 
 
@@ -33,7 +34,7 @@ class Alone:
         return self.logits
 
 
-def _step_all(model, batch: kv.RaggedBatch, rows: list[Alone]) -> None:
+def _step_all(model, batch: RaggedBatch, rows: list[Alone]) -> None:
     with torch.inference_mode():
         logits = batch.step(model, [row.token for row in rows])  # (B, V)
     for i, row in enumerate(rows):
@@ -44,7 +45,7 @@ def _step_all(model, batch: kv.RaggedBatch, rows: list[Alone]) -> None:
 
 
 def test_rows_that_join_leave_and_outgrow_the_buffers_each_decode_as_alone(model):
-    batch = kv.RaggedBatch(model.config)
+    batch = RaggedBatch(model.config)
     rows: list[Alone] = []
     lengths = [5, 40, 17, 3, 60, 9]  # the 5th row is wider than the buffers were made for
     for seed, length in enumerate(lengths):

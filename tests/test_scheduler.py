@@ -14,7 +14,7 @@ import ragkv
 from ragkv.core.config import AskSettings, DecodeSettings
 from ragkv.core.errors import InputError
 from ragkv.engine.scheduler import Busy
-from ragkv.kv import cache as kv
+from ragkv.kv.ragged import RaggedBatch
 from tests.conftest import QUESTIONS, flip_bit_of_entry
 
 MIXED = [  # different contexts, prompt lengths, answer lengths and paths
@@ -153,7 +153,7 @@ def test_a_full_queue_is_busy_and_bad_turns_fail_alone(engine):
 
 def test_a_turn_that_fails_as_it_joins_the_batch_gets_the_error_and_the_batcher_goes_on(engine, monkeypatch):
     expected = engine.ask(QUESTIONS[1], max_new_tokens=6).token_ids
-    add = kv.RaggedBatch.add
+    add = RaggedBatch.add
     failures = iter([RuntimeError("no memory for the row")])
 
     def add_once_failing(self, single):
@@ -162,7 +162,7 @@ def test_a_turn_that_fails_as_it_joins_the_batch_gets_the_error_and_the_batcher_
             raise error
         return add(self, single)
 
-    monkeypatch.setattr(kv.RaggedBatch, "add", add_once_failing)
+    monkeypatch.setattr(RaggedBatch, "add", add_once_failing)
     gate = threading.Event()
     with engine.batched(prefill_chunk=100_000) as batcher:  # each prompt in one step: the second joins the first
         blocker = batcher.call(gate.wait)  # both turns are admitted in the same step

@@ -45,9 +45,7 @@ class Document:
     source: str  # where it was read from (path, plus line for jsonl)
     text: str
     metadata: dict = field(default_factory=dict)
-    blocks: tuple[
-        Block, ...
-    ] = ()  # its structure (headings, pages), if any: see reading.blocks
+    blocks: tuple[Block, ...] = ()  # its structure (headings, pages), if any: see reading.blocks
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,6 @@ in one place (`ragkv.cli.app.CommandGroup`)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,29 +13,19 @@ import typer
 import ragkv.cli.output as text
 from ragkv.cli.app import new_app, quiet_libraries
 from ragkv.cli.options import (
-    ApeScaleOption,
     DeviceOption,
-    DtypeChoiceOption,
-    EmbedderOverrideOption,
     JsonOption,
-    KvDtypeChoiceOption,
     ModelOverrideOption,
     PathsArgument,
     QuietOption,
     StoreOption,
     WaitOption,
-    answer_options,
     ingest_options,
-    retrieval_options,
     runner_options,
 )
-from ragkv.cli.serve import serve_options, vllm_front_options
-from ragkv.core.config import AskSettings, SearchSettings
-from ragkv.core.errors import InputError
 
 if TYPE_CHECKING:
-    from ragkv.cli.serve import VllmFront
-    from ragkv.serve.api import ServeSettings
+    pass
 
 
 app = new_app(
@@ -99,7 +88,7 @@ def ingest(
         prune=prune,
         **runner,
     )
-    _print(report.to_dict(), json_out, text.ingest_lines)
+    print_report(report.to_dict(), json_out, text.ingest_lines)
 
 
 @app.command()
@@ -137,9 +126,9 @@ def reindex(
     if json_out:
         typer.echo(json.dumps(report.to_dict()))
     else:
-        _echo(text.ingest_lines(report.ingest))
-        _echo(text.gc_lines(report.gc) if report.gc else [])
-        _echo(text.verify_lines(report.verify) if report.verify else [])
+        echo_lines(text.ingest_lines(report.ingest))
+        echo_lines(text.gc_lines(report.gc) if report.gc else [])
+        echo_lines(text.verify_lines(report.verify) if report.verify else [])
     raise typer.Exit(report.exit_code)
 
 
@@ -157,7 +146,7 @@ def gc(
     large store). Costs what the store holds; run it nightly, not per change."""
     from ragkv.store import collect_garbage
 
-    _print(collect_garbage(store, other_models=other_models, wait=wait).to_dict(), json_out, text.gc_lines)
+    print_report(collect_garbage(store, other_models=other_models, wait=wait).to_dict(), json_out, text.gc_lines)
 
 
 @app.command()
@@ -165,7 +154,7 @@ def fold(store: str = StoreOption, wait: bool = WaitOption, json_out: bool = Jso
     """Fold what readers left pending (S3: KV computed on misses) into the store; ingest and reindex fold too."""
     from ragkv.store.kv.writeback import fold as fold_store
 
-    _print(fold_store(store, wait=wait).to_dict(), json_out, text.fold_lines)
+    print_report(fold_store(store, wait=wait).to_dict(), json_out, text.fold_lines)
 
 
 @app.command()
@@ -186,235 +175,11 @@ def verify(
         from ragkv.pipelines.repair import repair as repair_store
 
         fixed = repair_store(store, device=resolve_device(device))
-        _echo([] if json_out else text.repair_lines(fixed))
+        echo_lines([] if json_out else text.repair_lines(fixed))
     with open_snapshot(store, require_documents=False, lenient=True) as snapshot:
         report = {**verify_store(snapshot).to_dict(), **({"repair": fixed.to_dict()} if fixed else {})}
-    _print(report, json_out, text.verify_lines)
+    print_report(report, json_out, text.verify_lines)
     raise typer.Exit(0 if report["ok"] else 4)
-
-
-@app.command()
-@answer_options
-@retrieval_options
-def ask(
-    question: str = typer.Argument(..., help="The question."),
-    store: str = StoreOption,
-    top_k: int = typer.Option(
-        1, "--top-k", "-k", help="Chunks to retrieve; the first comes from the store, the rest are prefilled live."
-    ),
-    no_cache: bool = typer.Option(
-        False, "--no-cache", help="Full prefill of the same prompt (to compare with the cached path)."
-    ),
-    ape_scale: float = ApeScaleOption,
-    doc: str | None = typer.Option(None, "--doc", help="Retrieve only from this document id."),
-    json_out: bool = JsonOption,
-    model: str | None = ModelOverrideOption,
-    embedder: str | None = EmbedderOverrideOption,
-    dtype: str | None = DtypeChoiceOption,
-    kv_dtype: str | None = KvDtypeChoiceOption,
-    device: str = DeviceOption,
-    *,
-    answering: dict,
-    retrieval: dict,
-):
-    """Answer a question from the store: retrieve, load the chunk's KV, prefill only the question.
-
-    Decoding is greedy (deterministic) with light repetition control; the cached answer and
-    --no-cache decode alike, so in float32 they are token for token the same."""
-    quiet_libraries()
-    import ragkv
-
-    if not question.strip():
-        raise InputError("the question is empty; ask something")
-    own = {"top_k": top_k, "use_cache": not no_cache, "ape_scale": ape_scale, "doc_ids": (doc,) if doc else None}
-    settings = AskSettings.from_dict({**answering, **retrieval, **own})
-    _check_filter_fields(store, settings.search)
-    with ragkv.open(store, model=model, embedder=embedder, device=device, dtype=dtype, kv_dtype=kv_dtype) as engine:
-        stream = engine.stream(question, settings)
-        for delta in stream:
-            if not json_out:
-                sys.stdout.write(delta)
-                sys.stdout.flush()
-        answer = stream.answer
-    if json_out:
-        typer.echo(json.dumps(answer.to_dict()))
-        return
-    typer.echo("")
-    _echo(text.answer_footer(answer), err=True)
-
-
-@app.command()
-@retrieval_options
-def search(
-    question: str | None = typer.Argument(None, help="The question (or give --file)."),
-    store: str = StoreOption,
-    top_k: int = typer.Option(5, "--top-k", "-k", help="Chunks to return."),
-    doc: str | None = typer.Option(None, "--doc", help="Search only this document id."),
-    questions_file: Path | None = typer.Option(
-        None, "--file", help='JSONL of {"id", "question", "doc"?}: one JSON line of {"id", "results"} per question.'
-    ),
-    json_out: bool = JsonOption,
-    device: str = DeviceOption,
-    *,
-    retrieval: dict,
-):
-    """Rank the store's chunks for a question, without generating: what `ask` would read.
-
-    Each result has the document id, chunk index, chunk id, score and text (--json). With
-    --file, many questions are searched in one process (evaluations, batch jobs)."""
-    quiet_libraries()
-    import ragkv
-    from ragkv.engine.batch import Question, read_questions, search_all
-
-    if (question is None) == (questions_file is None):
-        raise InputError("give a question or --file questions.jsonl (one of the two)")
-    if question is not None and not question.strip():
-        raise InputError("the question is empty; ask something")
-    settings = SearchSettings(top_k, **retrieval)  # checked before any model loads
-    _check_filter_fields(store, settings)
-    items, errors = read_questions(questions_file) if questions_file else ([Question("1", question or "", doc)], [])
-    with ragkv.open(store, device=device) as engine:
-        for outcome in errors:
-            typer.echo(json.dumps(outcome.to_dict()))
-        for found in search_all(engine, items, settings):
-            if questions_file or json_out:
-                typer.echo(json.dumps(found if questions_file else {"question": question, **found}))
-            elif "error" in found:
-                raise InputError(found["error"])
-            else:
-                _echo(text.search_lines(found["results"]))
-                _echo([f"warning: {warning}" for warning in found.get("warnings", [])], err=True)
-
-
-def _check_filter_fields(store: str, settings: SearchSettings) -> None:
-    """A filter naming a field no document of the store has is refused before any model loads."""
-    if not settings.filters:
-        return
-    from ragkv.core.filters import check_fields
-    from ragkv.store import open_snapshot
-
-    with open_snapshot(store, require_documents=False) as snapshot:
-        check_fields(settings.conditions, snapshot.catalog.documents.metadata_fields())
-
-
-@app.command()
-@answer_options
-@retrieval_options
-def batch(
-    questions: Path = typer.Argument(
-        ..., help='JSONL: one {"id", "question", "doc"?} per line ("doc" pins a document).'
-    ),
-    out: Path = typer.Option(..., "--out", "-o", help="Where to write one JSON answer (or error) per line."),
-    store: str = StoreOption,
-    top_k: int = typer.Option(1, "--top-k", "-k", help="Chunks per question."),
-    max_batch: int = typer.Option(16, "--max-batch", help="Most questions decoded together."),
-    device: str = DeviceOption,
-    json_out: bool = JsonOption,
-    quiet: bool = QuietOption,
-    *,
-    answering: dict,
-    retrieval: dict,
-):
-    """Answer a file of questions, decoded together on the continuous batcher (as `ragkv serve`
-    does): each answer equals `ragkv ask`'s, and is counted and logged like one."""
-    quiet_libraries()
-    import ragkv
-    from ragkv.engine.batch import read_questions, run_batch
-    from ragkv.pipelines.progress import default_reporter
-
-    if max_batch < 1:
-        raise InputError(f"--max-batch must be at least 1, got {max_batch}")
-    settings = AskSettings.from_dict({**answering, **retrieval, "top_k": top_k})
-    _check_filter_fields(store, settings.search)
-    items, errors = read_questions(questions)
-    sink = text.OutputFile(out, "--out")
-    with ragkv.open(store, device=device) as engine, sink:
-        reporter = default_reporter(quiet or json_out)
-        summary = run_batch(engine, items, errors, settings, sink.write, reporter, max_batch=max_batch)
-    if json_out:
-        typer.echo(json.dumps(summary))
-        return
-    _echo(text.batch_lines(summary, out))
-    _echo([f"  {error}" for error in summary["errors"]], err=True)
-
-
-@app.command()
-@answer_options
-def chat(
-    store: str = StoreOption,
-    top_k: int = typer.Option(
-        1, "--top-k", "-k", help="Chunks the first message retrieves (kept for the conversation)."
-    ),
-    ape_scale: float = ApeScaleOption,
-    model: str | None = ModelOverrideOption,
-    device: str = DeviceOption,
-    *,
-    answering: dict,
-):
-    """An interactive conversation. The first message retrieves its context; every later turn
-    reuses the cache of the whole conversation and prefills only the new message.
-
-    Commands: /reset starts over (and retrieves again), /sources shows the context, /quit (or EOF) ends."""
-    quiet_libraries()
-    import ragkv
-
-    settings = AskSettings.from_dict({**answering, "top_k": top_k, "ape_scale": ape_scale})
-    try:
-        import readline  # noqa: F401 - line editing and history for input()
-    except ImportError:
-        pass
-    with ragkv.open(store, model=model, device=device) as engine:
-        conversation = engine.conversation(settings)
-        typer.echo("Ask a question (/reset, /sources, /quit).", err=True)
-        while True:
-            try:
-                message = input("> ").strip()
-            except EOFError:
-                break
-            if message in ("/quit", "/exit"):
-                break
-            if message == "/reset":
-                conversation.reset()
-                continue
-            if message == "/sources":
-                _echo([text.source_line(s) for s in conversation.sources], err=True)
-                continue
-            if not message:
-                continue
-            stream = conversation.stream(message)
-            for delta in stream:
-                sys.stdout.write(delta)
-                sys.stdout.flush()
-            typer.echo("")
-            _echo(text.answer_footer(stream.answer, sources=len(conversation.turns) == 1), err=True)
-
-
-@app.command()
-@serve_options
-@vllm_front_options
-def serve(
-    store: str = StoreOption,
-    model: str | None = ModelOverrideOption,
-    device: str = DeviceOption,
-    *,
-    settings: ServeSettings,
-    front: VllmFront | None,
-):
-    """Serve the store over HTTP: OpenAI-compatible /v1/chat/completions (streaming too),
-    /v1/retrieve, /v1/models, /healthz, /metrics. Picks up re-indexed generations live."""
-    quiet_libraries()
-    import ragkv
-    from ragkv.serve.service import serve as serve_engine
-
-    announce = lambda line: typer.echo(line, err=True)  # noqa: E731
-    if front is not None:
-        from ragkv.serve.vllm_front import serve_on_vllm
-
-        with ragkv.open(store, model=model, device="cpu", weights=False) as engine:
-            serve_on_vllm(engine, store, settings, front.python, front.port, front.args, announce)
-        return
-    with ragkv.open(store, model=model, device=device, **settings.engine_options()) as engine:
-        serve_engine(engine, store, settings, announce)
 
 
 @app.command()
@@ -443,7 +208,7 @@ def calibrate(
     if json_out:
         typer.echo(json.dumps({**json.loads(result.to_json()), "summary": result.describe()}))
         return
-    _echo(text.calibrate_lines(result, store))
+    echo_lines(text.calibrate_lines(result, store))
 
 
 @app.command()
@@ -467,7 +232,7 @@ def budget(
         report = set_budget(
             store, None if size.strip().lower() in ("off", "none") else parse_size(size, "budget"), wait
         )
-    _print(report.to_dict(), json_out, text.budget_lines)
+    print_report(report.to_dict(), json_out, text.budget_lines)
 
 
 @app.command()
@@ -478,17 +243,17 @@ def stats(store: str = StoreOption, json_out: bool = JsonOption):
 
     with open_snapshot(store, require_documents=False) as snapshot:
         summary = store_stats(snapshot)
-    _print(summary, json_out, text.stats_lines)
+    print_report(summary, json_out, text.stats_lines)
 
 
-def _echo(lines: list[str], err: bool = False) -> None:
+def echo_lines(lines: list[str], err: bool = False) -> None:
     for line in lines:
         typer.echo(line, err=err)
 
 
-def _print(report: dict, json_out: bool, lines) -> None:
+def print_report(report: dict, json_out: bool, lines) -> None:
     """A report as one JSON object (--json), or as the `lines` (a ragkv.cli.output function) of it."""
-    _echo([json.dumps(report)] if json_out else lines(report))
+    echo_lines([json.dumps(report)] if json_out else lines(report))
 
 
 def main() -> None:

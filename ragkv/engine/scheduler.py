@@ -9,7 +9,7 @@ in whichever thread the engine runs it (ragkv.engine):
    most `prefill_chunk` tokens (a long prefill, such as --no-cache, never stalls the others
    for more than one chunk);
 4. advances every decoding row by one token: the rows together in one forward
-   (`kv.RaggedBatch`: each row's tokens in a slot of its own, a padding mask, per-row
+   (`RaggedBatch`: each row's tokens in a slot of its own, a padding mask, per-row
    positions), and a turn that attends in its own way (`--mode ape`) in a forward of its own.
 A turn whose prefill is done picks its first token and joins the batch; a finished or
 cancelled one leaves it at once (its KV goes back to its conversation, for a follow-up). A
@@ -37,7 +37,7 @@ from ragkv.core.text import check_text
 from ragkv.engine.answer import Answer
 from ragkv.engine.conversation import Conversation, TurnPlan
 from ragkv.engine.runtime import Runtime
-from ragkv.kv import cache as kv
+from ragkv.kv.ragged import RaggedBatch
 from ragkv.model.generate import DecodeState, prefill, start_decoding, step
 from ragkv.modes.ape import attending
 
@@ -132,13 +132,13 @@ class Scheduler:
         self._prefilling: deque[_Turn] = deque()
         self._rows: list[_Turn] = []  # decoding together, in RaggedBatch row order
         self._solo: list[_Turn] = []  # decoding in forwards of their own: ape turns, and a plain turn alone
-        self._rows_batch: kv.RaggedBatch | None = None  # made with the first row: an engine without weights has none
+        self._rows_batch: RaggedBatch | None = None  # made with the first row: an engine without weights has none
         self.tokens_generated = 0  # since open
 
     @property
-    def _batch(self) -> kv.RaggedBatch:
+    def _batch(self) -> RaggedBatch:
         if self._rows_batch is None:
-            self._rows_batch = kv.RaggedBatch(self.runtime.lm.model.config)
+            self._rows_batch = RaggedBatch(self.runtime.lm.model.config)
         return self._rows_batch
 
     @property

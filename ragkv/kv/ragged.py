@@ -1,0 +1,201 @@
+"""Continuous batching's cache: rows of different lengths decoded together, each in a slot of its
+own (left-aligned, growing in place), with a padding mask and, for sliding-window layers, each
+row's own window."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from ragkv.kv.cache import spare_columns, to_cache
+from ragkv.kv.layout import join, layout_of
+
+
+class SlotLayer(DynamicLayer):
+    """One layer of a `RaggedBatch`: buffers of `(row capacity, H, token capacity, D)`, each row's
+    tokens from column 0 (left-aligned). `keys`/`values` view the active rows and the longest
+    row's columns; `update` writes each row's one new token at that row's own column
+    (`write_at`), so rows of different lengths grow in place, without copying the batch."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.write_at: torch.Tensor | None = None  # (B,) the column each row's next token goes to
+
+    def show(self, rows: int, width: int) -> None:
+        """Point `keys`/`values` at the first `rows` rows and `width` columns of the buffers."""
+        assert self.buffers is not None  # RaggedBatch reserves them before any row is shown
+        self.keys, self.values = (b[:rows, :, :width] for b in self.buffers)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        rows = key_states.shape[0]
+        index = torch.arange(rows, device=key_states.device)
+        assert self.buffers is not None  # RaggedBatch reserves them before any row decodes
+        keys, values = self.buffers
+        keys[index, :, self.write_at] = key_states[:, :, 0]  # (B, H, D) one token per row
+        values[index, :, self.write_at] = value_states[:, :, 0]
+        self.show(rows, self.keys.shape[2] + 1)
+        return self.keys, self.values
+
+
+class RaggedBatch:
+    """Sequences of different lengths decoded together (continuous batching). Each row holds
+    its own tokens from column 0; a padding mask hides the columns past a row's length and
+    each row's positions are its own, so every row computes what it would alone (in float32
+    the same tokens; tested).
+
+    Rows live in slots of preallocated buffers with spare rows and columns. Joining (`add`)
+    copies the new row's KV only; leaving (`remove`) moves the last row into the hole; a step
+    writes one token per row in place. Nothing copies the whole batch except growing the
+    buffers (amortised). Attention works over rows x the longest row; the engine bounds that
+    (its token budget). Every method runs in inference mode: the buffers are inference
+    tensors, whichever call made them."""
+
+    def __init__(self, config):
+        self.config = config
+        self.cache: Any = None  # a DynamicCache of SlotLayers, made by the first `add`
+        self.lengths: list[int] = []  # real tokens per row
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def width(self) -> int:
+        return max(self.lengths, default=0)
+
+    def _capacity(self) -> tuple[int, int]:
+        if self.cache is None:
+            return 0, 0
+        buffer = self.cache.layers[0].buffers[0]
+        return buffer.shape[0], buffer.shape[2]
+
+    def _reserve(self, rows: int, columns: int, like: DynamicCache) -> None:
+        """Make room for `rows` rows of `columns` tokens (growing by a quarter or more)."""
+        have_rows, have_columns = self._capacity()
+        if rows <= have_rows and columns <= have_columns:
+            return
+        rows = have_rows if rows <= have_rows else max(rows, 2 * have_rows, 4)
+        columns = have_columns if columns <= have_columns else columns + spare_columns(columns)
+        if self.cache is None:
+            self.cache = DynamicCache(config=self.config)
+            self.cache.layers = [SlotLayer() for _ in self.cache.layers]
+        for layer, model in zip(self.cache.layers, like.layers, strict=False):
+            fresh = tuple(  # (rows, H, columns, Dk) keys and (rows, H, columns, Dv) values: pads stay finite
+                t.new_zeros((rows, t.shape[1], columns, t.shape[3])) for t in (model.keys, model.values)
+            )
+            if layer.buffers is not None:
+                for old, new in zip(layer.buffers, fresh, strict=False):
+                    new[: self.num_rows, :, : self.width] = old[: self.num_rows, :, : self.width]
+            else:
+                DynamicLayer.lazy_initialization(layer, model.keys, model.values)
+            layer.buffers = fresh
+
+    def _show(self) -> None:
+        for layer in self.cache.layers:
+            layer.show(self.num_rows, self.width)
+
+    @torch.inference_mode()
+    def add(self, single: DynamicCache) -> int:
+        """Append the batch-1 `single` as a new row (copied; `single` may be reused after).
+        Returns the row's index."""
+        length = single.get_seq_length()
+        row = self.num_rows
+        self._reserve(row + 1, max(self.width, length) + 1, single)
+        for layer, source in zip(self.cache.layers, single.layers, strict=False):
+            layer.buffers[0][row, :, :length] = source.keys[0]
+            layer.buffers[1][row, :, :length] = source.values[0]
+        self.lengths.append(length)
+        self._show()
+        return row
+
+    @torch.inference_mode()
+    def remove(self, rows: Sequence[int]) -> list[int]:
+        """Drop `rows`. The last rows move into the holes; returns, for each row now in the
+        batch, the index it had before."""
+        gone = set(rows)
+        order = list(range(self.num_rows))
+        for hole in sorted(gone, reverse=True):
+            last = len(order) - 1
+            if hole != last:
+                self._move(order[last], hole)
+                order[hole] = order[last]
+            order.pop()
+        lengths = self.lengths
+        self.lengths = [lengths[i] for i in order]
+        if not order:
+            self.cache = None
+            return []
+        self._show()
+        return order
+
+    def _move(self, source: int, target: int) -> None:
+        length = self.lengths[source]
+        for layer in self.cache.layers:
+            for buffer in layer.buffers:
+                buffer[target, :, :length] = buffer[source, :, :length]
+
+    @torch.inference_mode()
+    def extract(self, row: int) -> DynamicCache:
+        """Row `row`'s real tokens as a batch-1 cache of its own (new memory)."""
+        length = self.lengths[row]
+        keys = [layer.buffers[0][row, :, :length] for layer in self.cache.layers]  # each (H, T, Dk)
+        values = [layer.buffers[1][row, :, :length] for layer in self.cache.layers]  # each (H, T, Dv)
+        return to_cache([join(keys, values)], self.config)  # copied into a new cache
+
+    @torch.inference_mode()
+    def step(self, model, tokens: Sequence[int]) -> torch.Tensor:
+        """Feed one token per row; returns the next-token logits `(B, V)`. Grows every row by one."""
+        device = model.device
+        width = self.width
+        self._reserve(self.num_rows, width + 1, self.cache)
+        self._show()
+        lengths = torch.tensor(self.lengths)  # (B,)
+        columns = torch.arange(width + 1)[None, :]  # (1, T + 1)
+        mask = (columns <= lengths[:, None]).long()  # (B, T + 1): the row's tokens and its new one 1, the rest 0
+        write_at = lengths.to(device)
+        for layer in self.cache.layers:
+            layer.write_at = write_at
+        ids = torch.tensor(list(tokens), dtype=torch.long)[:, None]  # (B, 1)
+        out = model(
+            input_ids=ids.to(device),
+            attention_mask=_row_masks(model, mask.to(device), self.cache, write_at),
+            position_ids=lengths[:, None].to(device),
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.lengths = [n + 1 for n in self.lengths]
+        return out.logits[:, -1]
+
+
+def _row_masks(model, padding: torch.Tensor, cache, lengths: torch.Tensor):
+    """The attention mask of a ragged step: `padding` `(B, T + 1)` (1 on each row's tokens and
+    its new one) where every layer attends fully. Sliding layers need more: transformers places
+    the window by the cache's width, shared by all rows, but row b's new token sits at column
+    `lengths[b]` (its own position), so the window must end there. Returns the masks the model
+    takes then: per layer type for models that mix them, else the sliding one."""
+    config = model.config
+    window = getattr(config.get_text_config(), "sliding_window", None)
+    if window is None or all(w is None for w in layout_of(config).windows):
+        return padding
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    def own_window(batch_idx, head_idx, q_idx, kv_idx):
+        return kv_idx > lengths[batch_idx] - window  # with the padding: (length - window, length]
+
+    shape = dict(
+        config=config,
+        inputs_embeds=torch.empty((padding.shape[0], 1, 1), dtype=model.dtype, device=padding.device),
+        attention_mask=padding,
+        cache=cache,
+        position_ids=lengths[:, None],
+    )
+    sliding = create_sliding_window_causal_mask(**shape, or_mask_function=own_window)
+    if getattr(config.get_text_config(), "layer_types", None) is None:
+        return sliding  # every layer slides (Mistral): the model takes one mask
+    return {"full_attention": create_causal_mask(**shape), "sliding_attention": sliding}

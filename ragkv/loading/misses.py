@@ -1,0 +1,145 @@
+"""KV the store has no entry for (a miss: the budget left it out, or a chunk given as text):
+held from an earlier miss, left pending by another replica (S3), or computed now exactly as
+ingest would, kept in the RAM tier and handed to the background write-back."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from ragkv.core.keys import KVKey
+from ragkv.kv import cache as kv
+from ragkv.kv import codec, spans
+from ragkv.loading.reader import Loaded, StoredReads, ms_since
+from ragkv.model.forward import compute_chunks, shard_metadata, split_segments
+from ragkv.model.prompt import encode_text
+from ragkv.store import ContextRow
+from ragkv.store.kv.pending import PendingArea, PendingIndex
+from ragkv.store.kv.writeback import ComputedKV, WriteBack, leaves_pending
+
+
+class Misses:
+    """Computes and writes back what `reads` (whose RAM tier it shares) cannot read."""
+
+    def __init__(self, reads: StoredReads, write_back: bool, pending_bytes: int, leave_pending: bool):
+        self.reads = reads
+        self.lm, self.active, self.device = reads.lm, reads.active, reads.device
+        self.write_back = write_back  # store KV computed on a miss (in the background, within the budget)
+        self.pending_bytes = pending_bytes  # on S3: the most KV this reader leaves pending for a fold
+        # leave computed KV pending for the writer's fold instead of taking the store's lock (always on S3)
+        self.leave_pending = leaves_pending(reads.snapshot.location, leave_pending)
+        self.writer: WriteBack | None = None  # the background write-back, once a miss started it
+        # on S3: the KV other replicas computed and left pending, looked up before a miss is computed
+        self.fleet = PendingIndex(PendingArea(reads.snapshot.location)) if self.leave_pending else None
+
+    def span(
+        self,
+        rows: Sequence[ContextRow],
+        chunk_ids: Sequence[tuple[int, ...]],
+        keys: Sequence[KVKey],
+        parent: str | None,
+        before: list[torch.Tensor],
+        loaded: Loaded,
+    ) -> list[torch.Tensor]:
+        """The KV of a span's chunks `rows` (their ids `chunk_ids`, keyed `keys`) the store has
+        none for, computed in one forward after the prefix and `before` (the span's chunks before
+        them, `(L, 2, H, T_i, D)` each, the last keyed `parent`; a chunk stored alone is a span of
+        one): one `(L, 2, H, T, D)` per row, passed through the store's codec (so it equals what a
+        later store read returns). Each is kept in the RAM tier and handed to the background
+        write-back, chained to the entry before it."""
+        profile, separator = self.active.profile, self.active.layout.separator_ids
+        segments = [
+            spans.segment(0 if row.starts_span else 1, ids, separator) for row, ids in zip(rows, chunk_ids, strict=True)
+        ]
+        start = time.perf_counter()
+        prefix = self.reads.prefix()
+        base = torch.cat([prefix, *before], dim=kv.TOKEN_DIM) if before else prefix  # (L, 2, H, P + T_before, D)
+        flat = [t for segment in segments for t in segment]
+        (result,) = compute_chunks(self.lm.model, base, [flat], len(flat), self.lm.pad_id)
+        computed = []
+        pieces = split_segments(result.kv, [len(s) for s in segments])
+        for row, ids, key, piece in zip(rows, chunk_ids, keys, pieces, strict=True):
+            name = key.to_string()
+            parts = codec.encode(piece, profile.kv_quant, kv.layout_of(self.lm.model.config).windows)
+            kv_tensor = codec.decode({n: t.to(self.device) for n, t in parts.items()}, self.lm.model.dtype)
+            self.reads.ram.put(name, kv_tensor)
+            loaded.kv_sources[row.chunk_id] = "computed"
+            self._write_back(row, name, ids, parts, parent)
+            computed.append(kv_tensor)
+            parent = name
+        loaded.kv_compute_ms += ms_since(start)
+        return computed
+
+    def chunk(self, row: ContextRow, loaded: Loaded) -> torch.Tensor:
+        """The KV of a chunk stored alone the store has none for, `(L, 2, H, T, D)`: from the RAM
+        tier if computed earlier, else computed now after the prefix, exactly as ingest would
+        (see `span`)."""
+        token_ids = row.token_ids if row.token_ids is not None else self._text_ids(row)
+        key = KVKey.for_chunk(self.active.profile, token_ids)
+        held = self.held(row, key.to_string(), loaded)
+        if held is not None:
+            return held
+        return self.span([row], [token_ids], [key], None, [], loaded)[0]
+
+    def held(self, row: ContextRow, key: str, loaded: Loaded) -> torch.Tensor | None:
+        """KV the store has no entry for that is ready all the same: computed on an earlier
+        miss (the RAM tier), or, on S3, by another replica that left it pending for the fold
+        (read from the bucket, verified, counted as a store hit)."""
+        kv_tensor = self.reads.ram.get(key)
+        if kv_tensor is not None:
+            loaded.ram_hits += 1
+            loaded.kv_sources[row.chunk_id] = "ram"
+            return kv_tensor
+        parts = self.fleet.find(key) if self.fleet is not None else None
+        if parts is None:
+            return None
+        kv_tensor = codec.decode({n: t.to(self.device) for n, t in parts.items()}, self.lm.model.dtype)
+        self.reads.ram.put(key, kv_tensor)
+        loaded.kv_sources[row.chunk_id] = "store"
+        return kv_tensor
+
+    def _write_back(
+        self, row: ContextRow, key: str, token_ids: tuple[int, ...], parts: dict[str, torch.Tensor], parent: str | None
+    ) -> None:
+        """Hand KV computed on a miss (encoded `parts`) to the background write-back, if on."""
+        writer = self._background_writer()
+        if writer is None:
+            return
+        profile = self.active.profile
+        metadata = shard_metadata(
+            profile.profile_id, self.lm.facts.name, profile.dtype, kv.layout_of(self.lm.model.config).name
+        )
+        writer.submit(
+            ComputedKV(profile.profile_id, key, row.chunk_id, token_ids, parts, metadata, row.span_start, parent)
+        )
+
+    def _text_ids(self, row: ContextRow) -> tuple[int, ...]:
+        return tuple(encode_text(self.lm.tokenizer, row.text))
+
+    def _background_writer(self) -> WriteBack | None:
+        """The background write-back (started on the first miss), or None when off (opened
+        with write_back=False). On S3 (or with leave_pending) it leaves the KV pending, for the
+        store's writer to fold."""
+        if self.writer is None and self.write_back:
+            location = self.reads.snapshot.location if self.reads.snapshot.remote else self.reads.snapshot.root
+            self.writer = WriteBack(location, self.pending_bytes, self.leave_pending)
+        return self.writer
+
+    def pending_uploaded(self) -> int:
+        """Bytes of computed KV this reader left pending for the writer's fold (S3)."""
+        return self.writer.pending.report.bytes if self.writer and self.writer.pending else 0
+
+    def pending_dropped(self) -> int:
+        """Computed KV entries this reader dropped to stay within its pending bound (S3)."""
+        return self.writer.pending.report.dropped_entries if self.writer and self.writer.pending else 0
+
+    def flush(self) -> None:
+        """Wait until KV computed on misses so far is written to the store (or given up)."""
+        if self.writer is not None:
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
