@@ -12,6 +12,7 @@ import typer
 
 import ragkv.cli.output as text
 from ragkv.cli.app import quiet_libraries
+from ragkv.cli.commands import app, echo_lines
 from ragkv.cli.options import (
     ApeScaleOption,
     DeviceOption,
@@ -32,7 +33,6 @@ from ragkv.core.errors import InputError
 if TYPE_CHECKING:
     from ragkv.cli.serve import VllmFront
     from ragkv.serve.api import ServeSettings
-from ragkv.cli.commands import app, echo_lines
 
 
 @app.command()
