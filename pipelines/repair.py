@@ -19,7 +19,7 @@ from ragkv.model.prompt import PromptLayout
 from ragkv.pipelines.stored_kv import StoredKV
 from ragkv.store import StoreWriter, open_snapshot, verify
 from ragkv.store.generations import restore_current
-from ragkv.store.remote import is_remote
+from ragkv.store.objects import is_remote
 from ragkv.store.writer import open_writer
 
 

@@ -37,11 +37,10 @@ import os
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 from ragkv.core.config import cache_dir
-from ragkv.core.errors import InputError, StoreCorruptError, StoreLockedError, StoreNotFoundError, StoreWriteError
+from ragkv.core.errors import StoreCorruptError, StoreLockedError, StoreNotFoundError
 from ragkv.store.generations import (
     CURRENT,
     LOCK,
@@ -60,10 +59,10 @@ from ragkv.store.generations import (
     write_atomic,
 )
 from ragkv.store.kv.shards import SHARD_SUFFIX, is_shard_name
+from ragkv.store.objects import FolderObjects, Location, Objects, filesystem, is_remote
 
 log = logging.getLogger("ragkv")
 
-SCHEME = "s3://"
 SYNCED = ".remote-CURRENT"  # in the mirror: the bucket's CURRENT it last copied
 KEEP_GENERATIONS = 2
 CACHE_BYTES_ENV = "RAGKV_S3_CACHE_BYTES"
@@ -73,57 +72,10 @@ _FRESH_S = 120  # a shard written or read this recently is never evicted
 _STALE_TMP_S = 3600  # a partial copy this old belongs to no live process
 
 
-def is_remote(location: str | Path) -> bool:
-    return str(location).startswith(SCHEME)
-
-
-def absolute(location: str | Path) -> str:
-    """`location` as another process must name it: a folder's absolute path, or the S3 URI."""
-    return str(location) if is_remote(location) else str(Path(location).resolve())
-
-
-def filesystem():
-    """pyarrow's S3 filesystem configured from the standard AWS environment."""
-    from pyarrow import fs
-
-    options = {}
-    if endpoint := os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"):
-        options["endpoint_override"] = endpoint
-    if region := os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION"):
-        options["region"] = region
-    return fs.S3FileSystem(**options)
-
-
-@dataclass(frozen=True)
-class Location:
-    bucket: str
-    prefix: str  # no leading or trailing slash; may be empty
-
-    @classmethod
-    def parse(cls, uri: str) -> Location:
-        rest = uri[len(SCHEME) :].strip("/")
-        bucket, _, prefix = rest.partition("/")
-        parts = [p for p in prefix.split("/") if p]
-        if not bucket or any(p in (".", "..") for p in parts):
-            raise InputError(f"invalid store {uri!r}; use s3://BUCKET/PREFIX")
-        return cls(bucket, "/".join(parts))
-
-    @property
-    def uri(self) -> str:
-        return f"{SCHEME}{self.bucket}/{self.prefix}".rstrip("/")
-
-    def key(self, *names: str) -> str:
-        return "/".join([self.bucket, *([self.prefix] if self.prefix else []), *names])
-
-
-def write_error(uri: str, exc: BaseException) -> StoreWriteError:
-    """The one-line error for a failed write to the bucket."""
-    reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    return StoreWriteError(f"cannot write store {uri}: {reason}; the published store is unchanged")
-
-
 class RemoteStore:
-    """One S3 store and this machine's mirror of it."""
+    """One S3 store and this machine's mirror of it (its objects: store.objects.Objects)."""
+
+    shared = True  # machines that never take the bucket's lock leave what they write pending
 
     def __init__(self, uri: str, fs=None):
         self.location = Location.parse(uri)
@@ -135,7 +87,42 @@ class RemoteStore:
         self._fetching: dict[str, threading.Thread] = {}  # shard -> its background copy
         self._fetching_lock = threading.Lock()
 
-    # -- objects ------------------------------------------------------------------------------
+    # -- objects (store.objects.Objects) --------------------------------------------------------
+    @property
+    def uri(self) -> str:
+        return self.location.uri
+
+    def names(self, folder: str) -> dict[str, int]:
+        return self._list(folder)
+
+    def get(self, name: str) -> bytes | None:
+        return self.read_object(name)
+
+    def put(self, name: str, data: bytes) -> None:
+        self.put_object(name, data)  # one PUT: never seen partial
+
+    def publish(self, name: str) -> None:
+        local = self.mirror / name
+        self._upload(local, name)
+        local.unlink(missing_ok=True)  # the bucket holds it now; keep no local copy
+
+    def fetch(self, name: str) -> Path:
+        local = self.mirror / name
+        if not local.exists():
+            local.parent.mkdir(parents=True, exist_ok=True)
+            self._download(name, local)
+        return local
+
+    def delete(self, name: str) -> None:
+        try:
+            self.delete_object(name)
+        except FileNotFoundError:
+            pass
+        (self.mirror / name).unlink(missing_ok=True)
+
+    def drop_copy(self, name: str) -> None:
+        (self.mirror / name).unlink(missing_ok=True)
+
     def read_object(self, name: str) -> bytes | None:
         try:
             with self.fs.open_input_stream(self.location.key(name)) as f:
@@ -391,3 +378,10 @@ class RemoteStore:
 def _read_error(location: Location, exc: BaseException) -> StoreNotFoundError:
     reason = str(exc).splitlines()[0]
     return StoreNotFoundError(f"cannot read store {location.uri}: {reason}")
+
+
+def objects_at(location: str | Path) -> Objects:
+    """The objects of the store at `location` (a folder, or s3://bucket/prefix)."""
+    if is_remote(location):
+        return RemoteStore(str(location))
+    return FolderObjects(Path(location))

@@ -19,8 +19,11 @@ from ragkv.store.generations import (
 )
 from ragkv.store.index.segments import SegmentInfo, open_flat_file
 from ragkv.store.index.vectors import VectorIndex
-from ragkv.store.kv.shards import ShardReader
-from ragkv.store.remote import RemoteStore, is_remote
+from ragkv.store.kv.pending import PendingHits
+from ragkv.store.kv.popularity import HitLog
+from ragkv.store.kv.shards import ShardReader, is_shard_name
+from ragkv.store.objects import FolderObjects, Objects, is_remote
+from ragkv.store.remote import RemoteStore
 
 SHARD_DIR = "shards"
 REMOTE_POLL_S = 2.0  # how often a long-lived reader asks an S3 store for a newer generation
@@ -34,6 +37,7 @@ class StoreSnapshot:
     def __init__(self, root: Path, generation: int, remote: RemoteStore | None = None, lenient: bool = False):
         self.root = root
         self.remote = remote
+        self.objects: Objects = remote if remote is not None else FolderObjects(root)
         self._polled = time.monotonic()  # when the bucket's CURRENT was last read
         self.generation = generation
         self._lease = ReaderLease(root, generation)
@@ -78,7 +82,17 @@ class StoreSnapshot:
     @property
     def location(self) -> str:
         """What the user named: the folder, or the s3:// URI."""
-        return self.remote.location.uri if self.remote else str(self.root)
+        return self.objects.uri
+
+    def shard_sizes(self) -> dict[str, int]:
+        """Every sealed shard the store holds, with its size in bytes."""
+        return {name: size for name, size in self.objects.names(SHARD_DIR).items() if is_shard_name(name)}
+
+    def use_log(self) -> HitLog | PendingHits:
+        """Where a reader logs the chunks its prompts used: the store's hit log, or where the
+        store is shared by readers that never take its lock (S3), objects under pending/ that
+        the writer folds."""
+        return PendingHits(self.location) if self.objects.shared else HitLog(self.root)
 
     def latest_generation(self) -> int | None:
         """The generation published now. An S3 store is asked at most every REMOTE_POLL_S

@@ -7,7 +7,6 @@ from typing import Any
 
 from ragkv.store.kv.pending import HITS_SUFFIX, MANIFEST_SUFFIX, PendingArea, read_hits
 from ragkv.store.kv.popularity import decay, read_pending, tally
-from ragkv.store.kv.shards import shard_files
 from ragkv.store.snapshot import StoreSnapshot
 
 NUM_LISTED = 5  # hottest and coldest documents shown
@@ -17,7 +16,7 @@ def store_stats(snapshot: StoreSnapshot) -> dict:
     """Counts, tokens and bytes per model profile, and shard space: live (referenced by this
     generation's entries) vs dead (anything else in shard files: gc reclaims it)."""
     catalog = snapshot.catalog
-    files = snapshot.remote.shards() if snapshot.remote else shard_files(snapshot.root / "shards")
+    files = snapshot.shard_sizes()
     referenced = catalog.reports.shards()
     live_bytes = catalog.reports.kv_bytes()
     disk_bytes = sum(files.values())
@@ -74,7 +73,7 @@ def popularity(snapshot: StoreSnapshot) -> dict:
     half_life = catalog.usage.half_life_s()
     rows = catalog.usage.chunk_hits()
     folded = catalog.usage.folded_offsets()
-    pending = [] if snapshot.remote else read_pending(snapshot.root, folded).uses
+    pending = read_pending(snapshot.root, folded).uses  # a bucket's mirror holds none: []
     pending += read_hits(PendingArea(snapshot.location), folded).uses
     tally(rows, pending, half_life)
     now = time.time()

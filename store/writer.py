@@ -17,7 +17,8 @@ from ragkv.core.errors import RagkvError, StoreLockedError, StoreWriteError
 from ragkv.store.generations import LOCK, catalog_path
 from ragkv.store.kv.remote_shards import UploadingShardWriter
 from ragkv.store.kv.shards import ShardReader, ShardWriter
-from ragkv.store.remote import RemoteStore, is_remote, write_error
+from ragkv.store.objects import is_remote, write_error
+from ragkv.store.remote import RemoteStore
 from ragkv.store.snapshot import SHARD_DIR
 from ragkv.store.store import StoreWriter
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ragkv.core.errors import InputError, MissingExtraError, ModelError
-from ragkv.store.remote import is_remote
+from ragkv.store.objects import is_remote
 
 RETRIES = 4  # actor restarts and task retries before the job fails
 DEFAULT_BATCH_ROWS = 8  # chunks per map_batches call (one shard each)

@@ -28,7 +28,7 @@ from ragkv.core.errors import InputError, ModelError
 from ragkv.kv.layout import refuse_unless_plain
 from ragkv.pipelines.pending import Unit
 from ragkv.store import open_snapshot
-from ragkv.store.remote import absolute
+from ragkv.store.objects import absolute
 
 VLLM_PYTHON_ENV = "RAGKV_VLLM_PYTHON"
 

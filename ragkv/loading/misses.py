@@ -123,8 +123,7 @@ class Misses:
         with write_back=False). On S3 (or with leave_pending) it leaves the KV pending, for the
         store's writer to fold."""
         if self.writer is None and self.write_back:
-            location = self.reads.snapshot.location if self.reads.snapshot.remote else self.reads.snapshot.root
-            self.writer = WriteBack(location, self.pending_bytes, self.leave_pending)
+            self.writer = WriteBack(self.reads.snapshot.location, self.pending_bytes, self.leave_pending)
         return self.writer
 
     def pending_uploaded(self) -> int:

@@ -20,9 +20,7 @@ class UseLog:
 
     def __init__(self, snapshot: StoreSnapshot):
         self.location = snapshot.location
-        self._log: HitLog | PendingHits | None = (
-            PendingHits(snapshot.location) if snapshot.remote else HitLog(snapshot.root)
-        )
+        self._log: HitLog | PendingHits | None = snapshot.use_log()
 
     def record(self, rows: Iterable[ContextRow], kv_sources: dict[int, str]) -> None:
         """Log each chunk a prompt used, with where its KV came from."""

@@ -54,7 +54,7 @@ from ragkv.serve.api import (
 )
 from ragkv.serve.guard import RequestGuard
 from ragkv.store.kv.writeback import FoldLoop
-from ragkv.store.remote import absolute
+from ragkv.store.objects import absolute
 
 log = logging.getLogger("ragkv")
 VLLM_MODEL_ID = "ragkv-llm"  # the name the front's vLLM serves the model under

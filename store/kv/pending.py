@@ -45,7 +45,7 @@ import torch
 from ragkv.core.errors import StoreCorruptError
 from ragkv.store.kv.popularity import Pending, Use, parse_use, use_line
 from ragkv.store.kv.shards import SHARD_SUFFIX, ShardReader, ShardWriter
-from ragkv.store.remote import RemoteStore
+from ragkv.store.remote import objects_at
 
 log = logging.getLogger("ragkv")
 
@@ -76,62 +76,40 @@ class ComputedKV:
 
 
 class PendingArea:
-    """The `pending/` objects of one store: a folder's subfolder, or a bucket's prefix (read
-    through a local staging folder)."""
+    """The `pending/` objects of one store (store.objects: a folder's files, or a bucket's
+    objects read through a local staging folder)."""
 
     def __init__(self, location: str | Path):
-        self.remote = RemoteStore(str(location)) if str(location).startswith("s3://") else None
-        base = self.remote.mirror if self.remote else Path(location)
-        self.dir = base / PENDING_DIR  # made by the first reader that leaves something
+        self.objects = objects_at(location)
+        self.dir = self.objects.mirror / PENDING_DIR  # made by the first reader that leaves something
 
     def names(self) -> dict[str, int]:
         """Every pending object's name and size."""
-        if self.remote:
-            return self.remote._list(PENDING_DIR)
-        if not self.dir.is_dir():
-            return {}
-        return {p.name: p.stat().st_size for p in self.dir.iterdir() if p.is_file() and not p.name.startswith(".")}
+        return self.objects.names(PENDING_DIR)
 
     def put(self, path: Path) -> None:
         """Publish the local file `path` (in `self.dir`) as the object of its name."""
-        if self.remote:
-            self.remote._upload(path, f"{PENDING_DIR}/{path.name}")
+        self.objects.publish(f"{PENDING_DIR}/{path.name}")
 
     def put_bytes(self, name: str, data: bytes) -> None:
         """Publish `data` as object `name`, whole or not at all."""
-        if self.remote:
-            self.remote.put_object(f"{PENDING_DIR}/{name}", data)  # one PUT: never seen partial
-            return
-        self.dir.mkdir(parents=True, exist_ok=True)
-        staged = self.dir / f".{name}.{uuid.uuid4().hex[:8]}.tmp"
-        staged.write_bytes(data)
-        staged.rename(self.dir / name)
+        self.objects.put(f"{PENDING_DIR}/{name}", data)
 
     def read_bytes(self, name: str) -> bytes | None:
         """Object `name`'s bytes (None: gone)."""
-        if self.remote:
-            return self.remote.read_object(f"{PENDING_DIR}/{name}")
-        try:
-            return (self.dir / name).read_bytes()
-        except FileNotFoundError:
-            return None
+        return self.objects.get(f"{PENDING_DIR}/{name}")
 
     def fetch(self, name: str) -> Path:
         """A local copy of object `name`, for reading."""
-        local = self.dir / name
-        if self.remote and not local.exists():
-            self.dir.mkdir(parents=True, exist_ok=True)
-            self.remote._download(f"{PENDING_DIR}/{name}", local)
-        return local
+        return self.objects.fetch(f"{PENDING_DIR}/{name}")
 
     def delete(self, name: str) -> None:
         """Delete object `name` (gone already: nothing to do)."""
-        if self.remote:
-            try:
-                self.remote.delete_object(f"{PENDING_DIR}/{name}")
-            except FileNotFoundError:
-                pass
-        (self.dir / name).unlink(missing_ok=True)
+        self.objects.delete(f"{PENDING_DIR}/{name}")
+
+    def drop_copy(self, name: str) -> None:
+        """Drop this machine's copy of object `name`, which the store no longer lists."""
+        self.objects.drop_copy(f"{PENDING_DIR}/{name}")
 
 
 @dataclass
@@ -301,9 +279,8 @@ class PendingIndex:
         self._read &= set(names)
         gone = {e.shard for e in self._entries.values() if e.shard not in names}
         self._entries = {k: e for k, e in self._entries.items() if e.shard not in gone}
-        if self.area.remote:
-            for shard in gone:  # this reader's copies of what the fold took
-                (self.area.dir / shard).unlink(missing_ok=True)
+        for shard in gone:  # this reader's copies of what the fold took
+            self.area.drop_copy(shard)
 
 
 def read_pending(area: PendingArea, shard: str, key: str, checksum: str) -> dict[str, torch.Tensor]:
@@ -360,11 +337,8 @@ class PendingWriter:
             index.rename(final)
         size = data.stat().st_size
         self.report.bytes += size + final.stat().st_size
-        self.area.put(data)
+        self.area.put(data)  # on S3: uploaded, and the local copy dropped
         self.area.put(final)  # last: its presence says the object is whole
-        if self.area.remote:  # the bucket holds it now; keep no local copy
-            data.unlink(missing_ok=True)
-            final.unlink(missing_ok=True)
         self._own.append((object_id, size, len(batch)))
         self.report.written += len(batch)
         self.report.objects += 1

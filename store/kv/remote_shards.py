@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ragkv.store.kv.shards import SealedEntry, ShardWriter
-from ragkv.store.remote import RemoteStore, is_remote, write_error
+from ragkv.store.objects import is_remote, write_error
+from ragkv.store.remote import RemoteStore
 
 
 class UploadingShardWriter(ShardWriter):

@@ -28,7 +28,7 @@ from ragkv.store.gc import drop_dead
 from ragkv.store.kv import budget
 from ragkv.store.kv.pending import ComputedKV, PendingArea, PendingWriter, read_hits, read_objects
 from ragkv.store.kv.popularity import HITS_DIR
-from ragkv.store.remote import is_remote
+from ragkv.store.objects import is_remote
 from ragkv.store.writer import open_writer
 
 log = logging.getLogger("ragkv")
