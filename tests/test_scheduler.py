@@ -204,10 +204,10 @@ def test_a_turn_that_cannot_start_decoding_fails_alone_and_the_batch_goes_on(eng
 
 
 def test_a_prefill_that_fails_fails_its_turn_alone(engine, monkeypatch):
-    from ragkv.engine import scheduler
+    from ragkv.engine import runner
 
     long_alone = engine.ask(QUESTIONS[0], max_new_tokens=30).token_ids
-    real_prefill = scheduler.prefill
+    real_prefill = runner.prefill
     calls = {"n": 0}
 
     def second_prefill_fails(model, ids, cache, recompute=None):
@@ -216,7 +216,7 @@ def test_a_prefill_that_fails_fails_its_turn_alone(engine, monkeypatch):
             raise RuntimeError("out of memory in this request's prefill")
         return real_prefill(model, ids, cache, recompute)
 
-    monkeypatch.setattr(scheduler, "prefill", second_prefill_fails)
+    monkeypatch.setattr(runner, "prefill", second_prefill_fails)
     with engine.batched() as batcher:
         running = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[0], 30, DecodeSettings())
         failing = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[1], 30, DecodeSettings())

@@ -18,7 +18,7 @@ from ragkv.core.errors import InputError, RagkvError
 from ragkv.core.text import check_text
 from ragkv.engine.answer import Answer
 from ragkv.engine.conversation import Conversation
-from ragkv.engine.scheduler import Ticket
+from ragkv.engine.request import Request
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,7 @@ def search_all(engine, questions: list[Question], settings: SearchSettings) -> I
         )
 
 
-def _submit(batcher, runtime, question: Question, settings: AskSettings) -> Ticket:
+def _submit(batcher, runtime, question: Question, settings: AskSettings) -> Request:
     pinned = dataclasses.replace(settings, doc_ids=(question.doc,)) if question.doc else settings
     return batcher.submit(
         lambda: Conversation(runtime, pinned, batcher.engine), question.question, pinned.max_new_tokens, pinned.decoding

@@ -15,6 +15,7 @@ A stream left before its end cancels its request; the request's row leaves at th
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -26,10 +27,14 @@ from ragkv.core.errors import InputError
 from ragkv.core.text import check_text
 from ragkv.engine.answer import Answer, AnswerStream
 from ragkv.engine.conversation import Conversation
+from ragkv.engine.request import Request
+from ragkv.engine.runner import Runner
 from ragkv.engine.runtime import Runtime
-from ragkv.engine.scheduler import BatchSettings, Scheduler, Ticket
+from ragkv.engine.scheduler import BatchSettings, Scheduler
 
 RATE_WINDOW_S = 10.0  # tokens_per_s looks this far back
+
+log = logging.getLogger("ragkv")
 
 
 class Engine:
@@ -37,7 +42,8 @@ class Engine:
 
     def __init__(self, runtime: Runtime, settings: BatchSettings | None = None):
         self.runtime = runtime
-        self.scheduler = Scheduler(runtime, settings)
+        self.scheduler = Scheduler(settings)
+        self.runner = Runner(runtime.lm)
         self._step_lock = threading.Lock()  # one step at a time, in whichever thread
         self._stepper: int | None = None  # the thread inside a step
         self._progress = threading.Condition()  # notified after every step and when the lock frees
@@ -54,13 +60,17 @@ class Engine:
         max_new_tokens: int,
         decoding: DecodeSettings,
         on_text: Callable[[str], None] | None = None,
-    ) -> Ticket:
+    ) -> Request:
         """Queue the next turn of `conversation` (or of the one a factory returns once the turn is
-        admitted); see `Scheduler.add_request`. Without a background thread, wait for it with
-        `wait(ticket.future)`, which steps."""
-        ticket = self.scheduler.add_request(conversation, message, max_new_tokens, decoding, on_text)
+        admitted: opening one may retrieve and load KV). `on_text(delta)` is called in the
+        stepping thread as text is generated. Raises Busy when `max_queue` requests wait. Without
+        a background thread, wait for it with `wait(request.future)`, which steps."""
+        if not check_text(message, "the message").strip():
+            raise InputError("the message is empty; say something")
+        request = Request(conversation, message, max_new_tokens, decoding, on_text)
+        self.scheduler.add(request)
         self._notify()
-        return ticket
+        return request
 
     def call(self, fn: Callable, *args):
         """`fn(*args)` run between two steps (work that must not overlap the model's: retrieval,
@@ -144,14 +154,52 @@ class Engine:
     def _step(self) -> None:
         self._stepper = threading.get_ident()
         try:
-            self.scheduler.step()
+            self._run_step()
         finally:
             self._stepper = None
         now = time.monotonic()
-        self._rate.append((now, self.scheduler.tokens_generated))
+        self._rate.append((now, self.runner.tokens_generated))
         while self._rate and now - self._rate[0][0] > RATE_WINDOW_S:
             self._rate.popleft()
         self._notify()
+
+    def _run_step(self) -> None:
+        """One step: the queued calls; the scheduler's choices (what leaves, what is admitted,
+        what prefills), the admissions' work (retrieval, stored KV) before any forward; then the
+        runner's forwards. Whatever fails fails the requests it touched; the engine stays usable."""
+        scheduler, runner = self.scheduler, self.runner
+        scheduler.run_calls()
+        try:
+            for request in scheduler.cancelled():
+                request.finish(runner.release(request), "cancelled")
+            for request in scheduler.admissible():
+                if request.admit(self.runtime.lm):
+                    scheduler.admitted(request)
+            if (job := scheduler.schedule()) is not None:
+                self._prefill(job.request, job.size)
+            for request, cache in runner.decode():
+                scheduler.leave(request)
+                request.finish(cache)
+        except BaseException as exc:  # a bug or a device error: fail what is active, keep serving
+            log.exception("engine step failed")
+            scheduler.fail_all(exc)
+            runner.reset()
+
+    def _prefill(self, request: Request, size: int | None) -> None:
+        """`request`'s prefill (a failure fails it alone: only its own cache was touched), then
+        its first token, and its row joins the running ones."""
+        try:
+            prompt_in, finished = self.runner.prefill(request, size)
+        except Exception as exc:
+            self.scheduler.leave(request)
+            request.fail(exc, "a request failed in its prefill")
+            return
+        if finished:
+            self.scheduler.leave(request)
+            request.finish(request.turn_plan.cache)
+        elif prompt_in:
+            self.scheduler.running(request)
+            self.runner.join(request)
 
     def _notify(self) -> None:
         with self._progress:
@@ -235,8 +283,8 @@ class Batcher:
         max_new_tokens: int,
         decoding: DecodeSettings,
         on_text: Callable[[str], None] | None = None,
-    ) -> Ticket:
-        """Queue a turn (see `Engine.submit`); `ticket.result()` waits for its answer."""
+    ) -> Request:
+        """Queue a turn (see `Engine.submit`); `request.result()` waits for its answer."""
         return self.engine.submit(conversation, message, max_new_tokens, decoding, on_text)
 
     def call(self, fn: Callable, *args) -> Future:

@@ -309,7 +309,8 @@ async def _disconnected(request: Request) -> None:
 def _submit(batcher: Engine, conversations: Conversations, history, question: str, settings: AskSettings, on_text=None):
     """Queue a turn: the kept conversation holding `history` (or a new one replaying it) is
     opened on the model thread when the turn is admitted, and kept again once answered.
-    Returns the Ticket and a dict whose "reused" says whether a kept conversation served."""
+    Returns the engine's request (ragkv.engine.request) and a dict whose "reused" says whether a
+    kept conversation served."""
     opened = {"reused": False, "conversation": None}
 
     def open_conversation():

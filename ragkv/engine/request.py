@@ -1,0 +1,139 @@
+"""One question from submission to answer (nano-vllm's `Sequence`): a turn of a conversation,
+with its status, its prompt and cache (`plan`), its decoding state and the future its caller
+waits on. The scheduler moves its status, the runner fills its decoding state, and the request
+finishes itself: its answer built once, by its conversation, from what it holds."""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+
+from ragkv.core.config import DecodeSettings
+from ragkv.core.errors import InputError, RagkvError
+from ragkv.engine.answer import Answer
+from ragkv.engine.conversation import Conversation, TurnPlan
+from ragkv.model.generate import DecodeState, start_decoding
+from ragkv.model.llm import LoadedModel
+
+log = logging.getLogger("ragkv")
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued: not yet admitted
+    PREFILLING = "prefilling"  # admitted: retrieval and stored KV done, its prompt going in
+    RUNNING = "running"  # decoding, one token per step
+    FINISHED = "finished"  # answered (or cancelled: the answer ends with finish_reason "cancelled")
+    FAILED = "failed"  # its error is the future's
+
+
+@dataclass(eq=False)
+class Request:
+    """A submitted turn. `result()` waits for its `Answer` (or raises its error); `cancel()` frees
+    its row at the next step."""
+
+    conversation: Conversation | Callable[[], Conversation]  # a factory runs when the request is admitted
+    message: str
+    max_new_tokens: int
+    decoding: DecodeSettings
+    on_text: Callable[[str], None] | None = None  # each piece of text as it is generated
+    status: Status = Status.WAITING
+    plan: TurnPlan | None = None  # the prompt's ids, its cache and the stats of building them
+    pending: list[int] = field(default_factory=list)  # prompt ids still to prefill
+    state: DecodeState | None = None
+    started: bool = False  # its prefill has begun
+    max_rows: int = 1  # the largest batch it decoded in
+    future: Future = field(default_factory=Future)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    # -- the caller's side ----------------------------------------------------------------------
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    @property
+    def is_cancelled(self) -> bool:
+        return self.cancelled.is_set() or self.future.cancelled()
+
+    def result(self) -> Answer:
+        return self.future.result()
+
+    # -- what the scheduler and the runner read -------------------------------------------------
+    @property
+    def turn_plan(self) -> TurnPlan:
+        """Its prompt, cache and stats: set when it is admitted."""
+        assert self.plan is not None, "the request is not admitted yet"
+        return self.plan
+
+    @property
+    def decode_state(self) -> DecodeState:
+        """Its tokens so far and how the next is picked: set when it is admitted."""
+        assert self.state is not None, "the request is not admitted yet"
+        return self.state
+
+    @property
+    def reserved_tokens(self) -> int:
+        """Tokens its row may come to hold: prompt + budget."""
+        return len(self.plan.prompt_ids) + self.plan.budget if self.plan else 0
+
+    @property
+    def attends_apart(self) -> bool:
+        """Whether it attends in its own way (ape's scaling): it always decodes in a forward of its
+        own (a plain request does only while it is alone)."""
+        return self.plan is not None and self.plan.attention is not None
+
+    # -- its life -------------------------------------------------------------------------------
+    def admit(self, lm: LoadedModel) -> bool:
+        """Build its prompt and cache: the conversation (a factory's runs now) retrieves, loads
+        the stored KV and computes what the store lacks. Whatever fails fails this request alone;
+        returns whether it is ready to prefill."""
+        if self.is_cancelled:
+            self.fail(InputError("cancelled before it started"))
+            return False
+        try:
+            if not isinstance(self.conversation, Conversation):
+                self.conversation = self.conversation()
+            self.plan = self.conversation.begin_turn(self.message, self.max_new_tokens)
+            self.pending = list(self.plan.live_ids)
+            self.state = start_decoding(lm, self.plan.budget, self.decoding, self.plan.start)
+        except Exception as exc:
+            self.fail(exc, "a request failed as it joined the batch")
+            return False
+        self.status = Status.PREFILLING
+        return True
+
+    def finish(self, cache, reason: str | None = None) -> None:
+        """Its answer, from the conversation that keeps `cache` (its KV, for a follow-up; None:
+        cancelled before its prefill ended)."""
+        assert self.state is not None and self.plan is not None and isinstance(self.conversation, Conversation)
+        if reason is not None:
+            self.state.finish_reason = reason
+        if (tail := self.state.finish()) and self.on_text:
+            self.on_text(tail)
+        try:
+            answer = self.conversation.end_turn(self.plan, self.state.result(), cache)
+            answer.stats.batch_size = self.max_rows
+        except BaseException as exc:
+            self.fail(exc)
+            return
+        self.status = Status.FINISHED
+        self._resolve(answer=answer)
+
+    def fail(self, error: BaseException, where: str = "") -> None:
+        """Fail it with `error` (a bug, not a RagkvError, is logged with its traceback: `where`)."""
+        if where and not isinstance(error, RagkvError):
+            log.exception(where)
+        self.status = Status.FAILED
+        self._resolve(error=error)
+
+    def _resolve(self, answer: Answer | None = None, error: BaseException | None = None) -> None:
+        """Set the outcome, unless the caller cancelled the future meanwhile."""
+        try:
+            if error is not None:
+                self.future.set_exception(error)
+            else:
+                self.future.set_result(answer)
+        except InvalidStateError:
+            pass
