@@ -17,7 +17,6 @@ from ragkv.core.config import AskSettings, SearchSettings
 from ragkv.core.errors import InputError, RagkvError
 from ragkv.core.text import check_text
 from ragkv.engine.answer import Answer
-from ragkv.engine.conversation import Conversation
 from ragkv.engine.request import Request
 
 
@@ -85,10 +84,10 @@ def answer_all(
     window = 2 * max_batch
     with engine.batched(max_batch=max_batch, max_queue=window) as batcher:
         pending = iter(questions)
-        running: dict = {}  # future -> (question, ticket)
+        running: dict = {}  # future -> its question
         while True:
             for question in pending:
-                running[_submit(batcher, engine.runtime, question, settings).future] = question
+                running[_submit(batcher, question, settings).future] = question
                 if len(running) >= window:
                     break
             if not running:
@@ -141,7 +140,7 @@ def search_all(engine, questions: list[Question], settings: SearchSettings) -> I
     for question in questions:
         pinned = dataclasses.replace(settings, doc_ids=(question.doc,)) if question.doc else settings
         try:
-            found = engine.engine.call(engine.runtime.search, question.question, pinned)
+            found = engine.search(question.question, settings=pinned)
         except RagkvError as exc:
             yield {"id": question.id, "line": question.line, "error": str(exc)}
             continue
@@ -150,11 +149,9 @@ def search_all(engine, questions: list[Question], settings: SearchSettings) -> I
         )
 
 
-def _submit(batcher, runtime, question: Question, settings: AskSettings) -> Request:
+def _submit(batcher, question: Question, settings: AskSettings) -> Request:
     pinned = dataclasses.replace(settings, doc_ids=(question.doc,)) if question.doc else settings
-    return batcher.submit(
-        lambda: Conversation(runtime, pinned, batcher.engine), question.question, pinned.max_new_tokens, pinned.decoding
-    )
+    return batcher.submit_question(question.question, pinned)
 
 
 def _outcome(question: Question, future) -> BatchOutcome:

@@ -82,8 +82,6 @@ class Conversation:
     ) -> AnswerStream:
         """This turn's answer as it is generated; `max_new_tokens` and `decoding` default to
         the conversation's settings."""
-        if not message.strip():
-            raise InputError("the message is empty; say something")
         if self.engine is None:
             raise RagkvError("this conversation has no engine to run on; open it with engine.conversation()")
         return self.engine.stream(

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future
 
 from ragkv.core.config import AskSettings, DecodeSettings
@@ -65,8 +65,30 @@ class Engine:
         admitted: opening one may retrieve and load KV). `on_text(delta)` is called in the
         stepping thread as text is generated. Raises Busy when `max_queue` requests wait. Without
         a background thread, wait for it with `wait(request.future)`, which steps."""
-        if not check_text(message, "the message").strip():
-            raise InputError("the message is empty; say something")
+        return self._queue(conversation, _checked(message), max_new_tokens, decoding, on_text)
+
+    def submit_question(
+        self,
+        question: str,
+        settings: AskSettings,
+        history: Sequence[tuple[str, str]] = (),
+        on_text: Callable[[str], None] | None = None,
+    ) -> Request:
+        """Queue a new question (after the earlier (user, assistant) turns `history`): its
+        conversation opens as it is admitted."""
+        opener = lambda: self.conversation(settings, history)  # noqa: E731
+        return self.submit(opener, question, settings.max_new_tokens, settings.decoding, on_text)
+
+    def conversation(self, settings: AskSettings, history: Sequence[tuple[str, str]] = ()) -> Conversation:
+        """A multi-turn conversation on this engine (the one place one is made): its first
+        message retrieves, later ones reuse the cache. `history`: earlier (user, assistant) turns
+        as a client remembers them, replayed (see `Conversation.replay`)."""
+        conversation = Conversation(self.runtime, settings, self)
+        for user, assistant in history:
+            conversation.replay(user, assistant)
+        return conversation
+
+    def _queue(self, conversation, message: str, max_new_tokens: int, decoding, on_text=None) -> Request:
         request = Request(conversation, message, max_new_tokens, decoding, on_text)
         self.scheduler.add(request)
         self._notify()
@@ -97,17 +119,12 @@ class Engine:
     ) -> AnswerStream:
         """The turn's answer as it is generated (iterate it; then `.result()`). The request is
         queued when iteration starts: a stream never iterated costs nothing."""
-        if not check_text(message, "the message").strip():
-            raise InputError("the message is empty; say something")
-        return AnswerStream(self._follow(conversation, message, max_new_tokens, decoding))
+        return AnswerStream(self._follow(conversation, _checked(message), max_new_tokens, decoding))
 
-    def ask_stream(self, question: str, settings: AskSettings) -> AnswerStream:
-        """A new question: retrieve, load the stored KV, prefill the rest, generate."""
-        if not question.strip():
-            raise InputError("the question is empty; ask something")
-        return self.stream(
-            lambda: Conversation(self.runtime, settings, self), question, settings.max_new_tokens, settings.decoding
-        )
+    def ask_stream(self, question: str, settings: AskSettings, history: Sequence[tuple[str, str]] = ()) -> AnswerStream:
+        """A new question (after `history`): retrieve, load the stored KV, prefill the rest, generate."""
+        opener = lambda: self.conversation(settings, history)  # noqa: E731
+        return self.stream(opener, question, settings.max_new_tokens, settings.decoding)
 
     def ask(self, question: str, settings: AskSettings) -> Answer:
         return self.ask_stream(question, settings).drain()
@@ -120,21 +137,21 @@ class Engine:
         decoding: DecodeSettings,
     ) -> Generator[str, None, Answer]:
         deltas: deque[str] = deque()  # appended in the stepping thread
-        ticket = self.submit(conversation, message, max_new_tokens, decoding, deltas.append)
+        request = self._queue(conversation, message, max_new_tokens, decoding, deltas.append)
         try:
             while True:
                 while deltas:
                     yield deltas.popleft()
-                if ticket.future.done():
+                if request.future.done():
                     break
-                self._advance(lambda: bool(deltas) or ticket.future.done())
+                self._advance(lambda: bool(deltas) or request.future.done())
         except GeneratorExit:  # the caller left the stream: free its row
-            ticket.cancel()
+            request.cancel()
             self._notify()
             if self._stepper != threading.get_ident():  # not closed from inside a step (by the collector)
-                self._advance(ticket.future.done)
+                self._advance(request.future.done)
             raise
-        return ticket.result()
+        return request.result()
 
     # -- who steps -------------------------------------------------------------------------
     def _advance(self, until: Callable[[], bool]) -> None:
@@ -262,6 +279,14 @@ class Engine:
         return (rate[-1][1] - rate[0][1]) / (rate[-1][0] - rate[0][0])
 
 
+def _checked(message: str) -> str:
+    """The one check of a message every request makes, as it is made: text a tokenizer takes,
+    and not empty."""
+    if not check_text(message, "the message").strip():
+        raise InputError("the message is empty; say something")
+    return message
+
+
 class Batcher:
     """The engine, stepped by a background thread while this is open: call `ask` or `submit`
     from any number of threads and their answers decode together. What `engine.batched()`
@@ -286,6 +311,16 @@ class Batcher:
     ) -> Request:
         """Queue a turn (see `Engine.submit`); `request.result()` waits for its answer."""
         return self.engine.submit(conversation, message, max_new_tokens, decoding, on_text)
+
+    def submit_question(
+        self,
+        question: str,
+        settings: AskSettings,
+        history: Sequence[tuple[str, str]] = (),
+        on_text: Callable[[str], None] | None = None,
+    ) -> Request:
+        """Queue a new question (see `Engine.submit_question`)."""
+        return self.engine.submit_question(question, settings, history, on_text)
 
     def call(self, fn: Callable, *args) -> Future:
         """`fn(*args)` between two steps; a future of its result."""

@@ -5,6 +5,7 @@ the work is done by the `Runtime` it holds (ragkv.retrieval, ragkv.loading.loade
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -133,15 +134,24 @@ class QueryEngine:
         rerank: int = 0,
         doc_ids: Sequence[str] | None = None,
         filters: Sequence[str] = (),
+        settings: SearchSettings | None = None,
     ) -> Searched:
         """The `top_k` chunks for `question` (`SearchResult`s), best first, without generating:
         the first stage's (`retrieval`: dense, lexical or hybrid), or with `rerank` N > 1 the
         best of its first N as the model scores them over their stored KV (ragkv.retrieval.rerank); only
         from the documents `doc_ids` names and `filters` admit (ragkv.core.filters). Iterate it for
         the results; `.warnings` says what fell back. `ragkv search`, `/v1/retrieve` and the
-        framework retrievers all call this."""
-        settings = SearchSettings(top_k, retrieval, rerank, _ids(doc_ids), tuple(filters))
+        framework retrievers all call this. `settings`, when given, stands for all the others."""
+        settings = settings or SearchSettings(top_k, retrieval, rerank, _ids(doc_ids), tuple(filters))
         return self.engine.call(self.runtime.search, question, settings)
+
+    def search_soon(self, question: str, settings: SearchSettings) -> Future:
+        """`search`, without waiting (for an event loop): a future of its `Searched`."""
+        return self.engine.call_soon(self.runtime.search, question, settings)
+
+    def chunk_texts(self, chunk_ids: Sequence[int]) -> dict[int, str]:
+        """The stored text of each of `chunk_ids` (read between two steps, which own the catalog)."""
+        return self.engine.call(self.snapshot.catalog.documents.chunk_texts, list(chunk_ids))
 
     def retrieve(
         self,
@@ -180,9 +190,16 @@ class QueryEngine:
         """Answer `question` (options as in `AskSettings`: top_k, max_new_tokens, use_cache, mode)."""
         return self.engine.ask(question, settings or AskSettings.from_dict(options))
 
-    def stream(self, question: str, settings: AskSettings | None = None, **options) -> AnswerStream:
-        """Like `ask`, but iterate the result for text as it is generated."""
-        return self.engine.ask_stream(question, settings or AskSettings.from_dict(options))
+    def stream(
+        self,
+        question: str,
+        settings: AskSettings | None = None,
+        history: Sequence[tuple[str, str]] = (),
+        **options,
+    ) -> AnswerStream:
+        """Like `ask`, but iterate the result for text as it is generated. `history`: earlier
+        (user, assistant) turns, as a stateless client sends them, replayed first."""
+        return self.engine.ask_stream(question, settings or AskSettings.from_dict(options), history)
 
     def batched(self, **settings) -> Batcher:
         """This engine, stepped by a background thread while the returned `Batcher` is open
@@ -198,10 +215,7 @@ class QueryEngine:
         """A multi-turn conversation: its first message retrieves, later ones reuse the cache.
         `history`: earlier (user, assistant) turns as a client remembers them, replayed (see
         `Conversation.replay`; a stateless client such as an OpenAI one sends them each time)."""
-        conversation = Conversation(self.runtime, settings or AskSettings.from_dict(options), self.engine)
-        for user, assistant in history:
-            conversation.replay(user, assistant)
-        return conversation
+        return self.engine.conversation(settings or AskSettings.from_dict(options), history)
 
     def first_token_logits(self, question: str, settings: AskSettings | None = None, **options) -> torch.Tensor:
         """The next-token logits `(V,)` after the prompt, as `ask` would see them (for comparing

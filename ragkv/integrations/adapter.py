@@ -122,17 +122,14 @@ def stream(engine, question: str, settings: AskSettings, history: Sequence[tuple
     the engine's batch: iterate it for text as it comes; `.answer` once done. Closing it early
     frees the row. Errors are ragkv's, with their one-line message."""
 
-    def open_conversation():  # as the turn is admitted
-        return engine.conversation(settings, history)
-
-    return engine.engine.stream(open_conversation, question, settings.max_new_tokens, settings.decoding)
+    return engine.stream(question, settings, history)
 
 
 def source_texts(engine, answer: Answer, passages: Sequence[str]) -> list[tuple[Any, str]]:
     """(Source, its text) for each of the answer's sources: stored chunks' text from the catalog
     (read between two steps, which own the catalog), passages' from `passages`."""
     stored = [s.chunk_id for s in answer.sources if s.chunk_id >= 0]
-    texts = engine.engine.call(engine.snapshot.catalog.documents.chunk_texts, stored) if stored else {}
+    texts = engine.chunk_texts(stored) if stored else {}
     # A passage's Source has chunk id -1 - its index (see ragkv.retrieval.retriever.live_rows).
     return [(s, texts.get(s.chunk_id, "") if s.chunk_id >= 0 else passages[-1 - s.chunk_id]) for s in answer.sources]
 

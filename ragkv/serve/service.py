@@ -277,7 +277,7 @@ def _add_info_routes(app: FastAPI, engine, batcher: Engine, metrics: Metrics, au
     @app.post("/v1/retrieve", dependencies=[Depends(authorised)])
     async def retrieve(body: RetrieveRequest):
         settings = body.settings()
-        found = await asyncio.wrap_future(batcher.call_soon(engine.runtime.search, body.query, settings))
+        found = await asyncio.wrap_future(engine.search_soon(body.query, settings))
         return {
             "object": "list",
             "data": [result.to_dict() for result in found],
