@@ -143,13 +143,24 @@ class Answer:
     prompt_ids: list[int] = field(default_factory=list, repr=False)  # the exact prompt, for comparisons
 
     def to_dict(self) -> dict:
-        return {
-            "question": self.question,
-            "answer": self.text,
-            "token_ids": self.token_ids,
-            "sources": [asdict(s) for s in self.sources],
-            "stats": self.stats.to_dict(),
-        }
+        """`ragkv ask --json`: the question and answer, and the reply block (`reply`)."""
+        return {"question": self.question, "answer": self.text, **self.reply()}
+
+    def reply(self, warnings: list[str] | tuple[str, ...] = (), **more) -> dict:
+        """What every reply carries of this answer (see `reply`): its token ids, then sources and stats."""
+        return {"token_ids": self.token_ids, **reply(self.sources, self.stats, warnings, **more)}
+
+
+def reply(sources: list[Source], stats: Stats, warnings: list[str] | tuple[str, ...] = (), **more) -> dict:
+    """The one reply builder: the sources and stats of an answer (and `warnings` the front adds
+    to the answer's own), as `ragkv ask --json`, the OpenAI fronts' `ragkv` block (in the JSON
+    reply and the last SSE chunk) and the framework adapters' metadata all carry them; `more`:
+    what one of them adds (the front's prompt size, whether a kept conversation served)."""
+    return {
+        "sources": [asdict(s) for s in sources],
+        "stats": {**stats.to_dict(), **({"warnings": [*stats.warnings, *warnings]} if warnings else {})},
+        **more,
+    }
 
 
 @dataclass

@@ -136,12 +136,7 @@ def source_texts(engine, answer: Answer, passages: Sequence[str]) -> list[tuple[
 
 def answer_metadata(engine, answer: Answer) -> dict:
     """What a reply carries under IDENTITY: sources, stats and token ids."""
-    return {
-        "sources": [vars(s) for s in answer.sources],
-        "stats": answer.stats.to_dict(),
-        "token_ids": answer.token_ids,
-        "model": engine.lm.facts.name,
-    }
+    return answer.reply(model=engine.lm.facts.name)
 
 
 def place(row) -> dict:

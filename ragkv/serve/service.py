@@ -18,7 +18,6 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import asdict
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
@@ -328,12 +327,7 @@ def _submit(batcher: Engine, conversations: Conversations, history, question: st
 
 
 def _ragkv_block(answer, warnings: list[str], reused_history: bool) -> dict:
-    return {
-        "sources": [asdict(s) for s in answer.sources],
-        "stats": {**answer.stats.to_dict(), "warnings": answer.stats.warnings + warnings},
-        "token_ids": answer.token_ids,
-        "conversation_reused": reused_history,
-    }
+    return answer.reply(warnings, conversation_reused=reused_history)
 
 
 def _usage(answer) -> dict:

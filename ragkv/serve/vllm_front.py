@@ -26,7 +26,6 @@ import sys
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import asdict
 
 import httpx
 from fastapi import Depends, FastAPI
@@ -34,7 +33,7 @@ from fastapi.responses import StreamingResponse
 
 from ragkv.core.config import import_path
 from ragkv.core.errors import InputError, ModelError
-from ragkv.engine.answer import Source, Stats
+from ragkv.engine.answer import Source, Stats, reply
 from ragkv.kv.layout import refuse_unless_plain
 from ragkv.loading.loader import continues_span
 from ragkv.serve.api import (
@@ -238,11 +237,8 @@ async def _complete(client: httpx.AsyncClient, payload: dict, reply_id: str, cre
 def _ragkv_block(prompt, warnings: list[str]) -> dict:
     """The reply's `ragkv` block: sources, stats (of the retrieval: vLLM generates) and prompt size."""
     stats = Stats.of("exact", prompt)  # vLLM loads the stored KV at its own positions: exact
-    return {
-        "sources": [asdict(Source.of(r, score)) for r, score in prompt.retrieved],
-        "stats": {**stats.to_dict(), "warnings": stats.warnings + warnings},
-        "prompt_tokens": len(prompt.prompt_ids),
-    }
+    sources = [Source.of(r, score) for r, score in prompt.retrieved]
+    return reply(sources, stats, warnings, prompt_tokens=len(prompt.prompt_ids))
 
 
 def completion_payload(body: ChatRequest, prompt, settings: ServeSettings, budget: int) -> dict:
