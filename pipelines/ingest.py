@@ -11,14 +11,13 @@ again, and a chunk whose KV key is already in the store is not computed again.
 from __future__ import annotations
 
 import time
-from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ragkv.core.config import IngestSettings, ModelSettings
 from ragkv.core.cpu import run_aside
-from ragkv.core.errors import InputError, ModelError
+from ragkv.core.errors import InputError
 from ragkv.core.keys import Profile
 from ragkv.kv import cache as kv
 from ragkv.kv import codec
@@ -28,22 +27,21 @@ from ragkv.model.forward import compute_prefix, compute_spans, shard_metadata
 from ragkv.model.llm import LoadedModel, load_model
 from ragkv.model.prompt import PromptLayout
 from ragkv.model.self_check import SelfCheck
+from ragkv.pipelines.checks import check_chunks_fit, check_embedder, check_fits, for_engine
 from ragkv.pipelines.engines import ray_engine, vllm_engine
 from ragkv.pipelines.engines.ray_ingest import RayJob, run_ray_job
 from ragkv.pipelines.pending import PendingChunk, Unit, pending_alone, pending_spans, plan_work, within_budget
-from ragkv.pipelines.plan import DocumentPlan, content_hash, plan_documents
+from ragkv.pipelines.plan import DocumentPlan, plan_documents
 from ragkv.pipelines.progress import Reporter
-from ragkv.pipelines.reading.chunk import Chunk, chunk_blocks, chunk_text, chunking_id
+from ragkv.pipelines.reading.chunk import chunking_id
 from ragkv.pipelines.reading.read import Document, Skipped, read_documents
+from ragkv.pipelines.replace import replace_documents
 from ragkv.pipelines.stored_kv import StoredKV
-from ragkv.store import ChunkRow, DocumentRow, StoreWriter
+from ragkv.store import ChunkRow, StoreWriter
 from ragkv.store.catalog import ChunkLink, ProfileRow
 from ragkv.store.kv import budget
 from ragkv.store.kv.writeback import fold_pending
 from ragkv.store.writer import open_writer
-
-ENGINES = ("local", "ray", "vllm")
-ROOM_FOR_QUESTION = 64  # tokens a chunk must leave free in the context for question and answer
 
 
 @dataclass
@@ -112,19 +110,10 @@ def ingest(
     if not found.documents:
         reasons = "; ".join(f"{s.source}: {s.reason}" for s in found.skipped[:3]) or "no files"
         raise InputError(f"no documents to ingest under {', '.join(map(str, paths))} ({reasons})")
-    settings = _for_engine(engine, store, settings)
+    settings = for_engine(engine, store, settings)
     job = RayJob(*ray_engine.connect(workers), model=model) if engine == "ray" else None
     here = "cpu" if job else model.device  # with Ray, this process only plans: the workers compute
-    lm = load_model(model.model, here, model.dtype)
-    embedder = Embedder.load(model.embedder, here)
-    layout = PromptLayout.build(lm.tokenizer, settings.system_prompt)
-    _check_fits(lm, layout, settings.chunk_tokens, "--chunk-tokens")
-    _check_fits(lm, layout, settings.span_tokens, "--span-tokens")
-    quant = codec.kv_quant(settings.kv_dtype, model.dtype)
-    facts = lm.facts
-    profile = Profile.of_layout(
-        facts.fingerprint, facts.tokenizer_fingerprint, layout, model.dtype, quant, facts.kv_layout_key
-    )
+    lm, embedder, layout, profile = _models(model, settings, here)
     report = IngestReport(
         str(store), model=lm.facts.name, dtype=model.dtype, device=model.device, engine=engine, skipped=found.skipped
     )
@@ -147,49 +136,33 @@ def ingest(
     if to_vllm is not None:
         vllm_engine.fill(store, lm.facts.path, model.dtype, to_vllm, report)
     if settings.calibrate:
-        from ragkv.pipelines.calibrate import CalibrateSettings, calibrate
-
         del lm, embedder  # the calibration loads the model it answers with
-        calibrated = calibrate(store, CalibrateSettings(), reporter, device=model.device)  # the profile just built
-        report.calibration = calibrated.describe()
+        report.calibration = _calibrate(store, reporter, model.device)
     report.total_s = time.perf_counter() - started
     return report
 
 
-def _chunk_room(lm: LoadedModel, layout: PromptLayout) -> int:
-    """Most tokens a chunk may have: the context less the prefix and room to ask and answer."""
-    return lm.facts.max_context - len(layout.prefix_ids) - ROOM_FOR_QUESTION
+def _calibrate(store: Path | str, reporter: Reporter, device: str) -> str:
+    """`--calibrate`: what --mode approximate runs as on the profile just built, measured."""
+    from ragkv.pipelines.calibrate import CalibrateSettings, calibrate
+
+    return calibrate(store, CalibrateSettings(), reporter, device=device).describe()
 
 
-def _for_engine(engine: str, store: Path | str, settings: IngestSettings) -> IngestSettings:
-    """`settings` checked against the engine that computes the KV (and, for vLLM, the store)."""
-    if engine not in ENGINES:
-        raise InputError(f"unknown --engine {engine!r}; use one of {', '.join(ENGINES)}")
-    if engine == "ray" and settings.span_tokens:
-        raise InputError("--span-tokens runs with --engine local or vllm (the Ray job computes chunks one by one)")
-    if engine == "vllm":
-        vllm_engine.check(store, settings)
-    return settings
-
-
-def _check_fits(lm: LoadedModel, layout: PromptLayout, tokens: int, option: str) -> None:
-    """`option`'s `tokens` (of a chunk or a span) fit the model's context after the prefix."""
-    if tokens > _chunk_room(lm, layout):
-        raise InputError(
-            f"{option} {tokens} does not fit the model's context of {lm.facts.max_context} tokens "
-            f"with the {len(layout.prefix_ids)}-token system prompt; use at most {_chunk_room(lm, layout)}"
-        )
-
-
-def _check_chunks_fit(pending: list[PendingChunk], lm: LoadedModel, layout: PromptLayout) -> None:
-    """Chunks cut under another tokenizer may count differently under this one."""
-    room = _chunk_room(lm, layout)
-    longest = max((len(p.token_ids) for p in pending), default=0)
-    if longest > room:
-        raise InputError(
-            f"a stored chunk is {longest} tokens for model {lm.facts.name}, more than its context leaves "
-            f"room for ({room}); re-chunk with a smaller --chunk-tokens"
-        )
+def _models(model: ModelSettings, settings: IngestSettings, device: str):
+    """The LLM and the embedder loaded on `device`, the prompt layout (the chunk and span sizes
+    checked against the model's context), and the profile the KV is stored under."""
+    lm = load_model(model.model, device, model.dtype)
+    embedder = Embedder.load(model.embedder, device)
+    layout = PromptLayout.build(lm.tokenizer, settings.system_prompt)
+    check_fits(lm, layout, settings.chunk_tokens, "--chunk-tokens")
+    check_fits(lm, layout, settings.span_tokens, "--span-tokens")
+    quant = codec.kv_quant(settings.kv_dtype, model.dtype)
+    facts = lm.facts
+    profile = Profile.of_layout(
+        facts.fingerprint, facts.tokenizer_fingerprint, layout, model.dtype, quant, facts.kv_layout_key
+    )
+    return lm, embedder, layout, profile
 
 
 def _write(
@@ -210,7 +183,7 @@ def _write(
     Ray `job`, or, given `to_vllm`, left out and its planned units appended there (vLLM computes
     them after the publish; only chunks whose KV is stored, and spans, are linked till then)."""
     catalog = writer.catalog
-    _check_embedder(writer, embedder)
+    check_embedder(writer, embedder)
     spans_part = f";span={settings.span_tokens}" if settings.span_tokens else ""
 
     def chunking(doc: Document) -> str:
@@ -219,12 +192,12 @@ def _write(
     plan = plan_documents(documents, catalog.documents.all(), chunking, prune)
     report.skipped += plan.conflicts
     report.documents = plan.counts()
-    new_chunks = _replace_documents(writer, plan, chunking, lm, settings, reporter)
+    new_chunks = replace_documents(writer, plan, chunking, lm, settings, reporter)
     vectors = writer.ensure_vectors(embedder.dim)
     report.chunks_embedded = len(new_chunks)
 
     pending = _unlinked(catalog, plan, new_chunks, lm, layout, profile, settings, report)
-    _check_chunks_fit(pending, lm, layout)
+    check_chunks_fit(pending, lm, layout)
     if catalog.entries.profile(profile.profile_id) is None:  # a new profile: its self-test first (raises)
         check = run_aside(self_check.check_loaded, lm)
         catalog.entries.add_profile(_profile_row(profile, lm, settings.system_prompt, check))
@@ -234,38 +207,56 @@ def _write(
     pending = _admitted(writer, pending, lm, profile, limit, settings, report)
     links = pending if links is None else links
     todo = plan_work(catalog, pending, profile)
-    work, prefix_key = todo.units, todo.prefix_key
     report.kv_reused += todo.num_reused
     report.tokens_skipped += todo.tokens_reused
-    if job:
-        chunks = [u.chunks[0] for u in work]  # without spans every unit is one chunk
-        done = run_ray_job(job, writer, new_chunks, chunks, prefix_key, lm, profile, settings, vectors, reporter)
-        report.kv_computed += done.kv_computed
-        report.tokens_computed += done.tokens_computed
-        report.compute_s = done.compute_s
-    else:
-        _embed(new_chunks, embedder, vectors, reporter)
-        if to_vllm is not None:  # the prefix here; the chunks in vLLM, after the publish
-            _compute_and_store(writer, [], prefix_key, lm, profile, settings, reporter, report)
-            to_vllm += work
-            later = {c.key for u in work for c, new in zip(u.chunks, u.store, strict=True) if new}
-            report.kv_deferred += len(later)
-            links = links if settings.span_tokens else [p for p in links if p.key not in later]
-        else:
-            _compute_and_store(writer, work, prefix_key, lm, profile, settings, reporter, report)
+    models = _Models(lm, embedder, profile, job, to_vllm)
+    deferred = _embed_and_compute(
+        writer, todo.units, todo.prefix_key, new_chunks, vectors, models, settings, reporter, report
+    )
+    if deferred and not settings.span_tokens:  # linked once vLLM has stored their KV
+        links = [p for p in links if p.key not in deferred]
     catalog.entries.link_chunks(
         profile.profile_id, [ChunkLink(p.chunk_id, p.key, p.token_ids, p.span_start) for p in links]
     )
     if limit is not None:  # estimates planned the work; the bytes written decide
         report.kv_evicted += len(budget.enforce(writer, profile.profile_id, limit))
         catalog.set_meta({"kv_budget": str(limit)})
-    catalog.set_meta(
-        {
-            "embedder": embedder.name,
-            "embedder_fingerprint": embedder.fingerprint,
-            "last_profile": profile.profile_id,
-        }
-    )
+    named = {"embedder": embedder.name, "embedder_fingerprint": embedder.fingerprint}
+    catalog.set_meta({**named, "last_profile": profile.profile_id})
+
+
+@dataclass(frozen=True)
+class _Models:
+    """What computes an ingest's embeddings and KV: this process's models, or the Ray `job`, or,
+    given `to_vllm`, vLLM after the publish (its units appended there)."""
+
+    lm: LoadedModel
+    embedder: Embedder
+    profile: Profile
+    job: RayJob | None
+    to_vllm: list[Unit] | None
+
+
+def _embed_and_compute(writer, work, prefix_key, new_chunks, vectors, models: _Models, settings, reporter, report):
+    """Embed the new chunks and compute and store the planned KV `work` (and the prefix's).
+    Returns the keys left for vLLM to compute after the publish (none otherwise)."""
+    lm, profile = models.lm, models.profile
+    if models.job:
+        chunks = [u.chunks[0] for u in work]  # without spans every unit is one chunk
+        done = run_ray_job(models.job, writer, new_chunks, chunks, prefix_key, lm, profile, settings, vectors, reporter)
+        report.kv_computed += done.kv_computed
+        report.tokens_computed += done.tokens_computed
+        report.compute_s = done.compute_s
+        return set()
+    _embed(new_chunks, models.embedder, vectors, reporter)
+    if models.to_vllm is None:
+        _compute_and_store(writer, work, prefix_key, lm, profile, settings, reporter, report)
+        return set()
+    _compute_and_store(writer, [], prefix_key, lm, profile, settings, reporter, report)  # the prefix here
+    models.to_vllm.extend(work)  # the chunks in vLLM, after the publish
+    later = {c.key for u in work for c, new in zip(u.chunks, u.store, strict=True) if new}
+    report.kv_deferred += len(later)
+    return later
 
 
 def _admitted(
@@ -286,15 +277,6 @@ def _admitted(
     report.kv_evicted += admitted.num_evicted
     report.kv_deferred = admitted.num_deferred
     return admitted.pending
-
-
-def _check_embedder(writer: StoreWriter, embedder: Embedder) -> None:
-    meta = writer.catalog.meta()
-    if meta.get("embedder_fingerprint", embedder.fingerprint) != embedder.fingerprint:
-        raise ModelError(
-            f"store {writer.root} was built with embedder {meta.get('embedder')}; "
-            f"ingest with --embedder {meta.get('embedder')} or use a new store"
-        )
 
 
 def _unlinked(
@@ -322,55 +304,6 @@ def _unlinked(
     candidates = new_chunks + [c for c in stored_chunks if c.chunk_id not in linked]
     report.kv_reused, report.tokens_skipped = catalog.entries.linked_totals(profile.profile_id, unchanged_ids)
     return [pending_alone(c, lm.tokenizer, profile) for c in candidates]
-
-
-def _replace_documents(
-    writer: StoreWriter,
-    plan: DocumentPlan,
-    chunking: Callable[[Document], str],
-    lm: LoadedModel,
-    settings: IngestSettings,
-    reporter: Reporter,
-) -> list[ChunkRow]:
-    """Retire the chunks (and vectors) of changed and removed documents; chunk new and changed
-    ones. Returns the new chunks, still to be embedded."""
-    catalog, vectors = writer.catalog, writer.vectors
-    new_chunks = _chunk_documents(
-        plan.to_chunk, lm.tokenizer, settings.chunk_tokens, catalog.documents.next_chunk_id(), reporter
-    )
-    per_doc = Counter(c.doc_id for c in new_chunks)
-    rows = [DocumentRow(d.doc_id, d.source, content_hash(d), chunking(d), per_doc[d.doc_id]) for d in plan.to_chunk]
-    with catalog.transaction():
-        retired = catalog.documents.delete_documents(plan.retired_ids)
-        if vectors is not None:
-            vectors.remove(retired)
-        catalog.documents.add_documents(rows, [d.metadata for d in plan.to_chunk], new_chunks)
-        _refresh_metadata(catalog, plan.unchanged)
-    return new_chunks
-
-
-def _refresh_metadata(catalog, unchanged: list[Document]) -> None:
-    """Record the metadata of documents whose text is unchanged but whose metadata is not (a
-    file touched, or read before ragkv recorded path, title and modified time): rows only, no
-    chunk is cut or computed again."""
-    stored = catalog.documents.metadata_of([d.doc_id for d in unchanged])
-    catalog.documents.set_metadata({d.doc_id: d.metadata for d in unchanged if stored.get(d.doc_id) != d.metadata})
-
-
-def _chunk_documents(
-    documents: list[Document], tokenizer, chunk_tokens: int, first_id: int, reporter: Reporter
-) -> list[ChunkRow]:
-    rows: list[ChunkRow] = []
-    reporter.stage("chunking", len(documents), "docs")
-    for doc in documents:
-        # A document with headings or pages keeps its sections whole and records each chunk's place.
-        chunks = chunk_blocks(doc.blocks, tokenizer, chunk_tokens) if doc.blocks else None
-        if chunks is None:
-            chunks = [Chunk(text) for text in chunk_text(doc.text, tokenizer, chunk_tokens)]
-        for index, chunk in enumerate(chunks):
-            rows.append(ChunkRow(first_id + len(rows), doc.doc_id, index, chunk.text, chunk.section, chunk.pages))
-        reporter.advance(1)
-    return rows
 
 
 def _embed(chunks: list[ChunkRow], embedder: Embedder, vectors, reporter: Reporter, batch: int = 64) -> None:

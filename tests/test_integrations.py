@@ -14,15 +14,13 @@ from ragkv.core.errors import InputError, ModelError, StoreCorruptError
 from ragkv.core.keys import KVKey
 from ragkv.integrations.paged import LayoutError, PagedLayout, block_dim_of
 from ragkv.integrations.store_match import (
-    KVSaver,
     ModelIdentity,
     RequestLayout,
     StoreMatcher,
     chunk_layout,
-    load_kv,
     profile_for,
-    slot_mapping,
 )
+from ragkv.integrations.transfer import KVSaver, load_kv, slot_mapping
 from ragkv.kv import cache as kv
 from ragkv.kv import codec
 from ragkv.store import open_snapshot, verify
@@ -291,7 +289,7 @@ SAVER_KILLED = """
 import sys; sys.path.insert(0, {root!r})
 import torch
 from tests.test_integrations import saves_for
-from ragkv.integrations.store_match import KVSaver
+from ragkv.integrations.transfer import KVSaver
 from tests.faults import kill_after_sealing_a_shard
 targets, kv, profile = saves_for({full!r}, {lazy!r}, {model!r})
 kill_after_sealing_a_shard()

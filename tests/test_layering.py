@@ -37,17 +37,11 @@ MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
 # Over those bars still, each waiting to be split; the lengths may only shrink.
 STILL_LONG_MODULES: dict[str, int] = {
-    "ragkv.integrations.store_match": 472,
-    "ragkv.integrations.vllm": 413,
-    "ragkv.pipelines.ingest": 435,
-    "ragkv.store.kv.pending": 440,
     "ragkv.store.index.segments": 498,
+    "ragkv.store.kv.pending": 414,
     "ragkv.store.kv.shards": 414,
 }
 STILL_LONG_FUNCTIONS: dict[str, int] = {
-    "ragkv.integrations.vllm.__init__": 63,
-    "ragkv.pipelines.ingest._write": 74,
-    "ragkv.pipelines.ingest.ingest": 70,
     "ragkv.store.store.__init__": 65,
 }
 

@@ -67,10 +67,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ragkv.core.errors import InputError, ModelError, StoreCorruptError
-from ragkv.integrations.paged import LayoutError, PagedLayout, block_dim_of
+from ragkv.integrations.paged import LayoutError
 from ragkv.integrations.store_match import (
-    TIMINGS_KEPT,
-    KVSaver,
     ModelIdentity,
     RequestLayout,
     RequestPlan,
@@ -78,10 +76,9 @@ from ragkv.integrations.store_match import (
     StoreMatch,
     StoreMatcher,
     chunk_layout,
-    load_kv,
     profile_for,
-    slot_mapping,
 )
+from ragkv.integrations.transfer import TIMINGS_KEPT, KVSaver, load_kv, slot_mapping
 from ragkv.integrations.vllm_load import PagedLoader
 from ragkv.kv.layout import refuse_unless_plain
 from ragkv.store import EntryRow
@@ -144,16 +141,7 @@ class RagkvConnector(KVConnectorBase_V1):
         store = self._kv_transfer_config.get_from_extra_config("store", None)
         if not store:
             raise ValueError('RagkvConnector needs kv_connector_extra_config {"store": "PATH"}')
-        cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
-        if cache_dtype not in ("auto", None):
-            raise ModelError(
-                f"ragkv stores KV in the model's dtype; vLLM's --kv-cache-dtype {cache_dtype} would "
-                "load and save another KV: serve with the default"
-            )
-        model_config = vllm_config.model_config
-        refuse_unless_plain(model_config.model)  # one line, before anything moves
-        self._dtype = model_config.dtype
-        identity = ModelIdentity.of_folder(model_config.model, str(self._dtype).removeprefix("torch."))
+        identity = self._check(vllm_config)
         self._profile = profile_for(store, identity)  # refuses another model, tokenizer or dtype, in one line
         self._block_size = vllm_config.cache_config.block_size
         self._store = str(store)
@@ -167,34 +155,9 @@ class RagkvConnector(KVConnectorBase_V1):
         }
         self._leaves_pending = leaves_pending(store, leave, writer)
         if role == KVConnectorRole.SCHEDULER:
-            from ragkv.model.prompt import PromptLayout
-
-            layout = PromptLayout.build(identity.tokenizer, "")
-            self._separator_len = len(layout.separator_ids)
-            fleet = PendingIndex(PendingArea(store)) if self._leaves_pending else None
-            self._matcher = StoreMatcher(store, self._profile, layout.separator_ids, identity.tokenizer, fleet)
-            self._matched: dict[str, tuple[StoreMatch, int, int]] = {}  # request -> match, start, end
-            self._to_load: dict[str, tuple[StoreMatch, int, int]] = {}
-            self._plans: dict[str, RequestPlan] = {}  # matched, not yet allocated
-            self._pending_saves: dict[str, _PendingSave] = {}
-            self._logged: set[str] = set()  # requests whose uses are logged
-            log_uses = self._kv_transfer_config.get_from_extra_config("log_uses", True)
-            # an ingest's are not uses; a replica that does not write the store leaves them pending for a fold
-            self._hit_log: HitLog | PendingHits | None = None
-            if log_uses:
-                self._hit_log = PendingHits(store) if self._leaves_pending else HitLog(Path(store))
-            self._warned_params = False
+            self._init_scheduler(store, identity)
         else:
-            self._shards = shard_reader(store)
-            self._pending_area = PendingArea(store) if self._leaves_pending else None
-            self._load_errors: set[int] = set()  # blocks whose load failed this step: vLLM recomputes them
-            layerwise = self._kv_transfer_config.get_from_extra_config("layerwise", "auto")
-            self._loader = PagedLoader(layerwise if isinstance(layerwise, bool) else None)  # None: on CUDA only
-            self.load_ms: deque[tuple[float, float]] = deque(maxlen=TIMINGS_KEPT)  # per load: (shard read, copies) ms
-            self._paged: PagedLayout | None = None
-            self._saver: KVSaver | None = None
-            self._saving_broken = False
-            self._wait_saves = bool(self._kv_transfer_config.get_from_extra_config("wait_saves", False))  # ingest
+            self._init_worker(store)
         log.info(
             "ragkv connector: store %s, profile %s, block size %d, %s",
             store,
@@ -202,6 +165,50 @@ class RagkvConnector(KVConnectorBase_V1):
             self._block_size,
             "loads and saves" if self._saves_on else "loads only",
         )
+
+    def _check(self, vllm_config: VllmConfig) -> ModelIdentity:
+        """Refuse, in one line and before anything moves, a KV this connector cannot store
+        exactly; the served model's identity."""
+        cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
+        if cache_dtype not in ("auto", None):
+            raise ModelError(
+                f"ragkv stores KV in the model's dtype; vLLM's --kv-cache-dtype {cache_dtype} would "
+                "load and save another KV: serve with the default"
+            )
+        model_config = vllm_config.model_config
+        refuse_unless_plain(model_config.model)
+        self._dtype = model_config.dtype
+        return ModelIdentity.of_folder(model_config.model, str(self._dtype).removeprefix("torch."))
+
+    def _init_scheduler(self, store: str, identity: ModelIdentity) -> None:
+        from ragkv.model.prompt import PromptLayout
+
+        layout = PromptLayout.build(identity.tokenizer, "")
+        self._separator_len = len(layout.separator_ids)
+        fleet = PendingIndex(PendingArea(store)) if self._leaves_pending else None
+        self._matcher = StoreMatcher(store, self._profile, layout.separator_ids, identity.tokenizer, fleet)
+        self._matched: dict[str, tuple[StoreMatch, int, int]] = {}  # request -> match, start, end
+        self._to_load: dict[str, tuple[StoreMatch, int, int]] = {}
+        self._plans: dict[str, RequestPlan] = {}  # matched, not yet allocated
+        self._pending_saves: dict[str, _PendingSave] = {}
+        self._logged: set[str] = set()  # requests whose uses are logged
+        log_uses = self._kv_transfer_config.get_from_extra_config("log_uses", True)
+        # an ingest's are not uses; a replica that does not write the store leaves them pending for a fold
+        self._hit_log: HitLog | PendingHits | None = None
+        if log_uses:
+            self._hit_log = PendingHits(store) if self._leaves_pending else HitLog(Path(store))
+        self._warned_params = False
+
+    def _init_worker(self, store: str) -> None:
+        self._shards = shard_reader(store)
+        self._pending_area = PendingArea(store) if self._leaves_pending else None
+        self._load_errors: set[int] = set()  # blocks whose load failed this step: vLLM recomputes them
+        layerwise = self._kv_transfer_config.get_from_extra_config("layerwise", "auto")
+        self._loader = PagedLoader(layerwise if isinstance(layerwise, bool) else None)  # None: on CUDA only
+        self.load_ms: deque[tuple[float, float]] = deque(maxlen=TIMINGS_KEPT)  # per load: (shard read, copies) ms
+        self._saver: KVSaver | None = None
+        self._saving_broken = False
+        self._wait_saves = bool(self._kv_transfer_config.get_from_extra_config("wait_saves", False))  # ingest
 
     # -- scheduler side -------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -357,7 +364,9 @@ class RagkvConnector(KVConnectorBase_V1):
         for spec in meta.saves:
             started = time.perf_counter()
             try:
-                gathered = self._gather(spec)
+                gathered = self._loader.gather(
+                    spec.block_ids, spec.target, self._kv_cache_config.num_blocks, self._block_size
+                )
             except LayoutError as exc:
                 self._saving_broken = True
                 log.warning(
@@ -367,32 +376,6 @@ class RagkvConnector(KVConnectorBase_V1):
                 )
                 return
             self._saver.submit(spec.target, *gathered, copy_ms=(time.perf_counter() - started) * 1000.0)
-
-    def _gather(self, spec: SaveSpec) -> tuple[torch.Tensor, Any]:
-        """The target's KV `(L, 2, H, T, D)` copied out of every layer's blocks (on CUDA, into
-        page-locked host memory, asynchronously: with the event that says it is there)."""
-        layers = [layer for _, (_, layer) in sorted(self._loader.layers.items())]
-        caches = [PagedLoader.cache(layer, None) for layer in layers]
-        if self._paged is None:
-            first, cache = layers[0], caches[0]
-            block_dim = block_dim_of(cache, self._kv_cache_config.num_blocks)
-            self._paged = PagedLayout.probe(
-                lambda k, v, c, s: first.impl.do_kv_cache_update(first, k, v, c, s),
-                cache,
-                block_dim,
-                self._block_size,
-                first.num_kv_heads,
-                first.head_size,
-            )
-        target = spec.target
-        kv_tensor = torch.stack([self._paged.gather(c, spec.block_ids, target.start, target.end) for c in caches])
-        if kv_tensor.device.type != "cuda":
-            return kv_tensor, None
-        host = torch.empty(kv_tensor.shape, dtype=kv_tensor.dtype, pin_memory=True)
-        host.copy_(kv_tensor, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return host, event
 
     def flush(self) -> None:
         """Worker side: wait until every save handed over so far is written (or given up)."""

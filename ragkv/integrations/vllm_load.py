@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from ragkv.integrations.paged import PagedLayout, block_dim_of
+
 log = logging.getLogger("ragkv")
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
@@ -31,6 +33,7 @@ class PagedLoader:
         self._this_step = False
         self._inflight: list[torch.Tensor] = []  # host buffers the side stream still reads
         self._stream: torch.cuda.Stream | None = None
+        self._paged: PagedLayout | None = None  # the block layout, probed on the first gather
 
     def find_layers(self, forward_context) -> None:
         """The attention layers holding a KV cache, by index (once)."""
@@ -123,3 +126,29 @@ class PagedLoader:
         if self._inflight and self._stream is not None:
             self._stream.synchronize()  # the forward waited on every layer's copy: done already
         self._inflight.clear()
+
+    def gather(self, block_ids, target, num_blocks: int, block_size: int) -> tuple[torch.Tensor, Any]:
+        """The KV `(L, 2, H, T, D)` of `target`'s tokens (its start..end) copied out of every
+        layer's blocks `block_ids` (on CUDA, into page-locked host memory, asynchronously: with
+        the event that says it is there). Raises LayoutError for a backend whose block layout
+        the probe cannot read."""
+        layers = [layer for _, (_, layer) in sorted(self.layers.items())]
+        caches = [PagedLoader.cache(layer, None) for layer in layers]
+        if self._paged is None:
+            first, cache = layers[0], caches[0]
+            self._paged = PagedLayout.probe(
+                lambda k, v, c, s: first.impl.do_kv_cache_update(first, k, v, c, s),
+                cache,
+                block_dim_of(cache, num_blocks),
+                block_size,
+                first.num_kv_heads,
+                first.head_size,
+            )
+        kv_tensor = torch.stack([self._paged.gather(c, block_ids, target.start, target.end) for c in caches])
+        if kv_tensor.device.type != "cuda":
+            return kv_tensor, None
+        host = torch.empty(kv_tensor.shape, dtype=kv_tensor.dtype, pin_memory=True)
+        host.copy_(kv_tensor, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
