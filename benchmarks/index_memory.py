@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.machine import describe  # noqa: E402
 from benchmarks.scale import CHUNKS_PER_DOC, corpus_vectors, unit  # noqa: E402
-from ragkv.store.index import segments  # noqa: E402
+from ragkv.store.index import build, segments  # noqa: E402
 
 QUERIES = 200
 
@@ -39,7 +39,7 @@ import json, sys, time
 import numpy as np
 sys.path.insert(0, {root!r})
 from pathlib import Path
-from ragkv.store.index import segments
+from ragkv.store.index import build, segments
 from ragkv.store.index.segments import SegmentInfo
 rss = lambda: int(open('/proc/self/statm').read().split()[1]) * 4096
 queries, truth = np.load({queries!r}), np.load({truth!r})
@@ -52,14 +52,14 @@ for q in queries:
     _, ids = segment.search(q[None], 10)
     times.append(time.perf_counter() - start)
     found.append(np.pad(ids[0], (0, 10), constant_values=-1)[:10])
-print(json.dumps({{"loaded": loaded, "after": rss() - before, "recall": segments.recall_at(np.array(found), truth),
+print(json.dumps({{"loaded": loaded, "after": rss() - before, "recall": build.recall_at(np.array(found), truth),
                   "p50": float(np.percentile(times, 50) * 1000), "p99": float(np.percentile(times, 99) * 1000)}}))
 """
 
 
 def ivf_flat(folder: Path, ids: np.ndarray, vectors: np.ndarray) -> segments.SegmentInfo:
     """The segment ragkv built before IVF-PQ (its code as it was): IVF-flat, nprobe tuned."""
-    dim, nlist = vectors.shape[1], segments.ivf_lists(len(ids))
+    dim, nlist = vectors.shape[1], build.ivf_lists(len(ids))
     quantizer = faiss.IndexFlatIP(dim)
     index = faiss.IndexIVFFlat(quantizer, dim, nlist, faiss.METRIC_INNER_PRODUCT)
     rng = np.random.default_rng(0)
@@ -68,7 +68,7 @@ def ivf_flat(folder: Path, ids: np.ndarray, vectors: np.ndarray) -> segments.Seg
     index.add_with_ids(vectors, ids)
     index.own_fields = True
     quantizer.this.disown()
-    nprobe, recall, _ = segments.tune_nprobe(index, *segments.tuning_queries(ids, vectors, rng))
+    nprobe, recall, _ = build.tune_nprobe(index, *build.tuning_queries(ids, vectors, rng))
     name = "seg-flat-ivf.faiss"
     faiss.write_index(index, str(folder / name))
     return segments.SegmentInfo(name, "ivf", len(ids), (folder / name).stat().st_size, nlist, nprobe, recall)
@@ -94,7 +94,7 @@ def measure(size: int, work: Path) -> list[dict]:
         info = (
             ivf_flat(folder, ids, vectors)
             if kind.startswith("ivf-flat")
-            else segments.build_segment(folder, ids, vectors, None, "bench", ivf=True)
+            else build.build_segment(folder, ids, vectors, None, "bench", ivf=True)
         )
         rows.append(run_child(kind, size, work, folder, info, time.perf_counter() - start, vectors.shape[1]))
     return rows
@@ -129,9 +129,9 @@ def run_child(
 
 def measure_streamed(size: int, work: Path, batch: int = 500_000) -> list[dict]:
     """The IVF-PQ segment at a size whose float32 vectors do not fit in memory beside the build
-    (10M: 15 GB): the same index (`segments.build_segment`'s type and parameters), trained on a
+    (10M: 15 GB): the same index (`build.build_segment`'s type and parameters), trained on a
     sample, then added to and written to its vectors file a batch at a time; the exact top-10
-    merged batch by batch, and nprobe and the candidates tuned by `segments.tune_nprobe`. Vectors are drawn per batch from the same corpus
+    merged batch by batch, and nprobe and the candidates tuned by `build.tune_nprobe`. Vectors are drawn per batch from the same corpus
     shape (its topics are fixed), so any batch is a sample of the whole."""
     rng = np.random.default_rng(size)
     dim = 384
@@ -139,7 +139,7 @@ def measure_streamed(size: int, work: Path, batch: int = 500_000) -> list[dict]:
     folder.mkdir()
     start = time.perf_counter()
     first = corpus_vectors(rng, batch // CHUNKS_PER_DOC)
-    index = segments.trained_ivfpq(first[rng.choice(len(first), segments.training_rows(size), replace=False)], size)
+    index = build.trained_ivfpq(first[rng.choice(len(first), build.training_rows(size), replace=False)], size)
     picks = rng.choice(len(first), 2 * QUERIES, replace=False)  # tuning queries, then measured ones
     queries = first[picks] + 0.7 * unit(rng, 2 * QUERIES)
     queries /= np.linalg.norm(queries, axis=1, keepdims=True)
@@ -166,7 +166,7 @@ def measure_streamed(size: int, work: Path, batch: int = 500_000) -> list[dict]:
     del stored
     exact = (np.arange(size, dtype=np.int64), segments.DiskVectors(vectors_path))
     tune, measured = slice(0, QUERIES), slice(QUERIES, None)
-    nprobe, recall, rescore = segments.tune_nprobe(index, queries[tune], best_ids[tune], exact)
+    nprobe, recall, rescore = build.tune_nprobe(index, queries[tune], best_ids[tune], exact)
     faiss.write_index(index, str(folder / "seg-bench.faiss"))
     info = segments.SegmentInfo(
         "seg-bench.faiss",

@@ -394,7 +394,7 @@ def real_embeddings(count: int) -> dict:
 
     from ragkv.core.config import DEFAULT_EMBEDDER
     from ragkv.model.embed import Embedder
-    from ragkv.store.index import segments
+    from ragkv.store.index import build, segments
 
     paragraphs = []
     for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
@@ -416,7 +416,7 @@ def real_embeddings(count: int) -> dict:
     indexed, queries = vectors[QUERIES:], vectors[:QUERIES]
     ids = np.arange(len(indexed), dtype=np.int64)
     with tempfile.TemporaryDirectory() as tmp:
-        info = segments.build_segment(Path(tmp), ids, indexed, None, "real", ivf=True)
+        info = build.build_segment(Path(tmp), ids, indexed, None, "real", ivf=True)
         segment = segments.load_segment(Path(tmp), info)
         truth = np.argsort(-(queries @ indexed.T), axis=1)[:, :10]
         found = [segment.search(q.reshape(1, -1), 10)[1][0] for q in queries]
@@ -426,7 +426,7 @@ def real_embeddings(count: int) -> dict:
         "nlist": info.nlist,
         "nprobe": info.nprobe,
         "tuned_recall": info.recall,
-        "recall_at_10": segments.recall_at(np.array(found), truth),
+        "recall_at_10": build.recall_at(np.array(found), truth),
     }
 
 

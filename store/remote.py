@@ -298,7 +298,7 @@ class RemoteStore:
     def delete_shard(self, name: str) -> None:
         self.fs.delete_file(self.location.key("shards", name))
 
-    # The reader side (ragkv.store.kv.shards.RemoteShards): read ranges now, keep a local copy for later.
+    # The reader side (ragkv.store.kv.shard_files.RemoteShards): read ranges now, keep a local copy for later.
     def local(self, shard: str) -> Path | None:
         path = self.mirror / "shards" / shard
         try:

@@ -19,7 +19,7 @@ from ragkv.store.generations import (
 )
 from ragkv.store.index.segments import SegmentInfo, open_flat_file
 from ragkv.store.index.vectors import VectorIndex
-from ragkv.store.kv.pending import PendingHits
+from ragkv.store.kv.pending_hits import PendingHits
 from ragkv.store.kv.popularity import HitLog
 from ragkv.store.kv.shards import ShardReader, is_shard_name
 from ragkv.store.objects import FolderObjects, Objects, is_remote

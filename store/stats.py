@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ragkv.store.kv.pending import HITS_SUFFIX, MANIFEST_SUFFIX, PendingArea, read_hits
+from ragkv.store.kv.pending import HITS_SUFFIX, MANIFEST_SUFFIX, PendingArea
+from ragkv.store.kv.pending_hits import read_hits
 from ragkv.store.kv.popularity import decay, read_pending, tally
 from ragkv.store.snapshot import StoreSnapshot
 

@@ -114,21 +114,7 @@ class StoreWriter:
             self.vectors: VectorIndex | None = None  # rebuild_vectors: repair makes it hold the catalog's chunks
             self.compacted = False  # this writer wrote a new base (see `compact`)
             self.migrated_format = False  # this writer brought a format-1 store forward
-            infos, dim = self._open_catalog()
-            loaded = dict(self._legacy_loaded)
-            if rebuild_vectors:  # the segments that load, kept loaded; repair re-embeds the rest's chunks
-                loaded |= {
-                    info.name: segment
-                    for info in infos
-                    if info.name not in loaded and (segment := self._load(info)) is not None
-                }
-            healthy = [info for info in infos if info.name in loaded] if rebuild_vectors else infos
-            if dim and healthy:
-                self.vectors = VectorIndex(
-                    dim, self.root / SEGMENT_DIR, healthy, self.catalog.gone_vectors(), loaded=loaded
-                )
-                if len(healthy) < len(infos):
-                    self.vectors.mark_changed()
+            self._open_vectors(*self._open_catalog(), rebuild_vectors)
             # What the published generation holds; publishing the same again would be a no-op.
             self._base_rows = (
                 self.catalog.fingerprint()
@@ -151,6 +137,24 @@ class StoreWriter:
         self.unchanged = False  # publish found nothing new: the current generation stays
         self.retired: list[int] = []  # generations removed at publish
         self.held_by_readers: list[int] = []  # retired generations kept because a reader holds them
+
+    def _open_vectors(self, infos: list[SegmentInfo], dim: int, rebuild: bool) -> None:
+        """The base generation's vector index (none in an empty store). `rebuild` (repair): only
+        the segments that load, kept loaded; repair re-embeds the rest's chunks."""
+        loaded = dict(self._legacy_loaded)
+        if rebuild:
+            loaded |= {
+                info.name: segment
+                for info in infos
+                if info.name not in loaded and (segment := self._load(info)) is not None
+            }
+        healthy = [info for info in infos if info.name in loaded] if rebuild else infos
+        if dim and healthy:
+            self.vectors = VectorIndex(
+                dim, self.root / SEGMENT_DIR, healthy, self.catalog.gone_vectors(), loaded=loaded
+            )
+            if len(healthy) < len(infos):
+                self.vectors.mark_changed()
 
     def _load(self, info: SegmentInfo) -> Segment | None:
         """A segment of the published index, loaded; None when it does not load (repair keeps

@@ -93,7 +93,8 @@ def test_hit_log_folds_once_and_its_file_goes_when_its_reader_has(tmp_path):
 def test_pending_hits_fold_once_even_when_a_fold_dies_before_deleting_them(tiny_llama, corpus, tmp_path, monkeypatch):
     """A reader that does not write the store leaves its uses as hits objects; a fold counts
     each use once, also when the fold before it published and died before deleting them."""
-    from ragkv.store.kv.pending import HITS_SUFFIX, PendingHits
+    from ragkv.store.kv.pending import HITS_SUFFIX
+    from ragkv.store.kv.pending_hits import PendingHits
     from ragkv.store.kv.writeback import FoldReport, fold
 
     build_store(corpus, tmp_path / "s", str(tiny_llama), precompute=0)
@@ -133,7 +134,7 @@ def test_uses_a_process_buffered_are_left_when_it_exits_without_closing(tmp_path
 
     script = (
         "import sys; sys.path.insert(0, sys.argv[2])\n"
-        "from ragkv.store.kv.pending import PendingHits\n"
+        "from ragkv.store.kv.pending_hits import PendingHits\n"
         "from ragkv.store.kv.popularity import Use\n"
         "PendingHits(sys.argv[1], flush_s=3600.0).record([Use('keys.md', 0, 'computed')])\n"
     )
@@ -170,7 +171,7 @@ def test_folder_replicas_that_leave_pending_never_take_the_lock_and_find_each_ot
 
 
 def test_a_writer_replica_folds_only_when_readers_left_something_and_the_store_is_free(tiny_llama, corpus, tmp_path):
-    from ragkv.store.kv.pending import PendingHits
+    from ragkv.store.kv.pending_hits import PendingHits
     from ragkv.store.kv.writeback import FoldLoop
     from ragkv.store.writer import open_writer
 

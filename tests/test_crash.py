@@ -211,7 +211,8 @@ def fold_setup(tmp_path_factory, tiny_llama, corpus):
 def test_a_fold_killed_at_any_step_loses_nothing_and_counts_nothing_twice(point, fold_setup, tmp_path):
     """Kill -9 a fold at each of its steps: the store verifies as it is, and the next fold
     stores each pending key once and counts each use once."""
-    from ragkv.store.kv.pending import PendingHits, PendingWriter
+    from ragkv.store.kv.pending import PendingWriter
+    from ragkv.store.kv.pending_hits import PendingHits
     from ragkv.store.kv.popularity import Use
     from ragkv.store.kv.writeback import fold
 

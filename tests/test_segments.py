@@ -19,7 +19,7 @@ from ragkv.core.errors import StoreCorruptError
 from ragkv.store import StoreWriter, collect_garbage, open_snapshot, verify
 from ragkv.store.catalog import ChunkRow, DocumentRow
 from ragkv.store.generations import manifest_path, read_current
-from ragkv.store.index import segments, vectors
+from ragkv.store.index import build, segments, vectors
 from ragkv.store.stats import store_stats
 from tests.conftest import ROOT
 
@@ -58,7 +58,7 @@ def recall(snapshot, stored: dict[int, np.ndarray], queries: np.ndarray) -> floa
     matrix = np.stack(list(stored.values()))
     truth = ids[np.argsort(-(queries @ matrix.T), axis=1)[:, :10]]
     found = np.array([[h.chunk_id for h in snapshot.vectors.search(q, 10)] for q in queries])
-    return segments.recall_at(found, truth)
+    return build.recall_at(found, truth)
 
 
 @pytest.fixture
@@ -76,7 +76,7 @@ def test_a_large_store_searches_an_ivf_segment_and_a_change_writes_only_itself(t
     with open_snapshot(root) as snap:
         index = store_stats(snap)["index"]
         assert index["type"] == "ivf-pq" and index["segments"] == 1 and 1 < index["nprobe"] < index["nlist"]
-        assert index["tuned_recall_at_10"] >= segments.RECALL_TARGET
+        assert index["tuned_recall_at_10"] >= build.RECALL_TARGET
         # in memory: the codes and ids, not the float32 vectors (memory-mapped for the re-score)
         assert index["ram_bytes"] < 6000 * 4 * 64 // 2 and index["rescore"] >= segments.RESCORE
         assert recall(snap, stored, near(rng, np.stack(list(stored.values())), 100)) >= 0.93  # fresh queries

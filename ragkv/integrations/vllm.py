@@ -82,7 +82,8 @@ from ragkv.integrations.transfer import TIMINGS_KEPT, KVSaver, load_kv, slot_map
 from ragkv.integrations.vllm_load import PagedLoader
 from ragkv.kv.layout import refuse_unless_plain
 from ragkv.store import EntryRow
-from ragkv.store.kv.pending import PendingArea, PendingHits, PendingIndex
+from ragkv.store.kv.pending import PendingArea, PendingIndex
+from ragkv.store.kv.pending_hits import PendingHits
 from ragkv.store.kv.popularity import HitLog
 from ragkv.store.kv.writeback import PENDING_BYTES, leaves_pending
 from ragkv.store.snapshot import shard_reader

@@ -8,7 +8,7 @@ import logging
 from collections.abc import Iterable
 
 from ragkv.store import ContextRow, StoreSnapshot
-from ragkv.store.kv.pending import PendingHits
+from ragkv.store.kv.pending_hits import PendingHits
 from ragkv.store.kv.popularity import HitLog, Use
 
 log = logging.getLogger("ragkv")

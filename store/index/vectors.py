@@ -22,16 +22,9 @@ from typing import Any
 import faiss
 import numpy as np
 
+from ragkv.store.index.build import build_segment, with_terms
 from ragkv.store.index.lexical import Postings, bm25
-from ragkv.store.index.segments import (
-    Segment,
-    SegmentInfo,
-    build_segment,
-    load_segment,
-    search_index,
-    segment_vectors,
-    with_terms,
-)
+from ragkv.store.index.segments import Segment, SegmentInfo, load_segment, search_index, segment_vectors
 
 MAX_FLAT = 8  # flat segments a writer lets accumulate before it merges them
 MAX_SEGMENTS = 12  # segments of any kind before a writer compacts them all into one

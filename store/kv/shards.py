@@ -17,7 +17,6 @@ import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
 import xxhash
@@ -26,6 +25,7 @@ from safetensors.torch import save_file
 
 from ragkv.core.errors import StoreCorruptError
 from ragkv.core.formats import SHARD_FORMAT
+from ragkv.store.kv.shard_files import LocalFile, RemoteFile, RemoteShards
 
 SHARD_SUFFIX = ".safetensors"
 _SHARD_NAME = re.compile(r"^[0-9a-f]{32}\.safetensors$")
@@ -154,62 +154,18 @@ _DTYPES = {
 }
 
 
-class RemoteShards(Protocol):
-    """Where shards missing from a reader's folder come from (an S3 store, see store.remote)."""
-
-    def local(self, shard: str) -> Path | None:
-        """The local copy, if there is one (marking it recently used)."""
-
-    def open(self, shard: str):
-        """A random-access file (pyarrow's: `read_at(nbytes, offset)`, `close()`) on the remote
-        shard; also starts copying it down in the background for later reads."""
-
-
-class _LocalFile:
-    def __init__(self, path: Path):
-        self.fd = os.open(path, os.O_RDONLY)
-
-    def read(self, size: int, offset: int) -> bytes:
-        return os.pread(self.fd, size, offset)
-
-    def read_into(self, view: memoryview, offset: int) -> int:
-        return os.preadv(self.fd, [view], offset)
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-
-class _RemoteFile:
-    """Ranged GETs: a cold read fetches only the entry's bytes, not the whole shard."""
-
-    def __init__(self, handle):
-        self.handle = handle
-
-    def read(self, size: int, offset: int) -> bytes:
-        return self.handle.read_at(size, offset)
-
-    def read_into(self, view: memoryview, offset: int) -> int:
-        view = view.cast("B") if view.ndim != 1 or view.format != "B" else view  # bytes, one dimension
-        data = self.handle.read_at(len(view), offset)
-        view[: len(data)] = data
-        return len(data)
-
-    def close(self) -> None:
-        self.handle.close()
-
-
 @dataclass(frozen=True)
 class _Shard:
     """An open sealed shard: its file, where its data starts, and its tensors."""
 
-    file: _LocalFile | _RemoteFile
+    file: LocalFile | RemoteFile
     data_start: int
     tensors: dict  # stored name -> (dtype, shape, begin, end), offsets relative to data_start
     parts: dict  # entry name -> its part names ("" the data)
 
     @property
     def remote(self) -> bool:
-        return isinstance(self.file, _RemoteFile)
+        return isinstance(self.file, RemoteFile)
 
 
 def _align(size: int) -> int:
@@ -331,7 +287,7 @@ class ShardReader:
     def _open_shard(self, shard: str) -> _Shard:
         path = self.remote.local(shard) if self.remote else self.shard_dir / shard
         try:
-            file = _LocalFile(path) if path else _RemoteFile(self.remote.open(shard))  # type: ignore[union-attr]
+            file = LocalFile(path) if path else RemoteFile(self.remote.open(shard))  # type: ignore[union-attr]
         except FileNotFoundError:
             where = self.shard_dir if path else "the bucket"
             raise StoreCorruptError(f"shard {shard} is missing from {where}") from None
@@ -353,7 +309,7 @@ class ShardReader:
             self.close_shard(shard)
 
 
-def _parse_header(file: _LocalFile | _RemoteFile, shard: str) -> tuple[int, dict, dict]:
+def _parse_header(file: LocalFile | RemoteFile, shard: str) -> tuple[int, dict, dict]:
     """(data start, tensors, parts) from a safetensors header: 8-byte little-endian length, then JSON."""
     try:
         length = int.from_bytes(file.read(8, 0), "little")

@@ -26,7 +26,8 @@ from ragkv.core.errors import RagkvError, StoreLockedError
 from ragkv.store.catalog import ChunkLink
 from ragkv.store.gc import drop_dead
 from ragkv.store.kv import budget
-from ragkv.store.kv.pending import ComputedKV, PendingArea, PendingWriter, read_hits, read_objects
+from ragkv.store.kv.pending import ComputedKV, PendingArea, PendingWriter, read_objects
+from ragkv.store.kv.pending_hits import read_hits
 from ragkv.store.kv.popularity import HITS_DIR
 from ragkv.store.objects import is_remote
 from ragkv.store.writer import open_writer
