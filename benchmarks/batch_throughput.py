@@ -89,8 +89,12 @@ sys.path.insert(0, tree)
 import torch
 torch.set_num_threads(torch.get_num_threads())
 import ragkv
-from ragkv.engine.batch import Question, answer_all
-from ragkv.core.config import AskSettings
+try:
+    from ragkv.engine.batch import Question, answer_all
+    from ragkv.core.config import AskSettings
+except ImportError:  # a tree from before the layer packages (issue 55)
+    from ragkv.batch import Question, answer_all
+    from ragkv.config import AskSettings
 qs = [Question(str(i), q) for i, q in enumerate(json.loads(questions))]
 settings = AskSettings(top_k=int(top_k), max_new_tokens=int(tokens))
 with ragkv.open(store, device="cpu") as engine:

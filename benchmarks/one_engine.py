@@ -44,8 +44,12 @@ import json, sys, threading, time
 tree, store, questions, tokens, threads = sys.argv[1:6]
 sys.path.insert(0, tree)
 import ragkv
-from ragkv.engine.batch import Question, answer_all
-from ragkv.core.config import AskSettings
+try:
+    from ragkv.engine.batch import Question, answer_all
+    from ragkv.core.config import AskSettings
+except ImportError:  # a tree from before the layer packages (issue 55)
+    from ragkv.batch import Question, answer_all
+    from ragkv.config import AskSettings
 questions, tokens, threads = json.loads(questions), int(tokens), int(threads)
 settings = AskSettings(top_k=1, max_new_tokens=tokens)
 result = {}

@@ -52,7 +52,8 @@ from benchmarks.machine import describe  # noqa: E402
 from ragkv.store.catalog import ChunkLink, ChunkRow, DocumentRow, ProfileRow  # noqa: E402
 from ragkv.store.index.lexical import query_terms  # noqa: E402
 from ragkv.store.kv.shards import SealedEntry  # noqa: E402
-from ragkv.store.store import StoreWriter, open_snapshot  # noqa: E402
+from ragkv.store.snapshot import open_snapshot  # noqa: E402
+from ragkv.store.store_writer import StoreWriter  # noqa: E402
 
 DIM = 384
 CHUNKS_PER_DOC = 10
@@ -276,7 +277,7 @@ def reader_ram(root: Path) -> int:
     """Resident bytes a fresh process gains by opening the store and answering one search."""
     code = (
         f"import sys, numpy as np; sys.path.insert(0, {str(ROOT)!r})\n"
-        "from ragkv.store.store import open_snapshot\n"
+        "from ragkv.store.snapshot import open_snapshot\n"
         "import faiss, duckdb, torch\n"
         "rss = lambda: int(open('/proc/self/statm').read().split()[1]) * 4096\n"
         "before = rss()\n"

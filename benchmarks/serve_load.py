@@ -94,12 +94,12 @@ class Server:
 
 
 def ragkv_server(store: Path, max_batch: int, tree: Path = ROOT) -> Server:
-    """`ragkv serve` of the source tree `tree` (this one by default)."""
+    """`ragkv serve` of the source tree `tree` (this one by default), through its root cli.py (a
+    tree of any age has one)."""
     return Server(
         [
             sys.executable,
-            "-m",
-            "ragkv",
+            str(tree / "cli.py"),
             "serve",
             "--store",
             str(store),

@@ -12,7 +12,7 @@ from ragkv.model.embed import Embedder
 from ragkv.model.llm import LoadedModel
 from ragkv.model.prompt import PromptLayout
 from ragkv.pipelines.engines import vllm_engine
-from ragkv.pipelines.pending import PendingChunk
+from ragkv.pipelines.to_compute import PendingChunk
 from ragkv.store import StoreWriter
 
 ENGINES = ("local", "ray", "vllm")

@@ -30,13 +30,13 @@ from ragkv.model.self_check import SelfCheck
 from ragkv.pipelines.checks import check_chunks_fit, check_embedder, check_fits, for_engine
 from ragkv.pipelines.engines import ray_engine, vllm_engine
 from ragkv.pipelines.engines.ray_ingest import RayJob, run_ray_job
-from ragkv.pipelines.pending import PendingChunk, Unit, pending_alone, pending_spans, plan_work, within_budget
 from ragkv.pipelines.plan import DocumentPlan, plan_documents
 from ragkv.pipelines.progress import Reporter
 from ragkv.pipelines.reading.chunk import chunking_id
 from ragkv.pipelines.reading.read import Document, Skipped, read_documents
 from ragkv.pipelines.replace import replace_documents
 from ragkv.pipelines.stored_kv import StoredKV
+from ragkv.pipelines.to_compute import PendingChunk, Unit, pending_alone, pending_spans, plan_work, within_budget
 from ragkv.store import ChunkRow, StoreWriter
 from ragkv.store.catalog import ChunkLink, ProfileRow
 from ragkv.store.kv import budget

@@ -5,7 +5,8 @@ from ragkv.store.catalog import Catalog, ChunkRow, ContextRow, DocumentRow, Entr
 from ragkv.store.gc import GcReport, collect_garbage
 from ragkv.store.index.vectors import Hit, VectorIndex
 from ragkv.store.kv.shards import SealedEntry, ShardReader, ShardWriter, checksum
-from ragkv.store.store import StoreSnapshot, StoreWriter, is_store, open_snapshot
+from ragkv.store.snapshot import StoreSnapshot, open_snapshot
+from ragkv.store.store_writer import StoreWriter, is_store
 from ragkv.store.verify import Problem, VerifyReport, verify
 
 __all__ = [

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ragkv.core.errors import StoreCorruptError, StoreNotFoundError
-from ragkv.store.store import StoreWriter
+from ragkv.store.store_writer import StoreWriter
 from ragkv.store.writer import open_writer
 
 REWRITE_BELOW = 0.5  # rewrite a shard once less than this fraction of its bytes is live

@@ -20,7 +20,7 @@ from ragkv.store.kv.shards import ShardReader, ShardWriter
 from ragkv.store.objects import is_remote, write_error
 from ragkv.store.remote import RemoteStore
 from ragkv.store.snapshot import SHARD_DIR
-from ragkv.store.store import StoreWriter
+from ragkv.store.store_writer import StoreWriter
 
 log = logging.getLogger("ragkv")
 

@@ -15,7 +15,7 @@ import ragkv
 from ragkv.core.errors import InputError
 from ragkv.core.filters import Filter, parse_filter
 from ragkv.store import StoreWriter, open_snapshot
-from ragkv.store.index import segments as segment_files
+from ragkv.store.index import build
 from tests.conftest import build_store, run_cli
 from tests.test_segments import add_docs, unit
 
@@ -81,7 +81,7 @@ def test_filters_narrow_search_and_ask_and_top_k_stays_top_k(filtered_store):
 
 
 def test_an_ivf_segment_under_a_filter_still_returns_the_true_top_k(tmp_path, monkeypatch):
-    monkeypatch.setattr(segment_files, "IVF_MIN", 2000)
+    monkeypatch.setattr(build, "IVF_MIN", 2000)
     rng = np.random.default_rng(3)
     with StoreWriter(tmp_path / "s") as writer:
         stored = add_docs(writer, [f"d{i:04d}" for i in range(300)], rng)  # 3000 chunks: one IVF segment

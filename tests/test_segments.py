@@ -63,7 +63,7 @@ def recall(snapshot, stored: dict[int, np.ndarray], queries: np.ndarray) -> floa
 
 @pytest.fixture
 def small_ivf(monkeypatch):
-    monkeypatch.setattr(segments, "IVF_MIN", 2000)
+    monkeypatch.setattr(build, "IVF_MIN", 2000)
 
 
 def test_a_large_store_searches_an_ivf_segment_and_a_change_writes_only_itself(tmp_path, small_ivf):
@@ -244,7 +244,7 @@ def test_a_store_of_format_1_is_read_as_it_is_and_migrated_once(tmp_path, caplog
 KILL_MID_COMPACTION = textwrap.dedent("""
     import sys
     sys.path.insert(0, {root!r})
-    from ragkv.store.store import StoreWriter
+    from ragkv.store.store_writer import StoreWriter
     from tests.faults import kill_mid_compaction
 
     kill_mid_compaction()

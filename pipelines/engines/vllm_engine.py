@@ -26,7 +26,7 @@ from pathlib import Path
 from ragkv.core.config import import_path
 from ragkv.core.errors import InputError, ModelError
 from ragkv.kv.layout import refuse_unless_plain
-from ragkv.pipelines.pending import Unit
+from ragkv.pipelines.to_compute import Unit
 from ragkv.store import open_snapshot
 from ragkv.store.objects import absolute
 

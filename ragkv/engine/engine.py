@@ -15,6 +15,7 @@ A stream left before its end cancels its request; the request's row leaves at th
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -76,7 +77,7 @@ class Engine:
     ) -> Request:
         """Queue a new question (after the earlier (user, assistant) turns `history`): its
         conversation opens as it is admitted."""
-        opener = lambda: self.conversation(settings, history)  # noqa: E731
+        opener = functools.partial(self.conversation, settings, history)
         return self.submit(opener, question, settings.max_new_tokens, settings.decoding, on_text)
 
     def conversation(self, settings: AskSettings, history: Sequence[tuple[str, str]] = ()) -> Conversation:
@@ -123,7 +124,7 @@ class Engine:
 
     def ask_stream(self, question: str, settings: AskSettings, history: Sequence[tuple[str, str]] = ()) -> AnswerStream:
         """A new question (after `history`): retrieve, load the stored KV, prefill the rest, generate."""
-        opener = lambda: self.conversation(settings, history)  # noqa: E731
+        opener = functools.partial(self.conversation, settings, history)
         return self.stream(opener, question, settings.max_new_tokens, settings.decoding)
 
     def ask(self, question: str, settings: AskSettings) -> Answer:
@@ -169,22 +170,11 @@ class Engine:
                     self._progress.wait_for(lambda: until() or (self._thread is None and not self._step_lock.locked()))
 
     def _step(self) -> None:
-        self._stepper = threading.get_ident()
-        try:
-            self._run_step()
-        finally:
-            self._stepper = None
-        now = time.monotonic()
-        self._rate.append((now, self.runner.tokens_generated))
-        while self._rate and now - self._rate[0][0] > RATE_WINDOW_S:
-            self._rate.popleft()
-        self._notify()
-
-    def _run_step(self) -> None:
         """One step: the queued calls; the scheduler's choices (what leaves, what is admitted,
         what prefills), the admissions' work (retrieval, stored KV) before any forward; then the
         runner's forwards. Whatever fails fails the requests it touched; the engine stays usable."""
         scheduler, runner = self.scheduler, self.runner
+        self._stepper = threading.get_ident()
         scheduler.run_calls()
         try:
             for request in scheduler.cancelled():
@@ -201,6 +191,13 @@ class Engine:
             log.exception("engine step failed")
             scheduler.fail_all(exc)
             runner.reset()
+        finally:
+            self._stepper = None
+        now = time.monotonic()
+        self._rate.append((now, runner.tokens_generated))
+        while self._rate and now - self._rate[0][0] > RATE_WINDOW_S:
+            self._rate.popleft()
+        self._notify()
 
     def _prefill(self, request: Request, size: int | None) -> None:
         """`request`'s prefill (a failure fails it alone: only its own cache was touched), then

@@ -1,4 +1,6 @@
-"""Opening a store to read (a snapshot of the published generation) or to write (a new one)."""
+"""Writing a store: `StoreWriter` builds the next generation over the published one (taking the
+store's lock) and publishes it atomically. Opening one: ragkv.store.writer (`open_writer`, a
+folder's or an S3 store's); reading one: ragkv.store.snapshot."""
 
 from __future__ import annotations
 
@@ -42,10 +44,8 @@ from ragkv.store.kv.shards import (
     sealed_entries,
     shard_files,
 )
-from ragkv.store.snapshot import SHARD_DIR, StoreSnapshot, open_snapshot
+from ragkv.store.snapshot import SHARD_DIR
 from ragkv.store.transport import LocalTransport, Transport
-
-__all__ = ["SHARD_DIR", "StoreSnapshot", "StoreWriter", "is_store", "open_snapshot"]
 
 log = logging.getLogger("ragkv")
 _WRITE_ERRORS = (OSError, duckdb.IOException, duckdb.FatalException)  # FatalException: a failed checkpoint
