@@ -46,6 +46,7 @@ class Request:
     state: DecodeState | None = None
     started: bool = False  # its prefill has begun
     max_rows: int = 1  # the largest batch it decoded in
+    caught_up: int = 0  # prompt tokens another request prefilled for it (the prefix cache), as it started
     future: Future = field(default_factory=Future)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -112,14 +113,23 @@ class Request:
             self.state.finish_reason = reason
         if (tail := self.state.finish()) and self.on_text:
             self.on_text(tail)
+        self._account()
         try:
             answer = self.conversation.end_turn(self.plan, self.state.result(), cache)
-            answer.stats.batch_size = self.max_rows
         except BaseException as exc:
             self.fail(exc)
             return
         self.status = Status.FINISHED
         self._resolve(answer=answer)
+
+    def _account(self) -> None:
+        """What the request itself knows, into the stats its plan built: the batch it decoded in,
+        and the tokens it took from the prefix cache instead of prefilling them."""
+        stats = self.turn_plan.stats
+        stats.batch_size = self.max_rows
+        stats.reused_tokens += self.caught_up
+        stats.prefix_cache_tokens += self.caught_up
+        stats.computed_tokens -= self.caught_up
 
     def fail(self, error: BaseException, where: str = "") -> None:
         """Fail it with `error` (a bug, not a RagkvError, is logged with its traceback: `where`)."""

@@ -129,7 +129,4 @@ def _catch_up(request: Request) -> None:
     if plan.catch_up is None or not (added := plan.catch_up(plan.cache)):
         return
     request.pending = request.pending[added:]
-    stats = plan.stats
-    stats.reused_tokens += added
-    stats.prefix_cache_tokens += added
-    stats.computed_tokens -= added
+    request.caught_up = added

@@ -80,7 +80,7 @@ class Conversations:
 
 # -- the app -------------------------------------------------------------------------------
 class Metrics:
-    def __init__(self, engine, batcher: Engine, folding: FoldLoop | None = None):
+    def __init__(self, engine, stepped: Engine, folding: FoldLoop | None = None):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("ragkv_requests", "HTTP requests", ["endpoint", "status"], registry=r)
@@ -109,14 +109,14 @@ class Metrics:
             lambda: engine.snapshot.generation
         )
         Gauge("ragkv_batch_running", "Requests in the running batch (decoding or prefilling)", registry=r).set_function(
-            lambda: batcher.num_running
+            lambda: stepped.num_running
         )
         Gauge("ragkv_requests_waiting", "Requests waiting to join the batch", registry=r).set_function(
-            lambda: batcher.num_waiting
+            lambda: stepped.num_waiting
         )
         Gauge(
             "ragkv_tokens_per_second", "Answer tokens generated per second over the last 10 s", registry=r
-        ).set_function(batcher.tokens_per_s)
+        ).set_function(stepped.tokens_per_s)
         loader = engine.loader
         Gauge(
             "ragkv_pending_dropped", "Computed KV entries dropped to stay within --pending-bytes (S3)", registry=r
@@ -137,13 +137,13 @@ class Metrics:
 def build_app(engine, settings: ServeSettings) -> FastAPI:
     """The service's app over `engine`: its scheduler steps on a background thread until the
     app's lifespan ends."""
-    batcher = _start_batcher(engine, settings)
+    stepped = _start_engine(engine, settings)
     folding = FoldLoop(engine.snapshot.location, settings.fold_every_s).start() if settings.writer else None
 
     @asynccontextmanager
     async def lifespan(app):
         yield
-        batcher.stop()  # finishes what is queued
+        stepped.stop()  # finishes what is queued
         # Now, not when `ragkv.open`'s block ends: after a SIGTERM uvicorn raises the signal
         # again once it has shut down, which ends the process before that.
         engine.flush()  # the KV computed on misses, and (on S3) the uses logged
@@ -151,8 +151,8 @@ def build_app(engine, settings: ServeSettings) -> FastAPI:
             folding.stop()
 
     app = FastAPI(title="ragkv", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
-    metrics = Metrics(engine, batcher, folding)
-    app.state.batcher, app.state.folding = batcher, folding
+    metrics = Metrics(engine, stepped, folding)
+    app.state.stepped, app.state.folding = stepped, folding
 
     app.add_middleware(
         RequestGuard,
@@ -167,12 +167,12 @@ def build_app(engine, settings: ServeSettings) -> FastAPI:
     async def busy(request, exc):
         return json_error(503, "the model is busy; retry shortly", "server_busy", headers={"Retry-After": "1"})
 
-    _add_info_routes(app, engine, batcher, metrics, authorised)
+    _add_info_routes(app, engine, stepped, metrics, authorised)
     _add_chat_route(app, engine, settings, metrics, authorised)
     return app
 
 
-def _start_batcher(engine, settings: ServeSettings) -> Engine:
+def _start_engine(engine, settings: ServeSettings) -> Engine:
     """The engine's scheduler stepping on a background thread, moving to the store's newest
     published generation before it admits new requests."""
 
@@ -182,8 +182,8 @@ def _start_batcher(engine, settings: ServeSettings) -> Engine:
         except RagkvError as exc:  # keep serving the generation we have
             log.warning("not switching store generation: %s", exc)
 
-    batcher: Engine = engine.engine
-    batcher.start(
+    stepped: Engine = engine.engine
+    stepped.start(
         BatchSettings(
             max_batch=settings.max_batch,
             max_batch_tokens=settings.max_batch_tokens,
@@ -192,11 +192,11 @@ def _start_batcher(engine, settings: ServeSettings) -> Engine:
         ),
         before_admit=refresh,
     )
-    return batcher
+    return stepped
 
 
 def _add_chat_route(app: FastAPI, engine, settings: ServeSettings, metrics: Metrics, authorised) -> None:
-    batcher: Engine = engine.engine
+    stepped: Engine = engine.engine
     conversations = Conversations(engine, settings.conversation_bytes)
     model_id = SERVED_MODEL_ID  # one id for the RAG service; the LLM behind it is its "root"
     accepted_ids = {SERVED_MODEL_ID, engine.lm.facts.name}
@@ -209,11 +209,11 @@ def _add_chat_route(app: FastAPI, engine, settings: ServeSettings, metrics: Metr
         ask = body.ask_settings(max_tokens(body, settings, warnings))
         created, reply_id = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
         if not body.stream:
-            ticket, opened = _submit(batcher, conversations, history, question, ask)
+            queued, opened = _submit(stepped, conversations, history, question, ask)
             try:
-                answer = await _unless_disconnected(request, ticket)
+                answer = await _unless_disconnected(request, queued)
             finally:
-                ticket.cancel()  # a client that went away frees its row (no-op once answered)
+                queued.cancel()  # a client that went away frees its row (no-op once answered)
             if answer.stats.finish_reason == "cancelled":
                 metrics.cancelled.inc()
             metrics.record(answer.stats)
@@ -221,8 +221,8 @@ def _add_chat_route(app: FastAPI, engine, settings: ServeSettings, metrics: Metr
         # Queued before the response starts, so a full queue is a 503 with Retry-After, not an event in a 200.
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[object] = asyncio.Queue()
-        ticket, opened = _submit(
-            batcher,
+        queued, opened = _submit(
+            stepped,
             conversations,
             history,
             question,
@@ -230,7 +230,7 @@ def _add_chat_route(app: FastAPI, engine, settings: ServeSettings, metrics: Metr
             on_text=lambda text: loop.call_soon_threadsafe(queue.put_nowait, text),
         )
         return StreamingResponse(
-            _stream(ticket, opened, queue, reply_id, created, model_id, warnings, metrics),
+            _stream(queued, opened, queue, reply_id, created, model_id, warnings, metrics),
             media_type="text/event-stream",
         )
 
@@ -248,15 +248,15 @@ def max_in_flight(settings: ServeSettings) -> int:
     return settings.max_queue * 4 + 16
 
 
-def _add_info_routes(app: FastAPI, engine, batcher: Engine, metrics: Metrics, authorised) -> None:
+def _add_info_routes(app: FastAPI, engine, stepped: Engine, metrics: Metrics, authorised) -> None:
     @app.get("/healthz")
     async def healthz():
         return {
             "status": "ok",
             "generation": engine.snapshot.generation,
             "model": SERVED_MODEL_ID,
-            "running": batcher.num_running,
-            "waiting": batcher.num_waiting,
+            "running": stepped.num_running,
+            "waiting": stepped.num_waiting,
         }
 
     @app.get("/metrics")
@@ -271,7 +271,7 @@ def _add_info_routes(app: FastAPI, engine, batcher: Engine, metrics: Metrics, au
     async def cache():
         """What this replica holds hot (its RAM tier's chunks): for a router that sends a
         document's questions where its KV is warm."""
-        return await asyncio.wrap_future(batcher.call_soon(engine.loader.hot))
+        return await asyncio.wrap_future(stepped.call_soon(engine.loader.hot))
 
     @app.post("/v1/retrieve", dependencies=[Depends(authorised)])
     async def retrieve(body: RetrieveRequest):
@@ -285,15 +285,15 @@ def _add_info_routes(app: FastAPI, engine, batcher: Engine, metrics: Metrics, au
         }
 
 
-async def _unless_disconnected(request: Request, ticket):
-    """The ticket's answer; if the client disconnects first, the turn is cancelled (its row leaves
+async def _unless_disconnected(request: Request, queued):
+    """The queued's answer; if the client disconnects first, the turn is cancelled (its row leaves
     at the next step) and its end is awaited. Waits on the disconnect message itself, no polling."""
-    job = asyncio.wrap_future(ticket.future)
+    job = asyncio.wrap_future(queued.future)
     watch = asyncio.ensure_future(_disconnected(request))
     try:
         done, _ = await asyncio.wait({job, watch}, return_when=asyncio.FIRST_COMPLETED)
         if job not in done:
-            ticket.cancel()
+            queued.cancel()
         return await job
     finally:
         watch.cancel()
@@ -305,7 +305,7 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _submit(batcher: Engine, conversations: Conversations, history, question: str, settings: AskSettings, on_text=None):
+def _submit(stepped: Engine, conversations: Conversations, history, question: str, settings: AskSettings, on_text=None):
     """Queue a turn: the kept conversation holding `history` (or a new one replaying it) is
     opened on the model thread when the turn is admitted, and kept again once answered.
     Returns the engine's request (ragkv.engine.request) and a dict whose "reused" says whether a
@@ -316,14 +316,14 @@ def _submit(batcher: Engine, conversations: Conversations, history, question: st
         opened["conversation"], opened["reused"] = conversations.take(history, settings)
         return opened["conversation"]
 
-    ticket = batcher.submit(open_conversation, question, settings.max_new_tokens, settings.decoding, on_text)
+    queued = stepped.submit(open_conversation, question, settings.max_new_tokens, settings.decoding, on_text)
 
     def keep(future) -> None:  # on the model thread, like `take`
         if not future.cancelled() and future.exception() is None and future.result().stats.finish_reason != "cancelled":
             conversations.keep(opened["conversation"], [*history, (question, future.result().text)])
 
-    ticket.future.add_done_callback(keep)
-    return ticket, opened
+    queued.future.add_done_callback(keep)
+    return queued, opened
 
 
 def _ragkv_block(answer, warnings: list[str], reused_history: bool) -> dict:
@@ -351,7 +351,7 @@ def _completion(reply_id, created, model_id, answer, warnings, reused_history) -
     )
 
 
-async def _stream(ticket, opened, queue: asyncio.Queue, reply_id, created, model_id, warnings, metrics):
+async def _stream(queued, opened, queue: asyncio.Queue, reply_id, created, model_id, warnings, metrics):
     """Server-sent events in OpenAI's chunk format for a submitted turn, which decodes in the
     running batch on the model thread and hands its text over through `queue`. A client that
     disconnects cancels it."""
@@ -359,7 +359,7 @@ async def _stream(ticket, opened, queue: asyncio.Queue, reply_id, created, model
     def chunk(delta: dict, finish: str | None = None, **extra) -> str:
         return chunk_event(reply_id, created, model_id, delta, finish, **extra)
 
-    job = asyncio.wrap_future(ticket.future)
+    job = asyncio.wrap_future(queued.future)
     try:
         yield chunk({"role": "assistant", "content": ""})
         while not (job.done() and queue.empty()):
@@ -389,4 +389,4 @@ async def _stream(ticket, opened, queue: asyncio.Queue, reply_id, created, model
     finally:
         if not job.done():
             metrics.cancelled.inc()
-        ticket.cancel()  # the client went away mid-stream: its row leaves at the next step
+        queued.cancel()  # the client went away mid-stream: its row leaves at the next step
