@@ -52,7 +52,7 @@ _BASE_FILE = re.compile(r"^base-(\d{6})-[0-9a-f]{8}\.duckdb(\.wal)?$")
 SEGMENT_DIR = "segments"
 _STALE_TMP_S = 3600  # a temporary file this old belongs to no live process
 MANIFEST_FORMAT = STORE_FORMAT
-PLAIN_MANIFEST_FORMAT = 2  # what a manifest without "ivfpq" segments is written as (ragkv/formats.py)
+PLAIN_MANIFEST_FORMAT = 2  # what a manifest without "ivfpq" segments is written as (ragkv/core/formats.py)
 
 
 def catalog_path(root: Path, generation: int) -> Path:
