@@ -81,6 +81,7 @@ from ragkv.integrations.store_match import (
 from ragkv.integrations.transfer import TIMINGS_KEPT, KVSaver, load_kv, slot_mapping
 from ragkv.integrations.vllm_load import PagedLoader
 from ragkv.kv.layout import refuse_unless_plain
+from ragkv.loading.uses import UseLog
 from ragkv.store import EntryRow
 from ragkv.store.kv.pending import PendingArea, PendingIndex
 from ragkv.store.kv.pending_hits import PendingHits
@@ -195,9 +196,10 @@ class RagkvConnector(KVConnectorBase_V1):
         self._logged: set[str] = set()  # requests whose uses are logged
         log_uses = self._kv_transfer_config.get_from_extra_config("log_uses", True)
         # an ingest's are not uses; a replica that does not write the store leaves them pending for a fold
-        self._hit_log: HitLog | PendingHits | None = None
+        self._uses: UseLog | None = None
         if log_uses:
-            self._hit_log = PendingHits(store) if self._leaves_pending else HitLog(Path(store))
+            hit_log = PendingHits(store) if self._leaves_pending else HitLog(Path(store))
+            self._uses = UseLog(hit_log, store, "the ragkv connector")
         self._warned_params = False
 
     def _init_worker(self, store: str) -> None:
@@ -257,17 +259,8 @@ class RagkvConnector(KVConnectorBase_V1):
             self._pending_saves[request_id] = _PendingSave(list(plan.saves))
 
     def _record(self, plan: RequestPlan) -> None:
-        if self._hit_log is None or not plan.uses:
-            return
-        try:
-            self._hit_log.record(plan.uses)
-        except OSError as exc:  # a read-only store still serves; it only stops counting
-            log.warning(
-                "ragkv connector: cannot log chunk uses in %s (%s); popularity is not counted",
-                self._store,
-                exc.strerror or exc,
-            )
-            self._hit_log = None
+        if self._uses is not None and plan.uses:
+            self._uses.write(list(plan.uses))  # a read-only store still serves; it only stops counting
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = RagkvConnectorMetadata()
@@ -388,10 +381,7 @@ class RagkvConnector(KVConnectorBase_V1):
         saver = getattr(self, "_saver", None)
         if saver is not None:
             saver.close()
-        hit_log = getattr(self, "_hit_log", None)
-        if isinstance(hit_log, PendingHits):  # the uses still buffered: left for the fold
-            try:
-                hit_log.close()
-            except OSError as exc:
-                log.warning("ragkv connector: cannot leave chunk uses in %s (%s)", self._store, exc)
+        uses = getattr(self, "_uses", None)
+        if uses is not None:  # the uses still buffered (S3): left for the fold
+            uses.close()
         super().shutdown()

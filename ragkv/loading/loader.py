@@ -54,7 +54,7 @@ class KVLoader:
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self.reads = StoredReads(snapshot, lm, active, device, ram_bytes)
         self.misses = Misses(self.reads, write_back, pending_bytes, leave_pending)
-        self.uses = UseLog(snapshot) if log_uses else None
+        self.uses = UseLog.of(snapshot) if log_uses else None
         self._separator: torch.Tensor | None = None
 
     @property

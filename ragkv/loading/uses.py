@@ -15,16 +15,22 @@ log = logging.getLogger("ragkv")
 
 
 class UseLog:
-    """The uses of one engine's prompts; a store that cannot be written stops the counting, never
-    an answer."""
+    """The uses of one engine's prompts (ragkv's own, or vLLM's through the connector), written to
+    `log`; a store that cannot be written stops the counting, never an answer."""
 
-    def __init__(self, snapshot: StoreSnapshot):
-        self.location = snapshot.location
-        self._log: HitLog | PendingHits | None = snapshot.use_log()
+    def __init__(self, log: HitLog | PendingHits, location: str, who: str = "this engine"):
+        self.location = location
+        self.who = who  # named in the warning when counting stops
+        self._log: HitLog | PendingHits | None = log
+
+    @classmethod
+    def of(cls, snapshot: StoreSnapshot) -> UseLog:
+        """The use log a reader of `snapshot` writes (where, the snapshot says)."""
+        return cls(snapshot.use_log(), snapshot.location)
 
     def record(self, rows: Iterable[ContextRow], kv_sources: dict[int, str]) -> None:
         """Log each chunk a prompt used, with where its KV came from."""
-        self._write([Use(r.doc_id, r.chunk_index, kv_sources.get(r.chunk_id, "live")) for r in rows if not r.live])
+        self.write([Use(r.doc_id, r.chunk_index, kv_sources.get(r.chunk_id, "live")) for r in rows if not r.live])
 
     def pending_bytes(self) -> int:
         """Bytes of uses left pending for the writer's fold (S3)."""
@@ -32,14 +38,14 @@ class UseLog:
 
     def flush(self) -> None:
         """Leave the uses logged so far where the writer folds them."""
-        self._write([])
+        self.write([])
 
     def close(self) -> None:
-        self._write([])
+        self.write([])
         if self._log is not None:
             self._log.close()
 
-    def _write(self, uses: list[Use]) -> None:
+    def write(self, uses: list[Use]) -> None:
         """Log `uses` (none: leave what is buffered, on S3), or stop counting if that fails."""
         if self._log is None:
             return
@@ -50,8 +56,9 @@ class UseLog:
                 self._log.flush()
         except OSError as exc:  # a read-only store still answers; it only stops counting
             log.warning(
-                "cannot log chunk uses in %s (%s); popularity is not counted for this engine",
+                "cannot log chunk uses in %s (%s); popularity is not counted for %s",
                 self.location,
                 exc.strerror or exc,
+                self.who,
             )
             self._log = None
