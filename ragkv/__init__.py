@@ -32,6 +32,7 @@ __all__ = [
     "AskSettings",
     "IngestSettings",
     "ModelSettings",
+    "Scope",
     "RagkvError",
     "InputError",
     "ModelError",
@@ -45,7 +46,8 @@ __all__ = [
 
 def open(store, model=None, embedder=None, device="auto", dtype=None, **options):  # noqa: A001 - the API's verb
     """Open a store for questions: `ragkv.open("./kvstore").ask("...")`. Options as for
-    `QueryEngine` (kv_dtype, ram_bytes, prefix_cache_bytes)."""
+    `QueryEngine` (kv_dtype, ram_bytes, prefix_cache_bytes; `scope`, a `ragkv.Scope` or a mapping
+    with tenant and filters, bounds every call: see ragkv.core.scope)."""
     from ragkv.engine.query import QueryEngine
 
     return QueryEngine(store, model=model, embedder=embedder, device=device, dtype=dtype, **options)
@@ -81,6 +83,10 @@ def __getattr__(name):
         from ragkv.engine.answer import Answer
 
         return Answer
+    if name == "Scope":
+        from ragkv.core.scope import Scope
+
+        return Scope
     if name in ("AskSettings", "IngestSettings", "ModelSettings"):
         from ragkv.core import config
 

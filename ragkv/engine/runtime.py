@@ -4,11 +4,14 @@ is the one seam a prompt is built through (ask, conversations, the batcher, the 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
+from typing import TypeVar
 
 from ragkv.core.config import AskSettings, SearchSettings
 from ragkv.core.errors import InputError
+from ragkv.core.scope import Scope, narrowest
 from ragkv.engine.answer import Savings, Source, Stats
 from ragkv.loading.loader import KVLoader
 from ragkv.model.llm import LoadedModel
@@ -19,6 +22,8 @@ from ragkv.retrieval.rerank import FIRST_WEIGHT, Reranker
 from ragkv.retrieval.retriever import Retrieved, Retriever, SearchResult
 from ragkv.retrieval.search import Searched
 from ragkv.store import Hit, StoreSnapshot
+
+S = TypeVar("S", AskSettings, SearchSettings)
 
 
 @dataclass
@@ -37,8 +42,11 @@ class Prepared:
 
 
 class Runtime:
-    def __init__(self, lm: LoadedModel, active: ActiveProfile, retriever: Retriever, loader: KVLoader):
+    def __init__(
+        self, lm: LoadedModel, active: ActiveProfile, retriever: Retriever, loader: KVLoader, scope: Scope | None = None
+    ):
         self.lm = lm
+        self.scope = scope  # the engine's own reach: every request's scope sits inside it
         self.active = active
         self.retriever = retriever
         self.loader = loader
@@ -56,6 +64,12 @@ class Runtime:
         self.loader.switch(snapshot)
         self.calibration = calibration.load(snapshot.catalog.meta(), self.active.profile.profile_id)
 
+    def scoped(self, settings: S) -> S:
+        """`settings` with their scope inside the engine's (unchanged without one)."""
+        if self.scope is None:
+            return settings
+        return dataclasses.replace(settings, scope=narrowest(settings.scope, self.scope))
+
     def new_stats(self, settings: AskSettings) -> Stats:
         return Stats(mode=self._mode(settings), store_generation=self.snapshot.generation)
 
@@ -67,7 +81,7 @@ class Runtime:
         """Retrieve (widened to `settings.context`, cut to fit), build the prompt ids, assemble
         what the store holds of the prompt into a cache, and log the chunks' uses. `--mode
         approximate` runs as the store's calibration says (ragkv.modes.calibration)."""
-        resolved = calibration.resolve(settings, self.calibration)
+        resolved = calibration.resolve(self.scoped(settings), self.calibration)
         settings = resolved.settings
         prompt = self.retriever.prompt_for(question, settings, self.reranker.best)
         load_start = time.perf_counter()
@@ -100,6 +114,7 @@ class Runtime:
         """The `settings.top_k` chunks for `question`, best first, as `SearchResult`s: the first
         stage's, or with `settings.rerank` > 1 the best of its first N as the model scores them
         (ragkv.retrieval.rerank; this uses the model, so call it where the engine's steps run)."""
+        settings = self.scoped(settings)
         searched = self.retriever.search(question, settings)
         hits = self.retriever.rows(searched.hits)
         if settings.rerank < 2 or len(hits) < 2:

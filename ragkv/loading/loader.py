@@ -24,7 +24,7 @@ from ragkv.model.llm import LoadedModel
 from ragkv.model.profiles import ActiveProfile
 from ragkv.modes import assemble
 from ragkv.modes.assemble import Assembly
-from ragkv.modes.prefix_cache import PrefixCache
+from ragkv.modes.prefix_cache import PrefixCache, salted
 from ragkv.store import ContextRow, StoreSnapshot
 from ragkv.store.kv.writeback import PENDING_BYTES, WriteBack
 
@@ -160,7 +160,7 @@ class KVLoader:
                 if last.entry
                 else KVKey.for_chunk(self.active.profile, chunk_ids[after - 1])
             )
-            return assemble.exact(model, stored, segments, self.prefix_cache, root)
+            return assemble.exact(model, stored, segments, self.prefix_cache, salted(root, settings.cache_salt))
         prefix, pieces_kv = kv.whole(stored[0]), [kv.whole(part) for part in stored[1:]]
         pieces = [pieces_kv[0]]
         for piece in pieces_kv[1:]:

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 
 from ragkv.core.config import AskSettings, SearchSettings
 from ragkv.core.errors import InputError, StoreEmptyError
-from ragkv.core.filters import check_fields
+from ragkv.core.filters import Condition, check_fields
 from ragkv.core.text import check_text
 from ragkv.model.embed import Embedder
 from ragkv.model.prompt import PromptLayout, encode_text
@@ -86,7 +86,8 @@ class Retriever:
         self.max_context = max_context
         self._row_cache: dict[int, ContextRow] = {}  # catalog rows of the open generation
         self._span_cache: dict[tuple[str, int], list[int]] = {}  # (doc, span start) -> its chunk ids
-        self._filter_cache: dict[tuple[str, ...], list[int]] = {}  # filters -> the chunk ids they admit
+        self._filter_cache: dict[tuple[str, ...], Admitted] = {}  # filters -> the chunk ids they admit
+        self._checked: set[tuple[str, ...]] = set()  # filters whose fields were checked
         self._fields: list[str] | None = None  # the documents' metadata fields
 
     def switch(self, snapshot: StoreSnapshot) -> None:
@@ -95,6 +96,7 @@ class Retriever:
         self._row_cache.clear()
         self._span_cache.clear()
         self._filter_cache.clear()
+        self._checked.clear()
         self._fields = None
 
     def retrieve(
@@ -119,7 +121,10 @@ class Retriever:
             check_text(question)
         search = settings.search if reranks else dataclasses.replace(settings.search, rerank=0)
         if given:
-            hits = [Hit(*chunk) for chunk in settings.chunks or ()]
+            given_ids = self.visible(settings.search, [chunk_id for chunk_id, _ in settings.chunks or ()])
+            hits = [Hit(*chunk) for chunk in settings.chunks or () if chunk[0] in given_ids]
+            if len(hits) < len(settings.chunks or ()):
+                raise self._not_in_store(len(settings.chunks or ()) - len(hits))
         else:
             searched = self.search(question, search)
             hits = searched.hits
@@ -129,10 +134,7 @@ class Retriever:
         retrieved = self.rows(hits)
         catalog_ms = _ms(catalog_start)
         if given and len(retrieved) < len(hits):
-            raise InputError(
-                f"{len(hits) - len(retrieved)} of the given chunks are not in store "
-                f"{self.snapshot.location} (generation {self.snapshot.generation}): retrieve again"
-            )
+            raise self._not_in_store(len(hits) - len(retrieved))
         if not retrieved and not settings.passages:
             raise StoreEmptyError(f"store {self.snapshot.location} returned no chunks for the question")
         if not given and len(retrieved) < settings.top_k:
@@ -161,6 +163,12 @@ class Retriever:
             rerank_ms,
             num_reranked,
             warnings,
+        )
+
+    def _not_in_store(self, num_missing: int) -> InputError:
+        return InputError(
+            f"{num_missing} of the given chunks are not in store "
+            f"{self.snapshot.location} (generation {self.snapshot.generation}): retrieve again"
         )
 
     def widen(self, hits: Retrieved, context: str) -> Retrieved:
@@ -218,25 +226,53 @@ class Retriever:
 
     def allowed(self, settings: SearchSettings) -> list[int] | None:
         """The chunk ids a search may return (None: any): those of the documents `doc_ids`
-        names and `filters` admit. Kept per generation, by filter (rows never change in one)."""
+        names and `filters` admit, within the scope. A document outside the scope is refused
+        as one the store lacks, by the same message after the same catalog lookup."""
+        scope = settings.scope.conditions if settings.scope is not None and settings.scope.filters else None
+        visible = self._matching(scope, checked=False) if scope is not None else None
         allowed: list[int] | None = None
         if settings.doc_ids is not None:
             allowed = []
             for doc_id in settings.doc_ids:
                 chunk_ids = self.snapshot.catalog.documents.chunk_ids_of(doc_id)
+                if visible is not None:
+                    chunk_ids = [c for c in chunk_ids if c in visible]
                 if not chunk_ids:
                     raise InputError(f"no document {doc_id!r} in the store")
                 allowed += chunk_ids
+        elif scope is not None:
+            allowed = self._admitted(scope, checked=False).ids
         if settings.filters:
-            key = settings.filters
-            if key not in self._filter_cache:
-                check_fields(settings.conditions, self._metadata_fields())
-                if len(self._filter_cache) >= FILTER_CACHE_ENTRIES:
-                    self._filter_cache.pop(next(iter(self._filter_cache)))
-                self._filter_cache[key] = self.snapshot.catalog.documents.chunk_ids_matching(settings.conditions)
-            matching = self._filter_cache[key]
-            allowed = matching if allowed is None else sorted(set(allowed) & set(matching))
+            admitted = self._admitted(settings.conditions, checked=True)
+            allowed = admitted.ids if allowed is None else [c for c in allowed if c in admitted.set]
         return allowed
+
+    def visible(self, settings: SearchSettings, chunk_ids: Sequence[int]) -> list[int]:
+        """Of `chunk_ids`, those the settings' scope admits (all, without a scope)."""
+        if settings.scope is None or not settings.scope.filters:
+            return list(chunk_ids)
+        visible = self._matching(settings.scope.conditions, checked=False)
+        return [c for c in chunk_ids if c in visible]
+
+    def _matching(self, conditions: Sequence[Condition], checked: bool) -> frozenset[int]:
+        return self._admitted(conditions, checked).set
+
+    def _admitted(self, conditions: Sequence[Condition], checked: bool) -> Admitted:
+        """The chunk ids of the documents every condition admits. Kept per generation, by
+        filter (rows never change in one). `checked`: a field no document has is an error (a
+        client's filter) rather than matching nothing (a scope's, set by the server)."""
+        key = tuple(c.to_string() for c in conditions)
+        if key not in self._filter_cache:
+            if checked:
+                check_fields(conditions, self._metadata_fields())
+            if len(self._filter_cache) >= FILTER_CACHE_ENTRIES:
+                self._filter_cache.pop(next(iter(self._filter_cache)))
+            self._filter_cache[key] = Admitted(self.snapshot.catalog.documents.chunk_ids_matching(conditions))
+        elif checked and key not in self._checked:
+            check_fields(conditions, self._metadata_fields())
+        if checked:
+            self._checked.add(key)
+        return self._filter_cache[key]
 
     def _metadata_fields(self) -> list[str]:
         if self._fields is None:
@@ -261,6 +297,14 @@ class Retriever:
                 self.profile_id, row.doc_id, row.span_start
             )
         return self._span_cache[key]
+
+
+class Admitted:
+    """The chunk ids a filter admits: in order (for the search) and as a set (to test)."""
+
+    def __init__(self, ids: list[int]):
+        self.ids = ids
+        self.set = frozenset(ids)
 
 
 def live_rows(passages: Sequence[str]) -> Retrieved:

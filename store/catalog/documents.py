@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 
 import pyarrow as pa
 
-from ragkv.core.filters import Filter
+from ragkv.core.filters import AnyOf, Condition, Filter
 from ragkv.store.catalog.part import Part
 from ragkv.store.catalog.rows import ChunkRow, DocumentRow, pages_of
 
@@ -147,7 +147,7 @@ class Documents(Part):
         ).fetchall()
         return sorted(r[0] for r in rows)
 
-    def chunk_ids_matching(self, conditions: Sequence[Filter]) -> list[int]:
+    def chunk_ids_matching(self, conditions: Sequence[Condition]) -> list[int]:
         """The chunks of the documents matching every condition (ragkv.core.filters; values are
         bound as parameters, fields are column names or metadata keys checked by the parser)."""
         clauses, params = [], []
@@ -167,9 +167,16 @@ class Documents(Part):
         return {r[0] for r in self.con.execute("SELECT chunk_id FROM chunks").fetchall()}
 
 
-def _clause(condition: Filter) -> tuple[str, list]:
+def _clause(condition: Condition) -> tuple[str, list]:
     """SQL over `d` (documents) true where `condition` holds, and its parameters. A document
-    without the field matches no condition."""
+    without the field matches no comparison."""
+    if isinstance(condition, AnyOf):
+        parts = [_comparison(option) for option in condition.options]
+        return "(" + " OR ".join(sql for sql, _ in parts) + ")", [p for _, values in parts for p in values]
+    return _comparison(condition)
+
+
+def _comparison(condition: Filter) -> tuple[str, list]:
     if condition.field in _FIELDS:
         field, params = _FIELDS[condition.field], []
     else:
