@@ -116,3 +116,19 @@ def test_prefix_cache_hits_are_a_tenants_own(filtered_store):  # noqa: F811
         assert cached_tokens("b") == 0
         assert cached_tokens("a") > 0
         assert cached_tokens("b") > 0
+
+
+def test_a_second_store_shares_the_loaded_model_and_answers_as_alone(filtered_store, tiny_store):  # noqa: F811
+    question = "How do I rotate the API key?"
+    with ragkv.open(tiny_store) as alone:
+        expected = alone.ask(question, max_new_tokens=6)
+    with ragkv.open(filtered_store) as first, ragkv.open(tiny_store, share=first) as second:
+        assert second.lm is first.lm and second.stepping is first.stepping
+        answer = second.ask(question, max_new_tokens=6)
+        assert answer.token_ids == expected.token_ids and answer.sources == expected.sources
+        assert second.search("deploy canaries", 3).hits == first_hits(tiny_store)
+
+
+def first_hits(store):
+    with ragkv.open(store) as engine:
+        return engine.search("deploy canaries", 3).hits

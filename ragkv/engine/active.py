@@ -23,10 +23,14 @@ def open_model(
     dtype: str | None,
     kv_dtype: str | None,
     weights: bool = True,
+    loaded: LoadedModel | None = None,
 ) -> tuple[LoadedModel, ActiveProfile]:
     """Load the model `name` (default: the one the store was last ingested with) in `dtype`
     and pick its stored profile (KV stored as `kv_dtype`, when given). Raises StoreEmptyError
-    or ModelError, naming what the store holds, when there is none to answer with."""
+    or ModelError, naming what the store holds, when there is none to answer with. `loaded`:
+    a model another store's engine loaded, used instead of loading one (one copy in memory)."""
+    if loaded is not None:
+        name, dtype = loaded.facts.name, loaded.facts.dtype
     rows = snapshot.catalog.entries.profiles()
     if not rows:
         raise StoreEmptyError(f"store {snapshot.location} holds no KV; add documents with: ragkv ingest DOCS")
@@ -52,7 +56,7 @@ def open_model(
 
     if not any(r.dtype == dtype for r in rows):  # said before the weights load, not after
         raise no_kv()
-    lm = load_model(name, device, dtype, weights)
+    lm = loaded or load_model(name, device, dtype, weights)
     quant = codec.kv_quant(kv_dtype, dtype) if kv_dtype is not None else None
     matching = candidates(rows, last, lm.facts.fingerprint, dtype, quant)
     if not matching:

@@ -74,17 +74,21 @@ class Engine:
         settings: AskSettings,
         history: Sequence[tuple[str, str]] = (),
         on_text: Callable[[str], None] | None = None,
+        runtime: Runtime | None = None,
     ) -> Request:
         """Queue a new question (after the earlier (user, assistant) turns `history`): its
-        conversation opens as it is admitted."""
-        opener = functools.partial(self.conversation, settings, history)
+        conversation opens as it is admitted, over `runtime` (default: the engine's)."""
+        opener = functools.partial(self.conversation, settings, history, runtime)
         return self.submit(opener, question, settings.max_new_tokens, settings.decoding, on_text)
 
-    def conversation(self, settings: AskSettings, history: Sequence[tuple[str, str]] = ()) -> Conversation:
+    def conversation(
+        self, settings: AskSettings, history: Sequence[tuple[str, str]] = (), runtime: Runtime | None = None
+    ) -> Conversation:
         """A multi-turn conversation on this engine (the one place one is made): its first
         message retrieves, later ones reuse the cache. `history`: earlier (user, assistant) turns
-        as a client remembers them, replayed (see `Conversation.replay`)."""
-        conversation = Conversation(self.runtime, settings, self)
+        as a client remembers them, replayed (see `Conversation.replay`). `runtime`: another
+        store's, over the same loaded model (ragkv.engine.lane); default the engine's."""
+        conversation = Conversation(runtime or self.runtime, settings, self)
         for user, assistant in history:
             conversation.replay(user, assistant)
         return conversation
@@ -122,13 +126,19 @@ class Engine:
         queued when iteration starts: a stream never iterated costs nothing."""
         return AnswerStream(self._follow(conversation, _checked(message), max_new_tokens, decoding))
 
-    def ask_stream(self, question: str, settings: AskSettings, history: Sequence[tuple[str, str]] = ()) -> AnswerStream:
+    def ask_stream(
+        self,
+        question: str,
+        settings: AskSettings,
+        history: Sequence[tuple[str, str]] = (),
+        runtime: Runtime | None = None,
+    ) -> AnswerStream:
         """A new question (after `history`): retrieve, load the stored KV, prefill the rest, generate."""
-        opener = functools.partial(self.conversation, settings, history)
+        opener = functools.partial(self.conversation, settings, history, runtime)
         return self.stream(opener, question, settings.max_new_tokens, settings.decoding)
 
-    def ask(self, question: str, settings: AskSettings) -> Answer:
-        return self.ask_stream(question, settings).drain()
+    def ask(self, question: str, settings: AskSettings, runtime: Runtime | None = None) -> Answer:
+        return self.ask_stream(question, settings, (), runtime).drain()
 
     def _follow(
         self,

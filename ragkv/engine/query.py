@@ -18,10 +18,12 @@ from ragkv.engine.active import ActiveProfile, open_embedder, open_model
 from ragkv.engine.answer import Answer, AnswerStream, Savings
 from ragkv.engine.conversation import Conversation
 from ragkv.engine.engine import Batcher, Engine
+from ragkv.engine.lane import Lane
 from ragkv.engine.runtime import Prepared, Runtime
 from ragkv.engine.scheduler import BatchSettings
 from ragkv.loading.loader import KVLoader
 from ragkv.model.generate import prefill
+from ragkv.model.llm import LoadedModel
 from ragkv.modes.assemble import Assembly
 from ragkv.modes.prefix_cache import PrefixCache
 from ragkv.retrieval.retriever import Prompt, Retrieved, Retriever
@@ -52,13 +54,15 @@ class QueryEngine:
         pending_bytes: int = PENDING_BYTES,
         leave_pending: bool = False,
         scope: Scope | Mapping | None = None,
+        share: QueryEngine | None = None,
     ):
         if kv_dtype is not None and kv_dtype not in KV_DTYPES:
             raise InputError(f"unknown --kv-dtype {kv_dtype!r}; use one of {', '.join(KV_DTYPES)}")
         snapshot = open_snapshot(store)
         try:
             self.device = resolve_device(device)
-            lm, active = open_model(snapshot, model, self.device, dtype, kv_dtype, weights)
+            loaded: LoadedModel | None = share.lm if share is not None else None
+            lm, active = open_model(snapshot, model, self.device, dtype, kv_dtype, weights, loaded)
             self.embedder = open_embedder(snapshot, embedder, self.device)
         except BaseException:
             snapshot.close()
@@ -79,8 +83,16 @@ class QueryEngine:
             leave_pending,
         )
         self.runtime = Runtime(lm, active, retriever, loader, Scope.of(scope))
-        self.engine = Engine(self.runtime)  # every answer of this engine is a request to it
-        self.lm, self.active, self.loader = lm, active, loader
+        # every answer of this engine is a request to it; `share`: another store's engine, whose
+        # model this one uses and whose batch its questions join (ragkv.engine.lane)
+        self.engine: Engine | Lane = Engine(self.runtime) if share is None else Lane(share.stepping, self.runtime)
+        self.lm: LoadedModel = lm
+        self.active, self.loader = active, loader
+
+    @property
+    def stepping(self) -> Engine:
+        """The engine whose steps run this one's requests (its own, or the one it shares)."""
+        return self.engine if isinstance(self.engine, Engine) else self.engine.engine
 
     @property
     def snapshot(self) -> StoreSnapshot:
@@ -209,6 +221,8 @@ class QueryEngine:
         max_queue). Call its `ask` from many threads: their answers decode together, each
         equal to asking alone (float32). Threads calling this engine's own `ask` batch too;
         the thread only saves them stepping. Close it (or use `with`) to stop the thread."""
+        if isinstance(self.engine, Lane):
+            raise InputError("this engine answers on another store's engine (share=): batch on that one")
         return Batcher(self.engine, BatchSettings(**settings))
 
     def conversation(
