@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import typer
 
@@ -26,13 +25,8 @@ from ragkv.cli.options import (
     answer_options,
     retrieval_options,
 )
-from ragkv.cli.serve import serve_options, vllm_front_options
 from ragkv.core.config import AskSettings, SearchSettings
 from ragkv.core.errors import InputError
-
-if TYPE_CHECKING:
-    from ragkv.cli.serve import VllmFront
-    from ragkv.serve.api import ServeSettings
 
 
 @app.command()
@@ -229,31 +223,3 @@ def chat(
                 sys.stdout.flush()
             typer.echo("")
             echo_lines(text.answer_footer(stream.answer, sources=len(conversation.turns) == 1), err=True)
-
-
-@app.command()
-@serve_options
-@vllm_front_options
-def serve(
-    store: str = StoreOption,
-    model: str | None = ModelOverrideOption,
-    device: str = DeviceOption,
-    *,
-    settings: ServeSettings,
-    front: VllmFront | None,
-):
-    """Serve the store over HTTP: OpenAI-compatible /v1/chat/completions (streaming too),
-    /v1/retrieve, /v1/models, /healthz, /metrics. Picks up re-indexed generations live."""
-    quiet_libraries()
-    import ragkv
-    from ragkv.serve.service import serve as serve_engine
-
-    announce = lambda line: typer.echo(line, err=True)  # noqa: E731
-    if front is not None:
-        from ragkv.serve.vllm_front import serve_on_vllm
-
-        with ragkv.open(store, model=model, device="cpu", weights=False) as engine:
-            serve_on_vllm(engine, store, settings, front.python, front.port, front.args, announce)
-        return
-    with ragkv.open(store, model=model, device=device, **settings.engine_options()) as engine:
-        serve_engine(engine, store, settings, announce)

@@ -22,6 +22,7 @@ def _serve_settings(**values):
             **values,
             "api_key": values["api_key"] or None,
             "pending_bytes": parse_size(values["pending_bytes"], "--pending-bytes"),
+            "audit_max_bytes": parse_size(values["audit_max_bytes"], "--audit-max-bytes"),
         }
     )
 
@@ -36,6 +37,45 @@ serve_options = OptionGroup(
             str | None,
             typer.Option(
                 None, "--api-key", envvar="RAGKV_API_KEY", help="Require Authorization: Bearer KEY (env RAGKV_API_KEY)."
+            ),
+        ),
+        (
+            "keys_file",
+            str | None,
+            typer.Option(
+                None,
+                "--keys",
+                envvar="RAGKV_KEYS",
+                help="API keys with scopes, a TOML file: each key's tenant, stores, filters (ANDed with every "
+                "retrieval it makes), max_tokens and requests_per_minute; `ragkv key` makes one. Re-read on "
+                "SIGHUP. See docs/tenants.md.",
+            ),
+        ),
+        (
+            "audit_log",
+            str | None,
+            typer.Option(
+                None,
+                "--audit-log",
+                help="Write one JSON line per answered request (time, tenant, route, stores, chunks used, "
+                "tokens; never the text) to this file. Off by default.",
+            ),
+        ),
+        (
+            "audit_max_bytes",
+            str,
+            typer.Option(
+                "100MiB", "--audit-max-bytes", help="The audit log rotates past this size (PATH.1 ... PATH.5 kept)."
+            ),
+        ),
+        (
+            "isolate_tenants",
+            bool,
+            typer.Option(
+                False,
+                "--isolate-tenants",
+                help="Key the RAM tier of stored KV by tenant too, and store no KV computed on a miss: no tenant "
+                "can time what another read. Costs a read (or a prefill) per tenant. See docs/tenants.md.",
             ),
         ),
         (

@@ -55,6 +55,7 @@ class QueryEngine:
         leave_pending: bool = False,
         scope: Scope | Mapping | None = None,
         share: QueryEngine | None = None,
+        isolate_tenants: bool = False,
     ):
         if kv_dtype is not None and kv_dtype not in KV_DTYPES:
             raise InputError(f"unknown --kv-dtype {kv_dtype!r}; use one of {', '.join(KV_DTYPES)}")
@@ -81,6 +82,7 @@ class QueryEngine:
             log_uses,
             pending_bytes,
             leave_pending,
+            isolate_tenants,
         )
         self.runtime = Runtime(lm, active, retriever, loader, Scope.of(scope))
         # every answer of this engine is a request to it; `share`: another store's engine, whose

@@ -81,7 +81,12 @@ class Runtime:
         """Retrieve (widened to `settings.context`, cut to fit), build the prompt ids, assemble
         what the store holds of the prompt into a cache, and log the chunks' uses. `--mode
         approximate` runs as the store's calibration says (ragkv.modes.calibration)."""
-        resolved = calibration.resolve(self.scoped(settings), self.calibration)
+        settings = self.scoped(settings)
+        with self.loader.tenant(settings.cache_salt):
+            return self._prepare(question, settings)
+
+    def _prepare(self, question: str, settings: AskSettings) -> Prepared:
+        resolved = calibration.resolve(settings, self.calibration)
         settings = resolved.settings
         prompt = self.retriever.prompt_for(question, settings, self.reranker.best)
         load_start = time.perf_counter()
@@ -115,6 +120,10 @@ class Runtime:
         stage's, or with `settings.rerank` > 1 the best of its first N as the model scores them
         (ragkv.retrieval.rerank; this uses the model, so call it where the engine's steps run)."""
         settings = self.scoped(settings)
+        with self.loader.tenant(settings.scope.cache_salt() if settings.scope else ""):
+            return self._search(question, settings)
+
+    def _search(self, question: str, settings: SearchSettings) -> Searched:
         searched = self.retriever.search(question, settings)
         hits = self.retriever.rows(searched.hits)
         if settings.rerank < 2 or len(hits) < 2:

@@ -4,6 +4,7 @@ uses logged (`uses`), assembled."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -48,8 +49,10 @@ class KVLoader:
         log_uses: bool = True,
         pending_bytes: int = PENDING_BYTES,
         leave_pending: bool = False,
+        isolate_tenants: bool = False,
     ):
         self.lm = lm
+        self.isolate_tenants = isolate_tenants  # the RAM tier keyed by tenant too (see `tenant`)
         self.active = active
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self.reads = StoredReads(snapshot, lm, active, device, ram_bytes)
@@ -70,6 +73,19 @@ class KVLoader:
     def writer(self) -> WriteBack | None:
         """The background write-back, once a miss started it."""
         return self.misses.writer
+
+    @contextlib.contextmanager
+    def tenant(self, salt: str):
+        """Within this block the RAM tier serves `salt`'s (a tenant's) own entries, when tenants
+        are isolated: no tenant then hits stored KV another read, or a miss another computed."""
+        if not self.isolate_tenants:
+            yield
+            return
+        self.reads.salt = salt
+        try:
+            yield
+        finally:
+            self.reads.salt = ""
 
     def switch(self, snapshot: StoreSnapshot) -> None:
         self.reads.snapshot = snapshot

@@ -64,7 +64,7 @@ class Misses:
             name = key.to_string()
             parts = codec.encode(piece, profile.kv_quant, kv.layout_of(self.lm.model.config).windows)
             kv_tensor = codec.decode({n: t.to(self.device) for n, t in parts.items()}, self.lm.model.dtype)
-            self.reads.ram.put(name, kv_tensor)
+            self.reads.ram.put(self.reads.ram_key(name), kv_tensor)
             loaded.kv_sources[row.chunk_id] = "computed"
             self._write_back(row, name, ids, parts, parent)
             computed.append(kv_tensor)
@@ -87,7 +87,7 @@ class Misses:
         """KV the store has no entry for that is ready all the same: computed on an earlier
         miss (the RAM tier), or, on S3, by another replica that left it pending for the fold
         (read from the bucket, verified, counted as a store hit)."""
-        kv_tensor = self.reads.ram.get(key)
+        kv_tensor = self.reads.ram.get(self.reads.ram_key(key))
         if kv_tensor is not None:
             loaded.ram_hits += 1
             loaded.kv_sources[row.chunk_id] = "ram"
@@ -96,7 +96,7 @@ class Misses:
         if parts is None:
             return None
         kv_tensor = codec.decode({n: t.to(self.device) for n, t in parts.items()}, self.lm.model.dtype)
-        self.reads.ram.put(key, kv_tensor)
+        self.reads.ram.put(self.reads.ram_key(key), kv_tensor)
         loaded.kv_sources[row.chunk_id] = "store"
         return kv_tensor
 

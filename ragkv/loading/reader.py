@@ -46,6 +46,9 @@ class StoredReads:
         self.active = active
         self.device = device
         self.ram: ByteLRU[torch.Tensor] = ByteLRU(ram_bytes)  # hot chunk KV by key, verified when loaded
+        # With tenants isolated (KVLoader.tenant), the tenant whose request is loading: its RAM
+        # tier entries are its own, so no tenant can time what another read.
+        self.salt = ""
         self._prefix_kv: torch.Tensor | None = None  # pinned in memory after the first load
         self._read_buffers: list[torch.Tensor] = []  # stored KV is read into these (reused memory)
 
@@ -54,7 +57,8 @@ class StoredReads:
         buffer `slot` (valid until the next request assembles), then kept in the RAM tier. With
         `defer`, when it can be: to be read straight into the cache, and kept in the RAM tier
         from there."""
-        kv_tensor = self.ram.get(entry.kv_key)
+        key = self.ram_key(entry.kv_key)
+        kv_tensor = self.ram.get(key)
         if kv_tensor is not None:
             loaded.ram_hits += 1
             return kv_tensor
@@ -62,15 +66,19 @@ class StoredReads:
         later = codec.deferred(self.snapshot.shards, entry, self.lm.model.dtype, self.device) if defer else None
         if later is not None:
             if later.nbytes <= self.ram.max_bytes:
-                later.keep = lambda tensor: self.ram.put(entry.kv_key, tensor)
+                later.keep = lambda tensor: self.ram.put(key, tensor)
             return later
         buffer = self._read_buffer(slot, entry.nbytes + 64) if entry.nbytes else None  # + alignment of parts
         # The prefill that uses the KV runs after its copy on the same stream.
         kv_tensor = codec.read(self.snapshot.shards, entry, self.lm.model.dtype, self.device, out=buffer)
         if kv_tensor.numel() * kv_tensor.element_size() <= self.ram.max_bytes:
             kv_tensor = kv_tensor.clone() if kv_tensor.device.type == "cpu" else kv_tensor  # own memory
-            self.ram.put(entry.kv_key, kv_tensor)
+            self.ram.put(key, kv_tensor)
         return kv_tensor
+
+    def ram_key(self, kv_key: str) -> str:
+        """The RAM tier's key for the entry `kv_key`: itself, or the isolated tenant's own."""
+        return f"{kv_key}@{self.salt}" if self.salt else kv_key
 
     def hot(self) -> dict:
         """What the RAM tier holds, for a router that sends a document's questions where its KV
@@ -78,7 +86,7 @@ class StoredReads:
         document and key; a key of identical text may serve several chunks). `computed`: KV
         held for chunks the store has none for yet (computed on a miss, not yet written back).
         Reads the catalog: call it where the engine's steps run."""
-        keys = [str(key) for key in self.ram.keys()]
+        keys = [str(key) for key in self.ram.keys() if "@" not in str(key)]  # a tenant's own are not listed
         linked = self.snapshot.catalog.entries.chunks_of_keys(self.active.profile.profile_id, keys)
         return {
             "generation": self.snapshot.generation,

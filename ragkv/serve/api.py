@@ -4,13 +4,12 @@ message parsing, and the reply and server-sent event formats."""
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 from dataclasses import dataclass
 from typing import Literal
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -28,7 +27,10 @@ from ragkv.core.config import (
 )
 from ragkv.core.errors import InputError, ModelError, RagkvError, StoreEmptyError
 from ragkv.core.text import check_text
+from ragkv.serve.access import SERVED_MODEL_ID, RateLimited, Unauthorised, UnknownModel
 from ragkv.serve.guard import BodyTooLarge
+
+__all__ = ["SERVED_MODEL_ID", "UnknownModel"]  # re-exported: both fronts name them from here
 
 log = logging.getLogger("ragkv")
 
@@ -54,10 +56,20 @@ class ServeSettings:
     leave_pending: bool = False  # on a folder too: leave computed KV pending, never take the store's lock
     writer: bool = False  # this replica folds what the others left pending, every fold_every_s
     fold_every_s: float = 60.0
+    keys_file: str | None = None  # API keys with scopes (ragkv.serve.keys), re-read on SIGHUP
+    audit_log: str | None = None  # JSON lines, one per answered request (ragkv.serve.audit); None: off
+    audit_max_bytes: int = 100 << 20  # the audit log rotates past this (5 old files kept)
+    isolate_tenants: bool = False  # also key the RAM tier of stored KV by tenant (and store no misses)
 
     def engine_options(self) -> dict:
         """What `ragkv.open` takes of these settings: how the engine learns from its misses."""
-        return {"write_back": self.write_back, "pending_bytes": self.pending_bytes, "leave_pending": self.leave_pending}
+        return {
+            # isolated tenants: a miss one computed must not become a store hit for another
+            "write_back": self.write_back and not self.isolate_tenants,
+            "pending_bytes": self.pending_bytes,
+            "leave_pending": self.leave_pending,
+            "isolate_tenants": self.isolate_tenants,
+        }
 
     def __post_init__(self):
         for name in ("max_queue", "max_batch", "max_tokens_cap", "max_batch_tokens", "prefill_chunk"):
@@ -67,6 +79,10 @@ class ServeSettings:
             raise InputError(f"--fold-every must be more than 0 seconds, got {self.fold_every_s:g}")
         if not 0 <= self.port <= 65535:  # checked before the model loads
             raise InputError(f"--port must be a TCP port from 0 to 65535, got {self.port}")
+        if self.api_key is not None and self.keys_file is not None:
+            raise InputError(
+                "give --keys or --api-key, not both (a key without filters in the keys file reads everything)"
+            )
 
 
 # -- request bodies ------------------------------------------------------------------------
@@ -137,6 +153,7 @@ class ChatRequest(_Body):
 
 
 class RetrieveRequest(_Body):
+    model: str | None = None  # the store to search (its name; default the caller's first)
     query: str = Field(min_length=1, max_length=20_000)
     top_k: int = Field(5, ge=1, le=MAX_TOP_K)
     retrieval: str = DEFAULT_RETRIEVAL  # one of config.RETRIEVALS (checked by SearchSettings)
@@ -178,32 +195,26 @@ def run_server(app: FastAPI, settings: ServeSettings, announce, line: str, **opt
     Announcing(config).run()
 
 
-SERVED_MODEL_ID = "ragkv"  # what /v1/models lists and replies name; requests may also name the LLM itself
 _STATUS = {InputError: 400, StoreEmptyError: 404, ModelError: 409}
 
 
-def models_listing(llm_name: str) -> dict:
-    """What /v1/models answers: the RAG service's one id, the LLM behind it as its root."""
-    return {
-        "object": "list",
-        "data": [{"id": SERVED_MODEL_ID, "object": "model", "created": 0, "owned_by": "ragkv", "root": llm_name}],
-    }
+def install_errors(app: FastAPI) -> None:
+    """JSON errors for bad bodies, ragkv errors, unknown models, a wrong API key and a key past
+    its rate (ragkv.serve.access)."""
 
-
-def install_errors(app: FastAPI, settings: ServeSettings, llm_name: str):
-    """JSON errors for bad bodies, ragkv errors, unknown models and a wrong API key; returns
-    the dependency that checks the key."""
-
-    async def authorised(request: Request) -> None:
-        if settings.api_key is None:
-            return
-        sent = request.headers.get("authorization", "")
-        if not hmac.compare_digest(sent.encode(), f"Bearer {settings.api_key}".encode()):
-            raise _Unauthorised()
-
-    @app.exception_handler(_Unauthorised)
+    @app.exception_handler(Unauthorised)
     async def unauthorised(request, exc):
         return json_error(401, "missing or wrong API key: send Authorization: Bearer KEY", "invalid_api_key")
+
+    @app.exception_handler(RateLimited)
+    async def rate_limited(request, exc):
+        wait = max(1, int(exc.wait_s + 0.999))
+        return json_error(
+            429,
+            f"this key's rate is used up; retry in {wait} s",
+            "rate_limit_exceeded",
+            headers={"Retry-After": str(wait)},
+        )
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, exc):
@@ -229,21 +240,10 @@ def install_errors(app: FastAPI, settings: ServeSettings, llm_name: str):
 
     @app.exception_handler(UnknownModel)
     async def unknown_model(request, exc):
+        served = ", ".join(repr(name) for name in exc.allowed) or "none"
         return json_error(
-            404,
-            f"the model {exc.args[0]!r} does not exist; this service serves {SERVED_MODEL_ID!r} (the LLM {llm_name})",
-            "model_not_found",
+            404, f"the model {exc.model[:200]!r} does not exist; this key may use: {served}", "model_not_found"
         )
-
-    return authorised
-
-
-class _Unauthorised(Exception):
-    pass
-
-
-class UnknownModel(Exception):
-    pass
 
 
 def split_messages(messages: list[Message]) -> tuple[list[tuple[str, str]], str, list[str]]:
@@ -272,13 +272,25 @@ def split_messages(messages: list[Message]) -> tuple[list[tuple[str, str]], str,
     return history, turns[-1].text, warnings
 
 
-def max_tokens(body: ChatRequest, settings: ServeSettings, warnings: list[str]) -> int:
+def max_tokens(body: ChatRequest, settings: ServeSettings, warnings: list[str], key_cap: int | None = None) -> int:
     """The answer tokens a request may have: what it asks for (or the default), cut to the
-    cap (said in `warnings`)."""
-    requested = body.max_completion_tokens or body.max_tokens or settings.default_max_tokens
-    if requested > settings.max_tokens_cap:
-        warnings.append(f"max_tokens cut from {requested} to {settings.max_tokens_cap}")
-    return min(requested, settings.max_tokens_cap)
+    cap, and to its key's (`key_cap`) when lower (said in `warnings`)."""
+    cap = min(settings.max_tokens_cap, key_cap or settings.max_tokens_cap)
+    requested = body.max_completion_tokens or body.max_tokens or min(settings.default_max_tokens, cap)
+    if requested > cap:
+        warnings.append(f"max_tokens cut from {requested} to {cap}")
+    return min(requested, cap)
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """OpenAI's usage object; `prompt_tokens_details.cached_tokens`: the prompt tokens whose KV
+    came from the store or an in-process cache (prefix, conversation) rather than a prefill."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
 def completion(

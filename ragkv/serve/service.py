@@ -5,140 +5,97 @@ requests join at the next step, finished or disconnected ones leave at once, and
 prefill is split into chunks so running streams keep flowing. A bounded number of requests
 may wait to be admitted (beyond that: 503 with Retry-After).
 
+Several stores can be served by name on one loaded model (`--store NAME=PATH`, picked by the
+request's `model`), and API keys can carry scopes (`--keys`, ragkv.serve.keys): every route
+retrieves within the caller's scope and answers from its stores only (ragkv.serve.access).
+
     POST /v1/chat/completions   OpenAI chat completions (stream or not), plus a `ragkv` block
     POST /v1/retrieve           question -> chunks and scores
-    GET  /v1/models, /healthz, /metrics (Prometheus text)
+    GET  /v1/models, /v1/cache, /healthz, /metrics (Prometheus text)
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
+import signal
 import time
 import uuid
+from collections.abc import Mapping
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import generate_latest
 
 from ragkv.core.config import AskSettings
 from ragkv.core.errors import RagkvError
-from ragkv.core.keys import digest
-from ragkv.core.lru import ByteLRU
 from ragkv.engine.engine import Engine
 from ragkv.engine.scheduler import BatchSettings, Busy
+from ragkv.serve.access import SERVED_MODEL_ID, Access, Stores, scoped
 from ragkv.serve.api import (
     DONE_EVENT,
-    SERVED_MODEL_ID,
     ChatRequest,
     RetrieveRequest,
     ServeSettings,
-    UnknownModel,
     chunk_event,
     completion,
     error_event,
     install_errors,
     json_error,
     max_tokens,
-    models_listing,
     run_server,
     split_messages,
+    usage,
 )
+from ragkv.serve.audit import open_audit
+from ragkv.serve.conversations import Conversations
 from ragkv.serve.guard import RequestGuard, backstop_concurrency
+from ragkv.serve.keys import Caller, KeyRing
+from ragkv.serve.metrics import Metrics
 from ragkv.store.kv.writeback import FoldLoop
 
 log = logging.getLogger("ragkv")
 
 
-# -- conversations -------------------------------------------------------------------------
-def _history_key(messages: list[tuple[str, str]]) -> str:
-    return digest("ragkv-chat", json.dumps(messages))
+def access_for(settings: ServeSettings) -> Access:
+    """Who may call, per the settings: --keys (read now: a bad file stops the start), --api-key, or anyone."""
+    return Access(settings.api_key, KeyRing(settings.keys_file) if settings.keys_file else None)
 
 
-class Conversations:
-    """The KV of recent conversations, keyed by their messages, so that a follow-up request
-    that repeats the history prefills only its new message. Bounded in bytes."""
+class Served:
+    """What the routes share: the stores by name, the engine that steps them all, who may call,
+    the metrics, the kept conversations and the audit log."""
 
-    def __init__(self, engine, max_bytes: int):
-        self.engine = engine
-        self._lru: ByteLRU = ByteLRU(max_bytes)
+    def __init__(self, engines: Mapping[str, Any], settings: ServeSettings, access: Access):
+        self.engines: dict[str, Any] = dict(engines)
+        first = next(iter(self.engines.values()))
+        self.first = first
+        self.stores = Stores(self.engines, first.lm.facts.name)
+        self.settings = settings
+        self.access = access
+        self.conversations = Conversations(settings.conversation_bytes)
+        self.audit = open_audit(settings.audit_log, settings.audit_max_bytes)
 
-    def take(self, history: list[tuple[str, str]], settings: AskSettings):
-        """A conversation holding `history` ((user, assistant) pairs): a kept one when the
-        history matches, else a new one that replays it."""
-        kept = self._lru.pop(_history_key(history)) if history else None
-        if kept is not None:
-            return kept, True
-        return self.engine.conversation(settings, history), False
-
-    def keep(self, conversation, history: list[tuple[str, str]]) -> None:
-        size = conversation.runtime.lm.facts.kv_bytes_per_token * len(conversation.ids())
-        self._lru.put(_history_key(history), conversation, size=size)
-
-
-# -- the app -------------------------------------------------------------------------------
-class Metrics:
-    def __init__(self, engine, stepped: Engine, folding: FoldLoop | None = None):
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter("ragkv_requests", "HTTP requests", ["endpoint", "status"], registry=r)
-        self.ttft = Histogram(
-            "ragkv_ttft_seconds",
-            "Time to first token",
-            registry=r,
-            buckets=(0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8),
-        )
-        self.reused = Counter("ragkv_tokens_reused", "Prompt tokens whose KV came from the store", registry=r)
-        self.computed = Counter("ragkv_tokens_computed", "Prompt tokens prefilled", registry=r)
-        self.generated = Counter("ragkv_tokens_generated", "Answer tokens", registry=r)
-        self.cancelled = Counter(
-            "ragkv_requests_cancelled",
-            "Requests whose client went away before the answer ended (their rows leave the batch at the next step)",
-            registry=r,
-        )
-        tier = engine.ram
-        Gauge("ragkv_ram_tier_bytes", "Bytes of chunk KV in the RAM tier", registry=r).set_function(lambda: tier.bytes)
-        Gauge("ragkv_ram_tier_entries", "Chunk KV entries in the RAM tier (which: /v1/cache)", registry=r).set_function(
-            lambda: len(tier)
-        )
-        Gauge("ragkv_ram_tier_hits", "RAM tier hits", registry=r).set_function(lambda: tier.hits)
-        Gauge("ragkv_ram_tier_misses", "RAM tier misses", registry=r).set_function(lambda: tier.misses)
-        Gauge("ragkv_store_generation", "Store generation being served", registry=r).set_function(
-            lambda: engine.snapshot.generation
-        )
-        Gauge("ragkv_batch_running", "Requests in the running batch (decoding or prefilling)", registry=r).set_function(
-            lambda: stepped.num_running
-        )
-        Gauge("ragkv_requests_waiting", "Requests waiting to join the batch", registry=r).set_function(
-            lambda: stepped.num_waiting
-        )
-        Gauge(
-            "ragkv_tokens_per_second", "Answer tokens generated per second over the last 10 s", registry=r
-        ).set_function(stepped.tokens_per_s)
-        loader = engine.loader
-        Gauge(
-            "ragkv_pending_dropped", "Computed KV entries dropped to stay within --pending-bytes (S3)", registry=r
-        ).set_function(loader.pending_dropped)
-        Gauge(
-            "ragkv_pending_uploaded_bytes", "Bytes left pending for the writer's fold (S3): KV and uses", registry=r
-        ).set_function(loader.pending_uploaded)
-        if folding is not None:
-            Gauge("ragkv_folds", "Folds this writer replica published", registry=r).set_function(lambda: folding.folds)
-
-    def record(self, stats) -> None:
-        self.ttft.observe(stats.ttft_s)
-        self.reused.inc(stats.reused_tokens)
-        self.computed.inc(stats.computed_tokens + stats.recomputed_tokens)
-        self.generated.inc(stats.generated_tokens)
+    def refresh(self) -> None:
+        """Every store to its newest published generation (on the model thread, before admitting)."""
+        for name, engine in self.engines.items():
+            try:
+                engine.refresh()
+            except RagkvError as exc:  # keep serving the generation we have
+                log.warning("store %s: not switching generation: %s", name, exc)
 
 
-def build_app(engine, settings: ServeSettings) -> FastAPI:
-    """The service's app over `engine`: its scheduler steps on a background thread until the
-    app's lifespan ends."""
-    stepped = _start_engine(engine, settings)
-    folding = FoldLoop(engine.snapshot.location, settings.fold_every_s).start() if settings.writer else None
+def build_app(engine, settings: ServeSettings, access: Access | None = None) -> FastAPI:
+    """The service's app over `engine` (a QueryEngine, or a mapping of store names to engines
+    sharing the first one's model: `QueryEngine(share=)`): the first's scheduler steps on a
+    background thread until the app's lifespan ends."""
+    engines = engine if isinstance(engine, Mapping) else {SERVED_MODEL_ID: engine}
+    served = Served(engines, settings, access or access_for(settings))
+    stepped = _start_engine(served)
+    first = served.first
+    folding = FoldLoop(first.snapshot.location, settings.fold_every_s).start() if settings.writer else None
 
     @asynccontextmanager
     async def lifespan(app):
@@ -146,13 +103,15 @@ def build_app(engine, settings: ServeSettings) -> FastAPI:
         stepped.stop()  # finishes what is queued
         # Now, not when `ragkv.open`'s block ends: after a SIGTERM uvicorn raises the signal
         # again once it has shut down, which ends the process before that.
-        engine.flush()  # the KV computed on misses, and (on S3) the uses logged
+        for each in served.engines.values():
+            each.flush()  # the KV computed on misses, and (on S3) the uses logged
         if folding is not None:
             folding.stop()
+        served.audit.close()
 
     app = FastAPI(title="ragkv", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
-    metrics = Metrics(engine, stepped, folding)
-    app.state.stepped, app.state.folding = stepped, folding
+    metrics = Metrics(list(served.engines.values()), stepped, folding)
+    app.state.stepped, app.state.folding, app.state.access = stepped, folding, served.access
 
     app.add_middleware(
         RequestGuard,
@@ -160,29 +119,22 @@ def build_app(engine, settings: ServeSettings) -> FastAPI:
         count=lambda route, status: metrics.requests.labels(route, str(status)).inc(),
         max_in_flight=max_in_flight(settings),
     )
-
-    authorised = install_errors(app, settings, engine.lm.facts.name)
+    install_errors(app)
 
     @app.exception_handler(Busy)
     async def busy(request, exc):
         return json_error(503, "the model is busy; retry shortly", "server_busy", headers={"Retry-After": "1"})
 
-    _add_info_routes(app, engine, stepped, metrics, authorised)
-    _add_chat_route(app, engine, settings, metrics, authorised)
+    _add_info_routes(app, served, stepped, metrics)
+    _add_chat_route(app, served, stepped, metrics)
     return app
 
 
-def _start_engine(engine, settings: ServeSettings) -> Engine:
-    """The engine's scheduler stepping on a background thread, moving to the store's newest
-    published generation before it admits new requests."""
-
-    def refresh() -> None:
-        try:
-            engine.refresh()
-        except RagkvError as exc:  # keep serving the generation we have
-            log.warning("not switching store generation: %s", exc)
-
-    stepped: Engine = engine.engine
+def _start_engine(served: Served) -> Engine:
+    """The first store's engine stepping on a background thread (every store's requests join
+    it), moving each store to its newest published generation before it admits new requests."""
+    settings = served.settings
+    stepped: Engine = served.first.stepping
     stepped.start(
         BatchSettings(
             max_batch=settings.max_batch,
@@ -190,26 +142,23 @@ def _start_engine(engine, settings: ServeSettings) -> Engine:
             prefill_chunk=settings.prefill_chunk,
             max_queue=settings.max_queue,
         ),
-        before_admit=refresh,
+        before_admit=served.refresh,
     )
     return stepped
 
 
-def _add_chat_route(app: FastAPI, engine, settings: ServeSettings, metrics: Metrics, authorised) -> None:
-    stepped: Engine = engine.engine
-    conversations = Conversations(engine, settings.conversation_bytes)
-    model_id = SERVED_MODEL_ID  # one id for the RAG service; the LLM behind it is its "root"
-    accepted_ids = {SERVED_MODEL_ID, engine.lm.facts.name}
+def _add_chat_route(app: FastAPI, served: Served, stepped: Engine, metrics: Metrics) -> None:
+    settings = served.settings
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorised)])
-    async def chat(body: ChatRequest, request: Request):
-        if body.model is not None and body.model not in accepted_ids:
-            raise UnknownModel(body.model)
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request, caller: Caller = Depends(served.access)):
+        store, engine = served.stores.select(body.model, caller)
         history, question, warnings = split_messages(body.messages)
-        ask = body.ask_settings(max_tokens(body, settings, warnings))
+        ask = scoped(body.ask_settings(max_tokens(body, settings, warnings, caller.max_tokens)), caller)
         created, reply_id = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
+        turn = Turn(served, caller, store, engine, history, question, ask)
         if not body.stream:
-            queued, opened = _submit(stepped, conversations, history, question, ask)
+            queued = turn.submit(stepped)
             try:
                 answer = await _unless_disconnected(request, queued)
             finally:
@@ -217,29 +166,34 @@ def _add_chat_route(app: FastAPI, engine, settings: ServeSettings, metrics: Metr
             if answer.stats.finish_reason == "cancelled":
                 metrics.cancelled.inc()
             metrics.record(answer.stats)
-            return _completion(reply_id, created, model_id, answer, warnings, opened["reused"])
+            turn.audit(answer)
+            return _completion(reply_id, created, store, answer, warnings, turn.reused)
         # Queued before the response starts, so a full queue is a 503 with Retry-After, not an event in a 200.
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[object] = asyncio.Queue()
-        queued, opened = _submit(
-            stepped,
-            conversations,
-            history,
-            question,
-            ask,
-            on_text=lambda text: loop.call_soon_threadsafe(queue.put_nowait, text),
-        )
+        queued = turn.submit(stepped, on_text=lambda text: loop.call_soon_threadsafe(queue.put_nowait, text))
         return StreamingResponse(
-            _stream(queued, opened, queue, reply_id, created, model_id, warnings, metrics),
-            media_type="text/event-stream",
+            _stream(queued, turn, queue, reply_id, created, warnings, metrics), media_type="text/event-stream"
         )
 
 
 def serve(engine, store: str, settings: ServeSettings, announce) -> None:
-    """`ragkv serve`: the app on uvicorn until interrupted; `announce` gets the line saying where."""
+    """`ragkv serve`: the app on uvicorn until interrupted; `announce` gets the line saying where.
+    `engine`: one QueryEngine (served as "ragkv") or a mapping of store names to engines. With
+    --keys, SIGHUP re-reads the keys file (requests in flight keep the keys they came with)."""
     app = build_app(engine, settings)
-    line = f"ragkv serving {store} ({engine.lm.facts.name}) on http://{settings.host}:{settings.port}"
+    engines = engine if isinstance(engine, Mapping) else {SERVED_MODEL_ID: engine}
+    llm = next(iter(engines.values())).lm.facts.name
+    line = f"ragkv serving {store} ({llm}) on http://{settings.host}:{settings.port}"
+    reload_keys_on_sighup(app.state.access)
     run_server(app, settings, announce, line, limit_concurrency=backstop_concurrency(max_in_flight(settings)))
+
+
+def reload_keys_on_sighup(access: Access) -> None:
+    """SIGHUP re-reads the keys file (ragkv.serve.keys.KeyRing.reload), where there is one."""
+    if access.keys is not None and hasattr(signal, "SIGHUP"):
+        keys = access.keys
+        signal.signal(signal.SIGHUP, lambda signum, frame: keys.reload())
 
 
 def max_in_flight(settings: ServeSettings) -> int:
@@ -248,12 +202,14 @@ def max_in_flight(settings: ServeSettings) -> int:
     return settings.max_queue * 4 + 16
 
 
-def _add_info_routes(app: FastAPI, engine, stepped: Engine, metrics: Metrics, authorised) -> None:
+def _add_info_routes(app: FastAPI, served: Served, stepped: Engine, metrics: Metrics) -> None:
+    first = served.first
+
     @app.get("/healthz")
     async def healthz():
         return {
             "status": "ok",
-            "generation": engine.snapshot.generation,
+            "generation": first.snapshot.generation,
             "model": SERVED_MODEL_ID,
             "running": stepped.num_running,
             "waiting": stepped.num_waiting,
@@ -263,20 +219,25 @@ def _add_info_routes(app: FastAPI, engine, stepped: Engine, metrics: Metrics, au
     async def prometheus():
         return PlainTextResponse(generate_latest(metrics.registry).decode(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models", dependencies=[Depends(authorised)])
-    async def models():
-        return models_listing(engine.lm.facts.name)
+    @app.get("/v1/models")
+    async def models(caller: Caller = Depends(served.access)):
+        return served.stores.listing(caller)
 
-    @app.get("/v1/cache", dependencies=[Depends(authorised)])
-    async def cache():
-        """What this replica holds hot (its RAM tier's chunks): for a router that sends a
-        document's questions where its KV is warm."""
+    @app.get("/v1/cache")
+    async def cache(model: str | None = None, caller: Caller = Depends(served.access)):
+        """What this replica holds hot (a store's RAM tier chunks): for a router that sends a
+        document's questions where its KV is warm. It names documents, so a scoped key gets 403."""
+        if caller.scope is not None and caller.scope.filters:
+            return json_error(403, "/v1/cache names every hot document: it needs a key without filters", "forbidden")
+        _, engine = served.stores.select(model, caller)
         return await asyncio.wrap_future(stepped.call_soon(engine.loader.hot))
 
-    @app.post("/v1/retrieve", dependencies=[Depends(authorised)])
-    async def retrieve(body: RetrieveRequest):
-        settings = body.settings()
-        found = await asyncio.wrap_future(engine.search_soon(body.query, settings))
+    @app.post("/v1/retrieve")
+    async def retrieve(body: RetrieveRequest, caller: Caller = Depends(served.access)):
+        store, engine = served.stores.select(body.model, caller)
+        search = scoped(body.settings(), caller)
+        found = await asyncio.wrap_future(engine.search_soon(body.query, search))
+        served.audit.record("/v1/retrieve", caller, [store], [(r.doc_id, r.chunk_id) for r in found])
         return {
             "object": "list",
             "data": [result.to_dict() for result in found],
@@ -305,25 +266,44 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _submit(stepped: Engine, conversations: Conversations, history, question: str, settings: AskSettings, on_text=None):
-    """Queue a turn: the kept conversation holding `history` (or a new one replaying it) is
-    opened on the model thread when the turn is admitted, and kept again once answered.
-    Returns the engine's request (ragkv.engine.request) and a dict whose "reused" says whether a
-    kept conversation served."""
-    opened = {"reused": False, "conversation": None}
+class Turn:
+    """One chat request's turn: the conversation it continues (a kept one, or a new one replaying
+    its history over the caller's scope) opens on the model thread when the turn is admitted,
+    and is kept again once answered."""
 
-    def open_conversation():
-        opened["conversation"], opened["reused"] = conversations.take(history, settings)
-        return opened["conversation"]
+    def __init__(self, served: Served, caller: Caller, store: str, engine, history, question: str, ask: AskSettings):
+        self.served, self.caller, self.store, self.engine = served, caller, store, engine
+        self.history, self.question, self.ask = history, question, ask
+        self.reused = False  # a kept conversation served
+        self.conversation = None
 
-    queued = stepped.submit(open_conversation, question, settings.max_new_tokens, settings.decoding, on_text)
+    def submit(self, stepped: Engine, on_text=None):
+        """Queue the turn; returns the engine's request (ragkv.engine.request)."""
+        queued = stepped.submit(self._open, self.question, self.ask.max_new_tokens, self.ask.decoding, on_text)
+        queued.future.add_done_callback(self._keep)
+        return queued
 
-    def keep(future) -> None:  # on the model thread, like `take`
+    def _open(self):
+        conversations = self.served.conversations
+        self.conversation, self.reused = conversations.take(self.engine, self.store, self.history, self.ask)
+        return self.conversation
+
+    def _keep(self, future) -> None:  # on the model thread, like `_open`
         if not future.cancelled() and future.exception() is None and future.result().stats.finish_reason != "cancelled":
-            conversations.keep(opened["conversation"], [*history, (question, future.result().text)])
+            history = [*self.history, (self.question, future.result().text)]
+            self.served.conversations.keep(self.conversation, self.store, history, self.ask)
 
-    queued.future.add_done_callback(keep)
-    return queued, opened
+    def audit(self, answer) -> None:
+        used = usage(answer.stats.prompt_tokens, len(answer.token_ids), answer.stats.reused_tokens)
+        self.served.audit.record(
+            "/v1/chat/completions",
+            self.caller,
+            [self.store],
+            [(s.doc_id, s.chunk_id) for s in answer.sources],
+            used["prompt_tokens"],
+            used["completion_tokens"],
+            used["prompt_tokens_details"]["cached_tokens"],
+        )
 
 
 def _ragkv_block(answer, warnings: list[str], reused_history: bool) -> dict:
@@ -331,12 +311,7 @@ def _ragkv_block(answer, warnings: list[str], reused_history: bool) -> dict:
 
 
 def _usage(answer) -> dict:
-    prompt = answer.stats.prompt_tokens
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": len(answer.token_ids),
-        "total_tokens": prompt + len(answer.token_ids),
-    }
+    return usage(answer.stats.prompt_tokens, len(answer.token_ids), answer.stats.reused_tokens)
 
 
 def _completion(reply_id, created, model_id, answer, warnings, reused_history) -> dict:
@@ -351,13 +326,13 @@ def _completion(reply_id, created, model_id, answer, warnings, reused_history) -
     )
 
 
-async def _stream(queued, opened, queue: asyncio.Queue, reply_id, created, model_id, warnings, metrics):
+async def _stream(queued, turn: Turn, queue: asyncio.Queue, reply_id, created, warnings, metrics):
     """Server-sent events in OpenAI's chunk format for a submitted turn, which decodes in the
     running batch on the model thread and hands its text over through `queue`. A client that
     disconnects cancels it."""
 
     def chunk(delta: dict, finish: str | None = None, **extra) -> str:
-        return chunk_event(reply_id, created, model_id, delta, finish, **extra)
+        return chunk_event(reply_id, created, turn.store, delta, finish, **extra)
 
     job = asyncio.wrap_future(queued.future)
     try:
@@ -379,11 +354,12 @@ async def _stream(queued, opened, queue: asyncio.Queue, reply_id, created, model
             yield error_event(f"internal error: {exc!r}", "internal_error")
             return
         metrics.record(answer.stats)
+        turn.audit(answer)
         yield chunk(
             {},
             answer.stats.finish_reason or "stop",
             usage=_usage(answer),
-            ragkv=_ragkv_block(answer, warnings, opened["reused"]),
+            ragkv=_ragkv_block(answer, warnings, turn.reused),
         )
         yield DONE_EVENT
     finally:

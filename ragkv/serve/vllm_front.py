@@ -21,6 +21,7 @@ import asyncio
 import json
 import logging
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -33,25 +34,27 @@ from fastapi.responses import StreamingResponse
 
 from ragkv.core.config import import_path
 from ragkv.core.errors import InputError, ModelError
+from ragkv.core.keys import digest
 from ragkv.engine.answer import Source, Stats, reply
 from ragkv.kv.layout import refuse_unless_plain
 from ragkv.loading.loader import continues_span
+from ragkv.serve.access import SERVED_MODEL_ID, Access, Stores, scoped
 from ragkv.serve.api import (
     DONE_EVENT,
-    SERVED_MODEL_ID,
     ChatRequest,
     RagkvOptions,
     ServeSettings,
-    UnknownModel,
     chunk_event,
     completion,
     install_errors,
     max_tokens,
-    models_listing,
     run_server,
     split_messages,
+    usage,
 )
+from ragkv.serve.audit import open_audit
 from ragkv.serve.guard import RequestGuard
+from ragkv.serve.keys import Caller
 from ragkv.store.kv.writeback import FoldLoop
 from ragkv.store.objects import absolute
 
@@ -98,6 +101,7 @@ class VllmServer:
             str(port),
             "--kv-transfer-config",
             json.dumps(connector),
+            "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens
             *args,
         ]
         root = import_path()  # so vLLM's python imports this ragkv
@@ -163,7 +167,10 @@ def serve_on_vllm(engine, store: str, settings: ServeSettings, python: str, port
     server.start(timeout_s=1800)
     folding = FoldLoop(store, settings.fold_every_s).start() if settings.writer else None
     try:
+        from ragkv.serve.service import reload_keys_on_sighup
+
         app = build_front_app(engine, server.url, settings)
+        reload_keys_on_sighup(app.state.access)
         line = f"ragkv serving {store} ({facts.name}, engine vllm) on http://{settings.host}:{settings.port}"
         run_server(app, settings, announce, line)
     finally:
@@ -172,21 +179,29 @@ def serve_on_vllm(engine, store: str, settings: ServeSettings, python: str, port
             folding.stop()
 
 
-def build_front_app(engine, vllm_url: str, settings: ServeSettings) -> FastAPI:
+def build_front_app(engine, vllm_url: str, settings: ServeSettings, access: Access | None = None) -> FastAPI:
     """The OpenAI-compatible front: `engine` (a QueryEngine opened with weights=False) retrieves
-    and lays out; vLLM at `vllm_url` generates."""
+    and lays out; vLLM at `vllm_url` generates. Each request runs in its caller's scope, and
+    vLLM's prefix cache is salted by the caller's tenant (`cache_salt`)."""
+    from ragkv.serve.service import access_for
+
     client = httpx.AsyncClient(base_url=vllm_url, timeout=None)
     lock = asyncio.Lock()  # the engine's retrieval is not thread-safe: one request lays out at a time
+    access = access or access_for(settings)
+    stores = Stores({SERVED_MODEL_ID: engine}, engine.lm.facts.name)
+    audit = open_audit(settings.audit_log, settings.audit_max_bytes)
+    salts = TenantSalts()
 
     @asynccontextmanager
     async def lifespan(app):
         yield
         await client.aclose()
+        audit.close()
 
     app = FastAPI(title="ragkv (vLLM)", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.access = access
     app.add_middleware(RequestGuard, max_body_bytes=settings.max_body_bytes)
-    authorised = install_errors(app, settings, engine.lm.facts.name)
-    accepted_ids = {SERVED_MODEL_ID, engine.lm.facts.name}
+    install_errors(app)
 
     @app.get("/healthz")
     async def healthz():
@@ -198,30 +213,42 @@ def build_front_app(engine, vllm_url: str, settings: ServeSettings) -> FastAPI:
             "engine": "vllm",
         }
 
-    @app.get("/v1/models", dependencies=[Depends(authorised)])
-    async def models():
-        return models_listing(engine.lm.facts.name)
+    @app.get("/v1/models")
+    async def models(caller: Caller = Depends(access)):
+        return stores.listing(caller)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorised)])
-    async def chat(body: ChatRequest):
-        if body.model is not None and body.model not in accepted_ids:
-            raise UnknownModel(body.model)
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, caller: Caller = Depends(access)):
+        store, _ = stores.select(body.model, caller)
         refuse_unsupported(body.ragkv)
         history, question, warnings = split_messages(body.messages)
         if history:
             raise InputError("--engine vllm answers one question per request; send only the last user message")
-        budget = max_tokens(body, settings, warnings)
+        budget = max_tokens(body, settings, warnings, caller.max_tokens)
         async with lock:
             engine.refresh()
-            prompt = await asyncio.to_thread(engine.prompt_for, question, body.ask_settings(budget))
-        payload = completion_payload(body, prompt, settings, budget)
+            prompt = await asyncio.to_thread(engine.prompt_for, question, scoped(body.ask_settings(budget), caller))
+        payload = completion_payload(body, prompt, settings, budget, salts.of(caller))
         block = _ragkv_block(prompt, warnings)
+        audit.record("/v1/chat/completions", caller, [store], [(s["doc_id"], s["chunk_id"]) for s in block["sources"]])
         created, reply_id = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
         if not body.stream:
             return await _complete(client, payload, reply_id, created, block)
         return StreamingResponse(_relay(client, payload, reply_id, created, block), media_type="text/event-stream")
 
     return app
+
+
+class TenantSalts:
+    """vLLM's `cache_salt` for each tenant: a digest of the tenant and a secret drawn when the
+    front starts, so no client can name another tenant's salt (vLLM's docs: the gateway sets
+    it, never the client). None for callers without a tenant: they share vLLM's prefix cache."""
+
+    def __init__(self):
+        self._secret = secrets.token_hex(16)
+
+    def of(self, caller: Caller) -> str | None:
+        return digest("ragkv-cache-salt", self._secret, caller.tenant)[:64] if caller.tenant else None
 
 
 async def _complete(client: httpx.AsyncClient, payload: dict, reply_id: str, created: int, block: dict) -> dict:
@@ -231,7 +258,16 @@ async def _complete(client: httpx.AsyncClient, payload: dict, reply_id: str, cre
     data = reply.json()
     choice = data["choices"][0]
     finish = choice.get("finish_reason") or "stop"
-    return completion(reply_id, created, SERVED_MODEL_ID, choice["text"], finish, data.get("usage"), block)
+    return completion(reply_id, created, SERVED_MODEL_ID, choice["text"], finish, _usage(data.get("usage")), block)
+
+
+def _usage(reported: dict | None) -> dict | None:
+    """vLLM's usage as OpenAI clients read it: `cached_tokens` as vLLM counts them (its own
+    prefix cache and the blocks the ragkv connector loaded from the store)."""
+    if not reported:
+        return reported
+    details = reported.get("prompt_tokens_details") or {}
+    return usage(reported["prompt_tokens"], reported["completion_tokens"], int(details.get("cached_tokens") or 0))
 
 
 def _ragkv_block(prompt, warnings: list[str]) -> dict:
@@ -241,10 +277,14 @@ def _ragkv_block(prompt, warnings: list[str]) -> dict:
     return reply(sources, stats, warnings, prompt_tokens=len(prompt.prompt_ids))
 
 
-def completion_payload(body: ChatRequest, prompt, settings: ServeSettings, budget: int) -> dict:
-    """The /v1/completions body sent to vLLM: the prompt's ids, the decoding asked, and the
-    layout the connector loads the stored KV by (or its opt-out, for `no_cache`)."""
+def completion_payload(
+    body: ChatRequest, prompt, settings: ServeSettings, budget: int, cache_salt: str | None = None
+) -> dict:
+    """The /v1/completions body sent to vLLM: the prompt's ids, the decoding asked, the layout
+    the connector loads the stored KV by (or its opt-out, for `no_cache`) and the tenant's
+    `cache_salt`, when it has one."""
     return {
+        **({"cache_salt": cache_salt} if cache_salt else {}),
         "model": VLLM_MODEL_ID,
         "prompt": prompt.prompt_ids,
         "max_tokens": budget,
@@ -306,16 +346,16 @@ async def _relay(client: httpx.AsyncClient, payload: dict, reply_id: str, create
         return chunk_event(reply_id, created, SERVED_MODEL_ID, delta, finish, **extra)
 
     yield chunk({"role": "assistant", "content": ""})
-    finish, usage = "stop", None
+    finish, reported = "stop", None
     async with client.stream("POST", "/v1/completions", json=payload) as reply:
         async for line in reply.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line.removeprefix("data: "))
-            usage = event.get("usage") or usage
+            reported = event.get("usage") or reported
             for choice in event.get("choices", []):
                 if choice.get("text"):
                     yield chunk({"content": choice["text"]})
                 finish = choice.get("finish_reason") or finish
-    yield chunk({}, finish, usage=usage, ragkv=block)
+    yield chunk({}, finish, usage=_usage(reported), ragkv=block)
     yield DONE_EVENT
