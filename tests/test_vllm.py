@@ -225,6 +225,14 @@ def test_serve_engine_vllm_answers_with_the_store_kv(sample_store, tmp_path):
     shutil.copytree(store, served)  # the connector logs chunk uses into its store
     shutil.rmtree(served / HITS_DIR, ignore_errors=True)  # uses other tests logged in the shared sample store
     port, vllm_port = free_port(), free_port()
+    from ragkv.serve.keys import key_digest
+
+    keys = tmp_path / "keys.toml"  # every request carries a tenant, so the front salts vLLM's prefix cache
+    keys.write_text(
+        f'[[keys]]\ntenant = "a"\nsha256 = "{key_digest("key-a").hex()}"\n'
+        f'[[keys]]\ntenant = "b"\nsha256 = "{key_digest("key-b").hex()}"\nfilters = ["path!=*rotate-api-key.md"]\n'
+    )
+    auth = {"Authorization": "Bearer key-a"}
     server = subprocess.Popen(
         [
             sys.executable,
@@ -241,6 +249,8 @@ def test_serve_engine_vllm_answers_with_the_store_kv(sample_store, tmp_path):
             VLLM_PYTHON,
             "--vllm-port",
             str(vllm_port),
+            "--keys",
+            str(keys),
             # On the CPU build --gpu-memory-utilization is the share of the NUMA node's memory vLLM must find free
             # at start (0.92 by default): a busy test machine may not have it.
             "--vllm-args",
@@ -259,13 +269,13 @@ def test_serve_engine_vllm_answers_with_the_store_kv(sample_store, tmp_path):
             if not said[-1]:
                 pytest.fail(f"the server did not start: {''.join(said[-30:])}")
         body = {"model": "ragkv", "messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 8}
-        reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=600).json()
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, headers=auth, timeout=600).json()
         assert reply["choices"][0]["message"]["content"].strip()
         assert reply["ragkv"]["sources"][0]["source"].endswith("rotate-api-key.md")
         assert reply["usage"]["prompt_tokens"] == reply["ragkv"]["prompt_tokens"]
         assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         streamed = httpx.post(
-            f"http://127.0.0.1:{port}/v1/chat/completions", json={**body, "stream": True}, timeout=600
+            f"http://127.0.0.1:{port}/v1/chat/completions", json={**body, "stream": True}, headers=auth, timeout=600
         ).text
         deltas = [
             json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: {") and '"delta"' in line
@@ -280,13 +290,23 @@ def test_serve_engine_vllm_answers_with_the_store_kv(sample_store, tmp_path):
                 {"role": "user", "content": QUESTIONS[0]},
             ],
         }
-        refused = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=two_turns, timeout=600)
+        refused = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=two_turns, headers=auth, timeout=600)
         assert refused.status_code == 400 and "one question per request" in refused.json()["error"]["message"]
         # The front named the chunks: vLLM's scheduler logged each use, a hit, in the store's hit log.
         uses = [
             json.loads(line) for path in (served / HITS_DIR).glob("*.jsonl") for line in path.read_text().splitlines()
         ]
         assert [(u["doc"], u["src"]) for u in uses] == [(reply["ragkv"]["sources"][0]["doc_id"], "store")] * 2
+        # Tenant b's scope leaves the document out: the front retrieves another for it.
+        scoped = httpx.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            json=body,
+            headers={"Authorization": "Bearer key-b"},
+            timeout=600,
+        ).json()
+        assert scoped["ragkv"]["sources"] and not scoped["ragkv"]["sources"][0]["source"].endswith("rotate-api-key.md")
+        unkeyed = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=600)
+        assert unkeyed.status_code == 401
     finally:
         server.terminate()
         server.wait()

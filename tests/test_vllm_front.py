@@ -76,3 +76,30 @@ def test_vllm_is_started_on_the_store_as_named_with_the_replica_s_pending_option
     assert config["kv_role"] == "kv_both"
     monkeypatch.chdir(tmp_path)
     assert connector_config("kv")["kv_connector_extra_config"]["store"] == str(tmp_path.resolve() / "kv")
+
+
+def test_the_front_salts_vllms_prefix_cache_per_tenant_and_scopes_retrieval(tiny_store, tmp_path):
+    from ragkv.serve.keys import Caller, key_digest
+    from ragkv.serve.vllm_front import TenantSalts
+
+    salts, other = TenantSalts(), TenantSalts()
+    a, b = Caller(ragkv.Scope("a")), Caller(ragkv.Scope("b"))
+    assert salts.of(a) == salts.of(a) != salts.of(b) and salts.of(Caller()) is None
+    assert salts.of(a) != other.of(a)  # a secret drawn per front: no client can compute it
+    assert len(salts.of(a)) <= 128 and not set("@/\\\0") & set(salts.of(a))  # what vLLM accepts
+    keys = tmp_path / "keys.toml"
+    keys.write_text(f'[[keys]]\ntenant = "b"\nsha256 = "{key_digest("kb").hex()}"\nfilters = ["path=nowhere/*"]\n')
+    with ragkv.open(tiny_store, device="cpu", weights=False) as engine:
+        client = TestClient(build_front_app(engine, UNREACHABLE, ServeSettings(keys_file=str(keys))))
+        body = {"messages": [{"role": "user", "content": QUESTIONS[0]}]}
+        assert client.post("/v1/chat/completions", json=body).status_code == 401
+        # Its scope admits nothing: refused before vLLM (unreachable here) is asked.
+        reply = client.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer kb"})
+        assert reply.status_code == 404 and "returned no chunks" in reply.json()["error"]["message"]
+        assert [m["id"] for m in client.get("/v1/models", headers={"Authorization": "Bearer kb"}).json()["data"]] == [
+            "ragkv"
+        ]
+        prompt = engine.prompt_for(QUESTIONS[0], AskSettings(top_k=1, context="chunk"))
+        request = ChatRequest.model_validate(body)
+        assert completion_payload(request, prompt, ServeSettings(), 8, salts.of(a))["cache_salt"] == salts.of(a)
+        assert "cache_salt" not in completion_payload(request, prompt, ServeSettings(), 8, None)
