@@ -143,11 +143,22 @@ def test_the_service_and_the_adapters_take_the_same_filters(filtered_store):
         assert {d.metadata["ragkv"]["doc_id"] for d in chain.invoke("deploy")} == {"n2025", "n2026"}
         narrowed = chain.invoke("deploy", filter={"team": "infra"})
         assert [d.metadata["ragkv"]["doc_id"] for d in narrowed] == ["n2026"]
+        either = chain.invoke("deploy", filter={"$or": [{"year": 2023}, {"year": 2025}]})
+        assert {d.metadata["ragkv"]["doc_id"] for d in either} == {"n2025"}  # and the chain's year>=2025
         with pytest.raises(InputError, match=r"\$or"):
-            chain.invoke("deploy", filter={"$or": [{"year": 2023}, {"year": 2025}]})
+            chain.invoke("deploy", filter={"$or": [{"year": 2023, "team": "infra"}, {"year": 2025}]})
         where = MetadataFilters(filters=[MetadataFilter(key="path", value="runbooks/*")])
         nodes = RagkvNodeRetriever(engine, top_k=5, context="chunk", filters=where).retrieve("deploy")
         assert {n.node.metadata["ragkv"]["doc_id"] for n in nodes} == {"runbooks/deploy.md", "runbooks/rollback.md"}
-        either = MetadataFilters(filters=where.filters, condition=FilterCondition.OR)
+        either = MetadataFilters(
+            filters=[*where.filters, MetadataFilter(key="team", value="infra")], condition=FilterCondition.OR
+        )
+        nodes = RagkvNodeRetriever(engine, top_k=5, context="chunk", filters=either).retrieve("deploy")
+        assert {n.node.metadata["ragkv"]["doc_id"] for n in nodes} == {
+            "runbooks/deploy.md",
+            "runbooks/rollback.md",
+            "n2026",
+        }
+        nested = MetadataFilters(filters=[MetadataFilters(filters=where.filters * 2)], condition=FilterCondition.OR)
         with pytest.raises(InputError, match="or"):
-            RagkvNodeRetriever(engine, filters=either)
+            RagkvNodeRetriever(engine, filters=nested)

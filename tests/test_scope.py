@@ -132,3 +132,11 @@ def test_a_second_store_shares_the_loaded_model_and_answers_as_alone(filtered_st
 def first_hits(store):
     with ragkv.open(store) as engine:
         return engine.search("deploy canaries", 3).hits
+
+
+def test_chunk_texts_leave_out_what_the_scope_does_not_admit(filtered_store):  # noqa: F811
+    with ragkv.open(filtered_store, scope={"filters": ["path=runbooks/*"]}) as engine:
+        every = engine.runtime.snapshot.catalog.documents.chunk_ids()
+        texts = engine.chunk_texts(sorted(every))
+        assert texts and len(texts) < len(every) and all("Leave" not in t for t in texts.values())
+        assert engine.chunk_texts(sorted(every), scope={"filters": ["path=nowhere"]}) == {}

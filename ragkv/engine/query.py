@@ -165,9 +165,16 @@ class QueryEngine:
         """`search`, without waiting (for an event loop): a future of its `Searched`."""
         return self.engine.call_soon(self.runtime.search, question, settings)
 
-    def chunk_texts(self, chunk_ids: Sequence[int]) -> dict[int, str]:
-        """The stored text of each of `chunk_ids` (read between two steps, which own the catalog)."""
-        return self.engine.call(self.snapshot.catalog.documents.chunk_texts, list(chunk_ids))
+    def chunk_texts(self, chunk_ids: Sequence[int], scope: Scope | Mapping | None = None) -> dict[int, str]:
+        """The stored text of each of `chunk_ids` the scope (and the engine's) admits; others are
+        left out as if they did not exist (read between two steps, which own the catalog)."""
+        settings = self.runtime.scoped(SearchSettings(scope=Scope.of(scope)))
+
+        def texts() -> dict[int, str]:
+            visible = self.runtime.retriever.visible(settings, list(chunk_ids))
+            return self.snapshot.catalog.documents.chunk_texts(visible)
+
+        return self.engine.call(texts)
 
     def retrieve(
         self,

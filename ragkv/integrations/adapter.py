@@ -18,6 +18,7 @@ from ragkv.core.config import (
     AskSettings,
 )
 from ragkv.core.errors import InputError
+from ragkv.core.filters import AnyOf, Filter, parse_filter
 from ragkv.engine.answer import SECTION_SEPARATOR, Answer, AnswerStream, cite
 
 IDENTITY = "ragkv"  # the metadata key under which results carry a chunk's identity
@@ -157,8 +158,8 @@ _OPERATORS = {"$eq": "=", "$ne": "!=", "$gt": ">", "$gte": ">=", "$lt": "<", "$l
 
 def filters_from_mapping(where: Mapping[str, Any] | None) -> tuple[str, ...]:
     """A vector store's filter dict, as LangChain's retrievers take it (`{"year": 2025}`,
-    `{"year": {"$gte": 2025}}`, `{"$and": [...]}`), as ragkv filters (ragkv.core.filters). Only
-    conjunctions of comparisons have a form there; anything else is an InputError naming it."""
+    `{"year": {"$gte": 2025}}`, `{"$and": [...]}`, `{"$or": [...]}` of comparisons), as ragkv
+    filters (ragkv.core.filters). Anything else is an InputError naming it."""
     if not where:
         return ()
     found: list[str] = []
@@ -166,6 +167,8 @@ def filters_from_mapping(where: Mapping[str, Any] | None) -> tuple[str, ...]:
         if key == "$and" and isinstance(value, list):
             for part in value:
                 found += filters_from_mapping(part)
+        elif key == "$or" and isinstance(value, list):
+            found.append(any_of([filters_from_mapping(part) for part in value], "$or"))
         elif key.startswith("$"):
             raise InputError(f"filter operator {key!r} has no ragkv form; ragkv filters are AND-ed comparisons")
         elif isinstance(value, Mapping):
@@ -174,7 +177,15 @@ def filters_from_mapping(where: Mapping[str, Any] | None) -> tuple[str, ...]:
                     raise InputError(
                         f"filter operator {op!r} on {key!r} has no ragkv form; use one of {list(_OPERATORS)}"
                     )
-                found.append(f"{key}{_OPERATORS[op]}{operand}")
+                found.append(Filter(key, _OPERATORS[op], str(operand)).to_string())
         else:
-            found.append(f"{key}={value}")
+            found.append(Filter(key, "=", str(value)).to_string())
     return tuple(found)
+
+
+def any_of(alternatives: Sequence[Sequence[str]], named: str) -> str:
+    """One ragkv filter holding when any of `alternatives` does (each one comparison: a filter
+    joins comparisons with `or`, never a conjunction); InputError naming `named` otherwise."""
+    if not alternatives or any(len(a) != 1 or isinstance(parse_filter(a[0]), AnyOf) for a in alternatives):
+        raise InputError(f"{named} has a ragkv form only over single comparisons ('a=1 or b=2')")
+    return " or ".join(a[0] for a in alternatives)

@@ -32,6 +32,7 @@ except ModuleNotFoundError as exc:  # said once, naming the extra to install
 
 from ragkv.core.config import DEFAULT_RERANK, DEFAULT_RETRIEVAL
 from ragkv.core.errors import InputError
+from ragkv.core.filters import Filter
 from ragkv.integrations import adapter
 from ragkv.integrations.adapter import IDENTITY, AnswerOptions
 
@@ -89,14 +90,17 @@ _OPERATORS = {"==": "=", "!=": "!=", ">": ">", ">=": ">=", "<": "<", "<=": "<="}
 
 
 def filters_of(filters: MetadataFilters | Sequence[str] | None) -> tuple[str, ...]:
-    """LlamaIndex's MetadataFilters (comparisons joined by AND, nested too) as ragkv filters
-    (ragkv.core.filters); OR, NOT and list operators have no ragkv form: InputError naming them."""
+    """LlamaIndex's MetadataFilters (comparisons joined by AND, nested too, or by OR) as ragkv
+    filters (ragkv.core.filters); NOT and list operators have no ragkv form: InputError naming them."""
     if filters is None:
         return ()
     if not isinstance(filters, MetadataFilters):
         return (filters,) if isinstance(filters, str) else tuple(filters)
+    if filters.condition == FilterCondition.OR:
+        either = [filters_of(MetadataFilters(filters=[part])) for part in filters.filters]
+        return (adapter.any_of(either, "MetadataFilters condition 'or'"),)
     if filters.condition not in (None, FilterCondition.AND):
-        raise InputError(f"MetadataFilters condition {filters.condition.value!r} has no ragkv form: filters are AND-ed")
+        raise InputError(f"MetadataFilters condition {filters.condition.value!r} has no ragkv form")
     found: list[str] = []
     for condition in filters.filters:
         if isinstance(condition, MetadataFilters):
@@ -108,7 +112,7 @@ def filters_of(filters: MetadataFilters | Sequence[str] | None) -> tuple[str, ..
                 f"filter operator {condition.operator.value!r} on {condition.key!r} has no ragkv form; "
                 f"use one of {list(_OPERATORS)}"
             )
-        found.append(f"{condition.key}{op}{condition.value}")
+        found.append(Filter(condition.key, op, str(condition.value)).to_string())
     return tuple(found)
 
 
