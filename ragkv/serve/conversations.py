@@ -1,9 +1,10 @@
 """The KV of recent conversations `ragkv serve` keeps, so that a follow-up request that repeats
 the history prefills only its new message.
 
-Kept by store, tenant and messages: a tenant sending another's exact history gets no kept
-conversation (whose cache holds the other's retrieved documents), but a fresh one that replays
-the history over its own scope's retrieval.
+Kept by store, scope (tenant and filters) and messages: a tenant sending another's exact history
+gets no kept conversation (whose cache holds the other's retrieved documents), but a fresh one
+that replays the history over its own scope's retrieval; and a key whose filters were narrowed
+(a keys file reloaded) does not continue a conversation retrieved under the wider ones.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from ragkv.core.keys import digest
 from ragkv.core.lru import ByteLRU
 
 
-def _history_key(store: str, tenant: str, messages: list[tuple[str, str]]) -> str:
-    return digest("ragkv-chat", store, tenant, json.dumps(messages))
+def _history_key(store: str, settings: AskSettings, messages: list[tuple[str, str]]) -> str:
+    scope = settings.scope
+    who = json.dumps([scope.tenant, list(scope.filters)] if scope is not None else None)
+    return digest("ragkv-chat", store, who, json.dumps(messages))
 
 
 class Conversations:
@@ -29,7 +32,7 @@ class Conversations:
         """A conversation of `engine` (the store `store`'s) holding `history` ((user, assistant)
         pairs): a kept one when the history matches for this tenant, else a new one that
         replays it. Returns it and whether it was kept."""
-        key = _history_key(store, settings.cache_salt, history)
+        key = _history_key(store, settings, history)
         kept = self._lru.pop(key) if history else None
         if kept is not None:
             return kept, True
@@ -37,4 +40,4 @@ class Conversations:
 
     def keep(self, conversation, store: str, history: list[tuple[str, str]], settings: AskSettings) -> None:
         size = conversation.runtime.lm.facts.kv_bytes_per_token * len(conversation.ids())
-        self._lru.put(_history_key(store, settings.cache_salt, history), conversation, size=size)
+        self._lru.put(_history_key(store, settings, history), conversation, size=size)

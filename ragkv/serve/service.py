@@ -294,7 +294,7 @@ class Turn:
             self.served.conversations.keep(self.conversation, self.store, history, self.ask)
 
     def audit(self, answer) -> None:
-        used = usage(answer.stats.prompt_tokens, len(answer.token_ids), answer.stats.reused_tokens)
+        used = _usage(answer)
         self.served.audit.record(
             "/v1/chat/completions",
             self.caller,
