@@ -412,7 +412,7 @@ def real_embeddings(count: int) -> dict:
     paragraphs = list(dict.fromkeys(paragraphs))[: count + QUERIES]
     embedder = Embedder.load(DEFAULT_EMBEDDER, "cpu")
     start = time.perf_counter()
-    vectors = embedder.embed(paragraphs)
+    vectors = embedder.embed_documents(paragraphs)
     embed_s = time.perf_counter() - start
     indexed, queries = vectors[QUERIES:], vectors[:QUERIES]
     ids = np.arange(len(indexed), dtype=np.int64)

@@ -4,10 +4,13 @@ prefix-cache hits. One run, one server at a time, on the sample corpus and the b
 
 1. Throughput, side by side in alternating rounds, 8 streaming clients on the same questions:
    - open: no keys;
-   - keys: every client its own key and tenant, each with a filter that admits every document
-     (so the answers are the same and the filter's work is real);
-   - keys + --isolate-tenants: the RAM tier keyed by tenant too (and no write-back).
-   Each round starts a server, warms it (every question once, by every client's key), then
+   - keys, one tenant: every client its own key, all of one tenant, each key with a filter that
+     admits every document (so the answers are the same and the filter's work is real): what
+     checking keys and applying scopes costs;
+   - keys, 8 tenants: the same, each client its own tenant, so the in-process prefix cache is
+     kept per tenant. Every tenant asks every prompt here: the worst case for that split;
+   - keys, 8 tenants + --isolate-tenants: the RAM tier keyed by tenant too (and no write-back).
+   Each round starts a server, warms it (each client's questions once, through its key), then
    measures. Requests/s and time to first token, client side.
 2. Timing, as an attacker would measure it (client side, time to the first streamed token):
    prompts of several chunks (top_k 5, context chunk), one request at a time. A third tenant W
@@ -18,7 +21,7 @@ prefix-cache hits. One run, one server at a time, on the sample corpus and the b
    - A's second ask against A's first: the hit the same measurement sees within one tenant.
    The server's own count (the reply's prefix_cache_tokens) is reported beside the timings.
 
-    python benchmarks/tenants.py [--rounds 3] [--prompts 60] [--out benchmarks/results/tenants.md]
+    python benchmarks/tenants.py [--rounds 2] [--prompts 60] [--out benchmarks/results/tenants.md]
 """
 
 from __future__ import annotations
@@ -53,8 +56,9 @@ LOAD_OPTIONS = {"top_k": 4, "context": "chunk"}  # prompts of about 0.8k tokens
 def keys_file(folder: Path) -> tuple[Path, dict[str, str]]:
     """A keys file: one key per throughput client (tenant c0 … c7), and the timing's tenants (w,
     a with two keys, b). Returns it and key by name."""
-    keys = {f"c{i}": f"key-client-{i}" for i in range(CLIENTS)} | {n: f"key-{n}" for n in ("w", "a1", "a2", "b", "n")}
-    tenant = {name: ("a" if name.startswith("a") else name) for name in keys}
+    keys = {f"c{i}": f"key-client-{i}" for i in range(CLIENTS)} | {f"s{i}": f"key-same-{i}" for i in range(CLIENTS)}
+    keys |= {n: f"key-{n}" for n in ("w", "a1", "a2", "b", "n")}
+    tenant = {name: ("a" if name.startswith("a") else "team" if name.startswith("s") else name) for name in keys}
     scope = {name: ADMIT_ALL for name in keys} | {"n": NO_HANDBOOK}
     entries = [
         f'[[keys]]\ntenant = "{tenant[name]}"\nsha256 = "{key_digest(key).hex()}"\nfilters = ["{scope[name]}"]\n'
@@ -96,13 +100,17 @@ def stream(base: str, question: str, key: str | None, options: dict, tokens: int
     return {"ttft": (first or end) - start, "wall": end - start, "stats": stats, "sources": last["ragkv"]["sources"]}
 
 
-def throughput_round(store: Path, name: str, args: tuple[str, ...], keys: dict[str, str] | None) -> dict:
-    clients = [keys[f"c{i}"] if keys else None for i in range(CLIENTS)]
+def throughput_round(store: Path, name: str, args: tuple[str, ...], keys: dict[str, str] | None, prefix: str) -> dict:
+    clients = [keys[f"{prefix}{i}"] if keys else None for i in range(CLIENTS)]
     work = [(q, clients[i % CLIENTS]) for i, q in enumerate(QUESTIONS * 3)]
     running = server(store, *args)
     try:
-        with ThreadPoolExecutor(CLIENTS) as pool:  # warm: every question once through every client's key
-            list(pool.map(lambda k: [stream(running.base, q, k, LOAD_OPTIONS, 1) for q in QUESTIONS], set(clients)))
+        with ThreadPoolExecutor(CLIENTS) as pool:  # warm: each client's own questions once, through its key
+            list(
+                pool.map(
+                    lambda item: stream(running.base, item[0], item[1], LOAD_OPTIONS, 1), sorted(set(work), key=str)
+                )
+            )
             start = time.perf_counter()
             results = list(pool.map(lambda item: stream(running.base, item[0], item[1], LOAD_OPTIONS, TOKENS), work))
             wall = time.perf_counter() - start
@@ -213,8 +221,9 @@ def render(rows: list[dict], timed: dict, args, prompt_tokens: list[int]) -> str
         "",
         f"{len(QUESTIONS) * 3} requests per round ({len(QUESTIONS)} questions x 3, top_k 4, context chunk: prompts "
         f"of {min(load_tokens)}-{max(load_tokens)} tokens, median {int(np.median(load_tokens))}), after a warm-up; "
-        "rounds alternate the systems. Keys: each client its own key and tenant, with the filter "
-        f"`{ADMIT_ALL}` (every document passes, so the answers are the same).",
+        "rounds alternate the systems. Keys: each client its own key, with the filter "
+        f"`{ADMIT_ALL}` (every document passes, so the answers are the same); one tenant for all, or "
+        "one each (then every tenant keeps its own prefix-cache entries of the same prompts).",
         "",
         "| system | round | requests/s | TTFT p50 ms | TTFT p90 ms | errors |",
         "|---|---|---|---|---|---|",
@@ -316,7 +325,7 @@ STORE = Path()
 def main() -> None:
     global STORE
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=60)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "tenants.md")
     args = parser.parse_args()
@@ -330,15 +339,17 @@ def main() -> None:
             capture_output=True,
         )
         _, keys = keys_file(folder)
+        keyed = ("--keys", str(folder / "keys.toml"))
         systems = {
-            "open": ((), None),
-            "keys": (("--keys", str(folder / "keys.toml")), keys),
-            "keys + isolate": (("--keys", str(folder / "keys.toml"), "--isolate-tenants"), keys),
+            "open": ((), None, ""),
+            "keys, one tenant": (keyed, keys, "s"),
+            "keys, 8 tenants": (keyed, keys, "c"),
+            "keys, 8 tenants, isolated": ((*keyed, "--isolate-tenants"), keys, "c"),
         }
         rows = []
         for round_ in range(1, args.rounds + 1):
-            for name, (extra, used) in systems.items():
-                rows.append({"round": round_, **throughput_round(STORE, name, extra, used)})
+            for name, (extra, used, prefix) in systems.items():
+                rows.append({"round": round_, **throughput_round(STORE, name, extra, used, prefix)})
         timed = timing(STORE, folder, keys, args.prompts)
         prompt_tokens = [r["stats"]["prompt_tokens"] for g in timed["groups"].values() for r in g]
     args.out.write_text(render(rows, timed, args, prompt_tokens))

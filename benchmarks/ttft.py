@@ -191,14 +191,14 @@ def retrieval_latency(engine, sizes=(10_000, 100_000), queries: int = 200) -> li
     embed_ms = []
     for q in questions:
         start = time.perf_counter()
-        engine.embedder.embed([q])
+        engine.embedder.embed_queries([q])
         embed_ms.append((time.perf_counter() - start) * 1000)
     rows = []
     for size in sizes:
         index = VectorIndex.empty(engine.embedder.dim)
         vectors = rng.standard_normal((size, engine.embedder.dim)).astype(np.float32)
         index.add(list(range(size)), vectors / np.linalg.norm(vectors, axis=1, keepdims=True))
-        query_vectors = engine.embedder.embed(questions[:queries])
+        query_vectors = engine.embedder.embed_queries(questions[:queries])
         search_ms = []
         for vector in query_vectors:
             start = time.perf_counter()

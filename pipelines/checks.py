@@ -1,19 +1,17 @@
 """What an ingest refuses before it writes anything, each in one line: an engine that cannot do
-what is asked, chunk or span sizes the model's context cannot hold after the system prompt, and
-an embedder other than the one the store's vectors were made with."""
+what is asked, and chunk or span sizes the model's context cannot hold after the system prompt.
+(An embedder other than the store's: ragkv.pipelines.embedding.)"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from ragkv.core.config import IngestSettings
-from ragkv.core.errors import InputError, ModelError
-from ragkv.model.embed import Embedder
+from ragkv.core.errors import InputError
 from ragkv.model.llm import LoadedModel
 from ragkv.model.prompt import PromptLayout
 from ragkv.pipelines.engines import vllm_engine
 from ragkv.pipelines.to_compute import PendingChunk
-from ragkv.store import StoreWriter
 
 ENGINES = ("local", "ray", "vllm")
 
@@ -54,13 +52,4 @@ def check_chunks_fit(pending: list[PendingChunk], lm: LoadedModel, layout: Promp
         raise InputError(
             f"a stored chunk is {longest} tokens for model {lm.facts.name}, more than its context leaves "
             f"room for ({room}); re-chunk with a smaller --chunk-tokens"
-        )
-
-
-def check_embedder(writer: StoreWriter, embedder: Embedder) -> None:
-    meta = writer.catalog.meta()
-    if meta.get("embedder_fingerprint", embedder.fingerprint) != embedder.fingerprint:
-        raise ModelError(
-            f"store {writer.root} was built with embedder {meta.get('embedder')}; "
-            f"ingest with --embedder {meta.get('embedder')} or use a new store"
         )

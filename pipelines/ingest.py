@@ -27,7 +27,8 @@ from ragkv.model.forward import compute_prefix, compute_spans, shard_metadata
 from ragkv.model.llm import LoadedModel, load_model
 from ragkv.model.prompt import PromptLayout
 from ragkv.model.self_check import SelfCheck
-from ragkv.pipelines.checks import check_chunks_fit, check_embedder, check_fits, for_engine
+from ragkv.pipelines.checks import check_chunks_fit, check_fits, for_engine
+from ragkv.pipelines.embedding import embed, open_vectors, settle_embedder
 from ragkv.pipelines.engines import ray_engine, vllm_engine
 from ragkv.pipelines.engines.ray_ingest import RayJob, run_ray_job
 from ragkv.pipelines.plan import DocumentPlan, plan_documents
@@ -153,7 +154,9 @@ def _models(model: ModelSettings, settings: IngestSettings, device: str):
     """The LLM and the embedder loaded on `device`, the prompt layout (the chunk and span sizes
     checked against the model's context), and the profile the KV is stored under."""
     lm = load_model(model.model, device, model.dtype)
-    embedder = Embedder.load(model.embedder, device)
+    embedder = Embedder.load(
+        model.embedder, device, query_prompt=model.query_prompt, document_prompt=model.document_prompt
+    )
     layout = PromptLayout.build(lm.tokenizer, settings.system_prompt)
     check_fits(lm, layout, settings.chunk_tokens, "--chunk-tokens")
     check_fits(lm, layout, settings.span_tokens, "--span-tokens")
@@ -183,7 +186,7 @@ def _write(
     Ray `job`, or, given `to_vllm`, left out and its planned units appended there (vLLM computes
     them after the publish; only chunks whose KV is stored, and spans, are linked till then)."""
     catalog = writer.catalog
-    check_embedder(writer, embedder)
+    space_changed = settle_embedder(writer, embedder)
     spans_part = f";span={settings.span_tokens}" if settings.span_tokens else ""
 
     def chunking(doc: Document) -> str:
@@ -193,8 +196,8 @@ def _write(
     report.skipped += plan.conflicts
     report.documents = plan.counts()
     new_chunks = replace_documents(writer, plan, chunking, lm, settings, reporter)
-    vectors = writer.ensure_vectors(embedder.dim)
-    report.chunks_embedded = len(new_chunks)
+    vectors, num_again = open_vectors(writer, embedder, {c.chunk_id for c in new_chunks}, space_changed, reporter)
+    report.chunks_embedded = len(new_chunks) + num_again
 
     pending = _unlinked(catalog, plan, new_chunks, lm, layout, profile, settings, report)
     check_chunks_fit(pending, lm, layout)
@@ -221,8 +224,7 @@ def _write(
     if limit is not None:  # estimates planned the work; the bytes written decide
         report.kv_evicted += len(budget.enforce(writer, profile.profile_id, limit))
         catalog.set_meta({"kv_budget": str(limit)})
-    named = {"embedder": embedder.name, "embedder_fingerprint": embedder.fingerprint}
-    catalog.set_meta({**named, "last_profile": profile.profile_id})
+    catalog.set_meta({**embedder.meta(), "last_profile": profile.profile_id})
 
 
 @dataclass(frozen=True)
@@ -243,12 +245,24 @@ def _embed_and_compute(writer, work, prefix_key, new_chunks, vectors, models: _M
     lm, profile = models.lm, models.profile
     if models.job:
         chunks = [u.chunks[0] for u in work]  # without spans every unit is one chunk
-        done = run_ray_job(models.job, writer, new_chunks, chunks, prefix_key, lm, profile, settings, vectors, reporter)
+        done = run_ray_job(
+            models.job,
+            writer,
+            new_chunks,
+            chunks,
+            prefix_key,
+            lm,
+            profile,
+            settings,
+            vectors,
+            reporter,
+            models.embedder.prompts,
+        )
         report.kv_computed += done.kv_computed
         report.tokens_computed += done.tokens_computed
         report.compute_s = done.compute_s
         return set()
-    _embed(new_chunks, models.embedder, vectors, reporter)
+    embed(new_chunks, models.embedder, vectors, reporter)
     if models.to_vllm is None:
         _compute_and_store(writer, work, prefix_key, lm, profile, settings, reporter, report)
         return set()
@@ -304,14 +318,6 @@ def _unlinked(
     candidates = new_chunks + [c for c in stored_chunks if c.chunk_id not in linked]
     report.kv_reused, report.tokens_skipped = catalog.entries.linked_totals(profile.profile_id, unchanged_ids)
     return [pending_alone(c, lm.tokenizer, profile) for c in candidates]
-
-
-def _embed(chunks: list[ChunkRow], embedder: Embedder, vectors, reporter: Reporter, batch: int = 64) -> None:
-    reporter.stage("embedding", len(chunks))
-    for start in range(0, len(chunks), batch):
-        part = chunks[start : start + batch]
-        vectors.add([c.chunk_id for c in part], embedder.embed([c.text for c in part]))
-        reporter.advance(len(part))
 
 
 def _compute_and_store(

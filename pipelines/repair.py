@@ -12,7 +12,7 @@ from ragkv.core.errors import ModelError
 from ragkv.core.keys import KVKey
 from ragkv.kv import cache as kv
 from ragkv.kv import spans
-from ragkv.model.embed import Embedder
+from ragkv.model.embed import Embedder, EmbedPrompts
 from ragkv.model.forward import compute_prefix, compute_spans, shard_metadata
 from ragkv.model.llm import load_model
 from ragkv.model.prompt import PromptLayout
@@ -121,8 +121,9 @@ def _reindex_vectors(writer: StoreWriter, device: str, report: RepairReport) -> 
     empty (the published one was unreadable) is rebuilt from the chunk texts."""
     catalog = writer.catalog
     embedder: Embedder | None = None
+    recorded = EmbedPrompts.from_meta(catalog.meta().get("embedder_prompts"))
     if writer.vectors is None:  # started empty: the new index replaces the old one even if it holds nothing
-        embedder = Embedder.load(catalog.meta()["embedder"], device)
+        embedder = Embedder.load(catalog.meta()["embedder"], device, recorded)
         writer.ensure_vectors(embedder.dim).mark_changed()
     vectors = writer.vectors
     assert vectors is not None  # a writer that repairs has opened (or just made) its index
@@ -131,7 +132,7 @@ def _reindex_vectors(writer: StoreWriter, device: str, report: RepairReport) -> 
     vectors.remove(sorted(indexed - chunks))
     missing = sorted(chunks - indexed)
     if missing:
-        embedder = embedder or Embedder.load(catalog.meta()["embedder"], device)
+        embedder = embedder or Embedder.load(catalog.meta()["embedder"], device, recorded)
         texts = catalog.documents.chunk_texts(missing)
-        vectors.add(missing, embedder.embed([texts[i] for i in missing]))
+        vectors.add(missing, embedder.embed_documents([texts[i] for i in missing]))
     report.chunks_reembedded = len(missing)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -34,6 +35,9 @@ def store_stats(snapshot: StoreSnapshot) -> dict:
             "delta_rows": catalog.delta_rows(),
         },
         "embedder": catalog.meta().get("embedder"),
+        # {"query", "document"}: the text put before each side when embedding; None: the store was
+        # written before prompts were recorded, and both sides are embedded plainly, as it was built
+        "embedder_prompts": json.loads(prompts) if (prompts := catalog.meta().get("embedder_prompts")) else None,
         "profiles": [
             {
                 "model": p.model_name,

@@ -4,6 +4,7 @@ folder's or an S3 store's); reading one: ragkv.store.snapshot."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -245,6 +246,12 @@ class StoreWriter:
             raise StoreFormatError(f"store {self.root} holds {self.vectors.dim}-dim vectors, the embedder gives {dim}")
         return self.vectors
 
+    def fresh_vectors(self, dim: int) -> VectorIndex:
+        """An empty index that replaces the published one on publish: the embedding space changed."""
+        self.vectors = VectorIndex(dim, self.root / SEGMENT_DIR)
+        self.vectors.mark_changed()
+        return self.vectors
+
     def adopt_orphans(self) -> list[SealedEntry]:
         """Commit rows for verified entries of sealed shards the catalog does not reference:
         the work of a writer killed after sealing them. KV is content-addressed, so such an
@@ -388,8 +395,6 @@ class StoreWriter:
 
 
 def _is_key(name: str) -> bool:
-    try:
-        KVKey.from_string(name)
-        return True
-    except StoreFormatError:
-        return False
+    with contextlib.suppress(StoreFormatError):
+        return bool(KVKey.from_string(name))
+    return False

@@ -20,11 +20,15 @@ import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ragkv.core.errors import InputError, MissingExtraError, ModelError
 from ragkv.store.objects import is_remote
+
+if TYPE_CHECKING:
+    from ragkv.model.embed import EmbedPrompts
 
 RETRIES = 4  # actor restarts and task retries before the job fails
 DEFAULT_BATCH_ROWS = 8  # chunks per map_batches call (one shard each)
@@ -36,6 +40,7 @@ class WorkerSpec:
 
     model: str
     embedder: str
+    embedder_prompts: EmbedPrompts
     device: str
     dtype: str
     model_fingerprint: str
@@ -99,7 +104,7 @@ class KVWorker:
                 f"worker on {os.uname().nodename} loaded a different {spec.model} "
                 f"(weights or tokenizer differ from the driver's): its KV would not match the keys"
             )
-        self.embedder = Embedder.load(spec.embedder, spec.device)
+        self.embedder = Embedder.load(spec.embedder, spec.device, spec.embedder_prompts)
         self.prefix_kv = compute_prefix(self.lm.model, spec.prefix_ids)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -111,7 +116,7 @@ class KVWorker:
         vectors = np.zeros((n, self.embedder.dim), dtype=np.float32)
         embed_rows = np.flatnonzero(batch["embed"])
         if len(embed_rows):
-            vectors[embed_rows] = self.embedder.embed([str(batch["text"][i]) for i in embed_rows])
+            vectors[embed_rows] = self.embedder.embed_documents([str(batch["text"][i]) for i in embed_rows])
 
         sink = ShardSink(self.spec.shard_target, self.spec.shard_metadata)
         kv_rows = [i for i in range(n) if batch["key"][i] and not batch["prefix"][i]]

@@ -11,6 +11,7 @@ import numpy as np
 
 from ragkv.core.config import IngestSettings, ModelSettings
 from ragkv.core.keys import Profile
+from ragkv.model.embed import EmbedPrompts
 from ragkv.model.forward import shard_metadata
 from ragkv.model.llm import LoadedModel
 from ragkv.pipelines.engines import ray_engine
@@ -46,9 +47,11 @@ def run_ray_job(
     settings: IngestSettings,
     vectors,
     reporter: Reporter,
+    embedder_prompts: EmbedPrompts,
 ) -> RayOutcome:
-    """Embed `to_embed` and compute `work` (ingest's pending chunks, and the prefix when
-    `prefix_key`) on Ray; commit what comes back to `writer`'s catalog and `vectors`."""
+    """Embed `to_embed` (with `embedder_prompts`, the store's) and compute `work` (ingest's
+    pending chunks, and the prefix when `prefix_key`) on Ray; commit what comes back to
+    `writer`'s catalog and `vectors`."""
     outcome = RayOutcome()
     rows = _rows(to_embed, work, prefix_key)
     if not rows:
@@ -56,6 +59,7 @@ def run_ray_job(
     spec = ray_engine.WorkerSpec(
         model=job.model.model,
         embedder=job.model.embedder,
+        embedder_prompts=embedder_prompts,
         device=job.model.device,
         dtype=job.model.dtype,
         model_fingerprint=profile.model_fingerprint,

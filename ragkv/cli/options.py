@@ -59,6 +59,13 @@ RerankOption = typer.Option(
     help="Retrieve this many candidates, score each by how likely the model finds the question after it "
     "(over its stored KV: one batched question prefill), keep the best. 0: retrieval order.",
 )
+RerankerOption = typer.Option(
+    "kv",
+    "--reranker",
+    help="What scores the --rerank candidates: kv (the model over their stored KV), a cross-encoder (a "
+    "sentence-transformers CrossEncoder folder or hub id, e.g. cross-encoder/ms-marco-MiniLM-L6-v2: reads "
+    "question and chunk text together), or kv+MODEL (kv first, then the cross-encoder on its best 2 x top-k).",
+)
 RetrievalOption = typer.Option(
     DEFAULT_RETRIEVAL,
     "--retrieval",
@@ -68,9 +75,9 @@ RetrievalOption = typer.Option(
 FilterOption = typer.Option(
     None,
     "--filter",
-    help="Only documents matching FIELD OP VALUE (repeat: all must match). Fields: id, path, title, modified, "
-    "format, source, or a jsonl record's own; OP: = != > >= < <= (= and != take * and ?). "
-    "E.g. --filter 'path=runbooks/*' --filter 'year>=2025'.",
+    help="Only documents matching FIELD OP VALUE (repeat: all must match; join comparisons with 'or' for "
+    "either). Fields: id, path, title, modified, format, source, or a jsonl record's own; OP: = != > >= < <= "
+    "(= and != take * and ?). E.g. --filter 'path=runbooks/* or team=ops' --filter 'year>=2025'.",
 )
 
 
@@ -79,6 +86,18 @@ ModelOption = typer.Option(
 )
 EmbedderOption = typer.Option(
     DEFAULT_EMBEDDER, "--embedder", help="sentence-transformers folder or hub id (default: bundled all-MiniLM-L6-v2)."
+)
+QueryPromptOption = typer.Option(
+    None,
+    "--query-prompt",
+    help="Text put before each question when embedding it (default: the embedder's own query prompt, as "
+    "sentence-transformers' encode_query applies it; e5 wants 'query: '). Recorded in the store.",
+)
+DocumentPromptOption = typer.Option(
+    None,
+    "--document-prompt",
+    help="Text put before each chunk when embedding it (default: the embedder's own document prompt, as "
+    "encode_document applies it; e5 wants 'passage: '). Recorded in the store; a change re-embeds its chunks.",
 )
 DtypeOption = typer.Option(
     "auto",
@@ -196,10 +215,19 @@ def _ingest_settings(
     span_tokens,
     max_doc_bytes,
     calibrate,
+    query_prompt,
+    document_prompt,
 ) -> tuple[ModelSettings, IngestSettings]:
     limit = {} if max_doc_bytes is None else {"max_document_bytes": parse_size(max_doc_bytes, "--max-doc-bytes")}
     return (
-        ModelSettings(model=model, embedder=embedder, device=device, dtype=dtype),
+        ModelSettings(
+            model=model,
+            embedder=embedder,
+            device=device,
+            dtype=dtype,
+            query_prompt=query_prompt,
+            document_prompt=document_prompt,
+        ),
         IngestSettings(
             chunk_tokens=chunk_tokens,
             system_prompt=system_prompt,
@@ -226,6 +254,8 @@ ingest_options = OptionGroup(
         ("span_tokens", int, SpanTokensOption),
         ("max_doc_bytes", str | None, MaxDocBytesOption),
         ("calibrate", bool, CalibrateOption),
+        ("query_prompt", str | None, QueryPromptOption),
+        ("document_prompt", str | None, DocumentPromptOption),
     ),
     _ingest_settings,
 )
@@ -272,8 +302,14 @@ retrieval_options = OptionGroup(
         ("retrieval", str, RetrievalOption),
         ("filters", list[str] | None, FilterOption),
         ("rerank", int, RerankOption),
+        ("reranker", str, RerankerOption),
     ),
-    lambda retrieval, filters, rerank: {"retrieval": retrieval, "filters": tuple(filters or ()), "rerank": rerank},
+    lambda retrieval, filters, rerank, reranker: {
+        "retrieval": retrieval,
+        "filters": tuple(filters or ()),
+        "rerank": rerank,
+        "reranker": reranker,
+    },
 )
 
 

@@ -191,11 +191,18 @@ def budget_lines(summary: dict) -> list[str]:
     return [f"{summary['store']}: KV takes {format_bytes(summary['kv_bytes'])} of {held}{evicted}"]
 
 
+def _prompts(prompts: dict | None) -> str:
+    if prompts is None:
+        return "none recorded (written before ragkv recorded them): questions and chunks embedded plainly"
+    return f"query {prompts['query']!r}, document {prompts['document']!r}"
+
+
 def stats_lines(summary: dict) -> list[str]:
     lines = [
         f"{summary['store']} generation {summary['generation']} (written by ragkv {summary['written_by']}): "
         f"{summary['documents']} documents, "
-        f"{summary['chunks']} chunks, {summary['kv_entries']} KV entries; embedder {summary['embedder']}"
+        f"{summary['chunks']} chunks, {summary['kv_entries']} KV entries; embedder {summary['embedder']}",
+        f"  embedding prompts: {_prompts(summary.get('embedder_prompts'))}",
     ]
     lines += [
         f"  {p['model']} ({p['dtype']}): {p['chunks']} chunks, {p['tokens']:,} tokens, {mib(p['kv_bytes'])}"

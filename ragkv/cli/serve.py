@@ -23,6 +23,7 @@ def _serve_settings(**values):
             "api_key": values["api_key"] or None,
             "pending_bytes": parse_size(values["pending_bytes"], "--pending-bytes"),
             "audit_max_bytes": parse_size(values["audit_max_bytes"], "--audit-max-bytes"),
+            "rerankers": tuple(values["rerankers"] or ()),
         }
     )
 
@@ -76,6 +77,16 @@ serve_options = OptionGroup(
                 "--isolate-tenants",
                 help="Key the RAM tier of stored KV by tenant too, and store no KV computed on a miss: no tenant "
                 "can time what another read. Costs a read (or a prefill) per tenant. See docs/tenants.md.",
+            ),
+        ),
+        (
+            "rerankers",
+            list[str] | None,
+            typer.Option(
+                None,
+                "--reranker",
+                help="A cross-encoder requests may name in ragkv.reranker (repeat for several): a sentence-"
+                "transformers CrossEncoder folder or hub id, loaded on first use. Requests can name no other.",
             ),
         ),
         (

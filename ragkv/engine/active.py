@@ -8,7 +8,7 @@ from ragkv.core.cpu import run_aside
 from ragkv.core.errors import ModelError, StoreEmptyError
 from ragkv.kv import codec
 from ragkv.model import self_check
-from ragkv.model.embed import Embedder
+from ragkv.model.embed import Embedder, EmbedPrompts
 from ragkv.model.llm import LoadedModel, load_model, model_name
 from ragkv.model.profiles import ActiveProfile, candidates, first_matching
 from ragkv.store import StoreSnapshot
@@ -77,7 +77,7 @@ def open_model(
 def open_embedder(snapshot: StoreSnapshot, name: str | None, device: str) -> Embedder:
     """The embedder the store was built with (`name` must be it, when given)."""
     meta = snapshot.catalog.meta()
-    embedder = Embedder.load(name or meta["embedder"], device)
+    embedder = Embedder.load(name or meta["embedder"], device, EmbedPrompts.from_meta(meta.get("embedder_prompts")))
     if embedder.fingerprint != meta.get("embedder_fingerprint"):
         raise ModelError(
             f"embedder {name} differs from the one store {snapshot.location} was built with "

@@ -64,6 +64,7 @@ class Stats:
     ram_misses: int = 0  # chunk KV read (and verified) from the store
     generated_tokens: int = 0
     retrieval_ms: float = 0.0  # question embedding + vector search
+    embed_ms: float = 0.0  # of retrieval_ms: the question's embedding
     catalog_ms: float = 0.0  # catalog lookup of the retrieved chunks and their KV entries
     rerank_ms: float = 0.0  # --rerank: scoring the candidates with the model over their stored KV
     num_reranked: int = 0  # --rerank: candidates scored (0: no rerank)

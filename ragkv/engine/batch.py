@@ -144,7 +144,7 @@ def search_all(engine, questions: list[Question], settings: SearchSettings) -> I
         except RagkvError as exc:
             yield {"id": question.id, "line": question.line, "error": str(exc)}
             continue
-        yield {"id": question.id, "results": [r.to_dict() for r in found]} | (
+        yield {"id": question.id, "results": [r.to_dict() for r in found], "latency_ms": found.latency_ms} | (
             {"warnings": found.warnings} if found.warnings else {}
         )
 

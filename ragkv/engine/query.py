@@ -10,7 +10,14 @@ from pathlib import Path
 
 import torch
 
-from ragkv.core.config import DEFAULT_RETRIEVAL, KV_DTYPES, AskSettings, SearchSettings, resolve_device
+from ragkv.core.config import (
+    DEFAULT_RETRIEVAL,
+    KV_DTYPES,
+    KV_RERANKER,
+    AskSettings,
+    SearchSettings,
+    resolve_device,
+)
 from ragkv.core.errors import InputError, ModelError
 from ragkv.core.lru import ByteLRU
 from ragkv.core.scope import Scope
@@ -151,6 +158,7 @@ class QueryEngine:
         doc_ids: Sequence[str] | None = None,
         filters: Sequence[str] = (),
         settings: SearchSettings | None = None,
+        reranker: str = KV_RERANKER,
     ) -> Searched:
         """The `top_k` chunks for `question` (`SearchResult`s), best first, without generating:
         the first stage's (`retrieval`: dense, lexical or hybrid), or with `rerank` N > 1 the
@@ -158,7 +166,9 @@ class QueryEngine:
         from the documents `doc_ids` names and `filters` admit (ragkv.core.filters). Iterate it for
         the results; `.warnings` says what fell back. `ragkv search`, `/v1/retrieve` and the
         framework retrievers all call this. `settings`, when given, stands for all the others."""
-        settings = settings or SearchSettings(top_k, retrieval, rerank, _ids(doc_ids), tuple(filters))
+        settings = settings or SearchSettings(
+            top_k, retrieval, rerank, _ids(doc_ids), tuple(filters), reranker=reranker
+        )
         return self.engine.call(self.runtime.search, question, settings)
 
     def search_soon(self, question: str, settings: SearchSettings) -> Future:
@@ -186,10 +196,11 @@ class QueryEngine:
         *,
         retrieval: str = DEFAULT_RETRIEVAL,
         filters: Sequence[str] = (),
+        reranker: str = KV_RERANKER,
     ) -> Retrieved:
         """`search`'s chunks as catalog rows with their scores, widened to `context` (see
         `ragkv.retrieval.retriever.Retriever.widen`)."""
-        settings = SearchSettings(top_k, retrieval, rerank, _ids(doc_ids), tuple(filters))
+        settings = SearchSettings(top_k, retrieval, rerank, _ids(doc_ids), tuple(filters), reranker=reranker)
         return self.engine.call(self.runtime.retrieve, question, settings, context)
 
     def prompt_for(self, question: str, settings: AskSettings) -> Prompt:

@@ -5,11 +5,12 @@ is the one seam a prompt is built through (ask, conversations, the batcher, the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass
 from typing import TypeVar
 
-from ragkv.core.config import AskSettings, SearchSettings
+from ragkv.core.config import AskSettings, SearchSettings, parse_reranker
 from ragkv.core.errors import InputError
 from ragkv.core.scope import Scope, narrowest
 from ragkv.engine.answer import Savings, Source, Stats
@@ -18,7 +19,8 @@ from ragkv.model.llm import LoadedModel
 from ragkv.model.profiles import ActiveProfile
 from ragkv.modes import calibration
 from ragkv.modes.assemble import Assembly
-from ragkv.retrieval.rerank import FIRST_WEIGHT, Reranker
+from ragkv.retrieval.cross_encoder import CrossEncoders, cross_rerank
+from ragkv.retrieval.rerank import FIRST_WEIGHT, Reranked, Reranker
 from ragkv.retrieval.retriever import Retrieved, Retriever, SearchResult
 from ragkv.retrieval.search import Searched
 from ragkv.store import Hit, StoreSnapshot
@@ -88,7 +90,7 @@ class Runtime:
     def _prepare(self, question: str, settings: AskSettings) -> Prepared:
         resolved = calibration.resolve(settings, self.calibration)
         settings = resolved.settings
-        prompt = self.retriever.prompt_for(question, settings, self.reranker.best)
+        prompt = self.retriever.prompt_for(question, settings, functools.partial(self.best, settings=settings.search))
         load_start = time.perf_counter()
         loaded = self.loader.load([row for row, _ in prompt.retrieved], prompt.chunk_ids, settings, prompt.question_ids)
         kv_load_ms = (time.perf_counter() - load_start) * 1000.0
@@ -125,13 +127,47 @@ class Runtime:
 
     def _search(self, question: str, settings: SearchSettings) -> Searched:
         searched = self.retriever.search(question, settings)
+        latency = searched.latency_ms
+        start = time.perf_counter()
         hits = self.retriever.rows(searched.hits)
+        latency["catalog_ms"] = (time.perf_counter() - start) * 1000.0
         if settings.rerank < 2 or len(hits) < 2:
             results = [_result(row, score, score, None) for row, score in hits[: settings.top_k]]
-            return Searched(results, searched.retrieval, searched.warnings)
-        reranked = self.reranker.rerank(question, hits)
+            return Searched(results, searched.retrieval, searched.warnings, latency)
+        reranked = self.rerank(question, hits, settings, latency)
         results = [_result(s.row, s.score, s.first_score, s.model_score) for s in reranked.scored[: settings.top_k]]
-        return Searched(results, searched.retrieval, searched.warnings + reranked.warnings)
+        return Searched(results, searched.retrieval, searched.warnings + reranked.warnings, latency)
+
+    def rerank(
+        self, question: str, candidates: Retrieved, settings: SearchSettings, latency: dict[str, float] | None = None
+    ) -> Reranked:
+        """`candidates` ordered by `settings.reranker` (ragkv.retrieval.cross_encoder): the model
+        over their stored KV, a cross-encoder, or the first then the second on its best
+        2 x top_k. Each one's time goes into `latency` (rerank_ms, cross_encoder_ms)."""
+        latency = {} if latency is None else latency
+        over_kv, cross = parse_reranker(settings.reranker)
+        warnings: list[str] = []
+        if over_kv:
+            reranked = self.reranker.rerank(question, candidates)
+            latency["rerank_ms"] = reranked.rerank_ms
+            if cross is None:
+                return reranked
+            warnings = reranked.warnings
+            candidates = [(s.row, s.first_score) for s in reranked.scored[: 2 * settings.top_k]]
+        assert cross is not None  # the stored-KV rerank alone returned above
+        model = CrossEncoders.get(cross, self.loader.reads.device)
+        crossed = cross_rerank(model, question, candidates)
+        latency["cross_encoder_ms"] = crossed.rerank_ms
+        crossed.warnings = warnings + crossed.warnings
+        return crossed
+
+    def best(
+        self, question: str, candidates: Retrieved, top_k: int, settings: SearchSettings
+    ) -> tuple[Retrieved, list[str]]:
+        """The best `top_k` of `candidates` by `rerank`, with their scores, and warnings (what a
+        prompt takes: `Retriever.prompt_for`)."""
+        reranked = self.rerank(question, candidates, settings)
+        return [(s.row, s.score) for s in reranked.scored[:top_k]], reranked.warnings
 
     def retrieve(self, question: str, settings: SearchSettings, context: str) -> Retrieved:
         """`search`'s chunks as catalog rows with their scores, widened to `context` (see

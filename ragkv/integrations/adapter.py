@@ -15,6 +15,7 @@ from ragkv.core.config import (
     DEFAULT_REPETITION_PENALTY,
     DEFAULT_RERANK,
     DEFAULT_RETRIEVAL,
+    KV_RERANKER,
     AskSettings,
 )
 from ragkv.core.errors import InputError
@@ -33,6 +34,7 @@ class AnswerOptions(BaseModel):
     context: str = "span"
     mode: str = "exact"
     rerank: int = DEFAULT_RERANK  # retrieving: candidates the model scores (as `ragkv ask --rerank`)
+    reranker: str = KV_RERANKER  # what scores them: kv, a cross-encoder, or kv+MODEL (as `ragkv ask --reranker`)
     retrieval: str = DEFAULT_RETRIEVAL  # retrieving: dense, lexical or hybrid (as `ragkv ask --retrieval`)
     max_tokens: int = 128
     temperature: float = 0.0
@@ -77,10 +79,13 @@ def retrieve(
     rerank: int = 0,
     retrieval: str = DEFAULT_RETRIEVAL,
     filters: Sequence[str] = (),
+    reranker: str = KV_RERANKER,
 ) -> list[tuple[Any, float, dict]]:
-    """(row, score, identity) of the chunks `engine.search` finds for `question` (reranked with
-    `rerank` > 1; only from documents `filters` admit), widened to `context`."""
-    hits = engine.retrieve(question, top_k, doc_ids, context, rerank, retrieval=retrieval, filters=filters)
+    """(row, score, identity) of the chunks `engine.search` finds for `question` (reranked by
+    `reranker` with `rerank` > 1; only from documents `filters` admit), widened to `context`."""
+    hits = engine.retrieve(
+        question, top_k, doc_ids, context, rerank, retrieval=retrieval, filters=filters, reranker=reranker
+    )
     where = {"store": engine.snapshot.location, "generation": engine.snapshot.generation}
     return [
         (

@@ -56,6 +56,7 @@ class RagkvRetriever(BaseRetriever):
     doc_ids: tuple[str, ...] | None = None
     rerank: int = DEFAULT_RERANK  # as `ragkv ask --rerank`: candidates the model scores over their stored KV
     retrieval: str = DEFAULT_RETRIEVAL  # as `ragkv ask --retrieval`: dense, lexical or hybrid
+    reranker: str = "kv"  # as `ragkv ask --reranker`: kv, a cross-encoder, or kv+MODEL
     # Only documents matching: ragkv filter strings ("year>=2025"), or a vector store's filter
     # dict ({"year": {"$gte": 2025}}); `invoke(query, filter=...)` adds to them per call.
     filter: tuple[str, ...] | dict | None = None
@@ -67,7 +68,15 @@ class RagkvRetriever(BaseRetriever):
         return [
             Document(page_content=row.text, metadata={**adapter.place(row), "score": score, IDENTITY: identity})
             for row, score, identity in adapter.retrieve(
-                self.engine, query, self.top_k, self.context, self.doc_ids, self.rerank, self.retrieval, filters
+                self.engine,
+                query,
+                self.top_k,
+                self.context,
+                self.doc_ids,
+                self.rerank,
+                self.retrieval,
+                filters,
+                self.reranker,
             )
         ]
 

@@ -51,11 +51,13 @@ class RagkvNodeRetriever(BaseRetriever):
         rerank: int = DEFAULT_RERANK,
         retrieval: str = DEFAULT_RETRIEVAL,
         filters: MetadataFilters | Sequence[str] | None = None,
+        reranker: str = "kv",
         **kwargs: Any,
     ):
         self.engine, self.top_k, self.context, self.doc_ids = engine, top_k, context, doc_ids
         self.rerank = rerank  # as `ragkv ask --rerank`: candidates the model scores over their stored KV
         self.retrieval = retrieval  # as `ragkv ask --retrieval`: dense, lexical or hybrid
+        self.reranker = reranker  # as `ragkv ask --reranker`: kv, a cross-encoder, or kv+MODEL
         # Only documents matching: LlamaIndex's MetadataFilters (AND of comparisons), or ragkv filter strings.
         self.filters = filters_of(filters)
         super().__init__(**kwargs)
@@ -70,6 +72,7 @@ class RagkvNodeRetriever(BaseRetriever):
             self.rerank,
             self.retrieval,
             self.filters,
+            self.reranker,
         )
         return [
             NodeWithScore(

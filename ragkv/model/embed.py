@@ -1,9 +1,21 @@
-"""Sentence embeddings for chunks and questions (sentence-transformers, normalised vectors)."""
+"""Sentence embeddings for chunks and questions (sentence-transformers, normalised vectors).
+
+Most embedders are trained with different prompts for the two sides (e5's `query: ` and
+`passage: `, bge, nomic-embed, EmbeddingGemma, Qwen3-Embedding). sentence-transformers keeps
+them in the model's config and applies them in `encode_query` and `encode_document`. ragkv
+embeds questions with `encode_query` and chunks with `encode_document`, each with its prompt
+resolved here as those functions resolve it (or as `ingest --query-prompt/--document-prompt`
+says), and records the prompts in the store: they are part of the embedding space's identity.
+
+A store written before prompts were recorded keeps what it was built with: plain `encode` on
+both sides (`EmbedPrompts.LEGACY`).
+"""
 
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,13 +46,74 @@ def resolve_embedder_path(name: str) -> str:
     return str(path) if path.is_dir() else name
 
 
+QUERY_PROMPT_NAMES = ("query",)  # as encode_query looks for them
+DOCUMENT_PROMPT_NAMES = ("document", "passage", "corpus")  # as encode_document does
+
+
+@dataclass(frozen=True)
+class EmbedPrompts:
+    """The text put before a question (`query`) and before a chunk (`document`). `legacy`: plain
+    `encode` on both sides, as stores written before prompts were recorded were embedded."""
+
+    query: str = ""
+    document: str = ""
+    legacy: bool = False
+
+    def to_meta(self) -> str:
+        """As the store's catalog records it (`embedder_prompts`)."""
+        return json.dumps({"query": self.query, "document": self.document})
+
+    @classmethod
+    def from_meta(cls, text: str | None) -> EmbedPrompts:
+        """What a store recorded; a store that recorded none is `LEGACY`."""
+        if not text:
+            return LEGACY
+        recorded = json.loads(text)
+        return cls(recorded.get("query", ""), recorded.get("document", ""))
+
+    def describe(self) -> str:
+        if self.legacy:
+            return "none recorded (a store written before prompts: plain encode on both sides)"
+        return f"query {self.query!r}, document {self.document!r}"
+
+
+LEGACY = EmbedPrompts(legacy=True)
+
+
+def declared_prompts(model, query: str | None = None, document: str | None = None) -> EmbedPrompts:
+    """The prompts `model` (a SentenceTransformer) applies in encode_query and encode_document:
+    the first of its named prompts each looks for, else its default prompt, else none. `query`
+    and `document`, when given, override them."""
+    prompts = dict(getattr(model, "prompts", None) or {})
+    default = prompts.get(getattr(model, "default_prompt_name", None) or "", "")
+
+    def first(names: tuple[str, ...]) -> str:
+        return next((prompts[n] for n in names if n in prompts), default)
+
+    return EmbedPrompts(
+        query if query is not None else first(QUERY_PROMPT_NAMES),
+        document if document is not None else first(DOCUMENT_PROMPT_NAMES),
+    )
+
+
 @dataclass
 class Embedder:
     name: str
     model: Any  # SentenceTransformer
+    prompts: EmbedPrompts = field(default=LEGACY)
+    prompts_asked: bool = False  # a query or document prompt was given (not the model's, nor a store's)
 
     @classmethod
-    def load(cls, name: str, device: str) -> Embedder:
+    def load(
+        cls,
+        name: str,
+        device: str,
+        prompts: EmbedPrompts | None = None,
+        query_prompt: str | None = None,
+        document_prompt: str | None = None,
+    ) -> Embedder:
+        """The embedder `name` on `device`, embedding with `prompts` (a store's recorded ones), or
+        with the model's declared prompts overridden by `query_prompt` and `document_prompt`."""
         from sentence_transformers import SentenceTransformer
 
         path = resolve_embedder_path(name)
@@ -53,7 +126,8 @@ class Embedder:
                 model = SentenceTransformer(path, device=device)
         except Exception as exc:
             raise ModelError(f"could not load embedder {name!r}: {exc}".splitlines()[0]) from exc
-        return cls(name=name, model=model)
+        asked = query_prompt is not None or document_prompt is not None
+        return cls(name, model, prompts or declared_prompts(model, query_prompt, document_prompt), asked)
 
     @property
     def dim(self) -> int:
@@ -64,18 +138,40 @@ class Embedder:
         )
 
     @property
-    def fingerprint(self) -> str:
-        """Identity of the embedding space: the weights where they are a local folder, else name and dim."""
+    def weights_fingerprint(self) -> str:
+        """Identity of the model: its weights where they are a local folder, else name and dim."""
         folder = Path(resolve_embedder_path(self.name))
-        if folder.is_dir():
-            return folder_fingerprint(folder)
-        return digest(self.name, str(self.dim))
+        return folder_fingerprint(folder) if folder.is_dir() else digest(self.name, str(self.dim))
 
-    def embed(self, texts: list[str], batch_size: int = 32) -> np.ndarray:
-        """`(N, dim)` float32, L2-normalised (inner product = cosine)."""
+    @property
+    def fingerprint(self) -> str:
+        """Identity of the embedding space: the model and the prompts (a legacy store's: the
+        model alone, as it recorded it)."""
+        if self.prompts.legacy:
+            return self.weights_fingerprint
+        return digest(self.weights_fingerprint, "prompts", self.prompts.query, self.prompts.document)
+
+    def meta(self) -> dict[str, str]:
+        """What a store records of its embedder (the catalog's meta)."""
+        recorded = {"embedder": self.name, "embedder_fingerprint": self.fingerprint}
+        if not self.prompts.legacy:
+            recorded |= {"embedder_prompts": self.prompts.to_meta(), "embedder_weights": self.weights_fingerprint}
+        return recorded
+
+    def embed_queries(self, texts: list[str], batch_size: int = 32) -> np.ndarray:
+        """Questions as vectors (encode_query, with the query prompt): `(N, dim)` float32, L2-normalised."""
+        return self._encode("encode_query", self.prompts.query, texts, batch_size)
+
+    def embed_documents(self, texts: list[str], batch_size: int = 32) -> np.ndarray:
+        """Chunks as vectors (encode_document, with the document prompt): `(N, dim)` float32, L2-normalised."""
+        return self._encode("encode_document", self.prompts.document, texts, batch_size)
+
+    def _encode(self, side: str, prompt: str, texts: list[str], batch_size: int) -> np.ndarray:
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
-        vectors = self.model.encode(
-            texts, batch_size=batch_size, normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False
-        )
+        options = {"batch_size": batch_size, "normalize_embeddings": True, "convert_to_numpy": True}
+        if self.prompts.legacy or not hasattr(self.model, side):
+            vectors = self.model.encode(texts, show_progress_bar=False, **options)
+        else:  # the side's own function: it also routes asymmetric models (a Router module) by task
+            vectors = getattr(self.model, side)(texts, prompt=prompt, show_progress_bar=False, **options)
         return np.asarray(vectors, dtype=np.float32)

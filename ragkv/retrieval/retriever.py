@@ -36,6 +36,7 @@ class Prompt:
     question_ids: list[int]  # its tail: the question with its template
     chunk_ids: list[tuple[int, ...]]  # each retrieved chunk's token ids
     retrieval_ms: float = 0.0  # question embedding + vector search
+    embed_ms: float = 0.0  # of retrieval_ms: the question's embedding
     catalog_ms: float = 0.0  # catalog rows of the hits
     rerank_ms: float = 0.0  # scoring the candidates with the model (0: no rerank)
     num_reranked: int = 0  # candidates the rerank scored
@@ -120,14 +121,12 @@ class Retriever:
         if given:
             check_text(question)
         search = settings.search if reranks else dataclasses.replace(settings.search, rerank=0)
+        embed_ms = 0.0
         if given:
-            given_ids = self.visible(settings.search, [chunk_id for chunk_id, _ in settings.chunks or ()])
-            hits = [Hit(*chunk) for chunk in settings.chunks or () if chunk[0] in given_ids]
-            if len(hits) < len(settings.chunks or ()):
-                raise self._not_in_store(len(settings.chunks or ()) - len(hits))
+            hits = self._given(settings)
         else:
             searched = self.search(question, search)
-            hits = searched.hits
+            hits, embed_ms = searched.hits, searched.latency_ms.get("embed_ms", 0.0)
             warnings += searched.warnings
         retrieval_ms = _ms(start)
         catalog_start = time.perf_counter()
@@ -158,12 +157,23 @@ class Retriever:
             self.layout.prompt_ids(chunk_ids, question_ids),
             question_ids,
             chunk_ids,
-            retrieval_ms,
-            catalog_ms,
-            rerank_ms,
-            num_reranked,
-            warnings,
+            retrieval_ms=retrieval_ms,
+            embed_ms=embed_ms,
+            catalog_ms=catalog_ms,
+            rerank_ms=rerank_ms,
+            num_reranked=num_reranked,
+            warnings=warnings,
         )
+
+    def _given(self, settings: AskSettings) -> list[Hit]:
+        """The chunks the caller gave (`settings.chunks`), as hits; InputError if any is outside
+        the scope, as if it were not in the store."""
+        given = settings.chunks or ()
+        visible = self.visible(settings.search, [chunk_id for chunk_id, _ in given])
+        hits = [Hit(*chunk) for chunk in given if chunk[0] in visible]
+        if len(hits) < len(given):
+            raise self._not_in_store(len(given) - len(hits))
+        return hits
 
     def _not_in_store(self, num_missing: int) -> InputError:
         return InputError(

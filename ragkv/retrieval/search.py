@@ -11,6 +11,7 @@ whose lexical index is damaged or incomplete, is answered by dense search, and s
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -33,6 +34,8 @@ class Searched:
     hits: list
     retrieval: str  # what answered: the one asked for, or "dense" when lexical could not
     warnings: list[str] = field(default_factory=list)
+    # ms per stage: embed, dense, lexical, fuse (the first stage's), catalog, rerank (the engine's)
+    latency_ms: dict[str, float] = field(default_factory=dict)
 
     def __iter__(self) -> Iterator:
         return iter(self.hits)
@@ -53,9 +56,20 @@ def first_stage(
     allowed: Sequence[int] | None = None,
 ) -> Searched:
     """The `k` best chunks for `question` by `retrieval` (one of RETRIEVALS); only chunk ids in
-    `allowed` when given."""
+    `allowed` when given. Each stage's time is in the result's `latency_ms`."""
+    latency: dict[str, float] = {}
+
+    def dense(depth: int) -> list[Hit]:
+        start = time.perf_counter()
+        vector = embedder.embed_queries([question])[0]
+        latency["embed_ms"] = _ms(start)
+        start = time.perf_counter()
+        hits = vectors.search(vector, depth, allowed)
+        latency["dense_ms"] = _ms(start)
+        return hits
+
     if retrieval == "dense":
-        return Searched(_dense(vectors, embedder, question, k, allowed), "dense")
+        return Searched(dense(k), "dense", latency_ms=latency)
     terms, why_not = query_terms(question), ""
     if not terms:
         why_not = "the question has no words a lexical search can match on"
@@ -65,20 +79,25 @@ def first_stage(
         )
     if not why_not:
         depth = k if retrieval == "lexical" else max(2 * k, FUSION_DEPTH)
+        start = time.perf_counter()
         try:
             lexical = vectors.search_terms(terms, depth, allowed)
         except StoreCorruptError as exc:
             why_not = str(exc)
+        latency["lexical_ms"] = _ms(start)
     if why_not:
-        return Searched(_dense(vectors, embedder, question, k, allowed), "dense", [f"{why_not}: dense retrieval only"])
+        return Searched(dense(k), "dense", [f"{why_not}: dense retrieval only"], latency)
     if retrieval == "lexical":
-        return Searched(lexical, "lexical")
-    dense = _dense(vectors, embedder, question, max(2 * k, FUSION_DEPTH), allowed)
-    return Searched(fuse(dense, lexical, LEXICAL_WEIGHT)[:k], "hybrid")
+        return Searched(lexical, "lexical", latency_ms=latency)
+    candidates = dense(max(2 * k, FUSION_DEPTH))
+    start = time.perf_counter()
+    fused = fuse(candidates, lexical, LEXICAL_WEIGHT)[:k]
+    latency["fuse_ms"] = _ms(start)
+    return Searched(fused, "hybrid", latency_ms=latency)
 
 
-def _dense(vectors: VectorIndex, embedder: Embedder, question: str, k: int, allowed) -> list[Hit]:
-    return vectors.search(embedder.embed([question])[0], k, allowed)
+def _ms(since: float) -> float:
+    return (time.perf_counter() - since) * 1000.0
 
 
 def fuse(dense: Sequence[Hit], lexical: Sequence[Hit], lexical_weight: float) -> list[Hit]:

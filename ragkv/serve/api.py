@@ -19,11 +19,13 @@ from ragkv.core.config import (
     DEFAULT_REPETITION_PENALTY,
     DEFAULT_RERANK,
     DEFAULT_RETRIEVAL,
+    KV_RERANKER,
     MAX_RERANK,
     MAX_SEED,
     MAX_TOP_K,
     AskSettings,
     SearchSettings,
+    parse_reranker,
 )
 from ragkv.core.errors import InputError, ModelError, RagkvError, StoreEmptyError
 from ragkv.core.text import check_text
@@ -60,6 +62,7 @@ class ServeSettings:
     audit_log: str | None = None  # JSON lines, one per answered request (ragkv.serve.audit); None: off
     audit_max_bytes: int = 100 << 20  # the audit log rotates past this (5 old files kept)
     isolate_tenants: bool = False  # also key the RAM tier of stored KV by tenant (and store no misses)
+    rerankers: tuple[str, ...] = ()  # cross-encoders a request may name in ragkv.reranker (serve --reranker)
 
     def engine_options(self) -> dict:
         """What `ragkv.open` takes of these settings: how the engine learns from its misses."""
@@ -116,6 +119,7 @@ class RagkvOptions(_Body):
     no_cache: bool = False
     doc_ids: list[str] | None = Field(None, max_length=100)
     rerank: int = Field(DEFAULT_RERANK, ge=0, le=MAX_RERANK)  # candidates the model scores (0: off)
+    reranker: str = Field(KV_RERANKER, max_length=1024)  # kv, or a cross-encoder the server offers (or kv+it)
     retrieval: str = DEFAULT_RETRIEVAL  # one of config.RETRIEVALS
     filters: list[str] = Field(default_factory=list, max_length=32)  # ragkv.core.filters' grammar, all must match
 
@@ -158,13 +162,25 @@ class RetrieveRequest(_Body):
     top_k: int = Field(5, ge=1, le=MAX_TOP_K)
     retrieval: str = DEFAULT_RETRIEVAL  # one of config.RETRIEVALS (checked by SearchSettings)
     rerank: int = Field(0, ge=0, le=MAX_RERANK)  # score this many candidates with the model (0: off)
+    reranker: str = Field(KV_RERANKER, max_length=1024)  # kv, or a cross-encoder the server offers (or kv+it)
     doc_ids: list[str] | None = Field(None, max_length=100)
     filters: list[str] = Field(default_factory=list, max_length=32)  # ragkv.core.filters' grammar, all must match
 
     def settings(self) -> SearchSettings:
         """As the search's settings (InputError, a 400, for a retrieval or filter it refuses)."""
         doc_ids = tuple(self.doc_ids) if self.doc_ids is not None else None
-        return SearchSettings(self.top_k, self.retrieval, self.rerank, doc_ids, tuple(self.filters))
+        return SearchSettings(
+            self.top_k, self.retrieval, self.rerank, doc_ids, tuple(self.filters), reranker=self.reranker
+        )
+
+
+def check_reranker(settings: ServeSettings, reranker: str) -> None:
+    """InputError (a 400) for a `reranker` naming a cross-encoder this server does not offer: a
+    client never makes the server load a model (or read a folder) it was not started with."""
+    _, cross = parse_reranker(reranker)
+    if cross is not None and cross not in settings.rerankers:
+        offered = ", ".join(settings.rerankers) or "none (serve --reranker MODEL offers one)"
+        raise InputError(f"ragkv.reranker: the cross-encoder {cross[:200]!r} is not offered here; offered: {offered}")
 
 
 # -- errors --------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from ragkv.serve.api import (
     ChatRequest,
     RetrieveRequest,
     ServeSettings,
+    check_reranker,
     chunk_event,
     completion,
     error_event,
@@ -153,6 +154,7 @@ def _add_chat_route(app: FastAPI, served: Served, stepped: Engine, metrics: Metr
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request, caller: Caller = Depends(served.access)):
         store, engine = served.stores.select(body.model, caller)
+        check_reranker(settings, body.ragkv.reranker)
         history, question, warnings = split_messages(body.messages)
         ask = scoped(body.ask_settings(max_tokens(body, settings, warnings, caller.max_tokens)), caller)
         created, reply_id = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
@@ -235,6 +237,7 @@ def _add_info_routes(app: FastAPI, served: Served, stepped: Engine, metrics: Met
     @app.post("/v1/retrieve")
     async def retrieve(body: RetrieveRequest, caller: Caller = Depends(served.access)):
         store, engine = served.stores.select(body.model, caller)
+        check_reranker(served.settings, body.reranker)
         search = scoped(body.settings(), caller)
         found = await asyncio.wrap_future(engine.search_soon(body.query, search))
         served.audit.record("/v1/retrieve", caller, [store], [(r.doc_id, r.chunk_id) for r in found])
@@ -243,6 +246,7 @@ def _add_info_routes(app: FastAPI, served: Served, stepped: Engine, metrics: Met
             "data": [result.to_dict() for result in found],
             "retrieval": found.retrieval,
             "warnings": found.warnings,
+            "latency_ms": found.latency_ms,
         }
 
 

@@ -309,6 +309,8 @@ def refuse_unsupported(options: RagkvOptions) -> None:
         raise InputError("ragkv.repetition_penalty is not available with --engine vllm; send 1.0 (off) or leave it out")
     if "no_repeat_ngram" in options.model_fields_set and options.no_repeat_ngram != 0:
         raise InputError("ragkv.no_repeat_ngram is not available with --engine vllm; send 0 (off) or leave it out")
+    if options.reranker != "kv":
+        raise InputError("ragkv.reranker is not available with --engine vllm (its rerank runs in ragkv); leave it out")
     if "rerank" in options.model_fields_set and options.rerank > 1:
         raise InputError(
             "ragkv.retrieval.rerank is not available with --engine vllm (the rerank runs ragkv's own model); "
