@@ -12,6 +12,8 @@ from ragkv.cli.commands import app, echo_lines
 from ragkv.cli.options import DeviceOption, JsonOption, ModelOverrideOption, StoreOption
 from ragkv.core.config import DEFAULT_RETRIEVAL
 
+STAGES = ("embed", "dense", "lexical", "fuse", "catalog", "rerank", "cross_encoder", "total")  # in the order they run
+
 
 @app.command("eval")
 def evaluate(
@@ -65,7 +67,8 @@ def report_lines(report: dict) -> list[str]:
         cells = [f"{m['mean']:.3f} [{m['low']:.3f},{m['high']:.3f}]" for m in s["metrics"].values()]
         errors = f"  ({s['errors']} errors)" if s["errors"] else ""
         lines.append(f"{s['setting']:<{width}}  " + "  ".join(f"{c:<19}" for c in cells) + errors)
-    stages = list(dict.fromkeys(stage for s in settings for stage in s["latency_ms"]))
+    seen = {stage for s in settings for stage in s["latency_ms"]}
+    stages = [stage for stage in STAGES if stage in seen] + sorted(seen - set(STAGES))
     lines += ["", "latency ms, p50 / p90", f"{'setting':<{width}}  " + "  ".join(f"{n:<15}" for n in stages)]
     for s in settings:
         cells = [
@@ -73,7 +76,7 @@ def report_lines(report: dict) -> list[str]:
             for n in stages
         ]
         lines.append(f"{s['setting']:<{width}}  " + "  ".join(f"{c:<15}" for c in cells))
-    return lines
+    return [line.rstrip() for line in lines]
 
 
 def plot_report(report: dict, path: Path) -> None:
