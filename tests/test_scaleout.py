@@ -329,11 +329,13 @@ def test_a_rebuilt_bucket_is_not_confused_with_the_local_mirror(s3_env, tiny_lla
 def test_a_worker_with_other_weights_fails_the_job_in_one_line(ray_cluster, tiny_llama, tmp_path):
     """A node whose model differs from the driver's must not write KV under the driver's keys."""
     from ragkv.core.errors import ModelError
+    from ragkv.model.embed import EmbedPrompts
     from ragkv.pipelines.engines import ray_engine
 
     spec = ray_engine.WorkerSpec(
         model=str(tiny_llama),
         embedder="all-MiniLM-L6-v2",
+        embedder_prompts=EmbedPrompts(),
         device="cpu",
         dtype="float32",
         model_fingerprint="not-this-model",
