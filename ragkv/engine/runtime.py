@@ -4,7 +4,6 @@ is the one seam a prompt is built through (ask, conversations, the batcher, the 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from dataclasses import dataclass
@@ -12,7 +11,7 @@ from typing import TypeVar
 
 from ragkv.core.config import AskSettings, SearchSettings, parse_reranker
 from ragkv.core.errors import InputError
-from ragkv.core.scope import Scope, narrowest
+from ragkv.core.scope import Scope, bounded
 from ragkv.engine.answer import Savings, Source, Stats
 from ragkv.loading.loader import KVLoader
 from ragkv.model.llm import LoadedModel
@@ -68,9 +67,7 @@ class Runtime:
 
     def scoped(self, settings: S) -> S:
         """`settings` with their scope inside the engine's (unchanged without one)."""
-        if self.scope is None:
-            return settings
-        return dataclasses.replace(settings, scope=narrowest(settings.scope, self.scope))
+        return bounded(settings, self.scope)
 
     def new_stats(self, settings: AskSettings) -> Stats:
         return Stats(mode=self._mode(settings), store_generation=self.snapshot.generation)
@@ -122,7 +119,7 @@ class Runtime:
         stage's, or with `settings.rerank` > 1 the best of its first N as the model scores them
         (ragkv.retrieval.rerank; this uses the model, so call it where the engine's steps run)."""
         settings = self.scoped(settings)
-        with self.loader.tenant(settings.scope.cache_salt() if settings.scope else ""):
+        with self.loader.tenant(settings.cache_salt):
             return self._search(question, settings)
 
     def _search(self, question: str, settings: SearchSettings) -> Searched:

@@ -75,12 +75,6 @@ class Reranker:
         self.instruction = instruction  # the text between the chunk and the question scored
         self.score = score  # "likelihood" (each candidate a row) or "attention" (all in one concatenated cache)
 
-    def best(self, question: str, candidates: Retrieved, top_k: int) -> tuple[Retrieved, list[str]]:
-        """The best `top_k` of `candidates` with their rerank scores, and warnings (what a
-        prompt takes: `Retriever.prompt_for`)."""
-        reranked = self.rerank(question, candidates)
-        return [(s.row, s.score) for s in reranked.scored[:top_k]], reranked.warnings
-
     def rerank(self, question: str, candidates: Retrieved) -> Reranked:
         """`candidates` (row, first-stage score), ordered by the model's score, best first."""
         start = time.perf_counter()

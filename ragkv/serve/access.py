@@ -12,7 +12,6 @@ ragkv.serve.vllm_front).
 
 from __future__ import annotations
 
-import dataclasses
 import hmac
 from collections.abc import Mapping
 from typing import Any, TypeVar
@@ -20,7 +19,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from ragkv.core.config import AskSettings, SearchSettings
-from ragkv.core.scope import narrowest
+from ragkv.core.scope import bounded
 from ragkv.serve.keys import ANYONE, Caller, KeyRing, RateLimits
 
 SERVED_MODEL_ID = "ragkv"  # the id of the one store a plain `ragkv serve` serves; requests may also name the LLM
@@ -84,9 +83,7 @@ class Access:
 def scoped(settings: S, caller: Caller) -> S:
     """`settings` narrowed to the caller's scope: whatever the request said of its scope (it can
     say nothing: the request bodies have no such field) sits inside the caller's."""
-    if caller.scope is None:
-        return settings
-    return dataclasses.replace(settings, scope=narrowest(settings.scope, caller.scope))
+    return bounded(settings, caller.scope)
 
 
 class Stores:

@@ -37,6 +37,7 @@ import tomllib
 
 from ragkv.core.errors import InputError
 from ragkv.core.scope import Scope
+from ragkv.core.text import listed
 
 log = logging.getLogger("ragkv")
 
@@ -110,7 +111,7 @@ def read_keys(path: str | Path) -> KeyFile:
 def parse_keys(data: Mapping[str, Any]) -> KeyFile:
     unknown = sorted(set(data) - {"keys", "stores"})
     if unknown:
-        raise InputError(f"unknown table(s) {', '.join(unknown)}; a keys file has [stores] and [[keys]]")
+        raise InputError(f"unknown table(s) {listed(unknown)}; a keys file has [stores] and [[keys]]")
     stores = data.get("stores", {})
     if not isinstance(stores, Mapping) or not all(isinstance(p, str) and p for p in stores.values()):
         raise InputError('[stores] maps names to store paths: handbook = "/srv/ragkv/handbook"')
@@ -131,7 +132,7 @@ def _caller(entry: Any, number: int) -> Caller:
         raise InputError(f"{where} is not a table")
     unknown = sorted(set(entry) - _KEY_FIELDS)
     if unknown:
-        raise InputError(f"{where}: unknown field(s) {', '.join(unknown)} (fields: {', '.join(sorted(_KEY_FIELDS))})")
+        raise InputError(f"{where}: unknown field(s) {listed(unknown)} (fields: {', '.join(sorted(_KEY_FIELDS))})")
     tenant, digest = entry.get("tenant"), entry.get("sha256")
     if not isinstance(tenant, str) or not tenant:
         raise InputError(f"{where} names no tenant")
