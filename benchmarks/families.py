@@ -42,72 +42,123 @@ def verdicts(family: str, folder: Path) -> dict[str, str]:
     try:
         lm = load_model(str(folder), "cpu", "float32")
     except ModelError as exc:
-        refusal = f"refused: {str(exc).split(': its cache keeps ')[-1].split(',')[0]}"
-        return {"class": str(exc).split()[3], "layout": "-", "engine": refusal, "approx": "refused", "vllm": connector}
+        why = str(exc).split(" exactly: ", 1)[-1].split(";")[0]
+        return {
+            "class": str(exc).split()[3],
+            "layout": "-",
+            "engine": f"refused: {why}",
+            "approx": "refused",
+            "vllm": connector,
+        }
     check = self_check.run(lm.model, lm.tokenizer, "float32", lm.pad_id)
     layout = lm.facts.layout
     try:
         check_supported(lm.model)
         approx = "available (approximate)"
     except ModelError as exc:
-        approx = "refused (" + ("sliding or latent layers" if not layout.is_plain else "its rotary embedding") + ")"
+        approx = "refused (" + ("its layers" if not layout.is_plain else "its rotary embedding") + ")"
         assert "Use --mode exact" in str(exc) or "use --mode exact" in str(exc)
-    windows = ", ".join("full" if w is None else f"sliding {w}" for w in layout.windows)
     return {
         "class": check.model_class,
-        "layout": f"`{layout.name}` ({windows})",
+        "layout": f"`{layout.name}` ({', '.join(layout.describe_layers())})",
         "engine": f"{'exact' if check.passed else 'REFUSED'} (self-test {check.difference:.0e})",
         "approx": approx,
         "vllm": connector,
     }
 
 
+# Reference sizes: transformers' default config of each family, except where that default is not
+# the hybrid the family publishes (all attention, all Mamba, or 4 layers): there, the layer pattern
+# named in the row's config column on transformers' default sizes.
+_NEMOTRON_H_52 = "".join("*" if i in (7, 18, 29, 40) else "M" if i % 2 == 0 else "-" for i in range(52))
+REFERENCES: dict[str, tuple[dict, str]] = {
+    "llama": ({}, ""),
+    "mistral": ({}, ""),
+    "gemma2": ({}, ""),
+    "gemma3_text": ({}, ""),
+    "gemma4_text": ({}, ""),
+    "gpt_oss": ({}, ""),
+    "cohere2": ({}, ""),
+    "deepseek_v3": ({}, ""),
+    "qwen3_5_text": ({}, ""),
+    "qwen3_next": ({}, ""),
+    "falcon_h1": ({}, ""),
+    "lfm2": (
+        dict(
+            hidden_size=2048,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            full_attn_idxs=[2, 5, 8, 10, 12, 14],
+        ),
+        "LFM2-1.2B's shape: 16 layers, 6 attention",
+    ),
+    "granitemoehybrid": (
+        dict(layer_types=["full_attention" if i % 8 == 7 else "linear_attention" for i in range(32)]),
+        "1 attention layer in 8",
+    ),
+    "nemotron_h": (
+        dict(num_hidden_layers=52, hybrid_override_pattern=_NEMOTRON_H_52),
+        "52 layers: 24 Mamba2, 4 attention, 24 MLP",
+    ),
+}
+
+
 def reference_layout(model_type: str) -> tuple[KVLayout, str]:
-    """The layout of transformers' default config of `model_type`, without weights, and its size."""
-    from transformers import AutoConfig, DynamicCache
+    """The layout of a family's reference config (`REFERENCES`) and its size, read off a model
+    on the meta device (shapes, no weights) in bfloat16, as ragkv reads any model's."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-    config = AutoConfig.for_model(model_type)
+    from ragkv.kv.layout import read_layout
+
+    overrides, note = REFERENCES[model_type]
+    config = AutoConfig.for_model(model_type, **overrides)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    cache = DynamicCache(config=config)
+    with torch.inference_mode():
+        model(input_ids=torch.zeros((1, 2), dtype=torch.long, device="meta"), cache=cache, use_cache=True)
     text = config.get_text_config()
-    windows = tuple(getattr(layer, "sliding_window", None) for layer in DynamicCache(config=config).layers)
-    if getattr(text, "kv_lora_rank", None):  # transformers caches the latent and the shared rotary key
-        layout = KVLayout(1, text.kv_lora_rank, text.qk_rope_head_dim, windows)
-    else:
-        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        layout = KVLayout(heads, head_dim, head_dim, windows)
-    return layout, f"{len(windows)} layers, hidden {text.hidden_size}"
+    size = f"{text.num_hidden_layers} layers, hidden {text.hidden_size}" + (f" ({note})" if note else "")
+    return read_layout(cache, model_type), size
 
 
-def stored_bytes(layout: KVLayout, tokens: int) -> int:
-    """Bytes the store keeps of an entry of `tokens` tokens in bfloat16, as codec.encode lays it out."""
+def stored_bytes(layout: KVLayout, tokens: int) -> tuple[int, int]:
+    """Bytes the store keeps of an entry of `tokens` tokens in bfloat16, as codec.encode lays it
+    out: (its KV, its state)."""
     import torch
 
     from ragkv.kv import codec
+    from ragkv.kv.entry import Entry
 
-    entry = torch.zeros(layout.shape(tokens), dtype=torch.bfloat16)
-    return sum(t.numel() * t.element_size() for t in codec.encode(entry, "none", layout.windows).values())
+    groups = tuple(torch.zeros(g.shape(tokens), dtype=torch.bfloat16) for g in layout.groups)
+    state = {s.name: torch.zeros(s.shape, dtype=s.torch_dtype) for s in layout.states}
+    parts = codec.encode(Entry(groups, state or None), "none", layout)
+    sizes = {name: t.numel() * t.element_size() for name, t in parts.items()}
+    state_bytes = sum(size for name, size in sizes.items() if name.startswith(codec.STATE_PREFIX))
+    return sum(sizes.values()) - state_bytes, state_bytes
 
 
 def bytes_rows() -> list[str]:
     rows = []
-    for model_type in ("llama", "mistral", "gemma2", "gemma3_text", "gpt_oss", "cohere2", "deepseek_v3"):
+    for model_type in REFERENCES:
         layout, size = reference_layout(model_type)
-        every = layout.bytes_per_token(2)
-        stored = stored_bytes(layout, CHUNK_TOKENS) / CHUNK_TOKENS
-        other = f"every token: {every / 1024:,.1f} KiB ({every / stored:.2f}x)" if any(layout.windows) else ""
-        if layout.is_packed:
-            from transformers import AutoConfig
-
-            text = AutoConfig.for_model(model_type)
-            decompressed = layout.num_layers * text.num_attention_heads * (text.qk_head_dim + text.v_head_dim) * 2
-            other = f"decompressed K and V per head: {decompressed / 1024:,.1f} KiB ({decompressed / stored:.0f}x)"
-        sliding = sum(1 for w in layout.windows if w)
-        windows = (
-            f"{sliding} of {layout.num_layers} sliding ({max(w for w in layout.windows if w)})" if sliding else "-"
-        )
+        kv_bytes, state_bytes = stored_bytes(layout, CHUNK_TOKENS)
+        per_token = kv_bytes / CHUNK_TOKENS
+        kinds = layout.describe_layers()
+        counted = [f"{kinds.count(kind)} {kind}" for kind in dict.fromkeys(kinds)]
+        shapes = " + ".join(f"{g.num_layers}x{g.num_heads}x{g.key_dim}" for g in layout.groups)
+        if state_bytes:
+            dominant = "state" if state_bytes > kv_bytes else "KV"
+            chunk = f"KV {kv_bytes / 2**20:,.1f} MiB, state {state_bytes / 2**20:,.1f} MiB: **{dominant}** ({max(kv_bytes, state_bytes) / min(kv_bytes, state_bytes):.1f}x)"
+        else:
+            chunk = f"KV {kv_bytes / 2**20:,.1f} MiB"
         rows.append(
-            f"| {model_type} | {size} | `{layout.name}` | {windows} | {stored / 1024:,.1f} KiB | {other or '-'} |"
+            f"| {model_type} | {size} | {', '.join(counted)} | {shapes} | {per_token / 1024:,.1f} KiB | "
+            f"{state_bytes / 2**20:,.2f} MiB | {chunk} |"
         )
+        print(rows[-1], flush=True)
     return rows
 
 
@@ -120,12 +171,14 @@ def main() -> None:
         "Each family is a tiny random model (tests/families.py: 2 layers, hidden 64, sliding windows of "
         f"{families.WINDOW} tokens, shorter than a chunk), loaded as ragkv loads any model. *ragkv engine*: "
         "`ingest`, `ask`, `chat`, `batch`, `serve`; the self-test's number is the largest first-token logit "
-        "difference from a full prefill, relative to the largest logit (float32; it refuses above 1e-05). "
-        "tests/test_families.py runs the self-test on every exact family, and takes the sliding and latent "
-        "ones (Mistral with a window, Gemma 2, Gemma 3, gpt-oss, Cohere2, DeepSeek-V3) through ingest, ask, "
-        "several chunks, spans, conversations and the batcher against full prefills. *vLLM*: the connector, `ingest --engine vllm` and "
+        "difference from a full prefill over the question's positions, relative to the largest logit, and of "
+        "every recurrent state the two end with (float32; it refuses above 1e-05). Recurrent layers get a state "
+        "that fades slowly (tests/families.py says why). tests/test_families.py runs the self-test on every "
+        "exact family, refuses a perturbed layer and a perturbed state, and takes the sliding, latent, "
+        "several-shape and recurrent ones through ingest, ask, several chunks, spans, conversations and the "
+        "batcher against full prefills. *vLLM*: the connector, `ingest --engine vllm` and "
         "`serve --engine vllm`, which refuse what they cannot move before vLLM starts; *taken* means the "
-        "connector accepts the layout (tests/test_vllm.py checks its answers live on a Llama model only).",
+        "connector accepts the layout (tests/test_vllm.py checks its answers live).",
         "",
         "| family | model class | stored layout (per layer) | ragkv engine | approximate modes | vLLM |",
         "|---|---|---|---|---|---|",
@@ -140,17 +193,20 @@ def main() -> None:
             print(lines[-1], flush=True)
     lines += [
         "",
-        "## Bytes per token",
+        "## Bytes per entry",
         "",
-        "Of transformers' default config of each family (its reference size), bfloat16, for a chunk of "
-        f"{CHUNK_TOKENS} tokens, as the store keeps it: full-attention layers every token, a sliding layer its "
-        "last `window - 1` tokens (all that a continuation reads; `ragkv.kv.codec`'s windowed form). The last "
-        "column is the other choice: every token of every layer (what the cache holds in memory), or, for a "
-        "latent, keys and values per head. A latent (multi-head latent attention) is stored as transformers "
-        "caches it.",
+        "Of each family's reference size (transformers' default config, or the pattern named), bfloat16 "
+        "weights, read off the model as ragkv reads any (on the meta device: shapes, no weights), as the store "
+        f"keeps a chunk of {CHUNK_TOKENS} tokens: full-attention layers every token, a sliding layer its last "
+        "`window - 1` tokens (`ragkv.kv.codec`'s windowed form), a latent as transformers caches it, and each "
+        "recurrent layer's state once per entry, whatever its length, in the dtype the model keeps it (float32 "
+        "recurrent matrices beside bf16 weights). *KV per token* is the entry's KV over its tokens. Where the "
+        "state outweighs the chunk's KV, benchmarks/results/hybrid_ttft.md measures whether reading it still "
+        "beats recomputing.",
         "",
-        "| family | config | layout | sliding layers (window) | stored per token | the other choice per token |",
-        "|---|---|---|---|---|---|",
+        "| family | config | layers | KV groups (layers x heads x head dim) | KV per token | state per entry | "
+        f"a {CHUNK_TOKENS}-token chunk |",
+        "|---|---|---|---|---|---|---|",
         *bytes_rows(),
         "",
     ]

@@ -109,8 +109,8 @@ def kv_agreement(a: Path, b: Path) -> dict:
             x, y = left.catalog.entries.entry(key), right.catalog.entries.entry(key)
             if y is None:
                 continue
-            kx = codec.decode(left.shards.read_parts(x.shard, x.tensor, x.checksum), torch.float32)
-            ky = codec.decode(right.shards.read_parts(y.shard, y.tensor, y.checksum), torch.float32)
+            kx = codec.decode(left.shards.read_parts(x.shard, x.tensor, x.checksum), torch.float32).kv
+            ky = codec.decode(right.shards.read_parts(y.shard, y.tensor, y.checksum), torch.float32).kv
             diff = (kx - ky).abs()
             worst, total, count, entries = (
                 max(worst, diff.max().item()),

@@ -333,7 +333,7 @@ def _compute_and_store(
     layout = kv.layout_of(lm.model.config)
     metadata = shard_metadata(profile.profile_id, lm.facts.name, profile.dtype, layout.name)
     out = StoredKV(
-        writer, profile.profile_id, profile.kv_quant, prefix_key, settings.shard_bytes, metadata, windows=layout.windows
+        writer, profile.profile_id, profile.kv_quant, prefix_key, settings.shard_bytes, metadata, layout=layout
     )
     reporter.stage("KV", sum(len(u.chunks) for u in work))
     compute_started = time.perf_counter()

@@ -81,7 +81,7 @@ def _recompute(writer: StoreWriter, profile_id: str, keys: list[str], device: st
     layout = kv.layout_of(lm.model.config)
     metadata = shard_metadata(profile_id, row.model_name, row.dtype, layout.name)
     shard_bytes = IngestSettings().shard_bytes
-    out = StoredKV(writer, profile_id, row.kv_quant, prefix_key, shard_bytes, metadata, True, layout.windows)
+    out = StoredKV(writer, profile_id, row.kv_quant, prefix_key, shard_bytes, metadata, True, layout)
     prefix_kv = compute_prefix(lm.model, row.prefix_ids)
     if prefix_key in keys:
         out.put(prefix_key, prefix_kv)

@@ -3,9 +3,9 @@ commit to the catalog, for ingest and repair."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from ragkv.kv import codec
+from ragkv.kv.entry import Entry
+from ragkv.kv.layout import KVLayout
 from ragkv.store import StoreWriter
 
 
@@ -24,20 +24,20 @@ class StoredKV:
         shard_bytes: int,
         metadata: dict[str, str],
         replace: bool = False,
-        windows: Sequence[int | None] = (),
+        layout: KVLayout | None = None,
     ):
         self.catalog = writer.catalog
         self.shards = writer.shard_writer(shard_bytes, metadata)
         self.profile_id = profile_id
         self.quant = quant
-        self.windows = tuple(windows)  # the layout's sliding windows: what codec.encode may leave out
+        self.layout = layout  # the model's: what codec.encode may leave out of sliding layers
         self.prefix_keys = {prefix_key} if prefix_key else set()
         self.replace = replace
         self.written = 0
 
-    def put(self, key: str, kv_tensor) -> None:
-        """Store `kv_tensor` `(L, 2, H, T, D)` as `key`."""
-        self._commit(self.shards.add(key, codec.encode(kv_tensor, self.quant, self.windows)))
+    def put(self, key: str, entry: Entry) -> None:
+        """Store `entry` (its KV and any state) as `key`."""
+        self._commit(self.shards.add(key, codec.encode(entry, self.quant, self.layout)))
 
     def flush(self) -> None:
         """Seal and commit whatever is queued."""

@@ -171,12 +171,14 @@ def within_budget(
     prefix_bytes = sum(t.numel() * t.element_size() for t in prefix_parts.values())
     if limit is not None:
         budget.check_budget(limit, prefix_bytes)
-    per_token = prefix_bytes / max(len(profile.prefix_ids), 1)
+    # every entry of a model with recurrent layers ends with a state of one size, whatever its length
+    state_bytes = sum(t.numel() * t.element_size() for n, t in prefix_parts.items() if n.startswith(codec.STATE_PREFIX))
+    per_token = (prefix_bytes - state_bytes) / max(len(profile.prefix_ids), 1)
     stored_keys = catalog.entries.existing_keys(p.key for p in pending)
     units = units_of(pending)
     parents = {p.key: before.key for unit in units for before, p in zip(unit, unit[1:], strict=False)}
     fresh = [
-        budget.Fresh(p.key, math.ceil(len(p.ids) * per_token), p.chunk_id, parents.get(p.key))
+        budget.Fresh(p.key, math.ceil(len(p.ids) * per_token) + state_bytes, p.chunk_id, parents.get(p.key))
         for p in pending
         if p.key not in stored_keys
     ]

@@ -190,7 +190,7 @@ def computed_kv_of(store: Path, count: int = 2) -> tuple[list, list]:
                 r.entry.kv_key,
                 r.chunk_id,
                 r.token_ids,
-                {"": codec.read(snapshot.shards, r.entry, torch.float32, "cpu").clone()},
+                {"": codec.read(snapshot.shards, r.entry, torch.float32, "cpu").kv.clone()},
                 {"profile_id": profile_id},
             )
             for r in rows

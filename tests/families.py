@@ -7,6 +7,7 @@ so the window matters. `benchmarks/families.py` and `tests/test_families.py` bui
 
 from __future__ import annotations
 
+import math
 import shutil
 from pathlib import Path
 
@@ -30,6 +31,9 @@ TINY = dict(  # every tiny test model's shape (conftest's Llama and Qwen2 too), 
 COMMON = {**TINY, "head_dim": 16}  # stated: some families' defaults differ (Gemma's 256)
 MIXED = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=WINDOW)
 MOE = dict(num_local_experts=4, num_experts_per_tok=2)
+# the recurrent layers' own sizes, small: as transformers' defaults they hold MBs of state
+LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
+MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1)
 
 # family -> (transformers model_type, config fields beside COMMON, what ragkv does with it)
 FAMILIES: dict[str, tuple[str, dict, str]] = {
@@ -66,11 +70,64 @@ FAMILIES: dict[str, tuple[str, dict, str]] = {
         ),
         "exact",
     ),
-    "falcon-h1 (Mamba beside attention)": ("falcon_h1", {"mamba_d_ssm": 64, "mamba_n_heads": 4}, "refused"),
-    "granite 4 hybrid (Mamba layers)": ("granitemoehybrid", {}, "refused"),
-    "qwen3-next (linear attention)": ("qwen3_next", {}, "refused"),
-    "jamba (Mamba layers)": ("jamba", {}, "refused"),
-    "nemotron-h (Mamba beside attention layers)": ("nemotron_h", {}, "refused"),
+    "gemma4 (sliding + global of other head sizes, shared KV)": (
+        "gemma4_text",
+        dict(
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            num_hidden_layers=4,
+            sliding_window=WINDOW,
+            global_head_dim=32,  # the sliding layers' is 16 (COMMON)
+            num_kv_shared_layers=2,  # layers 2 and 3 attend with layers 0 and 1's KV
+            vocab_size_per_layer_input=49152,
+            hidden_size_per_layer_input=16,
+        ),
+        "exact",
+    ),
+    "qwen3.5 (Gated DeltaNet + full)": (
+        "qwen3_5_text",
+        dict(layer_types=["linear_attention", "full_attention"], **LINEAR),
+        "exact",
+    ),
+    "qwen3-next (Gated DeltaNet + full, MoE)": (
+        "qwen3_next",
+        dict(
+            layer_types=["linear_attention", "full_attention"],
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            **LINEAR,
+        ),
+        "exact",
+    ),
+    "lfm2 (short convolutions + full)": ("lfm2", dict(layer_types=["conv", "full_attention"]), "exact"),
+    "nemotron-h (Mamba2 + attention + MLP layers)": (
+        "nemotron_h",
+        dict(
+            layer_types=["linear_attention", "full_attention", "mlp"],
+            num_hidden_layers=3,
+            mamba_num_heads=4,
+            mamba_head_dim=32,
+            ssm_state_size=16,
+            n_groups=1,
+        ),
+        "exact",
+    ),
+    "falcon-h1 (Mamba2 beside attention in every layer)": (
+        "falcon_h1",
+        {"mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_state": 16},
+        "exact",
+    ),
+    "granite 4 hybrid (Mamba2 + attention)": (
+        "granitemoehybrid",
+        dict(layer_types=["linear_attention", "full_attention"], **MAMBA2),
+        "exact",
+    ),
+    "jamba (Mamba + attention)": (
+        "jamba",
+        dict(attn_layer_period=2, attn_layer_offset=1, num_experts=2, mamba_d_state=16),
+        "refused",
+    ),
 }
 
 
@@ -84,12 +141,38 @@ def build(family: str, folder: Path) -> Path:
     config = AutoConfig.for_model(model_type, **{**COMMON, **extra})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
+    _slow_fading_state(model)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     tokenizer_dir = bundled_smollm2_path()
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(tokenizer_dir / name, folder / name)
     return folder
+
+
+HYBRID = [  # recurrent state beside attention, and Gemma 4's layer groups: through every path
+    "gemma4 (sliding + global of other head sizes, shared KV)",
+    "qwen3.5 (Gated DeltaNet + full)",
+    "qwen3-next (Gated DeltaNet + full, MoE)",
+    "lfm2 (short convolutions + full)",
+    "nemotron-h (Mamba2 + attention + MLP layers)",
+    "falcon-h1 (Mamba2 beside attention in every layer)",
+    "granite 4 hybrid (Mamba2 + attention)",
+]
+STATEFUL = HYBRID[1:]  # the ones with a recurrent state
+
+
+def _slow_fading_state(model) -> None:
+    """Give recurrent layers (Gated DeltaNet, Mamba2) a state that fades slowly, as trained
+    models' long-memory heads do. At random initialisation many heads forget their state within a
+    token or two, and then a wrong state changes nothing a test could see: with this one, the
+    prefix's state still shapes the question's tokens."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("A_log"):
+                parameter.fill_(math.log(0.1))  # decay rate A = -0.1
+            elif name.endswith("dt_bias"):
+                parameter.fill_(-2.0)  # step softplus(-2) = 0.13: about 1% of the state fades per token
 
 
 def exact_families() -> list[str]:

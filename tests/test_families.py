@@ -1,7 +1,7 @@
 """Every model family people serve is exact from the store or refused in one line, never silently
 inexact. Tiny random models of each family (tests/families.py: 2 layers, sliding windows
-shorter than a chunk), float32, answers compared with full prefills; the self-test refuses a
-deliberately broken cache."""
+shorter than a chunk, recurrent layers beside attention), float32, answers compared with full
+prefills; the self-test refuses a deliberately broken cache, KV or recurrent state."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import ragkv
 from ragkv.core.config import AskSettings
 from ragkv.core.errors import ModelError
 from ragkv.engine.batch import Question, answer_all
+from ragkv.kv.entry import Entry
 from ragkv.kv.layout import refuse_unless_plain
 from ragkv.model import self_check
 from ragkv.model.llm import load_model
@@ -32,6 +33,7 @@ NEW_LAYOUTS = [  # the layouts beyond plain full attention, each through the who
     "gpt-oss (sliding + full, sinks)",
     "cohere2 (sliding + full)",
     "deepseek-v3 (latent attention)",
+    *families.HYBRID,
 ]
 
 
@@ -73,25 +75,48 @@ def test_every_exact_family_passes_the_self_test_and_a_broken_cache_fails_it(fam
     check = self_check.check_loaded(lm)  # raises when the family is not exact
     assert check.passed and check.difference < 1e-6 and check.model_class == type(lm.model).__name__
 
-    def noisy_layer_one(kv: torch.Tensor) -> torch.Tensor:  # one layer's stored KV off by 5% of its spread
-        noise = torch.randn(kv[1].shape, generator=torch.Generator().manual_seed(0))
-        broken = kv.clone()
-        broken[1] += 0.05 * kv[1].std() * noise  # (2, H, T, D) or (1, H, T, Dk + Dv)
-        return broken
+    def noisy_last_layer(entry: Entry) -> Entry:  # the last KV layer off by 5% of its spread
+        last = entry.groups[-1].clone()  # (L_g, 2, H, T, D) or (L_g, 1, H, T, Dk + Dv)
+        last[-1] = _noisy(last[-1])
+        return Entry((*entry.groups[:-1], last), entry.state)
 
-    broken = self_check.run(lm.model, lm.tokenizer, "float32", lm.pad_id, perturb=noisy_layer_one)
+    broken = self_check.run(lm.model, lm.tokenizer, "float32", lm.pad_id, perturb=noisy_last_layer)
     assert not broken.passed
     with pytest.raises(ModelError, match=f"refuses {type(lm.model).__name__} in float32: .* differs .* by"):
         broken.refuse()
 
 
+def _noisy(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` off by 5% of its spread."""
+    noise = torch.randn(tensor.shape, generator=torch.Generator().manual_seed(0))
+    return tensor + 0.05 * tensor.float().std() * noise.to(tensor.dtype)
+
+
+@pytest.mark.parametrize("family", families.STATEFUL)
+@pytest.mark.parametrize("kind", ["conv", "recurrent"])
+def test_a_perturbed_recurrent_state_fails_the_self_test(family, kind, family_model):
+    lm = load_model(str(family_model(family)), "cpu", "float32")
+    specs = [spec for spec in lm.facts.layout.states if spec.kind == kind]
+    if not specs:
+        pytest.skip(f"{family} keeps no {kind} state")
+
+    def noisy_state(entry: Entry) -> Entry:  # one state off by 5% of its spread, the KV intact
+        assert entry.state is not None
+        return entry.with_state({**entry.state, specs[0].name: _noisy(entry.state[specs[0].name])})
+
+    broken = self_check.run(lm.model, lm.tokenizer, "float32", lm.pad_id, perturb=noisy_state)
+    assert not broken.passed, broken.difference
+
+
 @pytest.mark.parametrize("family", families.refused_families())
-def test_recurrent_families_are_refused_in_one_line_at_ingest_and_at_open(family, family_model, corpus, tiny_store):
+def test_families_whose_state_cannot_continue_are_refused_in_one_line_at_ingest_and_at_open(
+    family, family_model, corpus, tiny_store
+):
     folder = family_model(family)
     result = run_cli("ingest", corpus, "--store", corpus.parent / "refused", "--model", folder, "--device", "cpu")
     assert result.exit_code != 0
     said = [line for line in result.output.splitlines() if line.strip()]
-    assert len(said) == 1 and "cannot serve" in said[0] and "recurrent state" in said[0], result.output
+    assert len(said) == 1 and "cannot serve" in said[0] and "zero state" in said[0], result.output
     assert "internal error" not in result.output
     assert not (corpus.parent / "refused").exists()
     with pytest.raises(ModelError, match="cannot serve .* exactly"):

@@ -53,7 +53,7 @@ def test_a_ragkv_prompt_matches_its_prefix_and_chunk_with_their_kv(tiny_store, i
         stored = load_kv(engine.snapshot.shards, match.entries, torch.float32)
         assert stored.shape[3] == match.num_tokens
         cache = engine.assemble([row], AskSettings(context="chunk")).cache  # prefix + chunk, read by the engine
-        expected = kv.from_cache(cache, 0, 0, match.num_tokens)
+        expected = kv.from_cache(cache, 0, 0, match.num_tokens).kv
         assert torch.equal(stored, expected)
     changed = list(prompt)
     changed[len(profile.prefix_ids) + 3] += 1  # one token of the chunk differs: only the prefix matches
@@ -324,7 +324,7 @@ def saves_for(full: str, lazy: str, model: str):
             (target,) = matcher.plan(prompt.prompt_ids, chunks, True, matcher.match(prompt.prompt_ids)).saves
             entry = reference.catalog.entries.entry(target.kv_key)
             kvs.append(
-                codec.decode(reference.shards.read_parts(entry.shard, entry.tensor, entry.checksum), torch.float32)
+                codec.decode(reference.shards.read_parts(entry.shard, entry.tensor, entry.checksum), torch.float32).kv
             )
             targets.append(target)
     matcher.close()

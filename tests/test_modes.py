@@ -11,6 +11,7 @@ import ragkv
 from ragkv.core.config import DecodeSettings
 from ragkv.core.errors import InputError, ModelError
 from ragkv.core.keys import KVKey
+from ragkv.kv.entry import Entry
 from ragkv.kv.rope import check_supported, shift_positions
 from ragkv.model.forward import compute_chunks, compute_prefix
 from ragkv.modes.prefix_cache import PrefixCache
@@ -60,10 +61,10 @@ def test_shifting_keys_matches_computing_them_at_the_new_position(tiny_llama):
     longer = compute_prefix(model, [1, 9690, 198, 4093, 198, 17548, 42])  # 4 tokens more before the chunk
     (at_3,) = compute_chunks(model, prefix, [chunk], 64, 2)
     (at_7,) = compute_chunks(model, longer, [chunk], 64, 2)
-    moved = shift_positions(at_3.kv, 4, model)
-    assert torch.allclose(moved[0, 0], at_7.kv[0, 0], atol=1e-5)  # layer 0 keys: exact
-    assert torch.equal(moved[:, 1], at_3.kv[:, 1])  # values carry no position
-    assert not torch.allclose(moved[1, 0], at_7.kv[1, 0], atol=1e-5)  # deeper layers saw other tokens
+    moved = shift_positions(at_3.kv.kv, 4, model)
+    assert torch.allclose(moved[0, 0], at_7.kv.kv[0, 0], atol=1e-5)  # layer 0 keys: exact
+    assert torch.equal(moved[:, 1], at_3.kv.kv[:, 1])  # values carry no position
+    assert not torch.allclose(moved[1, 0], at_7.kv.kv[1, 0], atol=1e-5)  # deeper layers saw other tokens
 
 
 def test_concat_of_one_chunk_is_exact_and_blend_of_everything_is_a_full_prefill(tiny_store):
@@ -129,19 +130,19 @@ def test_blend_repairs_the_tokens_it_selects_and_everything_at_ratio_one():
         full = kv.to_cache_empty(config)
         with torch.inference_mode():
             model(input_ids=torch.tensor([ids]), cache=full, use_cache=True)
-        exact = kv.from_cache(full)  # (L, 2, H, T, D)
+        exact = kv.from_cache(full).kv  # (L, 2, H, T, D)
         damaged = exact.clone()
         damaged[2:, :, :, start:] += 0.5 * torch.randn_like(damaged[2:, :, :, start:])  # past the selection layers
-        return exact, damaged, kv.to_cache([damaged], config)
+        return exact, damaged, kv.to_cache([Entry.of(damaged)], config)
 
     exact, _, cache = full_and_damaged()
     assert blend(model, cache, ids, start, 1.0).num_recomputed == 40
-    assert torch.allclose(kv.from_cache(cache), exact, atol=1e-5)
+    assert torch.allclose(kv.from_cache(cache).kv, exact, atol=1e-5)
 
     exact, damaged, cache = full_and_damaged()
     result = blend(model, cache, ids, start, 0.25)
     assert 10 < result.num_recomputed < 20  # per layer, from 20 at layer 2 down to 10 at the last
-    repaired = kv.from_cache(cache)
+    repaired = kv.from_cache(cache).kv
     assert torch.equal(repaired[:, :, :, :start], exact[:, :, :, :start])
     for layer, count in ((2, 20), (5, 10)):  # the first layer past the selection ones, and the last
         changed = (repaired[layer] != damaged[layer]).any(dim=(0, 1, 3))  # (T,) tokens recomputed there
@@ -199,20 +200,20 @@ def test_the_query_recompute_in_the_prefill_equals_recomputing_then_prefilling()
     context, question = list(range(3, 53)), [60, 61, 62, 63, 64, 65]
     full = kv.to_cache_empty(config)
     prefill(model, context, full)
-    damaged = kv.from_cache(full)
+    damaged = kv.from_cache(full).kv
     damaged[1:, :, :, 10:] += 0.5 * torch.randn_like(damaged[1:, :, :, 10:])  # as concatenated chunks' KV
     positions = torch.tensor([12, 20, 21, 33, 49])
 
-    two_passes = kv.to_cache([damaged], config)
+    two_passes = kv.to_cache([Entry.of(damaged)], config)
     with torch.inference_mode():
         _recompute(model, two_passes, torch.tensor([context]), positions)
     want = prefill(model, question, two_passes)
 
-    one_pass = kv.to_cache([damaged], config)
+    one_pass = kv.to_cache([Entry.of(damaged)], config)
     got = prefill(model, question, one_pass, Recompute(positions, torch.tensor(context)[positions], len(context)))
     assert torch.allclose(got, want, atol=1e-5)
-    assert torch.allclose(kv.from_cache(one_pass), kv.from_cache(two_passes), atol=1e-5)
-    assert not torch.allclose(got, prefill(model, question, kv.to_cache([damaged], config)), atol=1e-3)
+    assert torch.allclose(kv.from_cache(one_pass).kv, kv.from_cache(two_passes).kv, atol=1e-5)
+    assert not torch.allclose(got, prefill(model, question, kv.to_cache([Entry.of(damaged)], config)), atol=1e-3)
 
 
 def test_the_attention_probe_measures_without_changing_the_forward(tiny_store):

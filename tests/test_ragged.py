@@ -72,7 +72,7 @@ def test_rows_that_join_leave_and_outgrow_the_buffers_each_decode_as_alone(model
     for i, row in enumerate(rows):  # a row taken out holds its own tokens (the batched projections
         out = batch.extract(i)  # may differ from lone ones in the last float bits)
         assert out.get_seq_length() == row.cache.get_seq_length()
-        torch.testing.assert_close(kv.from_cache(out), kv.from_cache(row.cache), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(kv.from_cache(out).kv, kv.from_cache(row.cache).kv, rtol=1e-5, atol=1e-5)
     assert batch.remove(list(range(len(rows)))) == []
     assert batch.num_rows == 0 and batch.cache is None
 
@@ -90,4 +90,4 @@ def test_a_growing_cache_appends_in_place_and_survives_a_crop(model):
 
     reference = kv.to_cache_empty(model.config)
     prefill(model, list(range(3, 23)) + [8, 9], reference)
-    torch.testing.assert_close(kv.from_cache(cache), kv.from_cache(reference), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kv.from_cache(cache).kv, kv.from_cache(reference).kv, rtol=1e-5, atol=1e-5)

@@ -188,8 +188,8 @@ def test_the_attention_score_of_one_candidate_is_the_attention_a_full_prefill_pa
     with torch.inference_mode():
         cache = model(input_ids=torch.tensor([prefix + chunk]), use_cache=True).past_key_values
         attentions = model(input_ids=torch.tensor([prefix + chunk + question]), output_attentions=True).attentions
-    stored = kv.from_cache(cache)  # (L, 2, H, P + T, D)
-    prefix_kv, chunk_kv = stored[:, :, :, : len(prefix)], stored[:, :, :, len(prefix) :]
+    stored = kv.from_cache(cache)  # P + T tokens
+    prefix_kv, chunk_kv = stored.tokens(0, len(prefix)), stored.tokens(len(prefix), stored.num_tokens)
     context = len(prefix) + len(chunk)
     over_context = [a[0, :, -len(question) :, :context] for a in attentions]  # (H, Q, C) per layer
     expected = sum(float((w / w.sum(-1, keepdim=True))[..., len(prefix) :].sum()) for w in over_context)

@@ -34,7 +34,7 @@ def _entries(store) -> dict[int, tuple[str, torch.Tensor]]:
     """chunk_index of incidents.md -> (key, KV) of every chunk whose KV the store holds."""
     with open_snapshot(store) as snapshot:
         return {
-            r.chunk_index: (r.entry.kv_key, codec.read(snapshot.shards, r.entry, torch.float32, "cpu"))
+            r.chunk_index: (r.entry.kv_key, codec.read(snapshot.shards, r.entry, torch.float32, "cpu").kv)
             for r in _rows(store)
             if r.doc_id == "incidents.md" and r.entry is not None
         }

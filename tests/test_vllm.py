@@ -148,8 +148,8 @@ def test_vllm_stores_what_it_computes_and_logs_each_use(sample_store, lazy_sampl
             assert theirs is not None  # the same key ingest gave the chunk
             want = codec.decode(
                 reference.shards.read_parts(theirs.shard, theirs.tensor, theirs.checksum), torch.float32
-            )
-            got = codec.decode(ours.shards.read_parts(mine.shard, mine.tensor, mine.checksum), torch.float32)
+            ).kv
+            got = codec.decode(ours.shards.read_parts(mine.shard, mine.tensor, mine.checksum), torch.float32).kv
             assert got.shape == want.shape
             torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
     # Uses logged as ragkv's engine logs them: a computed miss, then store hits.
@@ -211,8 +211,8 @@ def test_vllm_learns_every_missing_chunk_of_a_span(tmp_path):
             assert mine is not None and mine.kv_key == theirs.kv_key  # the key ingest chained through the span
             want = codec.decode(
                 reference.shards.read_parts(theirs.shard, theirs.tensor, theirs.checksum), torch.float32
-            )
-            got = codec.decode(ours.shards.read_parts(mine.shard, mine.tensor, mine.checksum), torch.float32)
+            ).kv
+            got = codec.decode(ours.shards.read_parts(mine.shard, mine.tensor, mine.checksum), torch.float32).kv
             torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
     with ragkv.open(store, device="cpu") as served, ragkv.open(full, device="cpu") as reference:
         got, want = served.ask(QUESTIONS[2], span), reference.ask(QUESTIONS[2], span)

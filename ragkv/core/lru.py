@@ -1,4 +1,4 @@
-"""A least-recently-used map of tensors bounded by their total bytes, with hit/miss counters."""
+"""A least-recently-used map of tensors (or KV entries) bounded by their total bytes, with hit/miss counters."""
 
 from __future__ import annotations
 
@@ -6,18 +6,15 @@ from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Generic, TypeVar
 
-import torch
-
 V = TypeVar("V")
 
 
 def nbytes(value) -> int:
-    """Bytes held by a tensor, or by the tensors in a tuple/list."""
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
+    """Bytes held by a tensor or anything that says its own (`nbytes`: a KV entry), or by the
+    values in a tuple/list."""
     if isinstance(value, (tuple, list)):
         return sum(nbytes(v) for v in value)
-    return 0
+    return int(getattr(value, "nbytes", 0))
 
 
 class ByteLRU(Generic[V]):

@@ -19,6 +19,7 @@ from ragkv.core.text import check_text
 from ragkv.engine.answer import Answer, AnswerStream, Source, Stats
 from ragkv.engine.runtime import Prepared, Runtime
 from ragkv.kv import cache as kv
+from ragkv.kv.entry import State
 from ragkv.model.generate import Generated
 from ragkv.model.prompt import encode_text
 from ragkv.modes.ape import Scaling
@@ -111,6 +112,7 @@ class Conversation:
         self.attention: Scaling | None = None  # ape: how the turns attend to the context
         self.recompute: Recompute | None = None  # query: what the next prefill recomputes of the context
         self._stored_context: int = 0  # leading context tokens whose KV came from the store
+        self._context_state: State | None = None  # recurrent layers' state after them (see `_fit`)
 
     def begin_turn(self, message: str, max_new_tokens: int) -> TurnPlan:
         """Add `message` as the next turn and say what generating its answer takes: prefill
@@ -172,6 +174,8 @@ class Conversation:
         self.attention = prepared.assembly.attention
         self.recompute = prepared.assembly.recompute
         self._stored_context = prepared.assembly.num_cached
+        if self.cache.kv_layout.has_state and self._stored_context:  # a state is not cut back: kept for `_fit`
+            self._context_state = kv.state_of(self.cache)
 
     def _fit(self, needed: int, stats: Stats) -> None:
         """Drop the oldest turns until the conversation plus `needed` tokens fits the context,
@@ -190,7 +194,7 @@ class Conversation:
             first.ids = [*layout.question_head_ids, *question]
         if len(self.ids()) + needed > room:
             raise InputError("the context and this message do not fit the model's context; start a new conversation")
-        kv.crop(self.cache, self._stored_context)
+        kv.crop(self.cache, self._stored_context, self._context_state)
         stats.warnings.append(
             f"dropped the {dropped} oldest turn(s) to fit the model's context; "
             "re-prefilled the rest of the conversation"

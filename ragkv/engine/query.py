@@ -28,6 +28,7 @@ from ragkv.engine.engine import Batcher, Engine
 from ragkv.engine.lane import Lane
 from ragkv.engine.runtime import Prepared, Runtime
 from ragkv.engine.scheduler import BatchSettings
+from ragkv.kv.entry import Entry
 from ragkv.loading.loader import KVLoader
 from ragkv.model.generate import prefill
 from ragkv.model.llm import LoadedModel
@@ -112,12 +113,12 @@ class QueryEngine:
         return self.runtime.savings
 
     @property
-    def ram(self) -> ByteLRU[torch.Tensor]:
-        """The RAM tier of verified chunk KV (assignable, to resize it)."""
+    def ram(self) -> ByteLRU[Entry]:
+        """The RAM tier of verified chunk entries (assignable, to resize it)."""
         return self.loader.ram
 
     @ram.setter
-    def ram(self, tier: ByteLRU[torch.Tensor]) -> None:
+    def ram(self, tier: ByteLRU[Entry]) -> None:
         self.loader.ram = tier
 
     def hot(self) -> dict:

@@ -108,7 +108,7 @@ class Runtime:
             approximation=resolved.note,
             kv_load_ms=kv_load_ms,
             reused_tokens=assembly.reused_tokens - computed,
-            computed_tokens=len(live_ids) + computed,
+            computed_tokens=len(live_ids) + computed + assembly.computed_tokens,
         )
         if resolved.warning:
             stats.warnings.insert(0, resolved.warning)

@@ -17,6 +17,7 @@ from ragkv.core.errors import StoreCorruptError
 from ragkv.core.keys import Profile
 from ragkv.kv import cache as kv
 from ragkv.kv import codec
+from ragkv.kv.entry import Entry
 from ragkv.store import EntryRow, open_snapshot
 from ragkv.store.kv.pending import PendingArea, read_pending
 from ragkv.store.kv.shards import ShardReader
@@ -44,11 +45,11 @@ def load_kv(
     parts = []
     for entry in entries:
         if entry.kv_key not in pending:
-            parts.append(codec.read(shards, entry, dtype))
+            parts.append(codec.read(shards, entry, dtype).kv)
             continue
         assert area is not None and store is not None, "pending entries are read from the pending area"
         try:
-            parts.append(codec.decode(read_pending(area, entry.shard, entry.kv_key, entry.checksum), dtype))
+            parts.append(codec.decode(read_pending(area, entry.shard, entry.kv_key, entry.checksum), dtype).kv)
         except (OSError, StoreCorruptError):
             parts.append(_read_folded(store, entry.kv_key, dtype))
     return torch.cat(parts, dim=kv.TOKEN_DIM)
@@ -60,7 +61,7 @@ def _read_folded(store: str | Path, key: str, dtype: torch.dtype) -> torch.Tenso
         entry = snapshot.catalog.entries.entry(key)
         if entry is None:
             raise StoreCorruptError(f"entry {key[:12]} left pending is neither pending nor stored")
-        return codec.read(snapshot.shards, entry, dtype)
+        return codec.read(snapshot.shards, entry, dtype).kv
 
 
 def slot_mapping(block_ids: Sequence[int], block_size: int, start: int, end: int) -> torch.Tensor:
@@ -128,7 +129,7 @@ class KVSaver:
                 target, kv_tensor, event = item
                 if event is not None:
                     event.synchronize()
-                parts = codec.encode(kv_tensor.cpu(), self.profile.kv_quant)
+                parts = codec.encode(Entry.of(kv_tensor.cpu()), self.profile.kv_quant)
                 computed = ComputedKV(
                     self.profile.profile_id,
                     target.kv_key,

@@ -1,11 +1,12 @@
-"""The only place that converts canonical KV to and from transformers' cache.
+"""The only place that converts entries to and from transformers' cache.
 
-Canonical layout of one entry (one sequence of T tokens), described in `ragkv.kv.layout`: a
-tensor of shape `(L, 2, H, T, D)` (layers, key/value, KV heads, tokens, head dim), or
-`(L, 1, H, T, Dk + Dv)` for models whose keys and values differ in width (latent attention).
-Entries that follow each other in a prompt concatenate along dim 3 (tokens). Every layer keeps
-every token, sliding-window layers too (the sliding mask bounds their attention; see
-`ragkv.kv.layout`).
+An entry (`ragkv.kv.entry.Entry`, one sequence of T tokens) holds, per group of layers of one
+shape (`ragkv.kv.layout`), a canonical tensor `(L_g, 2, H, T, D)` (layers, key/value, KV
+heads, tokens, head dim), or `(L_g, 1, H, T, Dk + Dv)` for keys and values of different widths
+(latent attention), and, for a model with recurrent layers, their state after the last token.
+Entries that follow each other in a prompt concatenate along dim 3 (tokens), the state being
+the last one's. Every attention layer keeps every token, sliding-window layers too (the sliding
+mask bounds their attention; see `ragkv.kv.layout`).
 """
 
 from __future__ import annotations
@@ -15,124 +16,189 @@ from typing import Protocol
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionLayer
 
 from ragkv.core.errors import ModelError
-from ragkv.kv.layout import TOKEN_DIM, KVLayout, join, layout_of, model_class, refuse_recurrent
+from ragkv.kv.entry import Entry, State
+from ragkv.kv.layout import TOKEN_DIM, KVLayout, join, layout_of, model_class, read_layout, refuse_unknown
 
-__all__ = ["TOKEN_DIM", "KVLayout", "layout_of"]
+__all__ = ["TOKEN_DIM", "Entry", "KVLayout", "layout_of"]
 
 
 class Deferred(Protocol):
-    """KV of canonical `shape` `(L, 2, H, T, D)` not in memory yet, that writes itself into a
-    cache's buffers (`ragkv.kv.codec.StoredKV`: read from the store straight into them)."""
+    """An entry of one group and no state, not in memory yet, that writes itself into a cache's
+    buffers (`ragkv.kv.codec.StoredKV`: read from the store straight into them)."""
 
-    shape: torch.Size
+    shape: torch.Size  # the group's canonical `(L, 2, H, T, D)`
     dtype: torch.dtype
     device: torch.device
+    num_tokens: int
+    state: None
 
     def fill(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], start: int) -> None: ...
 
-    def tensor(self) -> torch.Tensor: ...
+    def entry(self) -> Entry: ...
 
 
-Part = torch.Tensor | Deferred  # what a cache is built from
+Part = Entry | Deferred  # what a cache is built from
 
 
-def num_tokens(kv: Part) -> int:
-    return kv.shape[TOKEN_DIM]
+def num_tokens(part: Part) -> int:
+    return part.num_tokens
+
+
+def whole(part: Part) -> Entry:
+    """`part` as an entry in memory (a deferred one read into new memory)."""
+    return part if isinstance(part, Entry) else part.entry()
 
 
 def to_cache(parts: Sequence[Part], config, batch_size: int = 1) -> DynamicCache:
     """Build a `DynamicCache` holding `parts` one after another along the tokens.
 
-    parts: canonical `(L, 2, H, T_i, D)` tensors, or `Deferred` KV that writes itself in.
-    Returns a cache with per-layer keys and values of shape `(batch_size, H, sum T_i, D)`,
-    written with one copy per part into new memory (later forwards that grow the cache never
-    touch `parts`). Fresh memory, not a reused buffer, on purpose: measured on CPU, a reused
-    buffer made the question prefill ~6% slower (the allocator then cannot recycle the previous
-    request's freed pages).
+    parts: entries (or `Deferred` ones that write themselves in), each of every layer group of
+    the model's layout; with recurrent layers, the last one carries the state the cache ends
+    with. Returns a cache with per-layer keys and values of shape `(batch_size, H, sum T_i, D)`
+    (and the state, repeated over the batch), written with one copy per part into new memory
+    (later forwards that grow the cache never touch `parts`). Fresh memory, not a reused buffer,
+    on purpose: measured on CPU, a reused buffer made the question prefill ~6% slower (the
+    allocator then cannot recycle the previous request's freed pages).
     """
     cache = growing_cache(config)
-    layout = layout_of(config)
-    if len(cache.layers) != parts[0].shape[0]:
-        raise ModelError(f"stored KV has {parts[0].shape[0]} layers; this model has {len(cache.layers)}")
-    total = sum(p.shape[TOKEN_DIM] for p in parts)
+    layout: KVLayout = cache.kv_layout
+    _check_parts(parts, layout)
+    total = sum(p.num_tokens for p in parts)
     dtype, device = parts[0].dtype, parts[0].device
     capacity = total + spare_columns(total)
-    buffers = [  # (B, H, capacity, Dk) keys and (B, H, capacity, Dv) values per layer
-        (
-            torch.empty((batch_size, layout.num_heads, capacity, layout.key_dim), dtype=dtype, device=device),
-            torch.empty((batch_size, layout.num_heads, capacity, layout.value_dim), dtype=dtype, device=device),
-        )
-        for _ in cache.layers
-    ]
-    start = 0
-    for part in parts:
-        if isinstance(part, torch.Tensor):
-            stop = start + part.shape[TOKEN_DIM]
-            for (keys, values), layer_kv in zip(buffers, part, strict=True):
-                layer_keys, layer_values = layout.split(layer_kv)  # (H, T_i, Dk), (H, T_i, Dv)
-                keys[:, :, start:stop] = layer_keys  # broadcast over the batch
-                values[:, :, start:stop] = layer_values
-        else:
-            part.fill(buffers, start)
-        start += part.shape[TOKEN_DIM]
-    for layer, (keys, values) in zip(cache.layers, buffers, strict=True):
-        layer.hold(keys, values, total)
+    for index, group in enumerate(layout.groups):
+        buffers = [  # (B, H, capacity, Dk) keys and (B, H, capacity, Dv) values per layer of the group
+            (
+                torch.empty((batch_size, group.num_heads, capacity, group.key_dim), dtype=dtype, device=device),
+                torch.empty((batch_size, group.num_heads, capacity, group.value_dim), dtype=dtype, device=device),
+            )
+            for _ in group.layers
+        ]
+        start = 0
+        for part in parts:
+            if isinstance(part, Entry):
+                stop = start + part.num_tokens
+                for (keys, values), layer_kv in zip(buffers, part.groups[index], strict=True):
+                    layer_keys, layer_values = group.split(layer_kv)  # (H, T_i, Dk), (H, T_i, Dv)
+                    keys[:, :, start:stop] = layer_keys  # broadcast over the batch
+                    values[:, :, start:stop] = layer_values
+            else:
+                part.fill(buffers, start)
+            start += part.num_tokens
+        for layer, (keys, values) in zip(group.layers, buffers, strict=True):
+            cache.layers[layer].hold(keys, values, total)
+    if layout.has_state:
+        seed_state(cache, [parts[-1].state] * batch_size, total)
     return cache
 
 
-def append(cache: DynamicCache, parts: Sequence[torch.Tensor]) -> None:
-    """Append canonical `(L, 2, H, T_i, D)` `parts` to `cache` (batch 1) along the tokens, as a
-    forward over their tokens would have."""
+def _check_parts(parts: Sequence[Part], layout: KVLayout) -> None:
+    """ModelError when `parts` are not of `layout` (another model's KV); ValueError when a
+    stateful layout's last part has no state (a slice: an internal error)."""
+    first = parts[0]
+    groups = first.groups if isinstance(first, Entry) else (first,)
+    shapes = [tuple(g.shape[:3]) for g in groups]
+    expected = [group.shape(0)[:3] for group in layout.groups]
+    if shapes != expected:
+        raise ModelError(f"stored KV has layers of shapes {shapes}; this model's are {expected}")
+    if layout.has_state and parts[-1].state is None:
+        raise ValueError("the last part of a cache for a model with recurrent layers must carry its state")
+
+
+def append(cache: DynamicCache, parts: Sequence[Entry]) -> None:
+    """Append `parts` to `cache` (batch 1) along the tokens, as a forward over their tokens
+    would have: the KV grows, the state becomes the last part's."""
     layout: KVLayout = cache.kv_layout  # set by growing_cache
     for part in parts:
-        for index, layer_kv in enumerate(part):
-            keys, values = layout.split(layer_kv)  # (H, T_i, Dk), (H, T_i, Dv)
-            cache.layers[index].update(keys[None], values[None])
+        for group, group_kv in zip(layout.groups, part.groups, strict=True):
+            for layer, layer_kv in zip(group.layers, group_kv, strict=True):
+                keys, values = group.split(layer_kv)  # (H, T_i, Dk), (H, T_i, Dv)
+                cache.layers[layer].update(keys[None], values[None])
+    if layout.has_state and parts:
+        seed_state(cache, [parts[-1].state], num_cached(cache))
 
 
-def whole(part: Part) -> torch.Tensor:
-    """`part` as a tensor (a deferred one read into new memory)."""
-    return part if isinstance(part, torch.Tensor) else part.tensor()
-
-
-def left_padded(rows: Sequence[Sequence[torch.Tensor]], config) -> tuple[DynamicCache, list[int]]:
-    """A batch cache with one row per entry of `rows` (each row: canonical `(L, 2, H, T_i, D)`
-    parts, one after another), right-aligned: row i's tokens fill the last of its columns and
-    the zeros before them are padding, for a mask to hide. Returns the cache (new memory, with
-    room to append) and each row's number of real tokens. A forward over it then appends the
-    same new tokens to every row, as a batch of questions over different contexts does."""
-    lengths = [sum(part.shape[TOKEN_DIM] for part in parts) for parts in rows]
+def left_padded(rows: Sequence[Sequence[Entry]], config) -> tuple[DynamicCache, list[int]]:
+    """A batch cache with one row per entry of `rows` (each row: entries, one after another),
+    right-aligned: row i's tokens fill the last of its columns and the zeros before them are
+    padding, for a mask to hide; each row's state is its last entry's. Returns the cache (new
+    memory, with room to append) and each row's number of real tokens. A forward over it then
+    appends the same new tokens to every row, as a batch of questions over different contexts
+    does."""
+    lengths = [sum(part.num_tokens for part in parts) for parts in rows]
     width = max(lengths)
-    first = rows[0][0]
+    first = rows[0][0].groups[0]
     cache = growing_cache(config)
-    layout = cache.kv_layout
-    for index, layer in enumerate(cache.layers):
-        keys, values = (  # (B, H, capacity, Dk) and (B, H, capacity, Dv): pads stay finite
-            first.new_zeros((len(rows), layout.num_heads, width + spare_columns(width), dim))
-            for dim in (layout.key_dim, layout.value_dim)
-        )
-        for row, parts in enumerate(rows):
-            start = width - lengths[row]
-            for part in parts:
-                stop = start + part.shape[TOKEN_DIM]
-                keys[row, :, start:stop], values[row, :, start:stop] = layout.split(part[index])  # (H, T_part, D*)
-                start = stop
-        layer.hold(keys, values, width)
+    layout: KVLayout = cache.kv_layout
+    for index, group in enumerate(layout.groups):
+        for position, layer_index in enumerate(group.layers):
+            keys, values = (  # (B, H, capacity, Dk) and (B, H, capacity, Dv): pads stay finite
+                first.new_zeros((len(rows), group.num_heads, width + spare_columns(width), dim))
+                for dim in (group.key_dim, group.value_dim)
+            )
+            for row, parts in enumerate(rows):
+                start = width - lengths[row]
+                for part in parts:
+                    stop = start + part.num_tokens
+                    keys[row, :, start:stop], values[row, :, start:stop] = group.split(part.groups[index][position])
+                    start = stop
+            cache.layers[layer_index].hold(keys, values, width)
+    if layout.has_state:
+        seed_state(cache, [parts[-1].state for parts in rows], width)
     return cache, lengths
 
 
-def from_cache(cache: DynamicCache, row: int = 0, start: int = 0, stop: int | None = None) -> torch.Tensor:
-    """Copy tokens `[start:stop)` of batch row `row` out of `cache` as a canonical tensor.
+def from_cache(cache: DynamicCache, row: int = 0, start: int = 0, stop: int | None = None) -> Entry:
+    """Copy tokens `[start:stop)` of batch row `row` out of `cache` as an entry (new memory, safe
+    to keep after the cache is reused or freed), with the row's state when `stop` is the end
+    (None or the cache's length): a state is the cache's after its last token. `cache` is one
+    `growing_cache` made, or any filled transformers cache (its layout read off it)."""
+    layout: KVLayout = getattr(cache, "kv_layout", None) or read_layout(cache, "this cache")
+    groups = []
+    for group in layout.groups:
+        keys = [cache.layers[i].keys[row, :, start:stop] for i in group.layers]  # each (H, T, Dk)
+        values = [cache.layers[i].values[row, :, start:stop] for i in group.layers]  # each (H, T, Dv)
+        groups.append(join(keys, values))  # new memory
+    at_end = stop is None or stop >= num_cached(cache)
+    state = state_of(cache, row) if layout.has_state and at_end else None
+    return Entry(tuple(groups), state)
 
-    Returns a new contiguous `(L, 2, H, stop - start, D)` tensor (safe to keep after the
-    cache is reused or freed).
-    """
-    keys = [layer.keys[row, :, start:stop] for layer in cache.layers]  # each (H, T, Dk)
-    values = [layer.values[row, :, start:stop] for layer in cache.layers]  # each (H, T, Dv)
-    return join(keys, values)  # new memory
+
+def state_of(cache: DynamicCache, row: int = 0) -> State:
+    """Batch row `row`'s recurrent state in `cache` (copies, by `StateSpec.name`)."""
+    layout: KVLayout = getattr(cache, "kv_layout", None) or read_layout(cache, "this cache")
+    state = {}
+    for spec in layout.states:
+        layer = cache.layers[spec.layer]
+        held = layer.conv_states if spec.kind == "conv" else layer.recurrent_states
+        state[spec.name] = held[spec.index][row].clone()
+    return state
+
+
+def seed_state(cache: DynamicCache, states: Sequence[State | None], length: int) -> None:
+    """Give `cache`'s recurrent layers the state of each batch row (`states`, one per row, as
+    `state_of` returns them), as if a forward over `length` tokens had left it: what the next
+    forward continues from."""
+    layout: KVLayout = cache.kv_layout
+    for spec in layout.states:
+        rows = []
+        for state in states:
+            if state is None:
+                raise ValueError("a cache for a model with recurrent layers needs every row's state")
+            rows.append(state[spec.name])
+        tensor = torch.stack(rows)  # (B, *spec.shape)
+        layer = cache.layers[spec.layer]
+        if spec.kind == "conv":
+            layer.lazy_initialization(conv_states=tensor, state_idx=spec.index)
+            layer.conv_states[spec.index].copy_(tensor)
+        else:
+            layer.lazy_initialization(recurrent_states=tensor, state_idx=spec.index)
+            layer.recurrent_states[spec.index].copy_(tensor)
+        layer.has_previous_state[spec.index] = True
+        layer.cumulative_length_linear.fill_(length)
 
 
 def to_cache_empty(config) -> DynamicCache:
@@ -142,14 +208,36 @@ def to_cache_empty(config) -> DynamicCache:
 
 
 def num_cached(cache) -> int:
-    return cache.get_seq_length()
+    """Tokens `cache` holds (its attention layers' length; a layer without KV counts its own)."""
+    for layer in cache.layers:
+        if isinstance(layer, DynamicLayer):
+            return layer.get_seq_length()
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionLayer):
+            return int(layer.cumulative_length_linear)
+    return 0
 
 
-def crop(cache, num_tokens: int) -> None:
-    """Keep only the first `num_tokens` tokens of every layer."""
-    extra = cache.get_seq_length() - num_tokens
+def crop(cache, num_tokens: int, state: State | None = None) -> None:
+    """Keep only the first `num_tokens` tokens of every layer. A recurrent state cannot be cut
+    back: for a model with recurrent layers, `state` is the state after those tokens (taken
+    when the cache held them: `state_of`; none for 0 tokens), and becomes the cache's."""
+    layout: KVLayout = cache.kv_layout
+    if layout.has_state and state is None and num_tokens > 0:
+        raise ValueError("a cache with recurrent state is cut back only to a point whose state was kept")
+    extra = num_cached(cache) - num_tokens
     if extra > 0:
-        cache.crop(-extra)  # transformers 5: a negative argument removes that many from the end
+        for layer in cache.layers:
+            if isinstance(layer, DynamicLayer):
+                DynamicLayer.crop(layer, -extra)  # transformers 5: negative = remove that many from the end
+    if not layout.has_state:
+        return
+    if num_tokens == 0:  # back to the start: no state at all
+        for layer in cache.layers:
+            if isinstance(layer, LinearAttentionLayer):
+                LinearAttentionLayer.reset(layer)
+    else:
+        seed_state(cache, [state], num_tokens)
 
 
 def overwrite_layers(cache, exact: DynamicCache, num_layers: int) -> None:
@@ -253,14 +341,52 @@ def spare_columns(length: int) -> int:
     return max(64, length // 4)
 
 
+class GrowingHybridLayer(LinearAttentionLayer, GrowingLayer):
+    """A layer that keeps a recurrent state beside attention KV (Falcon-H1's Mamba beside its
+    attention): transformers' linear-attention state, and keys and values that grow in place
+    (`GrowingLayer`), as transformers' `LinearAttentionAndFullAttentionLayer` joins the two."""
+
+    is_compileable = False
+
+    def __init__(self, **kwargs):
+        GrowingLayer.__init__(self)
+        LinearAttentionLayer.__init__(self)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        if len(args) == 2 and not kwargs:  # from `update`: keys and values
+            DynamicLayer.lazy_initialization(self, *args)
+        elif not args:  # from the state updates: conv or recurrent states, by keyword
+            LinearAttentionLayer.lazy_initialization(self, **kwargs)
+
+    def get_seq_length(self) -> int:
+        return DynamicLayer.get_seq_length(self)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        DynamicLayer.crop(self, tokens_to_remove)  # the state: `ragkv.kv.cache.crop` reseeds it
+
+
 def growing_cache(config) -> DynamicCache:
     """An empty cache whose attention layers append in place (`GrowingLayer`), sliding-window
     layers included: they keep every token, and the sliding mask (absolute positions) bounds
-    what each query attends to, as in a full prefill. `cache.kv_layout` describes it. Raises
-    ModelError for layers that keep anything else (recurrent state)."""
+    what each query attends to, as in a full prefill. Recurrent layers keep transformers' own
+    state layers; a layer with both gets a `GrowingHybridLayer`; a layer that caches nothing
+    stays empty. `cache.kv_layout` describes it. Raises ModelError for layers of another kind."""
     layout = layout_of(config)
     cache = DynamicCache(config=config)
-    refuse_recurrent(cache, model_class(config))
-    cache.layers = [GrowingLayer() for _ in cache.layers]
+    refuse_unknown(cache, model_class(config))
+    kv_layers = {layer for group in layout.groups for layer in group.layers}
+    stateful = {spec.layer for spec in layout.states}
+    cache.layers = [
+        _growing_layer(index in kv_layers, index in stateful or isinstance(layer, LinearAttentionLayer))
+        for index, layer in enumerate(cache.layers)
+    ]
     cache.kv_layout = layout
     return cache
+
+
+def _growing_layer(has_kv: bool, has_state: bool):
+    if has_kv and has_state:
+        return GrowingHybridLayer()
+    if has_state:
+        return LinearAttentionLayer()
+    return GrowingLayer() if has_kv else DummyLayer()

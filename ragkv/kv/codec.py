@@ -1,7 +1,11 @@
 """How KV is stored: as computed (lossless, the default), or compressed (approximate, opt-in).
 
-An encoded entry is a dict of tensors: "" holds the canonical `(L, 2, H, T, D)` data in the
-storage dtype, plus what its decoding needs. All integer forms follow KIVI (Liu et al., 2024):
+An encoded entry (`ragkv.kv.entry.Entry`) is a dict of tensors: "" holds the canonical
+`(L, 2, H, T, D)` data of the layout's first layer group in the storage dtype, plus what its
+decoding needs; a further group n is stored the same way under names prefixed "gn" ("g1",
+"g1.kscale", ...); each recurrent layer's state under "state." + its name
+(`ragkv.kv.layout.StateSpec.name`), always as computed (lossless, in the dtype the model keeps
+it). A plain model's entry is "" alone, as ragkv has always stored it. All integer forms follow KIVI (Liu et al., 2024):
 keys are quantised per channel (key outliers live in fixed channels), values per token.
 - int8: symmetric, absmax / 127; "kscale" `(L, H, 1, D)` and "vscale" `(L, H, T, 1)`.
 - int4, int2: asymmetric (a minimum and a step per group, float16), codes packed 2 or 4 to a
@@ -25,6 +29,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ragkv.core.errors import InputError, StoreFormatError
+from ragkv.kv.entry import Entry
+from ragkv.kv.layout import KVLayout
 
 _FLOAT = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 _PACKED = {"int4": 4, "int2": 2}  # bits per code
@@ -35,10 +41,34 @@ def kv_quant(kv_dtype: str, compute_dtype: str) -> str:
     return "none" if kv_dtype in ("auto", compute_dtype) else kv_dtype
 
 
-def encode(kv: torch.Tensor, quant: str, windows: Sequence[int | None] = ()) -> dict[str, torch.Tensor]:
+def encode(entry: Entry, quant: str, layout: KVLayout | None = None) -> dict[str, torch.Tensor]:
+    """The tensors to store for `entry`: each layer group encoded as `quant` says (given the
+    model's `layout`, a sliding layer keeps only what a continuation reads: "windowed" above),
+    the state as computed."""
+    parts: dict[str, torch.Tensor] = {}
+    for index, group_kv in enumerate(entry.groups):
+        windows = layout.groups[index].windows if layout is not None else ()
+        for name, tensor in _encode_group(group_kv, quant, windows).items():
+            parts[_group_part(index, name)] = tensor
+    for name, tensor in (entry.state or {}).items():
+        parts[STATE_PREFIX + name] = tensor
+    return parts
+
+
+STATE_PREFIX = "state."
+
+
+def _group_part(index: int, name: str) -> str:
+    """The stored name of group `index`'s part `name`: group 0's as ever, others prefixed."""
+    if index == 0:
+        return name
+    return f"g{index}.{name}" if name else f"g{index}"
+
+
+def _encode_group(kv: torch.Tensor, quant: str, windows: Sequence[int | None]) -> dict[str, torch.Tensor]:
     """kv: canonical `(L, 2, H, T, D)` (or a latent's `(L, 1, H, T, Dk + Dv)`). `windows`: the
-    layout's per-layer sliding windows (None: full attention); given, a sliding layer keeps only
-    what a continuation reads (see "windowed" above). Returns the tensors to store."""
+    group's per-layer sliding windows (None: full attention); given, a sliding layer keeps only
+    what a continuation reads (see "windowed" above)."""
     if quant == "none" or quant in _FLOAT:
         data = kv.to(_FLOAT[quant]) if quant in _FLOAT else kv
         return _windowed(data, windows) or {"": data}
@@ -59,8 +89,25 @@ def encode(kv: torch.Tensor, quant: str, windows: Sequence[int | None] = ()) -> 
     return {"": quantised.clamp(-127, 127).to(torch.int8), "kscale": key_scale, "vscale": value_scale}
 
 
-def decode(parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """The canonical `(L, 2, H, T, D)` KV in the compute `dtype`, from stored parts."""
+def decode(parts: dict[str, torch.Tensor], dtype: torch.dtype) -> Entry:
+    """The entry of stored `parts`: its KV in the compute `dtype`, its state as stored."""
+    groups: dict[int, dict[str, torch.Tensor]] = {}
+    state = {}
+    for name, tensor in parts.items():
+        if name.startswith(STATE_PREFIX):
+            state[name[len(STATE_PREFIX) :]] = tensor
+            continue
+        head, _, rest = name.partition(".")
+        if head.startswith("g") and head[1:].isdigit():
+            groups.setdefault(int(head[1:]), {})[rest] = tensor
+        else:
+            groups.setdefault(0, {})[name] = tensor
+    decoded = tuple(_decode_group(groups[index], dtype) for index in sorted(groups))
+    return Entry(decoded, state or None)
+
+
+def _decode_group(parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The canonical `(L, 2, H, T, D)` KV of one group in the compute `dtype`, from stored parts."""
     if "windowed" in parts:
         return _unwindowed(parts, dtype)
     data = parts[""]
@@ -73,29 +120,31 @@ def decode(parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     return torch.stack([keys, values], dim=1).to(dtype)
 
 
-def read(shards, entry, dtype: torch.dtype, device: str | torch.device = "cpu", out=None) -> torch.Tensor:
-    """The stored KV of catalog `entry` (its shard, tensor and checksum), `(L, 2, H, T, D)` in
-    `dtype` on `device`: read from `shards` (a ragkv.store.kv.shards.ShardReader, into buffer `out` when
-    given), verified, and decoded. From pinned host memory the copy to a GPU is asynchronous;
+def read(shards, entry, dtype: torch.dtype, device: str | torch.device = "cpu", out=None) -> Entry:
+    """The stored entry of catalog `entry` (its shard, tensor and checksum), its KV in `dtype`,
+    on `device`: read from `shards` (a ragkv.store.kv.shards.ShardReader, into buffer `out` when
+    given: the entry then views it), verified, and decoded. From pinned host memory the copy to a GPU is asynchronous;
     work queued after it on the same stream sees the data."""
     parts = shards.read_parts(entry.shard, entry.tensor, entry.checksum, out=out)
     return decode({name: t.to(device, non_blocking=True) for name, t in parts.items()}, dtype)
 
 
 class StoredKV:
-    """A stored entry's KV `(L, 2, H, T, D)`, not read yet: `fill` reads it straight into the
-    cache that will hold it (`ragkv.kv.cache.to_cache` takes it as a part), so the bytes are copied
-    once, from the file into the cache. Reading into a buffer and copying that into the cache
-    cost a second copy: 7 ms of 0.207 s to the first token at 4k tokens of float32 KV (190 MB,
-    benchmarks/results/cached_path.md). Only for entries stored as one part in the compute
-    dtype, on the CPU (`deferred` says when); the bytes are checked against the checksum as they
-    are read."""
+    """A stored entry of one layer group and no state, `(L, 2, H, T, D)`, not read yet: `fill`
+    reads it straight into the cache that will hold it (`ragkv.kv.cache.to_cache` takes it as a
+    part), so the bytes are copied once, from the file into the cache. Reading into a buffer and
+    copying that into the cache cost a second copy: 7 ms of 0.207 s to the first token at 4k
+    tokens of float32 KV (190 MB, benchmarks/results/cached_path.md). Only for entries stored as
+    one part in the compute dtype, on the CPU (`deferred` says when); the bytes are checked
+    against the checksum as they are read."""
 
     def __init__(self, shards, entry, dtype: torch.dtype, shape: tuple[int, ...]):
-        self.shards, self.entry = shards, entry
+        self.shards, self.row = shards, entry  # the catalog's row of the entry
         self.dtype, self.shape, self.device = dtype, torch.Size(shape), torch.device("cpu")
+        self.num_tokens = self.shape[3]
+        self.state = None  # an entry with a state has parts beside "": never deferred
         self.nbytes = self.shape.numel() * dtype.itemsize
-        self.keep: Callable[[torch.Tensor], None] | None = None  # given a copy once read (a RAM tier)
+        self.keep: Callable[[Entry], None] | None = None  # given a copy once read (a RAM tier)
         self.read_ms = 0.0  # how long `fill` took
 
     def fill(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], start: int) -> None:
@@ -105,7 +154,7 @@ class StoredKV:
         _, _, _, tokens, _ = self.shape
         stop = start + tokens
         targets = [target for layer in layers for target in self.targets(layer, start)]
-        self.shards.read_into(self.entry.shard, self.entry.tensor, self.entry.checksum, targets)
+        self.shards.read_into(self.row.shard, self.row.tensor, self.row.checksum, targets)
         for keys, values in layers:
             keys[1:, :, start:stop] = keys[:1, :, start:stop]
             values[1:, :, start:stop] = values[:1, :, start:stop]
@@ -114,7 +163,7 @@ class StoredKV:
             kept = torch.empty(self.shape, dtype=self.dtype)
             for layer, (keys, values) in enumerate(layers):
                 kept[layer, 0], kept[layer, 1] = keys[0, :, start:stop], values[0, :, start:stop]
-            self.keep(kept)
+            self.keep(Entry.of(kept))
 
     def targets(self, layer: tuple[torch.Tensor, torch.Tensor], start: int) -> list[memoryview]:
         """Where one layer's stored bytes go, in their order: the keys' then the values' heads,
@@ -126,9 +175,9 @@ class StoredKV:
             for head in range(heads)
         ]
 
-    def tensor(self) -> torch.Tensor:
-        """The KV read into new memory, for a use that needs it whole."""
-        return read(self.shards, self.entry, self.dtype)
+    def entry(self) -> Entry:
+        """The entry read into new memory, for a use that needs it whole."""
+        return read(self.shards, self.row, self.dtype)
 
 
 def deferred(shards, entry, dtype: torch.dtype, device: str | torch.device) -> StoredKV | None:

@@ -1,6 +1,6 @@
 """Continuous batching's cache: rows of different lengths decoded together, each in a slot of its
 own (left-aligned, growing in place), with a padding mask and, for sliding-window layers, each
-row's own window."""
+row's own window; a recurrent layer's state per row in a slot of its own."""
 
 from __future__ import annotations
 
@@ -9,16 +9,17 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionLayer
 
-from ragkv.kv.cache import spare_columns, to_cache
+from ragkv.kv.cache import GrowingHybridLayer, growing_cache, num_cached, spare_columns, to_cache
+from ragkv.kv.entry import Entry
 from ragkv.kv.layout import join, layout_of
 
 
 class SlotLayer(DynamicLayer):
-    """One layer of a `RaggedBatch`: buffers of `(row capacity, H, token capacity, D)`, each row's
-    tokens from column 0 (left-aligned). `keys`/`values` view the active rows and the longest
-    row's columns; `update` writes each row's one new token at that row's own column
+    """One attention layer of a `RaggedBatch`: buffers of `(row capacity, H, token capacity, D)`,
+    each row's tokens from column 0 (left-aligned). `keys`/`values` view the active rows and the
+    longest row's columns; `update` writes each row's one new token at that row's own column
     (`write_at`), so rows of different lengths grow in place, without copying the batch."""
 
     def __init__(self, **kwargs):
@@ -26,10 +27,14 @@ class SlotLayer(DynamicLayer):
         self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None
         self.write_at: torch.Tensor | None = None  # (B,) the column each row's next token goes to
 
+    def held(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The buffers, `(row capacity, H, token capacity, Dk)` keys and `(..., Dv)` values."""
+        assert self.buffers is not None  # RaggedBatch reserves them before any row is shown
+        return self.buffers
+
     def show(self, rows: int, width: int) -> None:
         """Point `keys`/`values` at the first `rows` rows and `width` columns of the buffers."""
-        assert self.buffers is not None  # RaggedBatch reserves them before any row is shown
-        self.keys, self.values = (b[:rows, :, :width] for b in self.buffers)
+        self.keys, self.values = (b[:rows, :, :width] for b in self.held())
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         rows = key_states.shape[0]
@@ -42,22 +47,73 @@ class SlotLayer(DynamicLayer):
         return self.keys, self.values
 
 
+class SlotStateLayer(LinearAttentionLayer):
+    """One recurrent layer of a `RaggedBatch`: each row's state in its slot of buffers
+    `(row capacity, *state shape)`, one per state (`slots`, by kind and index). The states it
+    shows are views of the first rows, which the model's decode step updates in place (one
+    token per row: no padding ever reaches a state)."""
+
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.slots: dict[tuple[str, int], torch.Tensor] = {}
+
+    def show_state(self, rows: int, width: int) -> None:
+        """Point the states at the first `rows` rows of their slots."""
+        for (kind, index), buffer in self.slots.items():
+            held = self.conv_states if kind == "conv" else self.recurrent_states
+            held[index] = buffer[:rows]
+            if kind == "conv":
+                self.conv_kernel_size[index] = buffer.shape[-1]
+                self.is_conv_states_initialized[index] = True
+            else:
+                self.is_recurrent_states_initialized[index] = True
+            self.has_previous_state[index] = True
+        if getattr(self, "device", None) is None and self.slots:
+            first = next(iter(self.slots.values()))
+            self.device, self.dtype = first.device, first.dtype
+        self.cumulative_length_linear.fill_(width)  # the batch's width, as its attention layers say
+
+
+class SlotHybridLayer(SlotStateLayer, SlotLayer):
+    """A layer with a recurrent state beside its attention KV (Falcon-H1), in slots of both kinds."""
+
+    def __init__(self, **kwargs):
+        SlotLayer.__init__(self)
+        SlotStateLayer.__init__(self)
+
+    def get_seq_length(self) -> int:
+        return DynamicLayer.get_seq_length(self)
+
+
+def _states(layer) -> dict[tuple[str, int], torch.Tensor]:
+    """A transformers cache layer's states by kind and index (none for an attention layer)."""
+    if not isinstance(layer, LinearAttentionLayer):
+        return {}
+    found = {}
+    for index in range(layer.number_of_states):
+        if layer.is_conv_states_initialized[index]:
+            found[("conv", index)] = layer.conv_states[index]
+        if layer.is_recurrent_states_initialized[index]:
+            found[("recurrent", index)] = layer.recurrent_states[index]
+    return found
+
+
 class RaggedBatch:
     """Sequences of different lengths decoded together (continuous batching). Each row holds
     its own tokens from column 0; a padding mask hides the columns past a row's length and
     each row's positions are its own, so every row computes what it would alone (in float32
-    the same tokens; tested).
+    the same tokens; tested). A recurrent layer keeps each row's state in a slot of its own.
 
     Rows live in slots of preallocated buffers with spare rows and columns. Joining (`add`)
-    copies the new row's KV only; leaving (`remove`) moves the last row into the hole; a step
-    writes one token per row in place. Nothing copies the whole batch except growing the
+    copies the new row's KV and state only; leaving (`remove`) moves the last row into the hole;
+    a step writes one token per row in place. Nothing copies the whole batch except growing the
     buffers (amortised). Attention works over rows x the longest row; the engine bounds that
     (its token budget). Every method runs in inference mode: the buffers are inference
     tensors, whichever call made them."""
 
     def __init__(self, config):
         self.config = config
-        self.cache: Any = None  # a DynamicCache of SlotLayers, made by the first `add`
+        self.cache: Any = None  # a DynamicCache of slot layers, made by the first `add`
         self.lengths: list[int] = []  # real tokens per row
 
     @property
@@ -71,8 +127,13 @@ class RaggedBatch:
     def _capacity(self) -> tuple[int, int]:
         if self.cache is None:
             return 0, 0
-        buffer = self.cache.layers[0].buffers[0]
-        return buffer.shape[0], buffer.shape[2]
+        return self._row_capacity, self._column_capacity
+
+    def _new_cache(self) -> DynamicCache:
+        cache = growing_cache(self.config)  # its layer kinds, by the model's layout
+        kinds = {GrowingHybridLayer: SlotHybridLayer, LinearAttentionLayer: SlotStateLayer, DummyLayer: DummyLayer}
+        cache.layers = [kinds.get(type(layer), SlotLayer)() for layer in cache.layers]
+        return cache
 
     def _reserve(self, rows: int, columns: int, like: DynamicCache) -> None:
         """Make room for `rows` rows of `columns` tokens (growing by a quarter or more)."""
@@ -82,33 +143,52 @@ class RaggedBatch:
         rows = have_rows if rows <= have_rows else max(rows, 2 * have_rows, 4)
         columns = have_columns if columns <= have_columns else columns + spare_columns(columns)
         if self.cache is None:
-            self.cache = DynamicCache(config=self.config)
-            self.cache.layers = [SlotLayer() for _ in self.cache.layers]
+            self.cache = self._new_cache()
         for layer, model in zip(self.cache.layers, like.layers, strict=False):
-            fresh = tuple(  # (rows, H, columns, Dk) keys and (rows, H, columns, Dv) values: pads stay finite
-                t.new_zeros((rows, t.shape[1], columns, t.shape[3])) for t in (model.keys, model.values)
-            )
-            if layer.buffers is not None:
-                for old, new in zip(layer.buffers, fresh, strict=False):
-                    new[: self.num_rows, :, : self.width] = old[: self.num_rows, :, : self.width]
-            else:
-                DynamicLayer.lazy_initialization(layer, model.keys, model.values)
-            layer.buffers = fresh
+            if isinstance(layer, SlotLayer):
+                self._reserve_kv(layer, model, rows, columns)
+            if isinstance(layer, SlotStateLayer):
+                for key, state in _states(model).items():  # (B, *shape) each
+                    if key in layer.slots and layer.slots[key].shape[0] >= rows:
+                        continue
+                    fresh = state.new_zeros((rows, *state.shape[1:]))
+                    if key in layer.slots:
+                        fresh[: self.num_rows] = layer.slots[key][: self.num_rows]
+                    layer.slots[key] = fresh
+        self._row_capacity, self._column_capacity = rows, columns
+
+    def _reserve_kv(self, layer: SlotLayer, model, rows: int, columns: int) -> None:
+        fresh = tuple(  # (rows, H, columns, Dk) keys and (rows, H, columns, Dv) values: pads stay finite
+            t.new_zeros((rows, t.shape[1], columns, t.shape[3])) for t in (model.keys, model.values)
+        )
+        if layer.buffers is not None:
+            for old, new in zip(layer.buffers, fresh, strict=False):
+                new[: self.num_rows, :, : self.width] = old[: self.num_rows, :, : self.width]
+        else:
+            DynamicLayer.lazy_initialization(layer, model.keys, model.values)
+        layer.buffers = fresh
 
     def _show(self) -> None:
         for layer in self.cache.layers:
-            layer.show(self.num_rows, self.width)
+            if isinstance(layer, SlotLayer):
+                layer.show(self.num_rows, self.width)
+            if isinstance(layer, SlotStateLayer):
+                layer.show_state(self.num_rows, self.width)
 
     @torch.inference_mode()
     def add(self, single: DynamicCache) -> int:
         """Append the batch-1 `single` as a new row (copied; `single` may be reused after).
         Returns the row's index."""
-        length = single.get_seq_length()
+        length = num_cached(single)
         row = self.num_rows
         self._reserve(row + 1, max(self.width, length) + 1, single)
         for layer, source in zip(self.cache.layers, single.layers, strict=False):
-            layer.buffers[0][row, :, :length] = source.keys[0]
-            layer.buffers[1][row, :, :length] = source.values[0]
+            if isinstance(layer, SlotLayer):
+                keys, values = layer.held()
+                keys[row, :, :length], values[row, :, :length] = source.keys[0], source.values[0]
+            if isinstance(layer, SlotStateLayer):
+                for key, state in _states(source).items():
+                    layer.slots[key][row] = state[0]
         self.lengths.append(length)
         self._show()
         return row
@@ -136,16 +216,30 @@ class RaggedBatch:
     def _move(self, source: int, target: int) -> None:
         length = self.lengths[source]
         for layer in self.cache.layers:
-            for buffer in layer.buffers:
-                buffer[target, :, :length] = buffer[source, :, :length]
+            if isinstance(layer, SlotLayer):
+                for buffer in layer.held():
+                    buffer[target, :, :length] = buffer[source, :, :length]
+            if isinstance(layer, SlotStateLayer):
+                for buffer in layer.slots.values():
+                    buffer[target] = buffer[source]
 
     @torch.inference_mode()
     def extract(self, row: int) -> DynamicCache:
         """Row `row`'s real tokens as a batch-1 cache of its own (new memory)."""
         length = self.lengths[row]
-        keys = [layer.buffers[0][row, :, :length] for layer in self.cache.layers]  # each (H, T, Dk)
-        values = [layer.buffers[1][row, :, :length] for layer in self.cache.layers]  # each (H, T, Dv)
-        return to_cache([join(keys, values)], self.config)  # copied into a new cache
+        layout = layout_of(self.config)
+        groups = []
+        for group in layout.groups:
+            held = [self.cache.layers[i].held() for i in group.layers]
+            keys = [layer_keys[row, :, :length] for layer_keys, _ in held]  # each (H, T, Dk)
+            values = [layer_values[row, :, :length] for _, layer_values in held]  # each (H, T, Dv)
+            groups.append(join(keys, values))
+        state = None
+        if layout.has_state:
+            state = {
+                spec.name: self.cache.layers[spec.layer].slots[(spec.kind, spec.index)][row] for spec in layout.states
+            }
+        return to_cache([Entry(tuple(groups), state)], self.config)  # copied into a new cache
 
     @torch.inference_mode()
     def step(self, model, tokens: Sequence[int]) -> torch.Tensor:
@@ -196,6 +290,9 @@ def _row_masks(model, padding: torch.Tensor, cache, lengths: torch.Tensor):
         position_ids=lengths[:, None],
     )
     sliding = create_sliding_window_causal_mask(**shape, or_mask_function=own_window)
-    if getattr(config.get_text_config(), "layer_types", None) is None:
+    layer_types = getattr(config.get_text_config(), "layer_types", None)
+    if layer_types is None:
         return sliding  # every layer slides (Mistral): the model takes one mask
-    return {"full_attention": create_causal_mask(**shape), "sliding_attention": sliding}
+    masks = dict.fromkeys(layer_types)  # a recurrent layer takes none in a one-token step
+    masks.update({"full_attention": create_causal_mask(**shape), "sliding_attention": sliding})
+    return masks

@@ -27,11 +27,12 @@ def rope_type(model) -> str:
 def check_supported(model) -> None:
     """Refuse models whose rotary embedding cannot be re-rotated by a position delta, and
     models whose layers are not all full attention of one width (sliding layers, as in Gemma 3,
-    may rotate with another base; a latent's rotary part sits inside it)."""
+    may rotate with another base; a latent's rotary part sits inside it; a recurrent state is
+    not something a chunk's KV can be moved into)."""
     if not layout_of(model.config).is_plain:
         raise ModelError(
             f"the approximate modes re-rotate stored keys in full-attention layers; {type(model).__name__} has "
-            "sliding-window or latent attention layers. Use --mode exact"
+            "sliding-window, latent or recurrent layers, or layers of several shapes. Use --mode exact"
         )
     kind = rope_type(model)
     rotary = getattr(getattr(model, "model", None), "rotary_emb", None)

@@ -9,14 +9,13 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 
-import torch
-
 from ragkv.core.config import AskSettings
 from ragkv.core.errors import StoreCorruptError
 from ragkv.core.keys import KVKey
 from ragkv.core.lru import ByteLRU
 from ragkv.kv import cache as kv
 from ragkv.kv import codec, spans
+from ragkv.kv.entry import Entry, joined
 from ragkv.loading.misses import Misses
 from ragkv.loading.reader import Loaded, StoredReads, ms_since
 from ragkv.loading.uses import UseLog
@@ -58,15 +57,15 @@ class KVLoader:
         self.reads = StoredReads(snapshot, lm, active, device, ram_bytes)
         self.misses = Misses(self.reads, write_back, pending_bytes, leave_pending)
         self.uses = UseLog.of(snapshot) if log_uses else None
-        self._separator: torch.Tensor | None = None
+        self._separator: Entry | None = None
 
     @property
-    def ram(self) -> ByteLRU[torch.Tensor]:
-        """The RAM tier: hot chunk KV by key, verified when loaded."""
+    def ram(self) -> ByteLRU[Entry]:
+        """The RAM tier: hot chunk entries by key, verified when loaded."""
         return self.reads.ram
 
     @ram.setter
-    def ram(self, tier: ByteLRU[torch.Tensor]) -> None:
+    def ram(self, tier: ByteLRU[Entry]) -> None:
         self.reads.ram = tier
 
     @property
@@ -195,14 +194,13 @@ class KVLoader:
         return assemble.blended(model, prefix, pieces, context_ids, ratio)
 
     def _load_stored(self, runs: list[list[ContextRow]], loaded: Loaded, defer: bool) -> list[kv.Part] | None:
-        """The prefix KV, then each run's parts (see `run_parts`), `(L, 2, H, T, D)` each, the
-        stored ones left to be read into the cache when `defer`; None (with a warning) when any
-        is missing or corrupt."""
+        """The prefix entry, then each run's parts (see `run_parts`), the stored ones left to be
+        read into the cache when `defer`; None (with a warning) when any is missing or corrupt."""
         try:
             stored: list[kv.Part] = [self.reads.prefix()]
             for run in runs:
                 parts = self.run_parts(run, loaded, len(loaded.kv_sources), defer)
-                stored += parts if defer else [_joined([kv.whole(part) for part in parts])]
+                stored += parts if defer else [joined([kv.whole(part) for part in parts])]
             return stored
         except StoreCorruptError as exc:
             self._fall_back(exc, loaded)
@@ -215,14 +213,14 @@ class KVLoader:
         loaded.fallback = True
         loaded.warnings.append(message)
 
-    def run_kv(self, run: Sequence[ContextRow], loaded: Loaded, slot: int = 0) -> torch.Tensor:
-        """The KV of `run`, chunks that follow each other in one stored span (or one chunk):
-        their entries joined along the tokens, `(L, 2, H, T_run, D)` (see `run_parts`)."""
-        return _joined([kv.whole(part) for part in self.run_parts(run, loaded, slot)])
+    def run_kv(self, run: Sequence[ContextRow], loaded: Loaded, slot: int = 0) -> Entry:
+        """The entry of `run`, chunks that follow each other in one stored span (or one chunk):
+        their entries joined along the tokens, with the last one's state (see `run_parts`)."""
+        return joined([kv.whole(part) for part in self.run_parts(run, loaded, slot)])
 
     def run_parts(self, run: Sequence[ContextRow], loaded: Loaded, slot: int = 0, defer: bool = False) -> list[kv.Part]:
-        """The KV of `run`, chunks that follow each other in one stored span (or one chunk),
-        `(L, 2, H, T_i, D)` per chunk, every entry's key checked against the tokens before it
+        """The entries of `run`, chunks that follow each other in one stored span (or one chunk),
+        one per chunk, every entry's key checked against the tokens before it
         and its bytes verified; with `defer`, an entry read from the store may be left to be
         read straight into the cache (codec.StoredKV, verified then). What the store holds of
         the span is loaded; from the first chunk it has no KV for (a miss: the budget left it
@@ -273,11 +271,11 @@ class KVLoader:
         if self.uses is not None:
             self.uses.record(rows, kv_sources)
 
-    def prefix_kv(self) -> torch.Tensor:
-        """The system-prompt KV `(L, 2, H, P, D)`, read once and kept."""
+    def prefix_kv(self) -> Entry:
+        """The system-prompt entry, read once and kept."""
         return self.reads.prefix()
 
-    def _separator_kv(self) -> torch.Tensor:
+    def _separator_kv(self) -> Entry:
         """KV of the chunk separator computed right after the prefix, like a stored chunk."""
         if self._separator is None:
             separator = list(self.active.layout.separator_ids)
@@ -309,7 +307,3 @@ def continues_span(previous: ContextRow, row: ContextRow) -> bool:
         and previous.span_start == row.span_start
         and row.chunk_index == previous.chunk_index + 1
     )
-
-
-def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=kv.TOKEN_DIM)

@@ -12,8 +12,9 @@ import torch
 from ragkv.core.keys import KVKey
 from ragkv.kv import cache as kv
 from ragkv.kv import codec, spans
+from ragkv.kv.entry import Entry, joined
 from ragkv.loading.reader import Loaded, StoredReads, ms_since
-from ragkv.model.forward import compute_chunks, shard_metadata, split_segments
+from ragkv.model.forward import compute_chunks, compute_segments, shard_metadata, split_segments
 from ragkv.model.prompt import encode_text
 from ragkv.store import ContextRow
 from ragkv.store.kv.pending import PendingArea, PendingIndex
@@ -40,40 +41,44 @@ class Misses:
         chunk_ids: Sequence[tuple[int, ...]],
         keys: Sequence[KVKey],
         parent: str | None,
-        before: list[torch.Tensor],
+        before: list[Entry],
         loaded: Loaded,
-    ) -> list[torch.Tensor]:
-        """The KV of a span's chunks `rows` (their ids `chunk_ids`, keyed `keys`) the store has
-        none for, computed in one forward after the prefix and `before` (the span's chunks before
-        them, `(L, 2, H, T_i, D)` each, the last keyed `parent`; a chunk stored alone is a span of
-        one): one `(L, 2, H, T, D)` per row, passed through the store's codec (so it equals what a
-        later store read returns). Each is kept in the RAM tier and handed to the background
-        write-back, chained to the entry before it."""
+    ) -> list[Entry]:
+        """The entries of a span's chunks `rows` (their ids `chunk_ids`, keyed `keys`) the store
+        has none for, computed after the prefix and `before` (the span's chunks before them, the
+        last keyed `parent`; a chunk stored alone is a span of one): in one forward, or one per
+        chunk for a model with recurrent layers (each keeps the state at its end); one entry per
+        row, passed through the store's codec (so it equals what a later store read returns).
+        Each is kept in the RAM tier and handed to the background write-back, chained to the
+        entry before it."""
         profile, separator = self.active.profile, self.active.layout.separator_ids
         segments = [
             spans.segment(0 if row.starts_span else 1, ids, separator) for row, ids in zip(rows, chunk_ids, strict=True)
         ]
         start = time.perf_counter()
-        prefix = self.reads.prefix()
-        base = torch.cat([prefix, *before], dim=kv.TOKEN_DIM) if before else prefix  # (L, 2, H, P + T_before, D)
-        flat = [t for segment in segments for t in segment]
-        (result,) = compute_chunks(self.lm.model, base, [flat], len(flat), self.lm.pad_id)
+        base = joined([self.reads.prefix(), *before])
+        layout = kv.layout_of(self.lm.model.config)
+        if layout.has_state:
+            pieces = compute_segments(self.lm.model, [base], segments)
+        else:
+            flat = [t for segment in segments for t in segment]
+            (result,) = compute_chunks(self.lm.model, base, [flat], len(flat), self.lm.pad_id)
+            pieces = split_segments(result.kv, [len(s) for s in segments])
         computed = []
-        pieces = split_segments(result.kv, [len(s) for s in segments])
         for row, ids, key, piece in zip(rows, chunk_ids, keys, pieces, strict=True):
             name = key.to_string()
-            parts = codec.encode(piece, profile.kv_quant, kv.layout_of(self.lm.model.config).windows)
-            kv_tensor = codec.decode({n: t.to(self.device) for n, t in parts.items()}, self.lm.model.dtype)
-            self.reads.ram.put(self.reads.ram_key(name), kv_tensor)
+            parts = codec.encode(piece, profile.kv_quant, layout)
+            entry = codec.decode({n: t.to(self.device) for n, t in parts.items()}, self.lm.model.dtype)
+            self.reads.ram.put(self.reads.ram_key(name), entry)
             loaded.kv_sources[row.chunk_id] = "computed"
             self._write_back(row, name, ids, parts, parent)
-            computed.append(kv_tensor)
+            computed.append(entry)
             parent = name
         loaded.kv_compute_ms += ms_since(start)
         return computed
 
-    def chunk(self, row: ContextRow, loaded: Loaded) -> torch.Tensor:
-        """The KV of a chunk stored alone the store has none for, `(L, 2, H, T, D)`: from the RAM
+    def chunk(self, row: ContextRow, loaded: Loaded) -> Entry:
+        """The entry of a chunk stored alone the store has none for: from the RAM
         tier if computed earlier, else computed now after the prefix, exactly as ingest would
         (see `span`)."""
         token_ids = row.token_ids if row.token_ids is not None else self._text_ids(row)
@@ -83,22 +88,22 @@ class Misses:
             return held
         return self.span([row], [token_ids], [key], None, [], loaded)[0]
 
-    def held(self, row: ContextRow, key: str, loaded: Loaded) -> torch.Tensor | None:
+    def held(self, row: ContextRow, key: str, loaded: Loaded) -> Entry | None:
         """KV the store has no entry for that is ready all the same: computed on an earlier
         miss (the RAM tier), or, on S3, by another replica that left it pending for the fold
         (read from the bucket, verified, counted as a store hit)."""
-        kv_tensor = self.reads.ram.get(self.reads.ram_key(key))
-        if kv_tensor is not None:
+        held = self.reads.ram.get(self.reads.ram_key(key))
+        if held is not None:
             loaded.ram_hits += 1
             loaded.kv_sources[row.chunk_id] = "ram"
-            return kv_tensor
+            return held
         parts = self.fleet.find(key) if self.fleet is not None else None
         if parts is None:
             return None
-        kv_tensor = codec.decode({n: t.to(self.device) for n, t in parts.items()}, self.lm.model.dtype)
-        self.reads.ram.put(self.reads.ram_key(key), kv_tensor)
+        entry = codec.decode({n: t.to(self.device) for n, t in parts.items()}, self.lm.model.dtype)
+        self.reads.ram.put(self.reads.ram_key(key), entry)
         loaded.kv_sources[row.chunk_id] = "store"
-        return kv_tensor
+        return entry
 
     def _write_back(
         self, row: ContextRow, key: str, token_ids: tuple[int, ...], parts: dict[str, torch.Tensor], parent: str | None

@@ -14,6 +14,7 @@ from ragkv.core.keys import KVKey
 from ragkv.core.lru import ByteLRU
 from ragkv.kv import cache as kv
 from ragkv.kv import codec
+from ragkv.kv.entry import Entry
 from ragkv.model.llm import LoadedModel
 from ragkv.model.profiles import ActiveProfile
 from ragkv.modes.assemble import Assembly
@@ -45,11 +46,11 @@ class StoredReads:
         self.lm = lm
         self.active = active
         self.device = device
-        self.ram: ByteLRU[torch.Tensor] = ByteLRU(ram_bytes)  # hot chunk KV by key, verified when loaded
+        self.ram: ByteLRU[Entry] = ByteLRU(ram_bytes)  # hot chunk entries by key, verified when loaded
         # With tenants isolated (KVLoader.tenant), the tenant whose request is loading: its RAM
         # tier entries are its own, so no tenant can time what another read.
         self.salt = ""
-        self._prefix_kv: torch.Tensor | None = None  # pinned in memory after the first load
+        self._prefix_kv: Entry | None = None  # pinned in memory after the first load
         self._read_buffers: list[torch.Tensor] = []  # stored KV is read into these (reused memory)
 
     def chunk(self, entry, loaded: Loaded, slot: int, defer: bool = False) -> kv.Part:
@@ -58,10 +59,10 @@ class StoredReads:
         `defer`, when it can be: to be read straight into the cache, and kept in the RAM tier
         from there."""
         key = self.ram_key(entry.kv_key)
-        kv_tensor = self.ram.get(key)
-        if kv_tensor is not None:
+        held = self.ram.get(key)
+        if held is not None:
             loaded.ram_hits += 1
-            return kv_tensor
+            return held
         loaded.ram_misses += 1
         later = codec.deferred(self.snapshot.shards, entry, self.lm.model.dtype, self.device) if defer else None
         if later is not None:
@@ -70,11 +71,11 @@ class StoredReads:
             return later
         buffer = self._read_buffer(slot, entry.nbytes + 64) if entry.nbytes else None  # + alignment of parts
         # The prefill that uses the KV runs after its copy on the same stream.
-        kv_tensor = codec.read(self.snapshot.shards, entry, self.lm.model.dtype, self.device, out=buffer)
-        if kv_tensor.numel() * kv_tensor.element_size() <= self.ram.max_bytes:
-            kv_tensor = kv_tensor.clone() if kv_tensor.device.type == "cpu" else kv_tensor  # own memory
-            self.ram.put(key, kv_tensor)
-        return kv_tensor
+        read = codec.read(self.snapshot.shards, entry, self.lm.model.dtype, self.device, out=buffer)
+        if read.nbytes <= self.ram.max_bytes:
+            read = read.clone() if read.device.type == "cpu" else read  # own memory
+            self.ram.put(key, read)
+        return read
 
     def ram_key(self, kv_key: str) -> str:
         """The RAM tier's key for the entry `kv_key`: itself, or the isolated tenant's own."""
@@ -107,8 +108,9 @@ class StoredReads:
             self._read_buffers[slot] = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
         return self._read_buffers[slot]
 
-    def prefix(self) -> torch.Tensor:
-        """The system-prompt KV `(L, 2, H, P, D)`, read once and kept."""
+    def prefix(self) -> Entry:
+        """The system-prompt entry (its KV and, for recurrent layers, the state after it), read
+        once and kept."""
         if self._prefix_kv is None:
             entry = self.snapshot.catalog.entries.entry(KVKey.for_prefix(self.active.profile).to_string())
             if entry is None:

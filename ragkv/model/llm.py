@@ -207,10 +207,10 @@ def load_model(name: str, device: str, dtype: str, weights: bool = True) -> Load
     layout = None
     if model is not None:
         model.to(device).eval()
-        layout = run_aside(describe, model)  # refuses, in one line, a cache that keeps recurrent state
+        layout = run_aside(describe, model)  # refuses, in one line, a cache ragkv cannot store
     config = config.get_text_config()
     eos_ids = _eos_ids(folder, tokenizer, GenerationConfig)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    num_kv_heads, head_dim = _heads(config, layout)
     facts = ModelFacts(
         name=model_name(name),
         path=str(folder),
@@ -218,13 +218,24 @@ def load_model(name: str, device: str, dtype: str, weights: bool = True) -> Load
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         dtype=dtype,
         num_layers=config.num_hidden_layers,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         max_context=int(getattr(config, "max_position_embeddings", 0) or 2048),
         eos_ids=eos_ids,
         layout=layout,
     )
     return LoadedModel(model=model, tokenizer=tokenizer, facts=facts, device=device)
+
+
+def _heads(config, layout: KVLayout | None) -> tuple[int, int]:
+    """KV heads and head dim of the first layers that cache keys and values: the layout's when
+    read, else the config's (its first layer's, where layers differ, as in Gemma 4)."""
+    if layout is not None and layout.groups:
+        return layout.groups[0].num_heads, layout.groups[0].key_dim
+    layers = getattr(config, "per_layer_config", None)
+    first = layers[0] if layers else config
+    heads = getattr(first, "num_key_value_heads", None) or first.num_attention_heads
+    return heads, getattr(first, "head_dim", None) or first.hidden_size // first.num_attention_heads
 
 
 def _eos_ids(folder: Path, tokenizer, generation_config_cls) -> tuple[int, ...]:

@@ -2,7 +2,9 @@
 
 - `exact`: the first chunk's KV comes from the store; the other chunks are prefilled live on
   top of it (or taken from the in-process prefix cache, which holds exactly that computation
-  from an earlier request). Equals a full prefill.
+  from an earlier request). Equals a full prefill. For a model with recurrent layers the other
+  chunks are computed as the cache is assembled, one forward each, so the prefix cache keeps
+  each one's state at its end (a state cannot be cut out of a later prefill).
 - `concat` (approximate, TurboRAG-style): every chunk's stored KV, re-rotated to its place.
 - `blend` (approximate, CacheBlend-style): `concat`, then the most-deviating share of the
   context tokens recomputed, the selection narrowing layer by layer.
@@ -25,11 +27,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from ragkv.core.keys import KVKey
 from ragkv.kv import cache as kv
+from ragkv.kv.entry import Entry
 from ragkv.kv.rope import check_supported, shift_positions
+from ragkv.model.forward import extend
 from ragkv.modes.ape import Scaling, attending
 from ragkv.modes.blend import BlendResult, Recompute, attended_recompute, blend, recompute_starts
 from ragkv.modes.prefix_cache import PrefixCache
@@ -39,6 +41,7 @@ from ragkv.modes.prefix_cache import PrefixCache
 class Assembly:
     cache: Any  # transformers cache holding the prompt's first `num_cached` tokens (batch 1)
     reused_tokens: int = 0  # of those, KV taken from the store or the prefix cache
+    computed_tokens: int = 0  # of those, computed as the cache was assembled (exact, recurrent layers)
     recomputed_tokens: int = 0  # context tokens whose approximate KV was recomputed (blend)
     prefix_cache_tokens: int = 0  # of the reused, those that came from the in-process prefix cache
     after_prefill: Callable[[object], None] | None = field(default=None, repr=False)
@@ -69,6 +72,13 @@ def exact(
     match = prefix_cache.match(root, segments)
     cache = kv.to_cache([*stored, *match.kvs], model.config)
     stored_tokens = sum(kv.num_tokens(t) for t in stored)
+    if kv.layout_of(model.config).has_state:
+        computed = extend(model, cache, segments[match.num_segments :])
+        if computed:
+            prefix_cache.insert(root, segments, [*match.kvs, *computed])
+        computed_tokens = sum(entry.num_tokens for entry in computed)
+        reused = stored_tokens + match.num_tokens
+        return Assembly(cache, reused, computed_tokens, prefix_cache_tokens=match.num_tokens)
     held = list(match.kvs)  # the segments' KV the cache holds after the stored, in order
 
     def catch_up(filled_cache) -> int:
@@ -98,23 +108,21 @@ def exact(
     )
 
 
-def concat(model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor]) -> Assembly:
-    """`pieces`: KV computed right after `prefix` (stored chunks, and separators between
+def concat(model, prefix: Entry, pieces: Sequence[Entry]) -> Assembly:
+    """`pieces`: entries computed right after `prefix` (stored chunks, and separators between
     them), placed one after another: each piece's keys move from the position it was
-    computed at to the position it now starts at."""
+    computed at to the position it now starts at (plain layouts only: `check_supported`)."""
     check_supported(model)
-    start = num_prefix = kv.num_tokens(prefix)
+    start = num_prefix = prefix.num_tokens
     placed = [prefix]
     for piece in pieces:
-        placed.append(shift_positions(piece, start - num_prefix, model))
-        start += kv.num_tokens(piece)
+        placed.append(Entry.of(shift_positions(piece.kv, start - num_prefix, model)))
+        start += piece.num_tokens
     cache = kv.to_cache(placed, model.config)
     return Assembly(cache, reused_tokens=start)
 
 
-def blended(
-    model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor], context_ids: Sequence[int], ratio: float
-) -> Assembly:
+def blended(model, prefix: Entry, pieces: Sequence[Entry], context_ids: Sequence[int], ratio: float) -> Assembly:
     """`concat`, then recompute `ratio` of the tokens after the first chunk (the most deviating
     ones, layer by layer). The first chunk sits where it was computed, after the prefix only:
     its KV is exact."""
@@ -122,9 +130,7 @@ def blended(
     return _recomputed(assembly, blend(model, assembly.cache, context_ids, _after_first(prefix, pieces), ratio))
 
 
-def epic(
-    model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor], context_ids: Sequence[int], ratio: float
-) -> Assembly:
+def epic(model, prefix: Entry, pieces: Sequence[Entry], context_ids: Sequence[int], ratio: float) -> Assembly:
     """`concat`, then recompute the first `ratio` of every passage after the first: pieces
     come as [passage, separator, passage, separator, passage...]; a separator starts the
     passage after it."""
@@ -140,8 +146,8 @@ def epic(
 
 def attended(
     model,
-    prefix: torch.Tensor,
-    pieces: Sequence[torch.Tensor],
+    prefix: Entry,
+    pieces: Sequence[Entry],
     context_ids: Sequence[int],
     question_ids: Sequence[int],
     ratio: float,
@@ -155,7 +161,7 @@ def attended(
     return _recomputed(assembly, BlendResult(0 if chosen is None else chosen.positions.numel()))
 
 
-def ape(model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor], temperature: float, scale: float) -> Assembly:
+def ape(model, prefix: Entry, pieces: Sequence[Entry], temperature: float, scale: float) -> Assembly:
     """`concat`; what attends to the passages after the first does so with APE's scaling. The
     first passage sits where it was computed, right after the prefix, as in a full prefill: it
     is not scaled (with one passage, `ape` is exact)."""
@@ -165,7 +171,7 @@ def ape(model, prefix: torch.Tensor, pieces: Sequence[torch.Tensor], temperature
     return assembly
 
 
-def _after_first(prefix: torch.Tensor, pieces: Sequence[torch.Tensor]) -> int:
+def _after_first(prefix: Entry, pieces: Sequence[Entry]) -> int:
     """Where the context after the first chunk starts: the first chunk sits where it was
     computed, right after the prefix, so its KV is exact and no approximate mode touches it."""
     return kv.num_tokens(prefix) + kv.num_tokens(pieces[0])

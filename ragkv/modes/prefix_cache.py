@@ -17,16 +17,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from ragkv.core.keys import KVKey, digest
 from ragkv.core.lru import ByteLRU
+from ragkv.kv.entry import Entry
 from ragkv.kv.spans import chain
 
 
 @dataclass(frozen=True)
 class PrefixMatch:
-    kvs: list[torch.Tensor]  # canonical (L, 2, H, T_i, D) of the matched leading segments
+    kvs: list[Entry]  # the matched leading segments' entries (with the state at each one's end)
 
     @property
     def num_segments(self) -> int:
@@ -34,12 +33,12 @@ class PrefixMatch:
 
     @property
     def num_tokens(self) -> int:
-        return sum(kv.shape[3] for kv in self.kvs)
+        return sum(kv.num_tokens for kv in self.kvs)
 
 
 class PrefixCache:
     def __init__(self, max_bytes: int):
-        self._lru: ByteLRU[tuple[tuple[int, ...], torch.Tensor]] = ByteLRU(max_bytes)
+        self._lru: ByteLRU[tuple[tuple[int, ...], Entry]] = ByteLRU(max_bytes)
         self.hits = 0  # segments found
         self.misses = 0  # segments looked for and not found
 
@@ -65,7 +64,7 @@ class PrefixCache:
             self.misses += len(segments) - len(kvs)
         return PrefixMatch(kvs)
 
-    def insert(self, root: KVKey, segments: Sequence[Sequence[int]], kvs: Sequence[torch.Tensor]) -> None:
+    def insert(self, root: KVKey, segments: Sequence[Sequence[int]], kvs: Sequence[Entry]) -> None:
         """Remember `kvs[i]`, the KV of `segments[i]` computed after `root` and the segments
         before it. May evict least recently used entries."""
         for key, ids, kv in zip(_names(root, segments), segments, kvs, strict=False):

@@ -23,6 +23,7 @@ import torch
 
 from ragkv.core.errors import StoreCorruptError
 from ragkv.kv import cache as kv
+from ragkv.kv.entry import Entry
 from ragkv.loading.loader import KVLoader, Loaded
 from ragkv.model.forward import compute_chunks
 from ragkv.model.prompt import encode_text
@@ -107,8 +108,8 @@ class Reranker:
         warnings = [f"{num_from_text} rerank candidates had no stored KV: scored from their text"] * bool(num_from_text)
         return Reranked(scored, (time.perf_counter() - start) * 1000.0, num_from_text, warnings)
 
-    def _context_kv(self, row: ContextRow, loaded: Loaded) -> tuple[torch.Tensor, bool]:
-        """The KV a candidate is scored over, `(L, 2, H, T, D)`, and whether it was computed
+    def _context_kv(self, row: ContextRow, loaded: Loaded) -> tuple[Entry, bool]:
+        """The entry a candidate is scored over, and whether it was computed
         from text. What the store lacks of a candidate's span the loader computes and writes
         back, as for an answer; only a damaged entry leaves the candidate scored from text."""
         run = [r for r, _ in self.retriever.widen([(row, 0.0)], "span")]
@@ -135,12 +136,12 @@ def standardised(values: Sequence[float]) -> list[float]:
 @torch.inference_mode()
 def attention_mass(
     model,
-    prefix: torch.Tensor,
-    contexts: Sequence[torch.Tensor],
+    prefix: Entry,
+    contexts: Sequence[Entry],
     question_ids: Sequence[int],
     calibration_ids: Sequence[int],
 ) -> list[float]:
-    """In-context reranking (ICR, Chen et al. 2024): every candidate's KV `(L, 2, H, T_i, D)`
+    """In-context reranking (ICR, Chen et al. 2024): every candidate's entry (plain layouts)
     placed after `prefix` in one cache (re-rotated, as `--mode concat` places them), the
     question run over it once, and each candidate scored by the attention mass the question's
     tokens put on it (summed over layers and heads, per question token), less the mass a
@@ -165,11 +166,12 @@ def attention_mass(
 
 @torch.inference_mode()
 def question_likelihoods(
-    model, contexts: Sequence[Sequence[torch.Tensor]], question_ids: Sequence[int], num_scored: int
+    model, contexts: Sequence[Sequence[Entry]], question_ids: Sequence[int], num_scored: int
 ) -> list[float]:
-    """For each context (canonical KV parts, one after another), the mean log-probability of the
-    last `num_scored` of `question_ids` fed after it. Rows are batched up to BATCH_TOKENS; each
-    row computes what it would alone (its own positions, its padding masked)."""
+    """For each context (entries, one after another; a recurrent state is the last one's), the
+    mean log-probability of the last `num_scored` of `question_ids` fed after it. Rows are
+    batched up to BATCH_TOKENS; each row computes what it would alone (its own positions, its
+    padding masked)."""
     lengths = [sum(kv.num_tokens(p) for p in parts) for parts in contexts]
     order = sorted(range(len(contexts)), key=lambda i: -lengths[i])
     scores = [0.0] * len(contexts)
