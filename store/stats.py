@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from typing import Any
 
@@ -48,6 +49,7 @@ def store_stats(snapshot: StoreSnapshot) -> dict:
                 "chunks": p.chunks,
                 "tokens": p.tokens,
                 "kv_bytes": p.kv_bytes,
+                **layout_summary(p.kv_layout),
             }
             for p in catalog.reports.profile_totals()
         ],
@@ -59,6 +61,26 @@ def store_stats(snapshot: StoreSnapshot) -> dict:
         "kv_budget": catalog.usage.kv_budget(),
         **pending_totals(snapshot),
         **popularity(snapshot),
+    }
+
+
+_ITEMSIZE = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
+
+
+def layout_summary(kv_layout: str | None) -> dict:
+    """What a profile's cache holds per layer, from its recorded layout (ragkv.kv.layout's JSON):
+    layers holding KV, layers keeping a recurrent state, and the bytes of the state every entry
+    ends with (counted in kv_bytes, by the budget and by gc like the KV)."""
+    if not kv_layout:
+        return {"kv_layers": None, "state_layers": 0, "state_bytes_per_entry": 0}
+    fields = json.loads(kv_layout)
+    if "groups" not in fields:  # one group over every layer (the form earlier ragkv wrote too)
+        return {"kv_layers": len(fields["windows"]), "state_layers": 0, "state_bytes_per_entry": 0}
+    states = fields["states"]
+    return {
+        "kv_layers": sum(len(group["layers"]) for group in fields["groups"]),
+        "state_layers": len({state["layer"] for state in states}),
+        "state_bytes_per_entry": sum(math.prod(s["shape"]) * _ITEMSIZE.get(s["dtype"], 4) for s in states),
     }
 
 

@@ -255,3 +255,28 @@ def test_the_generated_families_table_lists_every_family_with_its_verdict():
     for family, (_, _, verdict) in families.FAMILIES.items():
         row = next(line for line in lines if line.startswith(f"| {family} |"))
         assert ("| exact (self-test" in row) == (verdict == "exact"), f"re-run python benchmarks/families.py: {row}"
+
+
+def test_a_hybrid_store_keeps_the_state_in_every_entry_and_counts_it(family_store):
+    """Every entry of a recurrent model (the system prompt's too) holds each recurrent layer's
+    state beside its KV, checksummed with it; its bytes count in the entry's size (what the budget
+    and gc weigh), and `ragkv stats` names the state and its size per entry."""
+    from ragkv.kv.layout import KVLayout
+    from ragkv.store.stats import store_stats
+
+    store = family_store("qwen3.5 (Gated DeltaNet + full)")
+    with open_snapshot(store) as snapshot:
+        (profile,) = store_stats(snapshot)["profiles"]
+        layout = KVLayout.from_string(snapshot.catalog.entries.profiles()[0].kv_layout)
+        assert profile["state_layers"] == 1 and profile["state_bytes_per_entry"] == layout.state_bytes > 0
+        entries = snapshot.catalog.reports.all_entries()
+        assert len(entries) > 2
+        for entry in entries:
+            parts = snapshot.shards.read_parts(entry.shard, entry.tensor, entry.checksum)
+            states = {name.removeprefix("state."): t for name, t in parts.items() if name.startswith("state.")}
+            assert {name: (tuple(t.shape), str(t.dtype)) for name, t in states.items()} == {
+                spec.name: (spec.shape, f"torch.{spec.dtype}") for spec in layout.states
+            }
+            assert entry.nbytes == sum(t.numel() * t.element_size() for t in parts.values())
+    said = run_cli("stats", "--store", store).output
+    assert "1 recurrent layers' state" in said and "per entry" in said

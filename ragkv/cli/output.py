@@ -206,6 +206,7 @@ def stats_lines(summary: dict) -> list[str]:
     ]
     lines += [
         f"  {p['model']} ({p['dtype']}): {p['chunks']} chunks, {p['tokens']:,} tokens, {mib(p['kv_bytes'])}"
+        + _state_note(p)
         for p in summary["profiles"]
     ]
     lines += [
@@ -219,6 +220,15 @@ def stats_lines(summary: dict) -> list[str]:
             "`ragkv fold` stores them"
         )
     return lines + _index_lines(summary) + _usage_lines(summary)
+
+
+def _state_note(profile: dict) -> str:
+    """Where a model keeps recurrent state: how many layers, and what each entry holds of it."""
+    if not profile.get("state_layers"):
+        return ""
+    return (
+        f" (with {profile['state_layers']} recurrent layers' state: {mib(profile['state_bytes_per_entry'])} per entry)"
+    )
 
 
 def _index_lines(summary: dict) -> list[str]:

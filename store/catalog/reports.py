@@ -17,7 +17,8 @@ class Reports(Part):
                    (SELECT count(*) FROM chunk_kv k SEMI JOIN kv_entries e ON e.kv_key = k.kv_key
                     WHERE k.profile_id = p.profile_id) AS chunks,
                    (SELECT coalesce(sum(len(token_ids)), 0) FROM chunk_kv k
-                    SEMI JOIN kv_entries e ON e.kv_key = k.kv_key WHERE k.profile_id = p.profile_id) AS tokens
+                    SEMI JOIN kv_entries e ON e.kv_key = k.kv_key WHERE k.profile_id = p.profile_id) AS tokens,
+                   p.kv_layout
             FROM profiles p ORDER BY p.created_at DESC""")
         return [ProfileTotals(*row) for row in cursor.fetchall()]
 

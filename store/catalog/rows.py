@@ -56,6 +56,7 @@ class ProfileTotals:
     kv_bytes: int
     chunks: int
     tokens: int
+    kv_layout: str | None = None  # ragkv.kv.layout.KVLayout.to_string(); None: plain, or written before
 
 
 @dataclass(frozen=True)
