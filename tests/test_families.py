@@ -162,7 +162,15 @@ def test_the_batcher_answers_as_each_question_alone(family, family_store):
             assert outcome.answer.token_ids == alone.token_ids, outcome.question.question
 
 
-@pytest.mark.parametrize("family", ["gemma3 (sliding + full)", "deepseek-v3 (latent attention)"])
+@pytest.mark.parametrize(
+    "family",
+    [
+        "gemma3 (sliding + full)",
+        "deepseek-v3 (latent attention)",
+        "gemma4 (sliding + global of other head sizes, shared KV)",
+        "qwen3.5 (Gated DeltaNet + full)",
+    ],
+)
 def test_approximate_modes_and_the_vllm_connector_refuse_layouts_they_do_not_move(family, family_store, family_model):
     with ragkv.open(family_store(family), device="cpu") as engine:
         with pytest.raises(ModelError, match="Use --mode exact"):
@@ -280,3 +288,48 @@ def test_a_hybrid_store_keeps_the_state_in_every_entry_and_counts_it(family_stor
             assert entry.nbytes == sum(t.numel() * t.element_size() for t in parts.values())
     said = run_cli("stats", "--store", store).output
     assert "1 recurrent layers' state" in said and "per entry" in said
+
+
+SERVED = ["qwen3.5 (Gated DeltaNet + full)", "falcon-h1 (Mamba2 beside attention in every layer)"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", SERVED)
+def test_serve_and_the_langchain_adapter_answer_a_hybrid_as_ask_does(family, family_store):
+    """A recurrent model through `ragkv serve` (a real server: a question, streamed, and a
+    follow-up on the service's kept conversation) and through the LangChain adapter: the same
+    tokens as `ask`, whose answers equal full prefills (the tests above)."""
+    from langchain_core.runnables import RunnablePassthrough
+    from openai import OpenAI
+
+    from ragkv.integrations.langchain import ChatRagkv, RagkvRetriever, rag_prompt
+    from tests.conftest import running_server
+
+    store = family_store(family)
+    follow_up = "And who stores the new key?"
+    with ragkv.open(store, device="cpu") as engine:
+        first = engine.ask(QUESTIONS[0], max_new_tokens=10)
+        chat = engine.conversation(max_new_tokens=10)
+        chat.ask(QUESTIONS[0])
+        second = chat.ask(follow_up)
+        chain = (
+            {"documents": RagkvRetriever(engine=engine, top_k=2), "question": RunnablePassthrough()}
+            | rag_prompt
+            | ChatRagkv(engine=engine, max_tokens=10)
+        )
+        reply = chain.invoke(QUESTIONS[1])
+        alone = engine.ask(QUESTIONS[1], top_k=2, max_new_tokens=10)
+        assert reply.response_metadata["ragkv"]["token_ids"] == alone.token_ids
+        assert reply.response_metadata["ragkv"]["stats"]["reused_tokens"] > 0
+    with running_server(store) as (base, _):
+        client = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        message = [{"role": "user", "content": QUESTIONS[0]}]
+        served = client.chat.completions.create(model="ragkv", messages=message, max_tokens=10)
+        assert served.model_extra["ragkv"]["token_ids"] == first.token_ids
+        streamed = client.chat.completions.create(model="ragkv", messages=message, max_tokens=10, stream=True)
+        assert "".join(event.choices[0].delta.content or "" for event in streamed) == first.text
+        history = [*message, {"role": "assistant", "content": served.choices[0].message.content}]
+        history.append({"role": "user", "content": follow_up})
+        again = client.chat.completions.create(model="ragkv", messages=history, max_tokens=10)
+        extra = again.model_extra["ragkv"]
+        assert extra["conversation_reused"] and extra["token_ids"] == second.token_ids
