@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.machine import describe as describe_machine  # noqa: E402
 from ragkv.core.errors import ModelError  # noqa: E402
-from ragkv.kv.layout import KVLayout, not_plain  # noqa: E402
+from ragkv.kv.layout import KVLayout, not_movable  # noqa: E402
 from ragkv.kv.rope import check_supported  # noqa: E402
 from ragkv.model import self_check  # noqa: E402
 from ragkv.model.llm import load_model  # noqa: E402
@@ -37,8 +37,8 @@ def verdicts(family: str, folder: Path) -> dict[str, str]:
     """What ragkv does with one family: each engine and mode, in words."""
     from transformers import AutoConfig
 
-    problem = not_plain(AutoConfig.from_pretrained(folder))
-    connector = "taken (plain layout)" if problem is None else "refused: " + problem.split(" ", 1)[1]
+    problem = not_movable(AutoConfig.from_pretrained(folder))
+    connector = "taken" if problem is None else "refused: " + problem.split(" ", 1)[1]
     try:
         lm = load_model(str(folder), "cpu", "float32")
     except ModelError as exc:

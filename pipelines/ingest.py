@@ -21,9 +21,10 @@ from ragkv.core.errors import InputError
 from ragkv.core.keys import Profile
 from ragkv.kv import cache as kv
 from ragkv.kv import codec
+from ragkv.kv.codec import shard_metadata
 from ragkv.model import self_check
 from ragkv.model.embed import Embedder
-from ragkv.model.forward import compute_prefix, compute_spans, shard_metadata
+from ragkv.model.forward import compute_prefix, compute_spans
 from ragkv.model.llm import LoadedModel, load_model
 from ragkv.model.prompt import PromptLayout
 from ragkv.model.self_check import SelfCheck

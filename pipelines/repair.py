@@ -12,8 +12,9 @@ from ragkv.core.errors import ModelError
 from ragkv.core.keys import KVKey
 from ragkv.kv import cache as kv
 from ragkv.kv import spans
+from ragkv.kv.codec import shard_metadata
 from ragkv.model.embed import Embedder, EmbedPrompts
-from ragkv.model.forward import compute_prefix, compute_spans, shard_metadata
+from ragkv.model.forward import compute_prefix, compute_spans
 from ragkv.model.llm import load_model
 from ragkv.model.prompt import PromptLayout
 from ragkv.pipelines.stored_kv import StoredKV

@@ -131,14 +131,15 @@ FAMILIES: dict[str, tuple[str, dict, str]] = {
 }
 
 
-def build(family: str, folder: Path) -> Path:
-    """Save a tiny random model of `family` (a FAMILIES key) with SmolLM2's tokenizer in `folder`."""
+def build(family: str, folder: Path, **overrides) -> Path:
+    """Save a tiny random model of `family` (a FAMILIES key) with SmolLM2's tokenizer in `folder`;
+    `overrides`: config fields beside the family's (vLLM's CPU attention takes heads of 32 and up)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ragkv.model.llm import bundled_smollm2_path
 
     model_type, extra, _ = FAMILIES[family]
-    config = AutoConfig.for_model(model_type, **{**COMMON, **extra})
+    config = AutoConfig.for_model(model_type, **{**COMMON, **extra, **overrides})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     _slow_fading_state(model)

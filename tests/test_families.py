@@ -15,7 +15,7 @@ from ragkv.core.config import AskSettings
 from ragkv.core.errors import ModelError
 from ragkv.engine.batch import Question, answer_all
 from ragkv.kv.entry import Entry
-from ragkv.kv.layout import refuse_unless_plain
+from ragkv.kv.layout import refuse_unless_movable
 from ragkv.model import self_check
 from ragkv.model.llm import load_model
 from ragkv.store import open_snapshot
@@ -171,16 +171,32 @@ def test_the_batcher_answers_as_each_question_alone(family, family_store):
         "qwen3.5 (Gated DeltaNet + full)",
     ],
 )
-def test_approximate_modes_and_the_vllm_connector_refuse_layouts_they_do_not_move(family, family_store, family_model):
+def test_approximate_modes_refuse_layouts_they_do_not_move(family, family_store):
     with ragkv.open(family_store(family), device="cpu") as engine:
         with pytest.raises(ModelError, match="Use --mode exact"):
             engine.ask(QUESTIONS[0], top_k=2, mode="concat")
-    with pytest.raises(ModelError, match="connector moves KV of full-attention layers only"):
-        refuse_unless_plain(family_model(family))
 
 
-def test_the_vllm_connector_takes_plain_models(family_model):
-    refuse_unless_plain(family_model("llama"))  # no error
+@pytest.mark.parametrize(
+    "family",
+    [
+        "deepseek-v3 (latent attention)",
+        "gemma4 (sliding + global of other head sizes, shared KV)",
+        "qwen3.5 (Gated DeltaNet + full)",
+        "nemotron-h (Mamba2 + attention + MLP layers)",
+    ],
+)
+def test_the_vllm_connector_refuses_layouts_it_does_not_move_in_one_line(family, family_model):
+    with pytest.raises(ModelError, match="connector moves KV of attention layers of one shape") as refused:
+        refuse_unless_movable(family_model(family))
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "family", ["llama", "mistral (sliding)", "gemma3 (sliding + full)", "gpt-oss (sliding + full, sinks)"]
+)
+def test_the_vllm_connector_takes_full_and_sliding_layers_of_one_shape(family, family_model):
+    refuse_unless_movable(family_model(family))  # no error
 
 
 def test_ingest_records_the_layout_and_the_self_test_in_the_profile(family_store):

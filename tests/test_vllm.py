@@ -452,3 +452,68 @@ def test_vllm_on_an_s3_store_ingests_and_learns_through_the_fold(sample_store, s
             got = served.ask(question, max_new_tokens=12, context="chunk")
             assert got.stats.kv_source == "store"
             assert got.token_ids == local.ask(question, max_new_tokens=12, context="chunk").token_ids
+
+
+SLIDING = ["gemma3 (sliding + full)", "gpt-oss (sliding + full, sinks)"]
+
+
+@pytest.mark.parametrize("family", SLIDING)
+def test_vllm_loads_and_saves_a_sliding_window_model_through_the_store(family, corpus, tmp_path):
+    """Sliding layers mixed with full ones (Gemma 3; gpt-oss, with attention sinks), windows of
+    12 tokens, shorter than a chunk. vLLM loads a stored chunk up to its entry's end (the store
+    keeps of a sliding layer each entry's last `window - 1` tokens, all the next token reads)
+    and prefills only the question, to the first token of its own full prefill. A chunk the store
+    lacks is saved from vLLM's blocks in the windowed form ingest writes, agreeing with ingest's,
+    and ragkv's own engine answers from it as from its own."""
+    from ragkv.serve.api import ServeSettings
+    from ragkv.serve.vllm_front import _layout_params
+    from tests import families
+    from tests.conftest import build_store
+
+    folder = families.build(family, tmp_path / "model", head_dim=32)  # the smallest vLLM's CPU attention takes
+    full, store = tmp_path / "full", tmp_path / "lazy"
+    build_store(corpus, full, str(folder), chunk_tokens=24)
+    build_store(corpus, store, str(folder), chunk_tokens=24, precompute=0)
+    runs, held, keys = [], {}, set()
+    with ragkv.open(full, device="cpu") as engine:
+        for i, question in enumerate(QUESTIONS[:2]):
+            prompt = engine.prompt_for(question, AskSettings(top_k=1, context="chunk"))
+            held[f"q{i}"] = len(engine.active.layout.prefix_ids) + len(prompt.chunk_ids[0])
+            keys.add(KVKey.for_chunk(engine.active.profile, prompt.chunk_ids[0]).to_string())
+            runs += [run(f"q{i}", prompt.prompt_ids), run(f"q{i}-full", prompt.prompt_ids, SKIP)]
+    result = probe(str(folder), full, runs, tmp_path, kv_role="kv_consumer", max_model_len=1024)
+    # vLLM's hybrid allocator on (the connector supports it): the sliding layer in a group of its own
+    assert result["hybrid_allocator"], result["log"][-2000:]
+    assert sorted(result["kv_cache_groups"], key=str) == sorted([[None, 1], [families.WINDOW, 1]], key=str)
+    by_name = {r["name"]: r for r in result["runs"]}
+    for name, num_held in held.items():
+        matched, plain = by_name[name], by_name[f"{name}-full"]
+        assert matched["num_cached_tokens"] == num_held  # to the chunk's entry's end, not a block's
+        assert matched["first_token"] == plain["first_token"]
+        token = str(plain["first_token"])
+        assert abs(matched["logprobs"][token] - plain["logprobs"][token]) < 1e-3
+
+    runs = []
+    with ragkv.open(store, device="cpu", weights=False) as engine:
+        for i, question in enumerate(QUESTIONS[:2]):
+            prompt = engine.prompt_for(question, AskSettings(top_k=1, context="chunk"))
+            params = _layout_params(prompt, ServeSettings())
+            runs += [run(f"q{i}-miss", prompt.prompt_ids, params, flush=True), run(f"q{i}-hit", prompt.prompt_ids)]
+    result = probe(str(folder), store, runs, tmp_path, kv_role="kv_both", max_model_len=1024)
+    assert result["write_back"]["stored"] == 2 and result["write_back"]["failures"] == 0
+    by_name = {r["name"]: r for r in result["runs"]}
+    assert all(by_name[f"q{i}-hit"]["num_cached_tokens"] == held[f"q{i}"] for i in range(2))
+    with open_snapshot(full) as reference, open_snapshot(store) as ours:
+        assert verify(ours).ok
+        for key in keys:
+            theirs, mine = reference.catalog.entries.entry(key), ours.catalog.entries.entry(key)
+            want_parts = reference.shards.read_parts(theirs.shard, theirs.tensor, theirs.checksum)
+            got_parts = ours.shards.read_parts(mine.shard, mine.tensor, mine.checksum)
+            assert set(got_parts) == set(want_parts)  # windowed as ingest stores it
+            for part, want in want_parts.items():
+                torch.testing.assert_close(got_parts[part].float(), want.float(), rtol=1e-3, atol=1e-3)
+    with ragkv.open(store, device="cpu") as served, ragkv.open(full, device="cpu") as reference:
+        for question in QUESTIONS[:2]:
+            got = served.ask(question, max_new_tokens=8, context="chunk")
+            want = reference.ask(question, max_new_tokens=8, context="chunk")
+            assert got.stats.kv_source == "store" and got.token_ids == want.token_ids

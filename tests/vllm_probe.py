@@ -102,6 +102,12 @@ def main() -> None:
         if run.get("flush"):
             connector.flush()
     out["layer_waits"] = connector.layer_waits
+    kv_cache_config = getattr(connector, "_kv_cache_config", None)
+    out["kv_cache_groups"] = [  # [sliding window or None, layers] per group of vLLM's allocator
+        [getattr(group.kv_cache_spec, "sliding_window", None), len(group.layer_names)]
+        for group in (kv_cache_config.kv_cache_groups if kv_cache_config is not None else [])
+    ]
+    out["hybrid_allocator"] = not llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
     out["load_ms"] = list(connector.load_ms)
     saver = connector._saver
     out["copy_ms"] = list(saver.copy_ms) if saver is not None else []

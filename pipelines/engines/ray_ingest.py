@@ -11,8 +11,8 @@ import numpy as np
 
 from ragkv.core.config import IngestSettings, ModelSettings
 from ragkv.core.keys import Profile
+from ragkv.kv.codec import shard_metadata
 from ragkv.model.embed import EmbedPrompts
-from ragkv.model.forward import shard_metadata
 from ragkv.model.llm import LoadedModel
 from ragkv.pipelines.engines import ray_engine
 from ragkv.pipelines.progress import Reporter

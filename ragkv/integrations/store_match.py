@@ -35,6 +35,7 @@ from typing import Any
 from ragkv.core.errors import InputError, ModelError
 from ragkv.core.keys import KVKey, Profile
 from ragkv.kv import spans
+from ragkv.kv.layout import KVLayout, layout_of
 from ragkv.model.profiles import candidates, first_matching
 from ragkv.store import EntryRow, open_snapshot
 from ragkv.store.kv.pending import PendingIndex
@@ -138,22 +139,30 @@ def chunk_layout(
 
 @dataclass(frozen=True)
 class ModelIdentity:
-    """What a serving engine runs, as ragkv keys KV: weights, tokenizer and dtype."""
+    """What a serving engine runs, as ragkv keys KV: weights, tokenizer, dtype and cache layout."""
 
     model_fingerprint: str
     tokenizer_fingerprint: str
     dtype: str
     tokenizer: Any  # to rebuild the prompt layout (template and system prompt) of a profile
+    layout: KVLayout | None = None  # what its cache holds per layer (None: the plain layout)
 
     @classmethod
     def of_folder(cls, folder: str | Path, dtype: str) -> ModelIdentity:
-        from transformers import AutoTokenizer
+        """The identity of the model in `folder`, its layout read off its config (attention
+        layers of one shape: what the vLLM connector moves, `refuse_unless_movable`)."""
+        from transformers import AutoConfig, AutoTokenizer
 
         from ragkv.model.fingerprint import folder_fingerprint
         from ragkv.model.llm import tokenizer_fingerprint
 
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        return cls(folder_fingerprint(Path(folder)), tokenizer_fingerprint(tokenizer), dtype, tokenizer)
+        layout = layout_of(AutoConfig.from_pretrained(folder))
+        return cls(folder_fingerprint(Path(folder)), tokenizer_fingerprint(tokenizer), dtype, tokenizer, layout)
+
+    @property
+    def kv_layout_key(self) -> str:
+        return self.layout.key if self.layout is not None else ""
 
 
 def profile_for(store: str | Path, identity: ModelIdentity) -> Profile:
@@ -168,6 +177,7 @@ def profile_for(store: str | Path, identity: ModelIdentity) -> Profile:
         fingerprint,
         identity.tokenizer_fingerprint,
         identity.tokenizer,
+        identity.kv_layout_key,
     )
     if active is not None:
         return active.profile

@@ -15,9 +15,9 @@ import torch
 
 from ragkv.core.errors import StoreCorruptError
 from ragkv.core.keys import Profile
-from ragkv.kv import cache as kv
 from ragkv.kv import codec
 from ragkv.kv.entry import Entry
+from ragkv.kv.layout import TOKEN_DIM, KVLayout
 from ragkv.store import EntryRow, open_snapshot
 from ragkv.store.kv.pending import PendingArea, read_pending
 from ragkv.store.kv.shards import ShardReader
@@ -52,7 +52,7 @@ def load_kv(
             parts.append(codec.decode(read_pending(area, entry.shard, entry.kv_key, entry.checksum), dtype).kv)
         except (OSError, StoreCorruptError):
             parts.append(_read_folded(store, entry.kv_key, dtype))
-    return torch.cat(parts, dim=kv.TOKEN_DIM)
+    return torch.cat(parts, dim=TOKEN_DIM)
 
 
 def _read_folded(store: str | Path, key: str, dtype: torch.dtype) -> torch.Tensor:
@@ -78,19 +78,28 @@ class KVSaver:
     it to `ragkv.store.kv.writeback.WriteBack` (which batches, admits by budget and publishes).
 
     `wait=True` (an ingest): a full write-back queue makes `submit` wait instead of dropping.
-    `options`: the WriteBack's (`pending_bytes`, `leave_pending`, `writer`)."""
+    `layout`: the model's (a sliding layer is stored as ingest stores it: what a continuation
+    reads). `options`: the WriteBack's (`pending_bytes`, `leave_pending`, `writer`)."""
 
     def __init__(
-        self, store: str | Path, profile: Profile, model_name: str, engine: str, wait: bool = False, **options: Any
+        self,
+        store: str | Path,
+        profile: Profile,
+        model_name: str,
+        engine: str,
+        wait: bool = False,
+        layout: KVLayout | None = None,
+        **options: Any,
     ):
         import queue
         import threading
 
-        from ragkv.model.forward import shard_metadata
         from ragkv.store.kv.writeback import WriteBack
 
         self.profile = profile
-        self.metadata = {**shard_metadata(profile.profile_id, model_name, profile.dtype), "engine": engine}
+        self.layout = layout
+        name = layout.name if layout is not None else "L2HTD"
+        self.metadata = {**codec.shard_metadata(profile.profile_id, model_name, profile.dtype, name), "engine": engine}
         self.write_back = WriteBack(store, **options)
         self.wait = wait
         self.copy_ms: deque[float] = deque(maxlen=TIMINGS_KEPT)  # per save: step time spent copying its KV out
@@ -129,7 +138,7 @@ class KVSaver:
                 target, kv_tensor, event = item
                 if event is not None:
                     event.synchronize()
-                parts = codec.encode(Entry.of(kv_tensor.cpu()), self.profile.kv_quant)
+                parts = codec.encode(Entry.of(kv_tensor.cpu()), self.profile.kv_quant, self.layout)
                 computed = ComputedKV(
                     self.profile.profile_id,
                     target.kv_key,

@@ -54,7 +54,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +62,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -72,17 +72,16 @@ from ragkv.integrations.store_match import (
     ModelIdentity,
     RequestLayout,
     RequestPlan,
-    SaveTarget,
     StoreMatch,
     StoreMatcher,
     chunk_layout,
     profile_for,
 )
-from ragkv.integrations.transfer import TIMINGS_KEPT, KVSaver, load_kv, slot_mapping
-from ragkv.integrations.vllm_load import PagedLoader
-from ragkv.kv.layout import refuse_unless_plain
+from ragkv.integrations.transfer import TIMINGS_KEPT, KVSaver, load_kv
+from ragkv.integrations.vllm_load import PagedLoader, layer_groups
+from ragkv.integrations.vllm_plan import LoadSpec, PendingSave, RagkvConnectorMetadata, plan_step
+from ragkv.kv.layout import refuse_unless_movable
 from ragkv.loading.uses import UseLog
-from ragkv.store import EntryRow
 from ragkv.store.kv.pending import PendingArea, PendingIndex
 from ragkv.store.kv.pending_hits import PendingHits
 from ragkv.store.kv.popularity import HitLog
@@ -100,42 +99,7 @@ log = logging.getLogger("ragkv")
 ENGINE = "vllm"  # recorded in the header of the shards this connector writes
 
 
-@dataclass(frozen=True)
-class LoadSpec:
-    """One request's load: the entries covering prompt tokens 0..end, of which start..end
-    (those vLLM's own cache lacks) go into `block_ids`."""
-
-    request_id: str
-    entries: tuple[EntryRow, ...]
-    start: int
-    end: int
-    block_ids: tuple[int, ...]
-    pending: frozenset[str] = frozenset()  # keys of entries read from the fleet's pending KV
-
-
-@dataclass(frozen=True)
-class SaveSpec:
-    """One request's save: `target`'s tokens, computed by the end of this step, in `block_ids`."""
-
-    request_id: str
-    target: SaveTarget
-    block_ids: tuple[int, ...]
-
-
-@dataclass
-class RagkvConnectorMetadata(KVConnectorMetadata):
-    loads: list[LoadSpec] = field(default_factory=list)
-    saves: list[SaveSpec] = field(default_factory=list)
-
-
-@dataclass
-class _PendingSave:
-    targets: list[SaveTarget]  # in prompt order, each saved in the step that computes its last token
-    block_ids: list[int] = field(default_factory=list)
-    computed: int = 0  # the request's tokens computed before the step being scheduled
-
-
-class RagkvConnector(KVConnectorBase_V1):
+class RagkvConnector(KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = CacheHitSource.DISK
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config=None):
@@ -178,9 +142,13 @@ class RagkvConnector(KVConnectorBase_V1):
                 "load and save another KV: serve with the default"
             )
         model_config = vllm_config.model_config
-        refuse_unless_plain(model_config.model)
+        refuse_unless_movable(model_config.model)
         self._dtype = model_config.dtype
-        return ModelIdentity.of_folder(model_config.model, str(self._dtype).removeprefix("torch."))
+        identity = ModelIdentity.of_folder(model_config.model, str(self._dtype).removeprefix("torch."))
+        self._layout = identity.layout
+        # A sliding layer's stored window ends where its entry ends: a load stops at an entry's end.
+        self._sliding = identity.layout is not None and any(identity.layout.windows)
+        return identity
 
     def _init_scheduler(self, store: str, identity: ModelIdentity) -> None:
         from ragkv.model.prompt import PromptLayout
@@ -192,7 +160,7 @@ class RagkvConnector(KVConnectorBase_V1):
         self._matched: dict[str, tuple[StoreMatch, int, int]] = {}  # request -> match, start, end
         self._to_load: dict[str, tuple[StoreMatch, int, int]] = {}
         self._plans: dict[str, RequestPlan] = {}  # matched, not yet allocated
-        self._pending_saves: dict[str, _PendingSave] = {}
+        self._pending_saves: dict[str, PendingSave] = {}
         self._logged: set[str] = set()  # requests whose uses are logged
         log_uses = self._kv_transfer_config.get_from_extra_config("log_uses", True)
         # an ingest's are not uses; a replica that does not write the store leaves them pending for a fold
@@ -207,7 +175,8 @@ class RagkvConnector(KVConnectorBase_V1):
         self._pending_area = PendingArea(store) if self._leaves_pending else None
         self._load_errors: set[int] = set()  # blocks whose load failed this step: vLLM recomputes them
         layerwise = self._kv_transfer_config.get_from_extra_config("layerwise", "auto")
-        self._loader = PagedLoader(layerwise if isinstance(layerwise, bool) else None)  # None: on CUDA only
+        groups = layer_groups(self._kv_cache_config)  # a sliding layer's group keeps only its window
+        self._loader = PagedLoader(layerwise if isinstance(layerwise, bool) else None, groups, self._block_size)
         self.load_ms: deque[tuple[float, float]] = deque(maxlen=TIMINGS_KEPT)  # per load: (shard read, copies) ms
         self._saver: KVSaver | None = None
         self._saving_broken = False
@@ -225,12 +194,26 @@ class RagkvConnector(KVConnectorBase_V1):
         plan = self._plan(request, prompt, match)
         self._plans[request.request_id] = plan
         match = plan.match or match  # with what other replicas left pending (on S3)
-        # Whole blocks only, and never the last prompt token: vLLM computes it for the logits.
-        end = min(match.num_tokens, len(prompt) - 1) // self._block_size * self._block_size
+        end = self._load_end(match, len(prompt))
         if end <= num_computed_tokens:
             return 0, False
         self._matched[request.request_id] = (match, num_computed_tokens, end)
         return end - num_computed_tokens, False
+
+    def _load_end(self, match: StoreMatch, num_prompt: int) -> int:
+        """Where a load of `match` stops, never at the last prompt token (vLLM computes it for the
+        logits): whole blocks; for a model with sliding layers, the end of an entry instead, since
+        the store keeps of a sliding layer only an entry's last `window - 1` tokens, all the next
+        token reads from there, and a load cut inside an entry would lack the start of the window."""
+        limit = min(match.num_tokens, num_prompt - 1)
+        if not self._sliding:
+            return limit // self._block_size * self._block_size
+        end = 0
+        for entry in match.entries:
+            if end + entry.num_tokens > limit:
+                break
+            end += entry.num_tokens
+        return end
 
     def _plan(self, request: Request, prompt: list[int], match) -> RequestPlan:
         """The request's uses and save, from the layout its params name (none without)."""
@@ -256,42 +239,14 @@ class RagkvConnector(KVConnectorBase_V1):
         self._logged.add(request_id)
         self._record(plan)
         if plan.saves:
-            self._pending_saves[request_id] = _PendingSave(list(plan.saves))
+            self._pending_saves[request_id] = PendingSave(list(plan.saves))
 
     def _record(self, plan: RequestPlan) -> None:
         if self._uses is not None and plan.uses:
             self._uses.write(list(plan.uses))  # a read-only store still serves; it only stops counting
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = RagkvConnectorMetadata()
-        for new in scheduler_output.scheduled_new_reqs:
-            if new.req_id in self._to_load:
-                match, start, end = self._to_load.pop(new.req_id)
-                block_ids = tuple(new.block_ids[0])
-                meta.loads.append(LoadSpec(new.req_id, match.entries, start, end, block_ids, match.pending))
-            pending = self._pending_saves.get(new.req_id)
-            if pending is not None:
-                pending.block_ids, pending.computed = list(new.block_ids[0]), new.num_computed_tokens
-        self._to_load.clear()  # not scheduled after all (preempted): vLLM computes them
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, request_id in enumerate(cached.req_ids):
-            pending = self._pending_saves.get(request_id)
-            if pending is None:
-                continue
-            if request_id in cached.resumed_req_ids:  # preempted meanwhile: its blocks were given away
-                del self._pending_saves[request_id]
-                continue
-            if cached.new_block_ids[i] is not None:
-                pending.block_ids += cached.new_block_ids[i][0]
-            pending.computed = cached.num_computed_tokens[i]
-        for request_id, pending in list(self._pending_saves.items()):
-            scheduled = scheduler_output.num_scheduled_tokens.get(request_id, 0)
-            done = pending.computed + scheduled  # the request's tokens computed by this step's end
-            while scheduled and pending.targets and done >= pending.targets[0].end:
-                meta.saves.append(SaveSpec(request_id, pending.targets.pop(0), tuple(pending.block_ids)))
-            if not pending.targets:
-                del self._pending_saves[request_id]
-        return meta
+        return plan_step(scheduler_output, self._to_load, self._pending_saves)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         request_id = request.request_id
@@ -300,6 +255,12 @@ class RagkvConnector(KVConnectorBase_V1):
         self._pending_saves.pop(request_id, None)
         self._logged.discard(request_id)
         return False, None  # a save copies its tokens out in the step that computes them: free the blocks
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """The hybrid allocator's `request_finished`: the blocks of every group, freed at once."""
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     # -- worker side ----------------------------------------------------------------------
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -312,13 +273,11 @@ class RagkvConnector(KVConnectorBase_V1):
             try:
                 kv_tensor = self._read(load)[:, :, :, load.start : load.end]  # (L, 2, H, T, D)
             except (OSError, StoreCorruptError) as exc:
-                first, last = load.start // self._block_size, -(-load.end // self._block_size)
-                self._load_errors.update(load.block_ids[first:last])
+                self._load_errors.update(self._loader.blocks_written(load.start, load.end, load.block_ids))
                 log.warning("ragkv connector: cannot read request %s's stored KV (%s)", load.request_id, exc)
                 continue
             read = time.perf_counter()
-            slots = slot_mapping(load.block_ids, self._block_size, load.start, load.end)
-            self._loader.load(kv_tensor, slots, forward_context)
+            self._loader.load(kv_tensor, load.start, load.end, load.block_ids, forward_context)
             self.load_ms.append(((read - started) * 1000.0, (time.perf_counter() - read) * 1000.0))
 
     def _read(self, load: LoadSpec) -> torch.Tensor:
@@ -353,14 +312,13 @@ class RagkvConnector(KVConnectorBase_V1):
                 Path(self._vllm_config.model_config.model).name,
                 ENGINE,
                 wait=self._wait_saves,
+                layout=self._layout,
                 **self._write_options,
             )
         for spec in meta.saves:
             started = time.perf_counter()
             try:
-                gathered = self._loader.gather(
-                    spec.block_ids, spec.target, self._kv_cache_config.num_blocks, self._block_size
-                )
+                gathered = self._loader.gather(spec.block_ids, spec.target, self._kv_cache_config.num_blocks)
             except LayoutError as exc:
                 self._saving_broken = True
                 log.warning(

@@ -1,8 +1,11 @@
 """Stored KV written into a paged attention cache: the worker side of ragkv's vLLM connector
-(ragkv.integrations.vllm). Each layer's tokens go into the request's blocks through the
-attention backend's own cache-update op (the write vLLM's forward makes, so any paged layout
-is respected): all before the forward, or, on CUDA, layer by layer on a side stream from
-page-locked memory, each attention layer waiting only for its own copy."""
+(ragkv.integrations.vllm). Each layer's tokens go into the request's blocks of the layer's KV
+cache group through the attention backend's own cache-update op (the write vLLM's forward makes,
+so any paged layout is respected): all before the forward, or, on CUDA, layer by layer on a side
+stream from page-locked memory, each attention layer waiting only for its own copy. A layer in a
+sliding-window group (vLLM's hybrid allocator keeps only the window's blocks) takes, and gives
+back when saved, only the window before the end: what the next token reads, and what the store
+keeps of it."""
 
 from __future__ import annotations
 
@@ -13,19 +16,34 @@ from typing import Any
 import torch
 
 from ragkv.integrations.paged import PagedLayout, block_dim_of
+from ragkv.integrations.transfer import slot_mapping
+from ragkv.integrations.vllm_plan import Blocks
 
 log = logging.getLogger("ragkv")
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def layer_groups(kv_cache_config) -> dict[str, tuple[int, int | None]]:
+    """Each attention layer's KV cache group and its sliding window (None: every token kept),
+    by layer name, from vLLM's `KVCacheConfig`."""
+    found = {}
+    for index, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or []):
+        window = getattr(group.kv_cache_spec, "sliding_window", None)
+        for name in group.layer_names:
+            found[name] = (index, window)
+    return found
 
 
 class PagedLoader:
     """Loads into the attention layers of one worker. `layerwise`: True or False, or None for
     layer by layer on CUDA only. The first layer-by-layer step also waits for the whole load
     and shows whether the backend waits per layer; one that does not gets loads before the
-    forward from then on."""
+    forward from then on. `groups`: each layer's KV cache group and window (`layer_groups`)."""
 
-    def __init__(self, layerwise: bool | None):
+    def __init__(self, layerwise: bool | None, groups: dict[str, tuple[int, int | None]], block_size: int):
         self.layers: dict[int, tuple[str, Any]] = {}  # layer index -> (name, attention layer)
+        self.groups = groups
+        self.block_size = block_size
         self.layerwise = layerwise
         self.layer_waits = 0  # wait_for_layer calls that waited on a layer's copy (tests)
         self._events: dict[str, Any] = {}
@@ -51,26 +69,53 @@ class PagedLoader:
             cache = cache[getattr(forward_context, "virtual_engine", 0)]
         return cache
 
-    def load(self, kv_tensor: torch.Tensor, slots: torch.Tensor, forward_context) -> None:
-        """`kv_tensor` `(L, 2, H, T, D)` into cache `slots` `(T,)` of every layer."""
+    def first_token(self, name: str, start: int, end: int) -> int:
+        """The first of tokens start..end-1 that layer `name` keeps: a sliding group's blocks
+        hold only the window before `end` (vLLM's null block stands for the ones before)."""
+        _, window = self.groups.get(name, (0, None))
+        return max(start, end - window + 1) if window else start
+
+    def placements(self, start: int, end: int, block_ids: Blocks) -> dict[int, tuple[int, torch.Tensor]]:
+        """Per layer index: the first token it takes of start..end-1 and those tokens' cache
+        slots in its group's blocks, `(T_layer,)`."""
+        placed = {}
+        for index, (name, _) in self.layers.items():
+            first = self.first_token(name, start, end)
+            group = self.groups.get(name, (0, None))[0]
+            placed[index] = (first, slot_mapping(block_ids[group], self.block_size, first, end))
+        return placed
+
+    def blocks_written(self, start: int, end: int, block_ids: Blocks) -> set[int]:
+        """The blocks a load of tokens start..end-1 writes, in every group (what vLLM recomputes
+        when the load fails)."""
+        written: set[int] = set()
+        for name, (group, _) in self.groups.items():
+            first = self.first_token(name, start, end)
+            written.update(block_ids[group][first // self.block_size : -(-end // self.block_size)])
+        return written or set(block_ids[0][start // self.block_size : -(-end // self.block_size)])
+
+    def load(self, kv_tensor: torch.Tensor, start: int, end: int, block_ids: Blocks, forward_context) -> None:
+        """`kv_tensor` `(L, 2, H, T, D)`, tokens start..end-1, into every layer's blocks."""
         if kv_tensor.shape[0] != len(self.layers):
             raise RuntimeError(f"ragkv store KV has {kv_tensor.shape[0]} layers, the model {len(self.layers)}")
         device = self.cache(next(iter(self.layers.values()))[1], forward_context).device
         layerwise = self.layerwise if self.layerwise is not None else device.type == "cuda"
+        placed = self.placements(start, end, block_ids)
         if layerwise:
-            self._load_layerwise(kv_tensor, slots, forward_context, device.type == "cuda")
+            self._load_layerwise(kv_tensor, start, placed, forward_context, device.type == "cuda")
         else:
-            self._load_now(kv_tensor, slots, forward_context)
+            self._load_now(kv_tensor, start, placed, forward_context)
 
-    def _load_now(self, kv_tensor: torch.Tensor, slots: torch.Tensor, forward_context) -> None:
+    def _load_now(self, kv_tensor: torch.Tensor, start: int, placed: dict, forward_context) -> None:
         """Every layer's KV written into its blocks, before the forward."""
         for index, (_, layer) in sorted(self.layers.items()):
             cache = self.cache(layer, forward_context)
-            key = kv_tensor[index, 0].transpose(0, 1).contiguous().to(cache.device)  # (T, H, D)
-            value = kv_tensor[index, 1].transpose(0, 1).contiguous().to(cache.device)
+            first, slots = placed[index]
+            key = kv_tensor[index, 0, :, first - start :].transpose(0, 1).contiguous().to(cache.device)  # (T, H, D)
+            value = kv_tensor[index, 1, :, first - start :].transpose(0, 1).contiguous().to(cache.device)
             layer.impl.do_kv_cache_update(layer, key, value, cache, slots.to(cache.device))
 
-    def _load_layerwise(self, kv_tensor: torch.Tensor, slots: torch.Tensor, forward_context, cuda: bool) -> None:
+    def _load_layerwise(self, kv_tensor: torch.Tensor, start: int, placed: dict, forward_context, cuda: bool) -> None:
         """Each layer's copy started on a side stream (CUDA: from page-locked memory, so it is
         asynchronous), with an event per layer that `wait_for_layer` makes the forward wait
         on; on a CPU the same steps run in order (a test of the bookkeeping)."""
@@ -83,16 +128,17 @@ class PagedLoader:
             self._inflight.append(host)
         for index, (name, layer) in sorted(self.layers.items()):
             cache = self.cache(layer, forward_context)
+            first, slots = placed[index]
+            key, value = host[index, 0, first - start :], host[index, 1, first - start :]  # (T_layer, H, D) each
             if cuda:
                 with torch.cuda.stream(self._stream):
-                    key = host[index, 0].to(cache.device, non_blocking=True)
-                    value = host[index, 1].to(cache.device, non_blocking=True)
+                    key, value = key.to(cache.device, non_blocking=True), value.to(cache.device, non_blocking=True)
                     layer.impl.do_kv_cache_update(layer, key, value, cache, slots.to(cache.device, non_blocking=True))
                     copied = torch.cuda.Event()
                     copied.record(self._stream)
                     event: torch.cuda.Event | bool = copied
             else:
-                layer.impl.do_kv_cache_update(layer, host[index, 0], host[index, 1], cache, slots)
+                layer.impl.do_kv_cache_update(layer, key, value, cache, slots)
                 event = True
             self._events[name] = event
         self._this_step = True
@@ -127,12 +173,14 @@ class PagedLoader:
             self._stream.synchronize()  # the forward waited on every layer's copy: done already
         self._inflight.clear()
 
-    def gather(self, block_ids, target, num_blocks: int, block_size: int) -> tuple[torch.Tensor, Any]:
+    def gather(self, block_ids: Blocks, target, num_blocks: int) -> tuple[torch.Tensor, Any]:
         """The KV `(L, 2, H, T, D)` of `target`'s tokens (its start..end) copied out of every
-        layer's blocks `block_ids` (on CUDA, into page-locked host memory, asynchronously: with
-        the event that says it is there). Raises LayoutError for a backend whose block layout
-        the probe cannot read."""
-        layers = [layer for _, (_, layer) in sorted(self.layers.items())]
+        layer's blocks of its group in `block_ids` (a sliding group's: the window before the end,
+        zeros before it; on CUDA, into page-locked host memory, asynchronously: with the event
+        that says it is there). Raises LayoutError for a backend whose block layout the probe
+        cannot read."""
+        named = [(name, layer) for _, (name, layer) in sorted(self.layers.items())]
+        layers = [layer for _, layer in named]
         caches = [PagedLoader.cache(layer, None) for layer in layers]
         if self._paged is None:
             first, cache = layers[0], caches[0]
@@ -140,11 +188,12 @@ class PagedLoader:
                 lambda k, v, c, s: first.impl.do_kv_cache_update(first, k, v, c, s),
                 cache,
                 block_dim_of(cache, num_blocks),
-                block_size,
+                self.block_size,
                 first.num_kv_heads,
                 first.head_size,
             )
-        kv_tensor = torch.stack([self._paged.gather(c, block_ids, target.start, target.end) for c in caches])
+        parts = [self._gather_layer(name, c, block_ids, target) for (name, _), c in zip(named, caches, strict=True)]
+        kv_tensor = torch.stack(parts)  # (L, 2, H, T, D)
         if kv_tensor.device.type != "cuda":
             return kv_tensor, None
         host = torch.empty(kv_tensor.shape, dtype=kv_tensor.dtype, pin_memory=True)
@@ -152,3 +201,16 @@ class PagedLoader:
         event = torch.cuda.Event()
         event.record()
         return host, event
+
+    def _gather_layer(self, name: str, cache: torch.Tensor, block_ids: Blocks, target) -> torch.Tensor:
+        """One layer's `(2, H, T, D)` of `target`'s tokens from its group's blocks (zeros before
+        a sliding group's window)."""
+        assert self._paged is not None  # gather probes it first
+        group = self.groups.get(name, (0, None))[0]
+        first = self.first_token(name, target.start, target.end)
+        held = self._paged.gather(cache, block_ids[group], first, target.end)  # (2, H, T_layer, D)
+        if first == target.start:
+            return held
+        out = held.new_zeros((*held.shape[:2], target.end - target.start, held.shape[3]))
+        out[:, :, first - target.start :] = held
+        return out

@@ -36,6 +36,11 @@ _FLOAT = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 _PACKED = {"int4": 4, "int2": 2}  # bits per code
 
 
+def shard_metadata(profile_id: str, model_name: str, dtype: str, layout: str = "L2HTD") -> dict[str, str]:
+    """What a KV shard's header says about its entries (`layout`: `KVLayout.name`)."""
+    return {"layout": layout, "profile_id": profile_id, "model": model_name, "dtype": dtype}
+
+
 def kv_quant(kv_dtype: str, compute_dtype: str) -> str:
     """The profile's kv_quant (part of every cache key): "none" when stored as computed."""
     return "none" if kv_dtype in ("auto", compute_dtype) else kv_dtype

@@ -360,36 +360,36 @@ def layout_of(config) -> KVLayout:
     return layout
 
 
-def not_plain(config) -> str | None:
-    """Why a model (by its config alone, no weights) is not of the plain layout (every layer full
-    attention, keys and values of one width), in words; None when it is."""
+def not_movable(config) -> str | None:
+    """Why ragkv's vLLM connector cannot move a model's KV exactly (by its config alone, no
+    weights), in words; None when it can: every layer caching keys and values of one shape, full
+    attention or sliding windows (vLLM keeps a sliding layer's window; the store, what a
+    continuation reads of it)."""
     from transformers import DynamicCache
 
-    text = config.get_text_config()
     name = model_class(config)
-    if getattr(text, "kv_lora_rank", None):
+    if getattr(config.get_text_config(), "kv_lora_rank", None):
         return f"{name} caches a latent (multi-head latent attention)"
-    kinds = {type(layer).__name__ for layer in DynamicCache(config=config).layers}
-    if kinds - {"DynamicLayer"} == {"DynamicSlidingWindowLayer"}:
-        return f"{name} has sliding-window layers"
-    if kinds - {"DynamicLayer"}:
-        return f"{name} keeps recurrent state or layers without KV ({', '.join(sorted(kinds - {'DynamicLayer'}))})"
-    layout = _LAYOUTS.get(id(config))
-    if layout is not None and len(layout.groups) > 1:
+    others = {type(layer).__name__ for layer in DynamicCache(config=config).layers} - set(_ATTENTION_LAYERS)
+    if others:
+        return f"{name} keeps recurrent state or has layers without KV ({', '.join(sorted(others))})"
+    try:
+        layout_of(config)
+    except Exception:  # transformers refuses one head size for layers whose configs differ (Gemma 4)
         return f"{name} caches keys and values of several shapes"
     return None
 
 
-def refuse_unless_plain(folder) -> None:
+def refuse_unless_movable(folder) -> None:
     """ModelError, in one line, for a model that the vLLM connector cannot move exactly. The
-    connector moves each layer's KV of every token through vLLM's paged blocks; vLLM keeps only
-    the window of a sliding layer, and a latent or a recurrent state in blocks of other shapes.
-    ragkv's own engine serves those models."""
+    connector moves each layer's KV through vLLM's paged blocks of one shape; a latent, a
+    recurrent state and layers of other shapes live in vLLM in blocks of other kinds. ragkv's
+    own engine serves those models."""
     from transformers import AutoConfig
 
-    problem = not_plain(AutoConfig.from_pretrained(folder))
+    problem = not_movable(AutoConfig.from_pretrained(folder))
     if problem is not None:
         raise ModelError(
-            f"the ragkv vLLM connector moves KV of full-attention layers only, and {problem}: "
+            f"the ragkv vLLM connector moves KV of attention layers of one shape (full or sliding), and {problem}: "
             "use ragkv's own engine (ragkv ingest/ask/serve without --engine vllm)"
         )

@@ -14,7 +14,7 @@ from ragkv.kv import cache as kv
 from ragkv.kv import codec, spans
 from ragkv.kv.entry import Entry, joined
 from ragkv.loading.reader import Loaded, StoredReads, ms_since
-from ragkv.model.forward import compute_chunks, compute_segments, shard_metadata, split_segments
+from ragkv.model.forward import compute_chunks, compute_segments, split_segments
 from ragkv.model.prompt import encode_text
 from ragkv.store import ContextRow
 from ragkv.store.kv.pending import PendingArea, PendingIndex
@@ -113,7 +113,7 @@ class Misses:
         if writer is None:
             return
         profile = self.active.profile
-        metadata = shard_metadata(
+        metadata = codec.shard_metadata(
             profile.profile_id, self.lm.facts.name, profile.dtype, kv.layout_of(self.lm.model.config).name
         )
         writer.submit(

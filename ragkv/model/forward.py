@@ -19,11 +19,6 @@ from ragkv.kv import cache as kv
 from ragkv.kv.entry import Entry
 
 
-def shard_metadata(profile_id: str, model_name: str, dtype: str, layout: str = "L2HTD") -> dict[str, str]:
-    """What a KV shard's header says about its entries (`layout`: `KVLayout.name`)."""
-    return {"layout": layout, "profile_id": profile_id, "model": model_name, "dtype": dtype}
-
-
 @dataclass(frozen=True)
 class ChunkKV:
     index: int  # position of the chunk in the list given to `compute_chunks`

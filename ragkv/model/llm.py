@@ -19,7 +19,7 @@ from ragkv.core.config import DEFAULT_MODEL, cache_dir
 from ragkv.core.cpu import keep_freed_memory, run_aside, warn_if_slow
 from ragkv.core.errors import ModelError
 from ragkv.core.keys import digest
-from ragkv.kv.layout import KVLayout, describe
+from ragkv.kv.layout import KVLayout, describe, layout_of
 from ragkv.model.fingerprint import folder_fingerprint
 
 log = logging.getLogger("ragkv")
@@ -204,10 +204,11 @@ def load_model(name: str, device: str, dtype: str, weights: bool = True) -> Load
                 config = AutoConfig.from_pretrained(folder)
     except Exception as exc:  # transformers raises many types; name the folder and the cause
         raise ModelError(f"could not load model from {folder}: {exc}".splitlines()[0]) from exc
-    layout = None
     if model is not None:
         model.to(device).eval()
         layout = run_aside(describe, model)  # refuses, in one line, a cache ragkv cannot store
+    else:
+        layout = _config_layout(config)
     config = config.get_text_config()
     eos_ids = _eos_ids(folder, tokenizer, GenerationConfig)
     num_kv_heads, head_dim = _heads(config, layout)
@@ -225,6 +226,16 @@ def load_model(name: str, device: str, dtype: str, weights: bool = True) -> Load
         layout=layout,
     )
     return LoadedModel(model=model, tokenizer=tokenizer, facts=facts, device=device)
+
+
+def _config_layout(config) -> KVLayout | None:
+    """Without weights: the layout the config states, when its layers are attention of one shape
+    (full or sliding: what an engine in front of vLLM serves); None for others, which only a
+    loaded model describes."""
+    try:
+        return layout_of(config)
+    except Exception:  # a latent, a recurrent state, layers of several shapes
+        return None
 
 
 def _heads(config, layout: KVLayout | None) -> tuple[int, int]:

@@ -36,7 +36,7 @@ from ragkv.core.config import import_path
 from ragkv.core.errors import InputError, ModelError
 from ragkv.core.keys import digest
 from ragkv.engine.answer import Source, Stats, reply
-from ragkv.kv.layout import refuse_unless_plain
+from ragkv.kv.layout import refuse_unless_movable
 from ragkv.loading.loader import continues_span
 from ragkv.serve.access import SERVED_MODEL_ID, Access, Stores, scoped
 from ragkv.serve.api import (
@@ -109,7 +109,7 @@ class VllmServer:
         self.process: subprocess.Popen | None = None
 
     def start(self, timeout_s: float) -> None:
-        refuse_unless_plain(self.model_folder)  # before vLLM starts: the connector moves full-attention KV only
+        refuse_unless_movable(self.model_folder)  # before vLLM starts: the connector moves attention KV of one shape
         self.process = subprocess.Popen(
             self.command,
             env=self.env,
