@@ -23,7 +23,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.machine import describe as describe_machine  # noqa: E402
 from ragkv.core.errors import ModelError  # noqa: E402
-from ragkv.kv.layout import KVLayout, not_movable  # noqa: E402
+from ragkv.kv.layout import KVLayout  # noqa: E402
+from ragkv.kv.movable import not_movable  # noqa: E402
 from ragkv.kv.rope import check_supported  # noqa: E402
 from ragkv.model import self_check  # noqa: E402
 from ragkv.model.llm import load_model  # noqa: E402

@@ -15,7 +15,7 @@ from ragkv.core.config import AskSettings
 from ragkv.core.errors import ModelError
 from ragkv.engine.batch import Question, answer_all
 from ragkv.kv.entry import Entry
-from ragkv.kv.layout import refuse_unless_movable
+from ragkv.kv.movable import refuse_unless_movable
 from ragkv.model import self_check
 from ragkv.model.llm import load_model
 from ragkv.store import open_snapshot

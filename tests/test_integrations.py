@@ -50,7 +50,7 @@ def test_a_ragkv_prompt_matches_its_prefix_and_chunk_with_their_kv(tiny_store, i
         match = matcher.match(prompt)
         assert match.num_tokens == len(profile.prefix_ids) + len(row.token_ids)
         assert [e.kv_key for e in match.entries] == [matcher.prefix_entry.kv_key, row.entry.kv_key]
-        stored = load_kv(engine.snapshot.shards, match.entries, torch.float32)
+        stored = load_kv(engine.snapshot.shards, match.entries, torch.float32).kv
         assert stored.shape[3] == match.num_tokens
         cache = engine.assemble([row], AskSettings(context="chunk")).cache  # prefix + chunk, read by the engine
         expected = kv.from_cache(cache, 0, 0, match.num_tokens).kv
@@ -362,13 +362,13 @@ def test_kv_a_replica_left_pending_is_read_there_then_from_the_store_once_folded
         )
     pending = frozenset(e.kv_key for e in entries)
     with open_snapshot(full) as reference:
-        expected = load_kv(reference.shards, [r.entry for r in rows], torch.float32)
+        expected = load_kv(reference.shards, [r.entry for r in rows], torch.float32).kv
     with open_snapshot(lazy) as snapshot:
         assert snapshot.catalog.entries.entry(entries[0].kv_key) is None  # not stored yet: only pending
-        assert torch.equal(load_kv(snapshot.shards, entries, torch.float32, pending, area, lazy), expected)
+        assert torch.equal(load_kv(snapshot.shards, entries, torch.float32, pending, area, lazy).kv, expected)
         assert fold(lazy).stored == len(entries)
         assert not [n for n in area.names() if n.endswith(SHARD_SUFFIX)]  # the fold took them from pending/
-        assert torch.equal(load_kv(snapshot.shards, entries, torch.float32, pending, area, lazy), expected)
+        assert torch.equal(load_kv(snapshot.shards, entries, torch.float32, pending, area, lazy).kv, expected)
         unknown = EntryRow("0" * 64, entries[0].shard, "0" * 64, 1, "float32", entries[0].checksum, 0)
         with pytest.raises(StoreCorruptError, match="left pending is neither pending nor stored") as err:
             load_kv(snapshot.shards, [unknown], torch.float32, frozenset([unknown.kv_key]), area, lazy)

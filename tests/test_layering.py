@@ -119,9 +119,10 @@ def test_the_facade_imports_lower_layers_only_lazily():
 
 
 def test_only_ragkv_kv_touches_the_transformers_cache():
-    """kv.cache converts to and from the cache, kv.ragged batches it, kv.layout reads a model's cache."""
+    """kv.cache converts to and from the cache, kv.ragged batches it, kv.layout reads a model's
+    cache, kv.movable the layer kinds a config's cache would have."""
     users = sorted(name for name, path in modules().items() if "DynamicCache" in path.read_text())
-    assert users == ["ragkv.kv.cache", "ragkv.kv.layout", "ragkv.kv.ragged"]
+    assert users == ["ragkv.kv.cache", "ragkv.kv.layout", "ragkv.kv.movable", "ragkv.kv.ragged"]
 
 
 def test_there_is_no_import_cycle():

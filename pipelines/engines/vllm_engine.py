@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ragkv.core.config import import_path
 from ragkv.core.errors import InputError, ModelError
-from ragkv.kv.layout import refuse_unless_movable
+from ragkv.kv.movable import refuse_unless_movable
 from ragkv.pipelines.to_compute import Unit
 from ragkv.store import open_snapshot
 from ragkv.store.objects import absolute
@@ -49,7 +49,7 @@ def check(store, settings) -> None:
 
 def fill(store, model_folder: str | Path, dtype: str, units: Sequence[Unit], report) -> None:
     """Compute the KV of `units` (what ingest planned) with vLLM; updates `report`'s counts."""
-    refuse_unless_movable(model_folder)  # before vLLM starts: the connector moves attention KV of one shape
+    refuse_unless_movable(model_folder, saves=True)  # before vLLM starts: an ingest saves what vLLM computes
     if not units:
         return
     root = import_path()  # so vLLM's python imports this ragkv

@@ -157,7 +157,10 @@ class ModelIdentity:
         from ragkv.model.llm import tokenizer_fingerprint
 
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        layout = layout_of(AutoConfig.from_pretrained(folder))
+        try:
+            layout: KVLayout | None = layout_of(AutoConfig.from_pretrained(folder))
+        except ModelError:  # recurrent layers: only a loaded model describes them (the store recorded it)
+            layout = None
         return cls(folder_fingerprint(Path(folder)), tokenizer_fingerprint(tokenizer), dtype, tokenizer, layout)
 
     @property
@@ -167,20 +170,22 @@ class ModelIdentity:
 
 def profile_for(store: str | Path, identity: ModelIdentity) -> Profile:
     """The store's profile whose KV this model computes: same weights, tokenizer, dtype, and a
-    template that lays out the same prefix. ModelError (one line) when there is none."""
+    template that lays out the same prefix, and the cache layout its config states (a model with
+    recurrent layers: the one the store recorded for these weights, which ragkv read off them).
+    ModelError (one line) when there is none."""
     with open_snapshot(store, require_documents=False) as snapshot:
         rows = snapshot.catalog.entries.profiles()
         last = snapshot.catalog.meta().get("last_profile")
     fingerprint = identity.model_fingerprint
-    active = first_matching(
-        candidates(rows, last, fingerprint, identity.dtype),
-        fingerprint,
-        identity.tokenizer_fingerprint,
-        identity.tokenizer,
-        identity.kv_layout_key,
-    )
-    if active is not None:
-        return active.profile
+    matching = candidates(rows, last, fingerprint, identity.dtype)
+    if identity.layout is not None:
+        keys = [identity.kv_layout_key]
+    else:
+        keys = list(dict.fromkeys(row.kv_layout for row in matching if row.kv_layout))
+    for key in keys:
+        active = first_matching(matching, fingerprint, identity.tokenizer_fingerprint, identity.tokenizer, key)
+        if active is not None:
+            return active.profile
     held = ", ".join(sorted({f"{r.model_name} ({r.dtype})" for r in rows})) or "nothing"
     raise ModelError(
         f"store {store} holds no KV for this model in {identity.dtype} with this tokenizer (it holds "

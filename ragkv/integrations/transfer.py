@@ -16,8 +16,8 @@ import torch
 from ragkv.core.errors import StoreCorruptError
 from ragkv.core.keys import Profile
 from ragkv.kv import codec
-from ragkv.kv.entry import Entry
-from ragkv.kv.layout import TOKEN_DIM, KVLayout
+from ragkv.kv.entry import Entry, joined
+from ragkv.kv.layout import KVLayout
 from ragkv.store import EntryRow, open_snapshot
 from ragkv.store.kv.pending import PendingArea, read_pending
 from ragkv.store.kv.shards import ShardReader
@@ -37,31 +37,31 @@ def load_kv(
     pending: frozenset[str] = frozenset(),
     area: PendingArea | None = None,
     store: str | Path | None = None,
-) -> torch.Tensor:
-    """The entries' KV joined along the tokens, `(L, 2, H, T, D)` in `dtype`, each verified:
-    from the store's shards, and those whose key is in `pending` (another replica left them
-    for the fold) from the pending `area`, or, if the fold took one meanwhile and deleted it
-    there, from `store`'s newest generation."""
+) -> Entry:
+    """The entries joined along the tokens (the last one's state, for recurrent layers), the KV
+    in `dtype`, each verified: from the store's shards, and those whose key is in `pending`
+    (another replica left them for the fold) from the pending `area`, or, if the fold took one
+    meanwhile and deleted it there, from `store`'s newest generation."""
     parts = []
     for entry in entries:
         if entry.kv_key not in pending:
-            parts.append(codec.read(shards, entry, dtype).kv)
+            parts.append(codec.read(shards, entry, dtype))
             continue
         assert area is not None and store is not None, "pending entries are read from the pending area"
         try:
-            parts.append(codec.decode(read_pending(area, entry.shard, entry.kv_key, entry.checksum), dtype).kv)
+            parts.append(codec.decode(read_pending(area, entry.shard, entry.kv_key, entry.checksum), dtype))
         except (OSError, StoreCorruptError):
             parts.append(_read_folded(store, entry.kv_key, dtype))
-    return torch.cat(parts, dim=TOKEN_DIM)
+    return joined(parts)
 
 
-def _read_folded(store: str | Path, key: str, dtype: torch.dtype) -> torch.Tensor:
-    """Entry `key`'s KV from `store`'s newest generation (a fold took it from pending/)."""
+def _read_folded(store: str | Path, key: str, dtype: torch.dtype) -> Entry:
+    """Entry `key` from `store`'s newest generation (a fold took it from pending/)."""
     with open_snapshot(store, require_documents=False) as snapshot:
         entry = snapshot.catalog.entries.entry(key)
         if entry is None:
             raise StoreCorruptError(f"entry {key[:12]} left pending is neither pending nor stored")
-        return codec.read(snapshot.shards, entry, dtype).kv
+        return codec.read(snapshot.shards, entry, dtype)
 
 
 def slot_mapping(block_ids: Sequence[int], block_size: int, start: int, end: int) -> torch.Tensor:

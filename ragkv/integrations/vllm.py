@@ -44,6 +44,12 @@ the others left pending (the scheduler matches a laid-out request's missing chun
 `pending/`, ragkv.store.kv.pending.PendingIndex) instead of computing it again. `"writer": true` makes
 it the one writer instead (what `ingest --engine vllm` runs).
 
+Models beyond full attention: the connector supports vLLM's hybrid allocator (`SupportsHMA`), and
+each layer moves through its own KV cache group's blocks (ragkv.integrations.vllm_load): a
+sliding layer the window before the end; a Mamba2 layer's stored state goes into the request's
+state block, and such a model's chunks are loaded, never saved (the state at a chunk's end is
+gone by the end of the step). For both, a load stops at an entry's end.
+
 A request opts out with `extra_args={"kv_transfer_params": {"ragkv": "skip"}}` (a full prefill:
 for comparisons). At start, a store without KV for the served model, tokenizer and dtype is
 refused with one line, as is a quantised vLLM KV cache. Import this module only inside vLLM.
@@ -80,7 +86,9 @@ from ragkv.integrations.store_match import (
 from ragkv.integrations.transfer import TIMINGS_KEPT, KVSaver, load_kv
 from ragkv.integrations.vllm_load import PagedLoader, layer_groups
 from ragkv.integrations.vllm_plan import LoadSpec, PendingSave, RagkvConnectorMetadata, plan_step
-from ragkv.kv.layout import refuse_unless_movable
+from ragkv.kv.entry import Entry
+from ragkv.kv.layout import KVLayout
+from ragkv.kv.movable import refuse_unless_movable
 from ragkv.loading.uses import UseLog
 from ragkv.store.kv.pending import PendingArea, PendingIndex
 from ragkv.store.kv.pending_hits import PendingHits
@@ -109,9 +117,18 @@ class RagkvConnector(KVConnectorBase_V1, SupportsHMA):
             raise ValueError('RagkvConnector needs kv_connector_extra_config {"store": "PATH"}')
         identity = self._check(vllm_config)
         self._profile = profile_for(store, identity)  # refuses another model, tokenizer or dtype, in one line
+        layout = KVLayout.from_string(self._profile.kv_layout) if self._profile.kv_layout else identity.layout
+        self._layout = layout
+        # A sliding layer's stored window, and a recurrent state, end where an entry ends: a load
+        # stops at an entry's end. A state at a chunk's end is gone by the end of the step that
+        # computes the prompt, so a recurrent model's chunks are loaded, never saved.
+        self._stateful = layout is not None and layout.has_state
+        self._at_entries = layout is not None and (any(layout.windows) or layout.has_state)
         self._block_size = vllm_config.cache_config.block_size
         self._store = str(store)
-        self._saves_on = self._kv_transfer_config.kv_role in ("kv_both", "kv_producer")
+        self._saves_on = self._kv_transfer_config.kv_role in ("kv_both", "kv_producer") and not self._stateful
+        # vLLM's own prefix caching of a recurrent state ("align") keeps it per block: not where a load writes
+        self._loads_state = getattr(vllm_config.cache_config, "mamba_cache_mode", "none") == "none"
         extra = self._kv_transfer_config.get_from_extra_config
         leave, writer = bool(extra("leave_pending", False)), bool(extra("writer", False))  # writer: an ingest's
         self._write_options = {
@@ -144,11 +161,7 @@ class RagkvConnector(KVConnectorBase_V1, SupportsHMA):
         model_config = vllm_config.model_config
         refuse_unless_movable(model_config.model)
         self._dtype = model_config.dtype
-        identity = ModelIdentity.of_folder(model_config.model, str(self._dtype).removeprefix("torch."))
-        self._layout = identity.layout
-        # A sliding layer's stored window ends where its entry ends: a load stops at an entry's end.
-        self._sliding = identity.layout is not None and any(identity.layout.windows)
-        return identity
+        return ModelIdentity.of_folder(model_config.model, str(self._dtype).removeprefix("torch."))
 
     def _init_scheduler(self, store: str, identity: ModelIdentity) -> None:
         from ragkv.model.prompt import PromptLayout
@@ -176,7 +189,8 @@ class RagkvConnector(KVConnectorBase_V1, SupportsHMA):
         self._load_errors: set[int] = set()  # blocks whose load failed this step: vLLM recomputes them
         layerwise = self._kv_transfer_config.get_from_extra_config("layerwise", "auto")
         groups = layer_groups(self._kv_cache_config)  # a sliding layer's group keeps only its window
-        self._loader = PagedLoader(layerwise if isinstance(layerwise, bool) else None, groups, self._block_size)
+        loader_mode = layerwise if isinstance(layerwise, bool) else None  # None: layer by layer on CUDA only
+        self._loader = PagedLoader(loader_mode, groups, self._block_size, self._layout)
         self.load_ms: deque[tuple[float, float]] = deque(maxlen=TIMINGS_KEPT)  # per load: (shard read, copies) ms
         self._saver: KVSaver | None = None
         self._saving_broken = False
@@ -189,7 +203,7 @@ class RagkvConnector(KVConnectorBase_V1, SupportsHMA):
             return 0, False
         prompt = list(request.prompt_token_ids or [])
         match = self._matcher.match(prompt)
-        if match is None:
+        if match is None or (self._stateful and not self._loads_state):
             return 0, False
         plan = self._plan(request, prompt, match)
         self._plans[request.request_id] = plan
@@ -202,11 +216,12 @@ class RagkvConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _load_end(self, match: StoreMatch, num_prompt: int) -> int:
         """Where a load of `match` stops, never at the last prompt token (vLLM computes it for the
-        logits): whole blocks; for a model with sliding layers, the end of an entry instead, since
-        the store keeps of a sliding layer only an entry's last `window - 1` tokens, all the next
-        token reads from there, and a load cut inside an entry would lack the start of the window."""
+        logits): whole blocks; for a model with sliding or recurrent layers, the end of an entry
+        instead, since the store keeps of a sliding layer only an entry's last `window - 1`
+        tokens, all the next token reads from there (a load cut inside an entry would lack the
+        start of the window), and a state only after an entry's last token."""
         limit = min(match.num_tokens, num_prompt - 1)
-        if not self._sliding:
+        if not self._at_entries:
             return limit // self._block_size * self._block_size
         end = 0
         for entry in match.entries:
@@ -271,19 +286,30 @@ class RagkvConnector(KVConnectorBase_V1, SupportsHMA):
         for load in meta.loads:
             started = time.perf_counter()
             try:
-                kv_tensor = self._read(load)[:, :, :, load.start : load.end]  # (L, 2, H, T, D)
+                entry = self._read(load)
             except (OSError, StoreCorruptError) as exc:
                 self._load_errors.update(self._loader.blocks_written(load.start, load.end, load.block_ids))
                 log.warning("ragkv connector: cannot read request %s's stored KV (%s)", load.request_id, exc)
                 continue
             read = time.perf_counter()
+            kv_tensor = entry.kv[:, :, :, load.start : load.end]  # (L, 2, H, T, D)
             self._loader.load(kv_tensor, load.start, load.end, load.block_ids, forward_context)
+            if entry.state is not None:  # the entries end at load.end: their state is the one after it
+                self._loader.load_state(entry.state, load.block_ids, forward_context)
             self.load_ms.append(((read - started) * 1000.0, (time.perf_counter() - read) * 1000.0))
 
-    def _read(self, load: LoadSpec) -> torch.Tensor:
-        """The load's entries' KV joined, `(L, 2, H, T, D)` (`load_kv`, pending ones included)."""
+    def _read(self, load: LoadSpec) -> Entry:
+        """The load's entries joined (`load_kv`, pending ones included): those up to the load's end
+        for a model with recurrent layers, whose state is then the one after it."""
         area = (self._pending_area or PendingArea(self._store)) if load.pending else None
-        return load_kv(self._shards, load.entries, self._dtype, load.pending, area, self._store)
+        entries, end = list(load.entries), 0
+        if self._stateful:
+            for count, row in enumerate(load.entries):
+                end += row.num_tokens
+                if end == load.end:
+                    entries = entries[: count + 1]
+                    break
+        return load_kv(self._shards, entries, self._dtype, load.pending, area, self._store)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._load_errors = self._load_errors, set()

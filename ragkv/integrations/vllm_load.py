@@ -18,6 +18,7 @@ import torch
 from ragkv.integrations.paged import PagedLayout, block_dim_of
 from ragkv.integrations.transfer import slot_mapping
 from ragkv.integrations.vllm_plan import Blocks
+from ragkv.kv.layout import KVLayout
 
 log = logging.getLogger("ragkv")
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
@@ -38,12 +39,21 @@ class PagedLoader:
     """Loads into the attention layers of one worker. `layerwise`: True or False, or None for
     layer by layer on CUDA only. The first layer-by-layer step also waits for the whole load
     and shows whether the backend waits per layer; one that does not gets loads before the
-    forward from then on. `groups`: each layer's KV cache group and window (`layer_groups`)."""
+    forward from then on. `groups`: each layer's KV cache group and window (`layer_groups`).
+    `layout`: the store's (which model layers its KV rows are, and their recurrent states)."""
 
-    def __init__(self, layerwise: bool | None, groups: dict[str, tuple[int, int | None]], block_size: int):
+    def __init__(
+        self,
+        layerwise: bool | None,
+        groups: dict[str, tuple[int, int | None]],
+        block_size: int,
+        layout: KVLayout | None = None,
+    ):
         self.layers: dict[int, tuple[str, Any]] = {}  # layer index -> (name, attention layer)
+        self.state_layers: dict[int, tuple[str, Any]] = {}  # layer index -> (name, Mamba layer)
         self.groups = groups
         self.block_size = block_size
+        self.layout = layout
         self.layerwise = layerwise
         self.layer_waits = 0  # wait_for_layer calls that waited on a layer's copy (tests)
         self._events: dict[str, Any] = {}
@@ -54,13 +64,57 @@ class PagedLoader:
         self._paged: PagedLayout | None = None  # the block layout, probed on the first gather
 
     def find_layers(self, forward_context) -> None:
-        """The attention layers holding a KV cache, by index (once)."""
+        """The attention layers holding a KV cache, and the Mamba layers holding a state, by
+        index (once)."""
         if self.layers:
             return
         for name, layer in forward_context.no_compile_layers.items():
             found = _LAYER_INDEX.search(name)
-            if found and getattr(layer, "kv_cache", None) is not None and hasattr(layer, "impl"):
+            cache = getattr(layer, "kv_cache", None)
+            if not found or cache is None:
+                continue
+            if hasattr(layer, "impl"):
                 self.layers[int(found.group(1))] = (name, layer)
+            elif isinstance(cache, (tuple, list)) and type(layer).__name__.startswith("Mamba"):
+                self.state_layers[int(found.group(1))] = (name, layer)
+
+    def kv_layers(self) -> list[tuple[str, Any]]:
+        """The attention layers in the order of a stored entry's KV rows (the layout's layers)."""
+        indices = self.layout.groups[0].layers if self.layout is not None and self.layout.groups else None
+        if indices is None or set(indices) != set(self.layers):
+            indices = tuple(sorted(self.layers))
+        return [self.layers[index] for index in indices]
+
+    def state_layers_of(self, layout: KVLayout) -> dict[int, tuple[str, Any]]:
+        """vLLM's Mamba layers by the model layer whose state each keeps, matched in order (vLLM
+        numbers some apart from their layer: Falcon-H1's is `model.{layers + i}.mixer`)."""
+        wanted = sorted({spec.layer for spec in layout.states})
+        found = [self.state_layers[index] for index in sorted(self.state_layers)]
+        if len(found) != len(wanted):
+            raise RuntimeError(f"the store keeps the state of {len(wanted)} layers, vLLM has {len(found)} Mamba layers")
+        return dict(zip(wanted, found, strict=True))
+
+    def load_state(self, state, block_ids: Blocks, forward_context) -> None:
+        """A stored entry's recurrent `state` (`ragkv.kv.layout.StateSpec.name` -> tensor, as
+        transformers keeps it) into each Mamba layer's state block of the request: the conv
+        window's last `kernel - 1` inputs, oriented as vLLM keeps them, and the state matrix."""
+        assert self.layout is not None  # a state comes only with the store's layout
+        by_layer = self.state_layers_of(self.layout)
+        for spec in self.layout.states:
+            name, layer = by_layer[spec.layer]
+            block = block_ids[self.groups.get(name, (0, None))[0]][0]  # the request's one state block
+            target = layer.kv_cache[0 if spec.kind == "conv" else 1][block]  # a Mamba layer's: (conv, ssm)
+            value = state[spec.name].to(target.device, target.dtype)
+            if spec.kind == "conv":  # transformers: (dim, kernel); vLLM: the last kernel - 1, (dim, k-1) or (k-1, dim)
+                dim_first = target.shape[0] == value.shape[0]
+                width = target.shape[1] if dim_first else target.shape[0]
+                value = value[:, -width:] if dim_first else value[:, -width:].T
+            if target.shape != value.shape:
+                raise RuntimeError(
+                    f"vLLM keeps layer {spec.layer}'s {spec.kind} state as {tuple(target.shape)}, "
+                    f"the store as {tuple(value.shape)}"
+                )
+            target.copy_(value)
 
     @staticmethod
     def cache(layer, forward_context) -> torch.Tensor:
@@ -76,13 +130,13 @@ class PagedLoader:
         return max(start, end - window + 1) if window else start
 
     def placements(self, start: int, end: int, block_ids: Blocks) -> dict[int, tuple[int, torch.Tensor]]:
-        """Per layer index: the first token it takes of start..end-1 and those tokens' cache
-        slots in its group's blocks, `(T_layer,)`."""
+        """Per row of the stored KV (`kv_layers`): the first token its layer takes of start..end-1
+        and those tokens' cache slots in its group's blocks, `(T_layer,)`."""
         placed = {}
-        for index, (name, _) in self.layers.items():
+        for row, (name, _) in enumerate(self.kv_layers()):
             first = self.first_token(name, start, end)
             group = self.groups.get(name, (0, None))[0]
-            placed[index] = (first, slot_mapping(block_ids[group], self.block_size, first, end))
+            placed[row] = (first, slot_mapping(block_ids[group], self.block_size, first, end))
         return placed
 
     def blocks_written(self, start: int, end: int, block_ids: Blocks) -> set[int]:
@@ -98,7 +152,7 @@ class PagedLoader:
         """`kv_tensor` `(L, 2, H, T, D)`, tokens start..end-1, into every layer's blocks."""
         if kv_tensor.shape[0] != len(self.layers):
             raise RuntimeError(f"ragkv store KV has {kv_tensor.shape[0]} layers, the model {len(self.layers)}")
-        device = self.cache(next(iter(self.layers.values()))[1], forward_context).device
+        device = self.cache(self.kv_layers()[0][1], forward_context).device
         layerwise = self.layerwise if self.layerwise is not None else device.type == "cuda"
         placed = self.placements(start, end, block_ids)
         if layerwise:
@@ -108,7 +162,7 @@ class PagedLoader:
 
     def _load_now(self, kv_tensor: torch.Tensor, start: int, placed: dict, forward_context) -> None:
         """Every layer's KV written into its blocks, before the forward."""
-        for index, (_, layer) in sorted(self.layers.items()):
+        for index, (_, layer) in enumerate(self.kv_layers()):
             cache = self.cache(layer, forward_context)
             first, slots = placed[index]
             key = kv_tensor[index, 0, :, first - start :].transpose(0, 1).contiguous().to(cache.device)  # (T, H, D)
@@ -126,7 +180,7 @@ class PagedLoader:
                 self._stream = torch.cuda.Stream()
             self._stream.wait_stream(torch.cuda.current_stream())  # after vLLM zeroes new blocks
             self._inflight.append(host)
-        for index, (name, layer) in sorted(self.layers.items()):
+        for index, (name, layer) in enumerate(self.kv_layers()):
             cache = self.cache(layer, forward_context)
             first, slots = placed[index]
             key, value = host[index, 0, first - start :], host[index, 1, first - start :]  # (T_layer, H, D) each
@@ -179,7 +233,7 @@ class PagedLoader:
         zeros before it; on CUDA, into page-locked host memory, asynchronously: with the event
         that says it is there). Raises LayoutError for a backend whose block layout the probe
         cannot read."""
-        named = [(name, layer) for _, (name, layer) in sorted(self.layers.items())]
+        named = self.kv_layers()
         layers = [layer for _, layer in named]
         caches = [PagedLoader.cache(layer, None) for layer in layers]
         if self._paged is None:

@@ -45,9 +45,10 @@ from ragkv.core.errors import ModelError
 
 TOKEN_DIM = 3
 # transformers' cache layers, by what they hold: keys and values, a recurrent state, both, or nothing
-_ATTENTION_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer")
+ATTENTION_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer")
 _STATE_LAYERS = ("LinearAttentionLayer",)
 _BOTH_LAYERS = ("LinearAttentionAndFullAttentionLayer", "LinearAttentionAndSlidingWindowAttentionLayer")
+STATE_LAYER_KINDS = _STATE_LAYERS + _BOTH_LAYERS  # the layers that keep a recurrent state
 _EMPTY_LAYERS = ("DummyLayer",)
 # Families whose recurrent layers transformers cannot continue from a cached state in a forward of
 # several tokens (5.25: the Mamba v1 scan starts from zeros whatever the cache holds; its own code
@@ -283,7 +284,7 @@ def read_layout(cache, name: str) -> KVLayout:
     states = []
     for index, layer in enumerate(cache.layers):
         kind = type(layer).__name__
-        if kind in _ATTENTION_LAYERS + _BOTH_LAYERS:
+        if kind in ATTENTION_LAYERS + _BOTH_LAYERS:
             shape = (layer.keys.shape[1], layer.keys.shape[3], layer.values.shape[3])
             by_shape.setdefault(shape, []).append((index, getattr(layer, "sliding_window", None)))
         if kind in _STATE_LAYERS + _BOTH_LAYERS:
@@ -320,7 +321,7 @@ def model_class(config) -> str:
 def refuse_unknown(cache, model_class: str) -> None:
     """ModelError, in one line naming `model_class`, when a transformers `cache` keeps anything
     but attention keys and values, recurrent state, or nothing (an indexer's keys, say)."""
-    known = _ATTENTION_LAYERS + _STATE_LAYERS + _BOTH_LAYERS + _EMPTY_LAYERS
+    known = ATTENTION_LAYERS + _STATE_LAYERS + _BOTH_LAYERS + _EMPTY_LAYERS
     for layer in cache.layers:
         if type(layer).__name__ not in known:
             raise ModelError(
@@ -348,7 +349,7 @@ def layout_of(config) -> KVLayout:
     text = config.get_text_config()
     cache = DynamicCache(config=config)
     kinds = {type(layer).__name__ for layer in cache.layers}
-    if getattr(text, "kv_lora_rank", None) or not kinds <= set(_ATTENTION_LAYERS):
+    if getattr(text, "kv_lora_rank", None) or not kinds <= set(ATTENTION_LAYERS):
         raise ModelError(
             f"{model_class(config)}'s cache is not plain attention: call ragkv.kv.layout.describe(model) first"
         )
@@ -358,38 +359,3 @@ def layout_of(config) -> KVLayout:
     layout = KVLayout.uniform(heads, head_dim, head_dim, windows)
     _register(config, layout)
     return layout
-
-
-def not_movable(config) -> str | None:
-    """Why ragkv's vLLM connector cannot move a model's KV exactly (by its config alone, no
-    weights), in words; None when it can: every layer caching keys and values of one shape, full
-    attention or sliding windows (vLLM keeps a sliding layer's window; the store, what a
-    continuation reads of it)."""
-    from transformers import DynamicCache
-
-    name = model_class(config)
-    if getattr(config.get_text_config(), "kv_lora_rank", None):
-        return f"{name} caches a latent (multi-head latent attention)"
-    others = {type(layer).__name__ for layer in DynamicCache(config=config).layers} - set(_ATTENTION_LAYERS)
-    if others:
-        return f"{name} keeps recurrent state or has layers without KV ({', '.join(sorted(others))})"
-    try:
-        layout_of(config)
-    except Exception:  # transformers refuses one head size for layers whose configs differ (Gemma 4)
-        return f"{name} caches keys and values of several shapes"
-    return None
-
-
-def refuse_unless_movable(folder) -> None:
-    """ModelError, in one line, for a model that the vLLM connector cannot move exactly. The
-    connector moves each layer's KV through vLLM's paged blocks of one shape; a latent, a
-    recurrent state and layers of other shapes live in vLLM in blocks of other kinds. ragkv's
-    own engine serves those models."""
-    from transformers import AutoConfig
-
-    problem = not_movable(AutoConfig.from_pretrained(folder))
-    if problem is not None:
-        raise ModelError(
-            f"the ragkv vLLM connector moves KV of attention layers of one shape (full or sliding), and {problem}: "
-            "use ragkv's own engine (ragkv ingest/ask/serve without --engine vllm)"
-        )

@@ -36,7 +36,7 @@ from ragkv.core.config import import_path
 from ragkv.core.errors import InputError, ModelError
 from ragkv.core.keys import digest
 from ragkv.engine.answer import Source, Stats, reply
-from ragkv.kv.layout import refuse_unless_movable
+from ragkv.kv.movable import refuse_unless_movable
 from ragkv.loading.loader import continues_span
 from ragkv.serve.access import SERVED_MODEL_ID, Access, Stores, scoped
 from ragkv.serve.api import (
