@@ -38,8 +38,11 @@ def verdicts(family: str, folder: Path) -> dict[str, str]:
     """What ragkv does with one family: each engine and mode, in words."""
     from transformers import AutoConfig
 
-    problem = not_movable(AutoConfig.from_pretrained(folder))
+    config = AutoConfig.from_pretrained(folder)
+    problem = not_movable(config)
     connector = "taken" if problem is None else "refused: " + problem.split(" ", 1)[1]
+    if problem is None and not_movable(config, saves=True) is not None:
+        connector = "loads KV and state; saves none"
     try:
         lm = load_model(str(folder), "cpu", "float32")
     except ModelError as exc:
@@ -179,7 +182,8 @@ def main() -> None:
         "several-shape and recurrent ones through ingest, ask, several chunks, spans, conversations and the "
         "batcher against full prefills. *vLLM*: the connector, `ingest --engine vllm` and "
         "`serve --engine vllm`, which refuse what they cannot move before vLLM starts; *taken* means the "
-        "connector accepts the layout (tests/test_vllm.py checks its answers live).",
+        "connector accepts the layout (tests/test_vllm.py checks Llama, Gemma 3, gpt-oss, Nemotron-H, Falcon-H1 "
+        "and Granite 4 live in vLLM's CPU build).",
         "",
         "| family | model class | stored layout (per layer) | ragkv engine | approximate modes | vLLM |",
         "|---|---|---|---|---|---|",

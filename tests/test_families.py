@@ -183,7 +183,7 @@ def test_approximate_modes_refuse_layouts_they_do_not_move(family, family_store)
         "deepseek-v3 (latent attention)",
         "gemma4 (sliding + global of other head sizes, shared KV)",
         "qwen3.5 (Gated DeltaNet + full)",
-        "nemotron-h (Mamba2 + attention + MLP layers)",
+        "lfm2 (short convolutions + full)",
     ],
 )
 def test_the_vllm_connector_refuses_layouts_it_does_not_move_in_one_line(family, family_model):
@@ -197,6 +197,20 @@ def test_the_vllm_connector_refuses_layouts_it_does_not_move_in_one_line(family,
 )
 def test_the_vllm_connector_takes_full_and_sliding_layers_of_one_shape(family, family_model):
     refuse_unless_movable(family_model(family))  # no error
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        "nemotron-h (Mamba2 + attention + MLP layers)",
+        "falcon-h1 (Mamba2 beside attention in every layer)",
+        "granite 4 hybrid (Mamba2 + attention)",
+    ],
+)
+def test_the_vllm_connector_loads_mamba2_hybrids_and_refuses_to_save_them(family, family_model):
+    refuse_unless_movable(family_model(family))  # loads: no error
+    with pytest.raises(ModelError, match="Mamba2 state, which vLLM computes only to the end of a step"):
+        refuse_unless_movable(family_model(family), saves=True)  # ingest --engine vllm
 
 
 def test_ingest_records_the_layout_and_the_self_test_in_the_profile(family_store):

@@ -28,7 +28,9 @@ def not_movable(config, saves: bool = False) -> str | None:
         return f"{name} caches a latent (multi-head latent attention)"
     others = {type(layer).__name__ for layer in DynamicCache(config=config).layers} - set(ATTENTION_LAYERS)
     recurrent = others & set(STATE_LAYER_KINDS)
-    if recurrent and getattr(text, "model_type", "") in MAMBA2_FAMILIES and others == recurrent:
+    # beside a Mamba2 family's state layers, a layer without cache is an MLP or MoE block, which
+    # vLLM holds nothing for either (elsewhere it reads another layer's KV: Gemma 4, refused below)
+    if recurrent and getattr(text, "model_type", "") in MAMBA2_FAMILIES and others <= recurrent | {"DummyLayer"}:
         return f"{name} keeps a Mamba2 state, which vLLM computes only to the end of a step" if saves else None
     if others:
         return f"{name} keeps recurrent state or has layers without KV ({', '.join(sorted(others))})"
