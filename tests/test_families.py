@@ -363,3 +363,46 @@ def test_serve_and_the_langchain_adapter_answer_a_hybrid_as_ask_does(family, fam
         again = client.chat.completions.create(model="ragkv", messages=history, max_tokens=10)
         extra = again.model_extra["ragkv"]
         assert extra["conversation_reused"] and extra["token_ids"] == second.token_ids
+
+
+def test_order_reuse_puts_the_most_stored_chunk_first_and_stays_exact(family_store):
+    """`--order reuse`: the chunk the store holds the most tokens of comes first, so more of a
+    recurrent model's prompt is reused; the answer equals a full prefill of that prompt."""
+    with ragkv.open(family_store("qwen3.5 (Gated DeltaNet + full)"), device="cpu") as engine:
+        for question in QUESTIONS:
+            retrieval = engine.ask(question, top_k=3, max_new_tokens=6)
+            reuse = engine.ask(question, top_k=3, max_new_tokens=6, order="reuse")
+            full = engine.ask(question, top_k=3, max_new_tokens=6, order="reuse", use_cache=False)
+            assert reuse.prompt_ids == full.prompt_ids and reuse.token_ids == full.token_ids
+            assert sorted(s.chunk_id for s in reuse.sources) == sorted(s.chunk_id for s in retrieval.sources)
+            lengths = {row.chunk_id: len(row.token_ids) for row, _ in engine.retrieve(question, 3)}
+            assert lengths[reuse.sources[0].chunk_id] == max(lengths.values())
+            stored = reuse.stats.reused_tokens - reuse.stats.prefix_cache_tokens
+            assert stored >= retrieval.stats.reused_tokens - retrieval.stats.prefix_cache_tokens
+
+
+def test_a_state_is_keyed_by_everything_before_it(family_model, corpus, tmp_path):
+    """A recurrent layer's state sums up every token before it: the system prompt, the chunk, and
+    in a span the chunks before it. The cache key already chains over all of them: the same chunk
+    under another system prompt has another key and another state, and its entry under either key
+    holds the state a fresh computation after that prefix gives."""
+    from ragkv.kv import codec
+    from ragkv.model.forward import compute_chunks, compute_prefix
+
+    folder = str(family_model("qwen3.5 (Gated DeltaNet + full)"))
+    stores = {"default": tmp_path / "a", "other": tmp_path / "b"}
+    build_store(corpus, stores["default"], folder, chunk_tokens=24)
+    build_store(corpus, stores["other"], folder, chunk_tokens=24, system_prompt="Answer in one word.")
+    found = {}
+    for name, store in stores.items():
+        with ragkv.open(store, device="cpu") as engine:
+            (row, _), *_ = engine.retrieve(QUESTIONS[0], 1, context="chunk")
+            entry = codec.read(engine.snapshot.shards, row.entry, torch.float32)
+            prefix = compute_prefix(engine.lm.model, engine.active.profile.prefix_ids)
+            (fresh,) = compute_chunks(engine.lm.model, prefix, [list(row.token_ids)], 64, engine.lm.pad_id)
+            for state_name, state in entry.state.items():
+                torch.testing.assert_close(state, fresh.kv.state[state_name], rtol=1e-5, atol=1e-6)
+            found[name] = (row.token_ids, row.entry.kv_key, entry.state)
+    (ids_a, key_a, state_a), (ids_b, key_b, state_b) = found["default"], found["other"]
+    assert ids_a == ids_b and key_a != key_b  # the same chunk, keyed by the prefix before it
+    assert any(not torch.allclose(state_a[n], state_b[n], atol=1e-4) for n in state_a)

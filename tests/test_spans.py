@@ -190,3 +190,21 @@ def test_bad_span_settings_are_one_line_errors(tmp_path, tiny_llama):
     with pytest.raises(InputError, match="--span-tokens 4096 does not fit the model's context of 1024"):
         build_store(docs, tmp_path / "s", str(tiny_llama), chunk_tokens=24, span_tokens=4096)
     assert not (tmp_path / "s").exists()  # nothing written
+
+
+def test_order_reuse_moves_the_run_the_store_holds_most_of_to_the_front():
+    from ragkv.retrieval.retriever import reuse_first
+    from ragkv.store import ContextRow, EntryRow
+
+    def row(chunk_id, doc, index, tokens, stored=True, span_start=None, live=False):
+        entry = EntryRow(f"k{chunk_id}", "s", f"k{chunk_id}", tokens, "float32", "c", 1) if stored else None
+        return ContextRow(chunk_id, doc, doc, index, "t", (1,) * tokens, entry, span_start, live)
+
+    alone = row(1, "a.md", 0, 10)
+    span = [row(2, "b.md", 0, 8, span_start=0), row(3, "b.md", 1, 8, span_start=0)]  # 16 tokens as one run
+    missing = row(4, "c.md", 0, 40, stored=False)  # not stored: computed, reuses nothing
+    retrieved = [(r, 1.0) for r in (alone, *span, missing)]
+    assert [r.chunk_id for r, _ in reuse_first(retrieved)] == [2, 3, 1, 4]
+    assert [r.chunk_id for r, _ in reuse_first([(alone, 1.0), (missing, 0.5)])] == [1, 4]
+    mid_span = row(5, "d.md", 3, 90, span_start=0)  # continues a span: it loads nothing on its own
+    assert [r.chunk_id for r, _ in reuse_first([(alone, 1.0), (mid_span, 0.5)])] == [1, 5]

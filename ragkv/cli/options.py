@@ -148,6 +148,13 @@ ContextOption = typer.Option(
     "span (with the chunks of its span before it: exact from the store when ingested with "
     "--span-tokens), document (its whole span).",
 )
+OrderOption = typer.Option(
+    "retrieval",
+    "--order",
+    help="The retrieved chunks' order in the prompt: retrieval (best first), or reuse (the chunk, or "
+    "span of chunks, whose stored KV is the most tokens first: --mode exact loads the first from the "
+    "store and computes the rest, and a recurrent model's state can only continue the first).",
+)
 BlendRatioOption = typer.Option(
     None,
     "--blend-ratio",
@@ -262,13 +269,24 @@ ingest_options = OptionGroup(
 
 
 def _answer(
-    max_new_tokens, mode, context, blend_ratio, repetition_penalty, no_repeat_ngram, temperature, top_p, seed, stop
+    max_new_tokens,
+    mode,
+    context,
+    order,
+    blend_ratio,
+    repetition_penalty,
+    no_repeat_ngram,
+    temperature,
+    top_p,
+    seed,
+    stop,
 ):
     """`AskSettings.from_dict`'s keys for how an answer is generated (decoding's among them, flat)."""
     return {
         "max_new_tokens": max_new_tokens,
         "mode": mode,
         "context": context,
+        "order": order,
         "blend_ratio": blend_ratio,
         "repetition_penalty": repetition_penalty,
         "no_repeat_ngram": no_repeat_ngram,
@@ -285,6 +303,7 @@ answer_options = OptionGroup(
         ("max_new_tokens", int, MaxNewTokensOption),
         ("mode", str, ModeOption),
         ("context", str, ContextOption),
+        ("order", str, OrderOption),
         ("blend_ratio", float | None, BlendRatioOption),
         ("repetition_penalty", float, RepetitionPenaltyOption),
         ("no_repeat_ngram", int, NoRepeatNgramOption),

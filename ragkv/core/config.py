@@ -54,6 +54,7 @@ KV_RERANKER = (
 )
 MAX_TOP_K = 100  # chunks one /v1/retrieve request may ask for
 CONTEXTS = ("chunk", "span", "document")  # what a retrieved chunk brings into the prompt (see QueryEngine.prepare)
+ORDERS = ("retrieval", "reuse")  # the chunks' order in the prompt (see ragkv.retrieval.retriever.reuse_first)
 KV_DTYPES = ("auto", "bfloat16", "float16", "int8", "int4", "int2")  # see ragkv.kv.codec
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -317,6 +318,7 @@ class AskSettings(_Settings):
     context: str = (
         "span"  # chunk: the hits only; span: each hit with its span's chunks before it; document: its whole span
     )
+    order: str = "retrieval"  # the chunks' order: as retrieved, or "reuse": the one the store holds most of first
     decoding: DecodeSettings = field(default_factory=DecodeSettings)
     chunks: tuple[tuple[int, float], ...] | None = None  # (chunk id, score): answer from these, not a retrieval
     rerank: int = DEFAULT_RERANK  # score this many first-stage candidates with the model, keep the best top_k (0: off)
@@ -354,6 +356,11 @@ class AskSettings(_Settings):
             raise InputError(
                 f"unknown --context {self.context!r}; use chunk (the retrieved chunks only), span (each "
                 "with the chunks of its span before it) or document (each with its whole span)"
+            )
+        if self.order not in ORDERS:
+            raise InputError(
+                f"unknown --order {self.order!r}; use retrieval (the chunks as retrieved) or reuse (the chunks "
+                "whose stored KV reuses the most first)"
             )
         if self.blend_ratio is not None and not 0.0 <= self.blend_ratio <= 1.0:
             raise InputError(f"--blend-ratio must be between 0 and 1, got {self.blend_ratio}")

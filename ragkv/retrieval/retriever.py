@@ -13,6 +13,8 @@ from ragkv.core.config import AskSettings, SearchSettings
 from ragkv.core.errors import InputError, StoreEmptyError
 from ragkv.core.filters import Condition, check_fields
 from ragkv.core.text import check_text
+from ragkv.kv import spans
+from ragkv.loading.loader import continues_span
 from ragkv.model.embed import Embedder
 from ragkv.model.prompt import PromptLayout, encode_text
 from ragkv.retrieval.search import Searched, first_stage
@@ -151,6 +153,8 @@ class Retriever:
         retrieved, cut = self.fit_chunks(retrieved, question_ids)
         if cut:
             warnings.append(cut)
+        if settings.order == "reuse":
+            retrieved = reuse_first(retrieved)
         chunk_ids = [self.chunk_token_ids(row) for row, _ in retrieved]
         return Prompt(
             retrieved,
@@ -329,3 +333,27 @@ def live_rows(passages: Sequence[str]) -> Retrieved:
 
 def _ms(since: float) -> float:
     return (time.perf_counter() - since) * 1000.0
+
+
+def reuse_first(retrieved: Retrieved) -> Retrieved:
+    """`retrieved` with the run of chunks (one chunk, or chunks of one stored span that follow each
+    other) whose stored KV is the most tokens moved to the front (`--order reuse`): the exact mode
+    loads the first run from the store and computes the rest on top (a recurrent model's state
+    continues only the first), so this order reuses the most. The other runs keep their order;
+    of runs that reuse as much, the first retrieved leads."""
+    rows = [row for row, _ in retrieved]
+    runs = spans.runs(list(range(len(rows))), lambda i, j: continues_span(rows[i], rows[j]))
+
+    def stored_tokens(run: list[int]) -> int:
+        if rows[run[0]].live or not rows[run[0]].starts_span:
+            return 0
+        total = 0
+        for index in run:  # a miss stops what loads from the store
+            if rows[index].entry is None or rows[index].token_ids is None:
+                break
+            total += len(rows[index].token_ids or ())
+        return total
+
+    best = max(range(len(runs)), key=lambda k: (stored_tokens(runs[k]), -k))
+    order = runs[best] + [index for k, run in enumerate(runs) if k != best for index in run]
+    return [retrieved[index] for index in order]

@@ -116,6 +116,7 @@ class RagkvOptions(_Body):
     no_repeat_ngram: int = Field(DEFAULT_NO_REPEAT_NGRAM, ge=0, le=64)
     mode: str = "exact"  # one of config.MODES, or "approximate"
     context: str = "span"  # one of config.CONTEXTS
+    order: str = "retrieval"  # one of config.ORDERS
     no_cache: bool = False
     doc_ids: list[str] | None = Field(None, max_length=100)
     rerank: int = Field(DEFAULT_RERANK, ge=0, le=MAX_RERANK)  # candidates the model scores (0: off)
