@@ -1,8 +1,14 @@
 """GPU check of ragkv as vLLM's memory (issue 25), on one CUDA GPU, in bfloat16, in one run:
 ingest on both engines, TTFT from the store against vLLM alone with the load time shown
-apart, and the layer-by-layer load against the load made before the forward.
+apart, and the layer-by-layer load against the load made before the forward. Then the model
+families beyond plain attention (issue 62) in ragkv's own engine on the GPU, where transformers
+runs other kernels than on a CPU (flash-linear-attention, causal-conv1d, Mamba's): each tiny
+family's self-test (logits at every question position and every recurrent state, stored path
+against a full prefill) in float32 and bfloat16, and a float32 answer from a store against a
+full prefill, token for token.
 
     python benchmarks/gpu_check.py --vllm-python PYTHON_WITH_CUDA_VLLM [--out FILE]
+    python benchmarks/gpu_check.py --families-only [--device cpu]   # the second part alone
 
 Run by benchmarks/gpu_check.sh (which bounds it to 10 minutes). Writes a markdown table.
 """
@@ -48,11 +54,74 @@ def probe(python: str, model: str, store: Path, runs: list, work: Path, **spec) 
         sys.exit(str(exc))
 
 
+FAMILIES = [  # beyond plain attention; vLLM's CPU build runs none of the first three
+    "qwen3.5 (Gated DeltaNet + full)",
+    "lfm2 (short convolutions + full)",
+    "gemma4 (sliding + global of other head sizes, shared KV)",
+    "nemotron-h (Mamba2 + attention + MLP layers)",
+    "falcon-h1 (Mamba2 beside attention in every layer)",
+]
+
+
+def family_lines(device: str, work: Path) -> list[str]:
+    """Each family's self-test in float32 and bfloat16 on `device`, and a float32 answer from a
+    store against a full prefill (tiny random models, heads of 64 as GPU kernels take)."""
+    from ragkv.model import self_check
+    from ragkv.model.llm import load_model
+    from tests import families
+    from tests.conftest import CORPUS, QUESTIONS
+
+    docs = work / "family-docs"
+    docs.mkdir(parents=True, exist_ok=True)
+    for name, text in CORPUS.items():
+        (docs / name).write_text(text)
+    lines = [
+        "",
+        f"## Model families on {device}",
+        "",
+        "| family | self-test float32 | self-test bfloat16 (tolerance) | float32 answer from the store = full prefill |",
+        "|---|---|---|---|",
+    ]
+    for family in FAMILIES:
+        folder = families.build(family, work / "families" / family.split()[0], head_dim=64)
+        checks = []
+        for dtype in ("float32", "bfloat16"):
+            lm = load_model(str(folder), device, dtype)
+            check = self_check.run(lm.model, lm.tokenizer, dtype, lm.pad_id)
+            checks.append(f"{'pass' if check.passed else 'FAIL'} {check.difference:.1e} ({check.tolerance:.0e})")
+        store = work / "family-stores" / family.split()[0]
+        ragkv.ingest(
+            [docs],
+            store,
+            model=ModelSettings(model=str(folder), device=device, dtype="float32"),
+            settings=IngestSettings(chunk_tokens=24),
+        )
+        with ragkv.open(store, device=device) as engine:
+            same = sum(
+                engine.ask(q, max_new_tokens=8, top_k=2).token_ids
+                == engine.ask(q, max_new_tokens=8, top_k=2, use_cache=False).token_ids
+                for q in QUESTIONS
+            )
+        lines.append(f"| {family} | {checks[0]} | {checks[1]} | {same} of {len(QUESTIONS)} |")
+        print(lines[-1], flush=True)
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vllm-python", required=True)
+    parser.add_argument("--vllm-python")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "gpu_check.md")
+    parser.add_argument("--families-only", action="store_true", help="only the model families, no vLLM")
+    parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
+    if args.families_only:
+        work = Path(tempfile.mkdtemp(prefix="ragkv-families-"))
+        lines = [f"# Model families on {args.device}", "", f"Machine: {describe()}.", *family_lines(args.device, work)]
+        args.out.write_text("\n".join(lines) + "\n")
+        print(args.out.read_text())
+        return
+    if not args.vllm_python:
+        parser.error("--vllm-python is required (or --families-only)")
     os.environ["RAGKV_VLLM_PYTHON"] = args.vllm_python
     work = Path(tempfile.mkdtemp(prefix="ragkv-gpu-"))
     ingests = {"local": ingest(work / "local", "local"), "vllm": ingest(work / "vllm", "vllm")}
@@ -107,6 +176,7 @@ def main() -> None:
         "is host time to start the copies (layer-by-layer) or to make them (before the forward): its share of "
         "the TTFT is the load's cost on the critical path.",
     ]
+    lines += family_lines(args.device, work)
     args.out.write_text("\n".join(lines) + "\n")
     print(args.out.read_text())
 
