@@ -406,3 +406,38 @@ def test_a_state_is_keyed_by_everything_before_it(family_model, corpus, tmp_path
     (ids_a, key_a, state_a), (ids_b, key_b, state_b) = found["default"], found["other"]
     assert ids_a == ids_b and key_a != key_b  # the same chunk, keyed by the prefix before it
     assert any(not torch.allclose(state_a[n], state_b[n], atol=1e-4) for n in state_a)
+
+
+@pytest.mark.parametrize("family", SERVED)
+def test_the_rerank_scores_a_hybrid_s_candidates_as_full_prefills_do(family, family_store):
+    """The rerank scores candidates in batches of different lengths (left-padded KV, each row's own
+    state); every candidate scores what a full prefill of its prompt scores."""
+    from tests.test_rerank import _context_ids, _full_prefill_likelihood
+
+    with ragkv.open(family_store(family), device="cpu") as engine:
+        found = engine.search(QUESTIONS[0], top_k=5, rerank=5)
+        assert len(found) == 5 and all(r.likelihood is not None for r in found)
+        for result in found:
+            ids = _context_ids(engine, result.doc_id, result.chunk_index, span=False)
+            assert abs(result.likelihood - _full_prefill_likelihood(engine, ids, QUESTIONS[0])) < 1e-4
+
+
+def test_a_hybrid_cache_cut_back_with_its_kept_state_continues_as_a_fresh_one(family_model):
+    """What a conversation does when it drops old turns: the cache is cut back to its context,
+    whose recurrent state was kept when the context was assembled (a state cannot be cut)."""
+    from ragkv.kv import cache as kv
+    from ragkv.model.generate import prefill
+
+    lm = load_model(str(family_model("nemotron-h (Mamba2 + attention + MLP layers)")), "cpu", "float32")
+    context, turn, after = list(range(10, 60)), list(range(200, 230)), list(range(300, 309))
+    cache = kv.to_cache_empty(lm.model.config)
+    prefill(lm.model, context, cache)
+    kept = kv.state_of(cache)
+    prefill(lm.model, turn, cache)
+    with pytest.raises(ValueError, match="kept"):
+        kv.crop(cache, len(context))
+    kv.crop(cache, len(context), kept)
+    assert kv.num_cached(cache) == len(context)
+    fresh = kv.to_cache_empty(lm.model.config)
+    prefill(lm.model, context, fresh)
+    torch.testing.assert_close(prefill(lm.model, after, cache), prefill(lm.model, after, fresh), rtol=1e-5, atol=1e-5)
