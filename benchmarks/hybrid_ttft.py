@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -29,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 import ragkv  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
-from benchmarks.ttft import QUESTION, median_spread, write_documents  # noqa: E402
+from benchmarks.ttft import QUESTION, median_spread, save_with_tokenizer, write_documents  # noqa: E402
 from ragkv.core.config import IngestSettings, ModelSettings, cache_dir  # noqa: E402
 from ragkv.core.lru import ByteLRU  # noqa: E402
 from ragkv.kv import codec  # noqa: E402
@@ -43,8 +42,6 @@ def hybrid_model() -> Path:
     """A random-weight Qwen3.5-kind model (18 Gated DeltaNet layers, 6 full-attention layers,
     hidden 1024), built once into the cache, with SmolLM2's tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from ragkv.model.llm import bundled_smollm2_path
 
     folder = cache_dir() / "bench" / "qwen3.5-kind-0.5b"
     if (folder / "config.json").is_file():
@@ -70,14 +67,7 @@ def hybrid_model() -> Path:
         pad_token_id=2,
     )
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(bundled_smollm2_path() / name, tmp / name)
-    tmp.rename(folder)
-    return folder
+    return save_with_tokenizer(AutoModelForCausalLM.from_config(config), folder)
 
 
 def entry_bytes(store: Path) -> dict[str, tuple[int, int]]:

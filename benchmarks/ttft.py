@@ -60,8 +60,6 @@ def qwen_shape_model() -> Path:
     heads, 151,936 vocab), built once into the cache, with SmolLM2's tokenizer."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from ragkv.model.llm import bundled_smollm2_path
-
     folder = cache_dir() / "bench" / "qwen2.5-0.5b-shape"
     if (folder / "config.json").is_file():
         return folder
@@ -82,7 +80,14 @@ def qwen_shape_model() -> Path:
         use_sliding_window=False,
     )
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    return save_with_tokenizer(Qwen2ForCausalLM(config).to(torch.bfloat16), folder)
+
+
+def save_with_tokenizer(model, folder: Path) -> Path:
+    """`model` saved into `folder` with SmolLM2's tokenizer and chat template, whole or not at all
+    (written beside it, then renamed)."""
+    from ragkv.model.llm import bundled_smollm2_path
+
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
