@@ -102,7 +102,8 @@ def compute_spans(
     several = [i for i, span in enumerate(span_list) if stateful and len(span) > 1]
     for index in several:
         yield index, [entry.to("cpu") for entry in compute_segments(model, [prefix], span_list[index])]
-    rest = [i for i in range(len(span_list)) if i not in set(several)]
+    taken = set(several)
+    rest = [i for i in range(len(span_list)) if i not in taken]
     sequences = [[t for segment in span_list[i] for t in segment] for i in rest]
     for result in compute_chunks(model, prefix, sequences, batch_tokens, pad_id):
         index = rest[result.index]
