@@ -136,13 +136,13 @@ def vllm_part(python: str, lazy: Path, full: Path, questions: list[str], work: P
         return vllm_probe.run(python, model, store, spec, work)
 
     from ragkv.serve.api import ServeSettings
-    from ragkv.serve.vllm_front import _layout_params
+    from ragkv.serve.stores import layout_params
 
     prompts = []
     with ragkv.open(lazy, device="cpu", weights=False) as engine:
         for question in questions:
             prompt = engine.prompt_for(question, AskSettings(context="span", top_k=1))
-            prompts.append({"ids": prompt.prompt_ids, "params": _layout_params(prompt, ServeSettings())})
+            prompts.append({"ids": prompt.prompt_ids, "params": layout_params(prompt, ServeSettings())})
     print("vLLM + connector, budget store learning", flush=True)
     learning = probe(lazy, [{"name": f"q{i}", **p} for i, p in enumerate(prompts)], "kv_both")
     hits = hits_logged(lazy)

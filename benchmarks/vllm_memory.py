@@ -37,7 +37,7 @@ from ragkv.core.config import DEFAULT_MODEL, AskSettings, IngestSettings, ModelS
 from ragkv.kv import codec  # noqa: E402
 from ragkv.model.llm import load_model  # noqa: E402
 from ragkv.serve.api import ServeSettings  # noqa: E402
-from ragkv.serve.vllm_front import _layout_params  # noqa: E402
+from ragkv.serve.stores import layout_params  # noqa: E402
 from ragkv.store import open_snapshot  # noqa: E402
 from tests import vllm_probe  # noqa: E402
 
@@ -84,7 +84,7 @@ def prompts_of(store: Path, questions: list[str]) -> tuple[list[dict], int, list
         prefix = len(engine.active.layout.prefix_ids)
         for question in questions:
             prompt = engine.prompt_for(question, AskSettings(top_k=1, context="chunk"))
-            params = _layout_params(prompt, ServeSettings())
+            params = layout_params(prompt, ServeSettings())
             params["ragkv"]["write_back"] = True  # the connector checks the store itself
             out.append({"ids": prompt.prompt_ids, "params": params})
             firsts.append(prompt.retrieved[0][0].chunk_id)

@@ -86,6 +86,18 @@ def test_no_module_imports_a_layer_above_its_own():
     assert upward == set()
 
 
+def test_the_fronts_reach_the_engine_retrieval_and_loading_through_one_module():
+    """ragkv.serve.stores, the store handle every route goes through, is the only module of the
+    service that imports the layers that answer (the routes hold no engine)."""
+    below = ("ragkv.engine", "ragkv.loading", "ragkv.retrieval")
+    importers = {
+        m
+        for m, names in own_imports().items()
+        if m.startswith("ragkv.serve.") and any(n.startswith(below) for n in names)
+    }
+    assert importers == {"ragkv.serve.stores"}
+
+
 def test_only_the_command_line_imports_the_pipelines():
     importers = {
         m for m, names in own_imports().items() for n in names if layer_of(n) == LAYERS.index("ragkv.pipelines")

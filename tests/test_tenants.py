@@ -405,3 +405,35 @@ def test_a_real_server_reports_cached_tokens_to_openais_client_and_reloads_keys_
             for thread in threads:
                 thread.join()
         assert not failures
+
+
+def _forbidden_reaches(function) -> set[str]:
+    """The names by which `function` (a route, with the functions nested in it) could reach an
+    engine without the caller's handle."""
+    names, codes = set(), [function.__code__]
+    while codes:
+        code = codes.pop()
+        names |= set(code.co_names)
+        codes += [c for c in code.co_consts if hasattr(c, "co_names")]
+    return names & {"engines", "_engines", "first", "_engine", "loader", "runtime", "retriever"}
+
+
+def test_every_route_takes_its_caller_and_reaches_a_store_only_through_its_handle(service, stores):
+    """Both fronts: every route but /healthz and /metrics depends on the caller (`Access`), and
+    no route names an engine: the handle `Stores.open(model, caller)` returns, which applies the
+    caller's scope, caps and audit, is its only way to a store. A route added without it fails here."""
+    from fastapi.routing import APIRoute
+
+    from ragkv.serve.vllm_front import build_front_app
+
+    _, app, _ = service
+    with ragkv.open(stores / "main-store", weights=False) as front_engine:
+        front = build_front_app(front_engine, "http://127.0.0.1:9", ServeSettings())
+        for served in (app, front):
+            routes = [route for route in served.routes if isinstance(route, APIRoute)]
+            assert {"/v1/chat/completions", "/v1/models"} <= {route.path for route in routes}
+            for route in routes:
+                if route.path in ("/healthz", "/metrics"):
+                    continue
+                assert served.state.access in {dep.call for dep in route.dependant.dependencies}, route.path
+                assert not _forbidden_reaches(route.endpoint), (route.path, _forbidden_reaches(route.endpoint))

@@ -103,7 +103,7 @@ def test_vllm_stores_what_it_computes_and_logs_each_use(sample_store, lazy_sampl
     transformers' (float32), and ragkv's own engine answers from it token-identically."""
     from ragkv.core.config import AskSettings
     from ragkv.serve.api import ServeSettings
-    from ragkv.serve.vllm_front import _layout_params
+    from ragkv.serve.stores import layout_params
 
     full_store, _ = sample_store
     store = tmp_path / "store"
@@ -113,7 +113,7 @@ def test_vllm_stores_what_it_computes_and_logs_each_use(sample_store, lazy_sampl
         model = engine.lm.facts.path
         for i, question in enumerate(QUESTIONS):
             prompt = engine.prompt_for(question, AskSettings(top_k=1, context="chunk"))
-            params = _layout_params(prompt, ServeSettings())
+            params = layout_params(prompt, ServeSettings())
             assert params["ragkv"]["write_back"]  # the lazy store holds no chunk: a miss
             held[f"q{i}"] = len(engine.active.layout.prefix_ids) + len(prompt.chunk_ids[0])
             keys.add(KVKey.for_chunk(engine.active.profile, prompt.chunk_ids[0]).to_string())  # ingest's key
@@ -170,7 +170,7 @@ def test_vllm_learns_every_missing_chunk_of_a_span(tmp_path):
     key, equal to ingest's KV within cross-engine tolerance; the next request loads them all,
     and ragkv's own engine answers from them token-identically."""
     from ragkv.serve.api import ServeSettings
-    from ragkv.serve.vllm_front import _layout_params
+    from ragkv.serve.stores import layout_params
 
     spans_args = ["--chunk-tokens", "64", "--span-tokens", "512", "--device", "cpu"]
     full, store = tmp_path / "full", tmp_path / "lazy"
@@ -182,7 +182,7 @@ def test_vllm_learns_every_missing_chunk_of_a_span(tmp_path):
         model = engine.lm.facts.path
         prompt = engine.prompt_for(QUESTIONS[2], span)
         rows = [row for row, _ in prompt.retrieved]
-        params = _layout_params(prompt, ServeSettings())
+        params = layout_params(prompt, ServeSettings())
         held = len(prompt.prompt_ids) - len(engine.active.layout.question_ids(engine.lm.tokenizer, QUESTIONS[2]))
     assert len(rows) >= 2 and params["ragkv"]["write_back"]  # a span's later chunk, and nothing stored
     runs = [
@@ -381,7 +381,7 @@ def test_vllm_on_an_s3_store_ingests_and_learns_through_the_fold(sample_store, s
     KV instead of computing it again (first tokens equal to vLLM's own full prefill's), and
     `ragkv fold` stores each chunk once, with both replicas' uses."""
     from ragkv.serve.api import ServeSettings
-    from ragkv.serve.vllm_front import _layout_params
+    from ragkv.serve.stores import layout_params
     from tests import s3server
     from tests.conftest import fresh_home
 
@@ -410,7 +410,7 @@ def test_vllm_on_an_s3_store_ingests_and_learns_through_the_fold(sample_store, s
         prefix_len = len(engine.active.layout.prefix_ids)
         for i, question in enumerate(QUESTIONS):
             prompt = engine.prompt_for(question, AskSettings(top_k=1, context="chunk"))
-            params = _layout_params(prompt, ServeSettings())
+            params = layout_params(prompt, ServeSettings())
             prompts[f"q{i}"] = (prompt.prompt_ids, params, prefix_len + len(prompt.chunk_ids[0]))
 
     def replica(suffix: str, flush: bool, work: Path) -> tuple[dict, int]:
@@ -466,7 +466,7 @@ def test_vllm_loads_and_saves_a_sliding_window_model_through_the_store(family, c
     lacks is saved from vLLM's blocks in the windowed form ingest writes, agreeing with ingest's,
     and ragkv's own engine answers from it as from its own."""
     from ragkv.serve.api import ServeSettings
-    from ragkv.serve.vllm_front import _layout_params
+    from ragkv.serve.stores import layout_params
     from tests import families
     from tests.conftest import build_store
 
@@ -497,7 +497,7 @@ def test_vllm_loads_and_saves_a_sliding_window_model_through_the_store(family, c
     with ragkv.open(store, device="cpu", weights=False) as engine:
         for i, question in enumerate(QUESTIONS[:2]):
             prompt = engine.prompt_for(question, AskSettings(top_k=1, context="chunk"))
-            params = _layout_params(prompt, ServeSettings())
+            params = layout_params(prompt, ServeSettings())
             runs += [run(f"q{i}-miss", prompt.prompt_ids, params, flush=True), run(f"q{i}-hit", prompt.prompt_ids)]
     result = probe(str(folder), store, runs, tmp_path, kv_role="kv_both", max_model_len=1024)
     assert result["write_back"]["stored"] == 2 and result["write_back"]["failures"] == 0
@@ -534,7 +534,7 @@ def test_vllm_loads_a_mamba2_hybrid_from_the_stored_kv_and_state(family, corpus,
     question, to the first token of its own full prefill. The connector saves no chunk of these
     (a state at a chunk's end is gone by the end of the step), so a miss stays a miss."""
     from ragkv.serve.api import ServeSettings
-    from ragkv.serve.vllm_front import _layout_params
+    from ragkv.serve.stores import layout_params
     from tests import families
     from tests.conftest import build_store
 
@@ -548,7 +548,7 @@ def test_vllm_loads_a_mamba2_hybrid_from_the_stored_kv_and_state(family, corpus,
             prompt = engine.prompt_for(question, AskSettings(top_k=1, context="chunk"))
             held[f"q{i}"] = len(engine.active.layout.prefix_ids) + len(prompt.chunk_ids[0])
             runs += [run(f"q{i}", prompt.prompt_ids), run(f"q{i}-full", prompt.prompt_ids, SKIP)]
-            params = _layout_params(prompt, ServeSettings())
+            params = layout_params(prompt, ServeSettings())
     spec = {"kv_role": "kv_both", "max_model_len": 1024}
     result = probe(str(folder), full, runs, tmp_path, **spec)
     assert result["hybrid_allocator"]

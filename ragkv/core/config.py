@@ -17,7 +17,7 @@ from typing import Any
 from ragkv.core.errors import InputError
 from ragkv.core.filters import Condition, parse_filters
 from ragkv.core.formats import __version__
-from ragkv.core.scope import Scope, cache_salt
+from ragkv.core.scope import Scope
 from ragkv.core.sizes import MAX_SIZE, parse_precompute, parse_size  # noqa: F401 - the settings' sizes
 from ragkv.core.text import check_text, listed
 
@@ -287,11 +287,6 @@ class SearchSettings(_Settings):
         parse_reranker(self.reranker)
 
     @property
-    def cache_salt(self) -> str:
-        """What keys this search's entries in the in-process caches (its scope's tenant)."""
-        return cache_salt(self.scope)
-
-    @property
     def conditions(self) -> tuple[Condition, ...]:
         return parse_filters(self.filters)
 
@@ -382,8 +377,3 @@ class AskSettings(_Settings):
         return SearchSettings(
             self.top_k, self.retrieval, self.rerank, self.doc_ids, self.filters, self.scope, self.reranker
         )
-
-    @property
-    def cache_salt(self) -> str:
-        """What keys this request's entries in the in-process caches (its scope's tenant)."""
-        return cache_salt(self.scope)

@@ -68,10 +68,6 @@ class Scope:
         filters = outer.filters + tuple(f for f in self.filters if f not in outer.filters)
         return Scope(self.tenant or outer.tenant, filters)
 
-    def cache_salt(self) -> str:
-        """What keys this scope's entries in the in-process caches ("" for no tenant)."""
-        return self.tenant
-
 
 def narrowest(inner: Scope | None, outer: Scope | None) -> Scope | None:
     """`inner` within `outer` (either may be None)."""
@@ -89,5 +85,8 @@ def bounded(settings: T, outer: Scope | None) -> T:
 
 
 def cache_salt(scope: Scope | None) -> str:
-    """What keys a request's entries in the in-process caches: its scope's tenant ("" for none)."""
-    return scope.cache_salt() if scope is not None else ""
+    """The one salt of every per-tenant cache: what keys a request's entries in the in-process
+    caches (the prefix cache, the RAM tier when tenants are isolated, kept conversations by
+    scope), and what the vLLM front's secret salt is derived from: its scope's tenant ("" for
+    none). The tenant's name itself is enough where no client can name a salt."""
+    return scope.tenant if scope is not None else ""

@@ -11,7 +11,7 @@ from typing import TypeVar
 
 from ragkv.core.config import AskSettings, SearchSettings, parse_reranker
 from ragkv.core.errors import InputError
-from ragkv.core.scope import Scope, bounded
+from ragkv.core.scope import Scope, bounded, cache_salt
 from ragkv.engine.answer import Savings, Source, Stats
 from ragkv.loading.loader import KVLoader
 from ragkv.model.llm import LoadedModel
@@ -81,7 +81,7 @@ class Runtime:
         what the store holds of the prompt into a cache, and log the chunks' uses. `--mode
         approximate` runs as the store's calibration says (ragkv.modes.calibration)."""
         settings = self.scoped(settings)
-        with self.loader.tenant(settings.cache_salt):
+        with self.loader.tenant(cache_salt(settings.scope)):
             return self._prepare(question, settings)
 
     def _prepare(self, question: str, settings: AskSettings) -> Prepared:
@@ -119,7 +119,7 @@ class Runtime:
         stage's, or with `settings.rerank` > 1 the best of its first N as the model scores them
         (ragkv.retrieval.rerank; this uses the model, so call it where the engine's steps run)."""
         settings = self.scoped(settings)
-        with self.loader.tenant(settings.cache_salt):
+        with self.loader.tenant(cache_salt(settings.scope)):
             return self._search(question, settings)
 
     def _search(self, question: str, settings: SearchSettings) -> Searched:

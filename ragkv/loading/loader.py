@@ -13,6 +13,7 @@ from ragkv.core.config import AskSettings
 from ragkv.core.errors import StoreCorruptError
 from ragkv.core.keys import KVKey
 from ragkv.core.lru import ByteLRU
+from ragkv.core.scope import cache_salt
 from ragkv.kv import cache as kv
 from ragkv.kv import codec, spans
 from ragkv.kv.entry import Entry, joined
@@ -175,7 +176,7 @@ class KVLoader:
                 if last.entry
                 else KVKey.for_chunk(self.active.profile, chunk_ids[after - 1])
             )
-            return assemble.exact(model, stored, segments, self.prefix_cache, salted(root, settings.cache_salt))
+            return assemble.exact(model, stored, segments, self.prefix_cache, salted(root, cache_salt(settings.scope)))
         prefix, pieces_kv = kv.whole(stored[0]), [kv.whole(part) for part in stored[1:]]
         pieces = [pieces_kv[0]]
         for piece in pieces_kv[1:]:

@@ -5,26 +5,20 @@ ragkv.serve.vllm_front).
   `Caller` the key stands for (ragkv.serve.keys), or refuses: 401 for a missing or wrong key,
   429 with Retry-After past the key's rate. Without `--api-key` or `--keys` everyone is one
   unscoped caller; `--api-key` alone admits its holder unscoped.
-- `Stores` are the stores served, by name: the OpenAI `model` field picks one. A store the
-  caller may not use answers as one that does not exist, and `/v1/models` lists only the
-  caller's.
+- The store a route answers from is opened for the caller (ragkv.serve.stores): the OpenAI
+  `model` field picks one, and a store the caller may not use answers as one that does not
+  exist (`UnknownModel`).
 """
 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Mapping
-from typing import Any, TypeVar
 
 from fastapi import Request
 
-from ragkv.core.config import AskSettings, SearchSettings
-from ragkv.core.scope import bounded
 from ragkv.serve.keys import ANYONE, Caller, KeyRing, RateLimits
 
 SERVED_MODEL_ID = "ragkv"  # the id of the one store a plain `ragkv serve` serves; requests may also name the LLM
-
-S = TypeVar("S", AskSettings, SearchSettings)
 
 
 class Unauthorised(Exception):
@@ -35,6 +29,10 @@ class RateLimited(Exception):
     def __init__(self, wait_s: float):
         super().__init__(wait_s)
         self.wait_s = wait_s
+
+
+class Forbidden(Exception):
+    """What the caller's key may not see, though it may call (a 403 naming why)."""
 
 
 class UnknownModel(Exception):
@@ -78,41 +76,3 @@ class Access:
         if caller is None:
             raise Unauthorised()
         return caller
-
-
-def scoped(settings: S, caller: Caller) -> S:
-    """`settings` narrowed to the caller's scope: whatever the request said of its scope (it can
-    say nothing: the request bodies have no such field) sits inside the caller's."""
-    return bounded(settings, caller.scope)
-
-
-class Stores:
-    """The served stores' engines by name, in the order given (the first is the default)."""
-
-    def __init__(self, engines: Mapping[str, Any], llm_name: str):
-        self.engines: dict[str, Any] = dict(engines)
-        self.llm_name = llm_name
-
-    def names(self, caller: Caller) -> list[str]:
-        return [name for name in self.engines if caller.may_use(name)]
-
-    def select(self, model: str | None, caller: Caller) -> tuple[str, Any]:
-        """(name, engine) of the store `model` names, for `caller`. No model, "ragkv" or the
-        LLM's name: the caller's first store. UnknownModel otherwise, and for a store it may
-        not use, alike."""
-        allowed = self.names(caller)
-        if model in allowed:
-            return model, self.engines[model]
-        if (model is None or model in (SERVED_MODEL_ID, self.llm_name)) and allowed:
-            return allowed[0], self.engines[allowed[0]]
-        raise UnknownModel(str(model), allowed)
-
-    def listing(self, caller: Caller) -> dict:
-        """What /v1/models answers `caller`: its stores, each with the LLM behind it as its root."""
-        return {
-            "object": "list",
-            "data": [
-                {"id": name, "object": "model", "created": 0, "owned_by": "ragkv", "root": self.llm_name}
-                for name in self.names(caller)
-            ],
-        }

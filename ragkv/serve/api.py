@@ -9,7 +9,7 @@ import logging
 from dataclasses import dataclass
 from typing import Literal
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -29,8 +29,9 @@ from ragkv.core.config import (
 )
 from ragkv.core.errors import InputError, ModelError, RagkvError, StoreEmptyError
 from ragkv.core.text import check_text
-from ragkv.serve.access import SERVED_MODEL_ID, RateLimited, Unauthorised, UnknownModel
+from ragkv.serve.access import SERVED_MODEL_ID, Forbidden, RateLimited, Unauthorised, UnknownModel
 from ragkv.serve.guard import BodyTooLarge
+from ragkv.serve.keys import Caller
 
 __all__ = ["SERVED_MODEL_ID", "UnknownModel"]  # re-exported: both fronts name them from here
 
@@ -223,6 +224,10 @@ def install_errors(app: FastAPI) -> None:
     async def unauthorised(request, exc):
         return json_error(401, "missing or wrong API key: send Authorization: Bearer KEY", "invalid_api_key")
 
+    @app.exception_handler(Forbidden)
+    async def forbidden(request, exc):
+        return json_error(403, str(exc), "forbidden")
+
     @app.exception_handler(RateLimited)
     async def rate_limited(request, exc):
         wait = max(1, int(exc.wait_s + 0.999))
@@ -287,6 +292,20 @@ def split_messages(messages: list[Message]) -> tuple[list[tuple[str, str]], str,
     if pending_user is not None:
         raise InputError("user messages must alternate with assistant messages")
     return history, turns[-1].text, warnings
+
+
+def healthz_body(stores, **fields) -> dict:
+    """What both fronts' /healthz answer: ok, the first store's generation, the served model id,
+    and the front's own `fields` (which win)."""
+    return {"status": "ok", "generation": stores.generation(), "model": SERVED_MODEL_ID, **fields}
+
+
+def add_models_route(app: FastAPI, stores, access) -> None:
+    """Both fronts' /v1/models: the caller's stores (ragkv.serve.stores.Stores.listing)."""
+
+    @app.get("/v1/models")
+    async def models(caller: Caller = Depends(access)):
+        return stores.listing(caller)
 
 
 def max_tokens(body: ChatRequest, settings: ServeSettings, warnings: list[str], key_cap: int | None = None) -> int:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from ragkv.engine.engine import Engine
 from ragkv.store.kv.writeback import FoldLoop
 
 
@@ -13,7 +12,9 @@ class Metrics:
     area's figures are their sums, and the generation is the first store's. No label names a
     document, a tenant or a key."""
 
-    def __init__(self, engines: list, stepped: Engine, folding: FoldLoop | None = None):
+    def __init__(self, engines: list, stepped, folding: FoldLoop | None = None):
+        """`engines`: every store's (ragkv.serve.stores.Stores.engines); `stepped`: the engine
+        that steps them (its queue and batch are gauged)."""
         engine = engines[0]
         self.registry = CollectorRegistry()
         r = self.registry

@@ -31,21 +31,19 @@ from prometheus_client import generate_latest
 
 from ragkv.core.config import AskSettings
 from ragkv.core.errors import RagkvError
-from ragkv.engine.engine import Engine
-from ragkv.engine.scheduler import BatchSettings, Busy
-from ragkv.serve.access import SERVED_MODEL_ID, Access, Stores, scoped
+from ragkv.serve.access import SERVED_MODEL_ID, Access
 from ragkv.serve.api import (
     DONE_EVENT,
     ChatRequest,
     RetrieveRequest,
     ServeSettings,
-    check_reranker,
+    add_models_route,
     chunk_event,
     completion,
     error_event,
+    healthz_body,
     install_errors,
     json_error,
-    max_tokens,
     run_server,
     split_messages,
     usage,
@@ -55,6 +53,7 @@ from ragkv.serve.conversations import Conversations
 from ragkv.serve.guard import RequestGuard, backstop_concurrency
 from ragkv.serve.keys import Caller, KeyRing
 from ragkv.serve.metrics import Metrics
+from ragkv.serve.stores import Busy, StoreHandle, Stores
 from ragkv.store.kv.writeback import FoldLoop
 
 log = logging.getLogger("ragkv")
@@ -66,26 +65,23 @@ def access_for(settings: ServeSettings) -> Access:
 
 
 class Served:
-    """What the routes share: the stores by name, the engine that steps them all, who may call,
-    the metrics, the kept conversations and the audit log."""
+    """What the routes share: the stores (opened for a caller: ragkv.serve.stores), who may
+    call, the kept conversations and the audit log."""
 
     def __init__(self, engines: Mapping[str, Any], settings: ServeSettings, access: Access):
-        self.engines: dict[str, Any] = dict(engines)
-        first = next(iter(self.engines.values()))
-        self.first = first
-        self.stores = Stores(self.engines, first.lm.facts.name)
         self.settings = settings
         self.access = access
         self.conversations = Conversations(settings.conversation_bytes)
         self.audit = open_audit(settings.audit_log, settings.audit_max_bytes)
+        self.stores = Stores(engines, self.audit, settings)
 
     def refresh(self) -> None:
         """Every store to its newest published generation (on the model thread, before admitting)."""
-        for name, engine in self.engines.items():
+        for engine in self.stores.engines():
             try:
                 engine.refresh()
             except RagkvError as exc:  # keep serving the generation we have
-                log.warning("store %s: not switching generation: %s", name, exc)
+                log.warning("store %s: not switching generation: %s", engine.snapshot.location, exc)
 
 
 def build_app(engine, settings: ServeSettings, access: Access | None = None) -> FastAPI:
@@ -94,8 +90,8 @@ def build_app(engine, settings: ServeSettings, access: Access | None = None) -> 
     background thread until the app's lifespan ends."""
     engines = engine if isinstance(engine, Mapping) else {SERVED_MODEL_ID: engine}
     served = Served(engines, settings, access or access_for(settings))
-    stepped = _start_engine(served)
-    first = served.first
+    stepped = served.stores.start_stepping(settings, served.refresh)
+    first = served.stores.first
     folding = FoldLoop(first.snapshot.location, settings.fold_every_s).start() if settings.writer else None
 
     @asynccontextmanager
@@ -104,14 +100,14 @@ def build_app(engine, settings: ServeSettings, access: Access | None = None) -> 
         stepped.stop()  # finishes what is queued
         # Now, not when `ragkv.open`'s block ends: after a SIGTERM uvicorn raises the signal
         # again once it has shut down, which ends the process before that.
-        for each in served.engines.values():
+        for each in served.stores.engines():
             each.flush()  # the KV computed on misses, and (on S3) the uses logged
         if folding is not None:
             folding.stop()
         served.audit.close()
 
     app = FastAPI(title="ragkv", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
-    metrics = Metrics(list(served.engines.values()), stepped, folding)
+    metrics = Metrics(served.stores.engines(), stepped, folding)
     app.state.stepped, app.state.folding, app.state.access = stepped, folding, served.access
 
     app.add_middleware(
@@ -131,34 +127,14 @@ def build_app(engine, settings: ServeSettings, access: Access | None = None) -> 
     return app
 
 
-def _start_engine(served: Served) -> Engine:
-    """The first store's engine stepping on a background thread (every store's requests join
-    it), moving each store to its newest published generation before it admits new requests."""
-    settings = served.settings
-    stepped: Engine = served.first.stepping
-    stepped.start(
-        BatchSettings(
-            max_batch=settings.max_batch,
-            max_batch_tokens=settings.max_batch_tokens,
-            prefill_chunk=settings.prefill_chunk,
-            max_queue=settings.max_queue,
-        ),
-        before_admit=served.refresh,
-    )
-    return stepped
-
-
-def _add_chat_route(app: FastAPI, served: Served, stepped: Engine, metrics: Metrics) -> None:
-    settings = served.settings
-
+def _add_chat_route(app: FastAPI, served: Served, stepped, metrics: Metrics) -> None:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request, caller: Caller = Depends(served.access)):
-        store, engine = served.stores.select(body.model, caller)
-        check_reranker(settings, body.ragkv.reranker)
+        handle = served.stores.open(body.model, caller)
         history, question, warnings = split_messages(body.messages)
-        ask = scoped(body.ask_settings(max_tokens(body, settings, warnings, caller.max_tokens)), caller)
+        ask = handle.ask_settings(body, warnings)
         created, reply_id = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
-        turn = Turn(served, caller, store, engine, history, question, ask)
+        turn = Turn(served, handle, history, question, ask)
         if not body.stream:
             queued = turn.submit(stepped)
             try:
@@ -169,7 +145,7 @@ def _add_chat_route(app: FastAPI, served: Served, stepped: Engine, metrics: Metr
                 metrics.cancelled.inc()
             metrics.record(answer.stats)
             turn.audit(answer)
-            return _completion(reply_id, created, store, answer, warnings, turn.reused)
+            return _completion(reply_id, created, handle.name, answer, warnings, turn.reused)
         # Queued before the response starts, so a full queue is a 503 with Retry-After, not an event in a 200.
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[object] = asyncio.Queue()
@@ -204,43 +180,28 @@ def max_in_flight(settings: ServeSettings) -> int:
     return settings.max_queue * 4 + 16
 
 
-def _add_info_routes(app: FastAPI, served: Served, stepped: Engine, metrics: Metrics) -> None:
-    first = served.first
-
+def _add_info_routes(app: FastAPI, served: Served, stepped, metrics: Metrics) -> None:
     @app.get("/healthz")
     async def healthz():
-        return {
-            "status": "ok",
-            "generation": first.snapshot.generation,
-            "model": SERVED_MODEL_ID,
-            "running": stepped.num_running,
-            "waiting": stepped.num_waiting,
-        }
+        return healthz_body(served.stores, running=stepped.num_running, waiting=stepped.num_waiting)
 
     @app.get("/metrics")
     async def prometheus():
         return PlainTextResponse(generate_latest(metrics.registry).decode(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
-    async def models(caller: Caller = Depends(served.access)):
-        return served.stores.listing(caller)
+    add_models_route(app, served.stores, served.access)
 
     @app.get("/v1/cache")
     async def cache(model: str | None = None, caller: Caller = Depends(served.access)):
         """What this replica holds hot (a store's RAM tier chunks): for a router that sends a
         document's questions where its KV is warm. It names documents, so a scoped key gets 403."""
-        if caller.scope is not None and caller.scope.filters:
-            return json_error(403, "/v1/cache names every hot document: it needs a key without filters", "forbidden")
-        _, engine = served.stores.select(model, caller)
-        return await asyncio.wrap_future(stepped.call_soon(engine.loader.hot))
+        return await asyncio.wrap_future(served.stores.open(model, caller).hot_soon(stepped))
 
     @app.post("/v1/retrieve")
     async def retrieve(body: RetrieveRequest, caller: Caller = Depends(served.access)):
-        store, engine = served.stores.select(body.model, caller)
-        check_reranker(served.settings, body.reranker)
-        search = scoped(body.settings(), caller)
-        found = await asyncio.wrap_future(engine.search_soon(body.query, search))
-        served.audit.record("/v1/retrieve", caller, [store], [(r.doc_id, r.chunk_id) for r in found])
+        handle = served.stores.open(body.model, caller)
+        found = await asyncio.wrap_future(handle.search_soon(body.query, handle.search_settings(body)))
+        handle.record("/v1/retrieve", [(r.doc_id, r.chunk_id) for r in found])
         return {
             "object": "list",
             "data": [result.to_dict() for result in found],
@@ -275,34 +236,31 @@ class Turn:
     its history over the caller's scope) opens on the model thread when the turn is admitted,
     and is kept again once answered."""
 
-    def __init__(self, served: Served, caller: Caller, store: str, engine, history, question: str, ask: AskSettings):
-        self.served, self.caller, self.store, self.engine = served, caller, store, engine
+    def __init__(self, served: Served, handle: StoreHandle, history, question: str, ask: AskSettings):
+        self.served, self.handle = served, handle
         self.history, self.question, self.ask = history, question, ask
         self.reused = False  # a kept conversation served
         self.conversation = None
 
-    def submit(self, stepped: Engine, on_text=None):
+    def submit(self, stepped, on_text=None):
         """Queue the turn; returns the engine's request (ragkv.engine.request)."""
         queued = stepped.submit(self._open, self.question, self.ask.max_new_tokens, self.ask.decoding, on_text)
         queued.future.add_done_callback(self._keep)
         return queued
 
     def _open(self):
-        conversations = self.served.conversations
-        self.conversation, self.reused = conversations.take(self.engine, self.store, self.history, self.ask)
+        self.conversation, self.reused = self.handle.conversation(self.served.conversations, self.history, self.ask)
         return self.conversation
 
     def _keep(self, future) -> None:  # on the model thread, like `_open`
         if not future.cancelled() and future.exception() is None and future.result().stats.finish_reason != "cancelled":
             history = [*self.history, (self.question, future.result().text)]
-            self.served.conversations.keep(self.conversation, self.store, history, self.ask)
+            self.served.conversations.keep(self.conversation, self.handle.name, history, self.ask)
 
     def audit(self, answer) -> None:
         used = _usage(answer)
-        self.served.audit.record(
+        self.handle.record(
             "/v1/chat/completions",
-            self.caller,
-            [self.store],
             [(s.doc_id, s.chunk_id) for s in answer.sources],
             used["prompt_tokens"],
             used["completion_tokens"],
@@ -336,7 +294,7 @@ async def _stream(queued, turn: Turn, queue: asyncio.Queue, reply_id, created, w
     disconnects cancels it."""
 
     def chunk(delta: dict, finish: str | None = None, **extra) -> str:
-        return chunk_event(reply_id, created, turn.store, delta, finish, **extra)
+        return chunk_event(reply_id, created, turn.handle.name, delta, finish, **extra)
 
     job = asyncio.wrap_future(queued.future)
     try:

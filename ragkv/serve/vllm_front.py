@@ -35,19 +35,19 @@ from fastapi.responses import StreamingResponse
 from ragkv.core.config import import_path
 from ragkv.core.errors import InputError, ModelError
 from ragkv.core.keys import digest
-from ragkv.engine.answer import Source, Stats, reply
+from ragkv.core.scope import cache_salt
 from ragkv.kv.movable import refuse_unless_movable
-from ragkv.loading.loader import continues_span
-from ragkv.serve.access import SERVED_MODEL_ID, Access, Stores, scoped
+from ragkv.serve.access import SERVED_MODEL_ID, Access
 from ragkv.serve.api import (
     DONE_EVENT,
     ChatRequest,
     RagkvOptions,
     ServeSettings,
+    add_models_route,
     chunk_event,
     completion,
+    healthz_body,
     install_errors,
-    max_tokens,
     run_server,
     split_messages,
     usage,
@@ -55,6 +55,7 @@ from ragkv.serve.api import (
 from ragkv.serve.audit import open_audit
 from ragkv.serve.guard import RequestGuard
 from ragkv.serve.keys import Caller
+from ragkv.serve.stores import Stores, front_block, layout_params
 from ragkv.store.kv.writeback import FoldLoop
 from ragkv.store.objects import absolute
 
@@ -188,8 +189,8 @@ def build_front_app(engine, vllm_url: str, settings: ServeSettings, access: Acce
     client = httpx.AsyncClient(base_url=vllm_url, timeout=None)
     lock = asyncio.Lock()  # the engine's retrieval is not thread-safe: one request lays out at a time
     access = access or access_for(settings)
-    stores = Stores({SERVED_MODEL_ID: engine}, engine.lm.facts.name)
     audit = open_audit(settings.audit_log, settings.audit_max_bytes)
+    stores = Stores({SERVED_MODEL_ID: engine}, audit, settings)
     salts = TenantSalts()
 
     @asynccontextmanager
@@ -206,31 +207,23 @@ def build_front_app(engine, vllm_url: str, settings: ServeSettings, access: Acce
     @app.get("/healthz")
     async def healthz():
         vllm_ok = (await client.get("/health")).status_code == 200
-        return {
-            "status": "ok" if vllm_ok else "vllm down",
-            "generation": engine.snapshot.generation,
-            "model": SERVED_MODEL_ID,
-            "engine": "vllm",
-        }
+        return healthz_body(stores, status="ok" if vllm_ok else "vllm down", engine="vllm")
 
-    @app.get("/v1/models")
-    async def models(caller: Caller = Depends(access)):
-        return stores.listing(caller)
+    add_models_route(app, stores, access)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, caller: Caller = Depends(access)):
-        store, _ = stores.select(body.model, caller)
+        handle = stores.open(body.model, caller)
         refuse_unsupported(body.ragkv)
         history, question, warnings = split_messages(body.messages)
         if history:
             raise InputError("--engine vllm answers one question per request; send only the last user message")
-        budget = max_tokens(body, settings, warnings, caller.max_tokens)
+        ask = handle.ask_settings(body, warnings)
         async with lock:
-            engine.refresh()
-            prompt = await asyncio.to_thread(engine.prompt_for, question, scoped(body.ask_settings(budget), caller))
-        payload = completion_payload(body, prompt, settings, budget, salts.of(caller))
-        block = _ragkv_block(prompt, warnings)
-        audit.record("/v1/chat/completions", caller, [store], [(s["doc_id"], s["chunk_id"]) for s in block["sources"]])
+            prompt = await asyncio.to_thread(handle.prompt_for, question, ask)
+        payload = completion_payload(body, prompt, settings, ask.max_new_tokens, salts.of(caller))
+        block = front_block(prompt, warnings)
+        handle.record("/v1/chat/completions", [(s["doc_id"], s["chunk_id"]) for s in block["sources"]])
         created, reply_id = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
         if not body.stream:
             return await _complete(client, payload, reply_id, created, block)
@@ -240,15 +233,19 @@ def build_front_app(engine, vllm_url: str, settings: ServeSettings, access: Acce
 
 
 class TenantSalts:
-    """vLLM's `cache_salt` for each tenant: a digest of the tenant and a secret drawn when the
-    front starts, so no client can name another tenant's salt (vLLM's docs: the gateway sets
-    it, never the client). None for callers without a tenant: they share vLLM's prefix cache."""
+    """vLLM's `cache_salt` for each tenant: a digest of the tenant's salt (`cache_salt`, the one
+    every per-tenant cache of ragkv's keys by) and a secret drawn when the front starts. Secret
+    here, unlike in ragkv's own caches: vLLM takes `cache_salt` from the request body, so a salt
+    a client could compute (a tenant's name) would let it name another tenant's (vLLM's docs:
+    the gateway sets it, never the client). None for callers without a tenant: they share
+    vLLM's prefix cache."""
 
     def __init__(self):
         self._secret = secrets.token_hex(16)
 
     def of(self, caller: Caller) -> str | None:
-        return digest("ragkv-cache-salt", self._secret, caller.tenant)[:64] if caller.tenant else None
+        salt = cache_salt(caller.scope)
+        return digest("ragkv-cache-salt", self._secret, salt)[:64] if salt else None
 
 
 async def _complete(client: httpx.AsyncClient, payload: dict, reply_id: str, created: int, block: dict) -> dict:
@@ -270,21 +267,14 @@ def _usage(reported: dict | None) -> dict | None:
     return usage(reported["prompt_tokens"], reported["completion_tokens"], int(details.get("cached_tokens") or 0))
 
 
-def _ragkv_block(prompt, warnings: list[str]) -> dict:
-    """The reply's `ragkv` block: sources, stats (of the retrieval: vLLM generates) and prompt size."""
-    stats = Stats.of("exact", prompt)  # vLLM loads the stored KV at its own positions: exact
-    sources = [Source.of(r, score) for r, score in prompt.retrieved]
-    return reply(sources, stats, warnings, prompt_tokens=len(prompt.prompt_ids))
-
-
 def completion_payload(
-    body: ChatRequest, prompt, settings: ServeSettings, budget: int, cache_salt: str | None = None
+    body: ChatRequest, prompt, settings: ServeSettings, budget: int, salt: str | None = None
 ) -> dict:
     """The /v1/completions body sent to vLLM: the prompt's ids, the decoding asked, the layout
     the connector loads the stored KV by (or its opt-out, for `no_cache`) and the tenant's
     `cache_salt`, when it has one."""
     return {
-        **({"cache_salt": cache_salt} if cache_salt else {}),
+        **({"cache_salt": salt} if salt else {}),
         "model": VLLM_MODEL_ID,
         "prompt": prompt.prompt_ids,
         "max_tokens": budget,
@@ -293,7 +283,7 @@ def completion_payload(
         "seed": body.seed,
         "stop": body.stop,
         "stream": body.stream,
-        "kv_transfer_params": {"ragkv": "skip"} if body.ragkv.no_cache else _layout_params(prompt, settings),
+        "kv_transfer_params": {"ragkv": "skip"} if body.ragkv.no_cache else layout_params(prompt, settings),
         **({"stream_options": {"include_usage": True}} if body.stream else {}),
     }
 
@@ -316,28 +306,6 @@ def refuse_unsupported(options: RagkvOptions) -> None:
             "ragkv.retrieval.rerank is not available with --engine vllm (the rerank runs ragkv's own model); "
             "send 0 (off) or leave it out"
         )
-
-
-def _layout_params(prompt, settings: ServeSettings) -> dict:
-    """What the connector needs to know of the prompt's layout (ragkv.integrations.store_match):
-    its chunks in order, and whether to store the KV vLLM computes of the leading ones the
-    store lacks (a chunk alone, or the leading span's missing chunks, as ragkv's own engine
-    does on a miss)."""
-    rows = [row for row, _ in prompt.retrieved]
-    leading = rows[:1]
-    for row in rows[1:]:
-        if not continues_span(leading[-1], row):
-            break
-        leading.append(row)
-    miss = bool(leading) and not leading[0].live and any(row.entry is None for row in leading)
-    return {
-        "ragkv": {
-            "chunks": [
-                [row.chunk_id, len(ids)] for (row, _), ids in zip(prompt.retrieved, prompt.chunk_ids, strict=False)
-            ],
-            "write_back": bool(settings.write_back and miss),
-        }
-    }
 
 
 async def _relay(client: httpx.AsyncClient, payload: dict, reply_id: str, created: int, block: dict):
