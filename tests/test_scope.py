@@ -123,7 +123,7 @@ def test_a_second_store_shares_the_loaded_model_and_answers_as_alone(filtered_st
     with ragkv.open(tiny_store) as alone:
         expected = alone.ask(question, max_new_tokens=6)
     with ragkv.open(filtered_store) as first, ragkv.open(tiny_store, share=first) as second:
-        assert second.lm is first.lm and second.stepping is first.stepping
+        assert second.lm is first.lm and second.engine is first.engine
         answer = second.ask(question, max_new_tokens=6)
         assert answer.token_ids == expected.token_ids and answer.sources == expected.sources
         assert second.search("deploy canaries", 3).hits == first_hits(tiny_store)

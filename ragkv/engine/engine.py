@@ -86,8 +86,9 @@ class Engine:
     ) -> Conversation:
         """A multi-turn conversation on this engine (the one place one is made): its first
         message retrieves, later ones reuse the cache. `history`: earlier (user, assistant) turns
-        as a client remembers them, replayed (see `Conversation.replay`). `runtime`: another
-        store's, over the same loaded model (ragkv.engine.lane); default the engine's."""
+        as a client remembers them, replayed (see `Conversation.replay`). `runtime`: the store's
+        it answers from (another store's over the same loaded model joins this engine's batch:
+        `QueryEngine(share=)`); default the engine's."""
         conversation = Conversation(runtime or self.runtime, settings, self)
         for user, assistant in history:
             conversation.replay(user, assistant)
@@ -299,14 +300,14 @@ class Batcher:
     from any number of threads and their answers decode together. What `engine.batched()`
     returns; close it (or use `with`) to finish what is queued and stop the thread."""
 
-    def __init__(self, engine: Engine, settings: BatchSettings | None = None):
-        self.engine = engine
+    def __init__(self, engine: Engine, runtime: Runtime, settings: BatchSettings | None = None):
+        self.engine, self.runtime = engine, runtime  # new questions go over `runtime` (its store's)
         self._open = True
         engine.start(settings)
 
     def ask(self, question: str, settings: AskSettings | None = None, **options) -> Answer:
         """Answer `question` (options as in `AskSettings`), batched with whatever else runs."""
-        return self.engine.ask(question, settings or AskSettings.from_dict(options))
+        return self.engine.ask(question, settings or AskSettings.from_dict(options), self.runtime)
 
     def submit(
         self,
@@ -327,7 +328,7 @@ class Batcher:
         on_text: Callable[[str], None] | None = None,
     ) -> Request:
         """Queue a new question (see `Engine.submit_question`)."""
-        return self.engine.submit_question(question, settings, history, on_text)
+        return self.engine.submit_question(question, settings, history, on_text, self.runtime)
 
     def call(self, fn: Callable, *args) -> Future:
         """`fn(*args)` between two steps; a future of its result."""

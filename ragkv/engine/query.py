@@ -25,7 +25,6 @@ from ragkv.engine.active import ActiveProfile, open_embedder, open_model
 from ragkv.engine.answer import Answer, AnswerStream, Savings
 from ragkv.engine.conversation import Conversation
 from ragkv.engine.engine import Batcher, Engine
-from ragkv.engine.lane import Lane
 from ragkv.engine.runtime import Prepared, Runtime
 from ragkv.engine.scheduler import BatchSettings
 from ragkv.kv.entry import Entry
@@ -93,16 +92,12 @@ class QueryEngine:
             isolate_tenants,
         )
         self.runtime = Runtime(lm, active, retriever, loader, Scope.of(scope))
-        # every answer of this engine is a request to it; `share`: another store's engine, whose
-        # model this one uses and whose batch its questions join (ragkv.engine.lane)
-        self.engine: Engine | Lane = Engine(self.runtime) if share is None else Lane(share.stepping, self.runtime)
+        # every answer of this store is a request to `engine`, over this store's runtime; `share`:
+        # another store's QueryEngine, whose model this one uses and whose engine (so whose batch)
+        # its requests join
+        self.engine: Engine = Engine(self.runtime) if share is None else share.engine
         self.lm: LoadedModel = lm
         self.active, self.loader = active, loader
-
-    @property
-    def stepping(self) -> Engine:
-        """The engine whose steps run this one's requests (its own, or the one it shares)."""
-        return self.engine if isinstance(self.engine, Engine) else self.engine.engine
 
     @property
     def snapshot(self) -> StoreSnapshot:
@@ -223,7 +218,7 @@ class QueryEngine:
 
     def ask(self, question: str, settings: AskSettings | None = None, **options) -> Answer:
         """Answer `question` (options as in `AskSettings`: top_k, max_new_tokens, use_cache, mode)."""
-        return self.engine.ask(question, settings or AskSettings.from_dict(options))
+        return self.engine.ask(question, settings or AskSettings.from_dict(options), self.runtime)
 
     def stream(
         self,
@@ -234,17 +229,16 @@ class QueryEngine:
     ) -> AnswerStream:
         """Like `ask`, but iterate the result for text as it is generated. `history`: earlier
         (user, assistant) turns, as a stateless client sends them, replayed first."""
-        return self.engine.ask_stream(question, settings or AskSettings.from_dict(options), history)
+        return self.engine.ask_stream(question, settings or AskSettings.from_dict(options), history, self.runtime)
 
     def batched(self, **settings) -> Batcher:
         """This engine, stepped by a background thread while the returned `Batcher` is open
         (settings as in `BatchSettings`: max_batch, max_batch_tokens, prefill_chunk,
         max_queue). Call its `ask` from many threads: their answers decode together, each
         equal to asking alone (float32). Threads calling this engine's own `ask` batch too;
-        the thread only saves them stepping. Close it (or use `with`) to stop the thread."""
-        if isinstance(self.engine, Lane):
-            raise InputError("this engine answers on another store's engine (share=): batch on that one")
-        return Batcher(self.engine, BatchSettings(**settings))
+        the thread only saves them stepping. Close it (or use `with`) to stop the thread. An
+        engine opened with `share=` steps on the other's engine: its batch is that one's."""
+        return Batcher(self.engine, self.runtime, BatchSettings(**settings))
 
     def conversation(
         self, settings: AskSettings | None = None, history: Sequence[tuple[str, str]] = (), **options
@@ -252,7 +246,7 @@ class QueryEngine:
         """A multi-turn conversation: its first message retrieves, later ones reuse the cache.
         `history`: earlier (user, assistant) turns as a client remembers them, replayed (see
         `Conversation.replay`; a stateless client such as an OpenAI one sends them each time)."""
-        return self.engine.conversation(settings or AskSettings.from_dict(options), history)
+        return self.engine.conversation(settings or AskSettings.from_dict(options), history, self.runtime)
 
     def first_token_logits(self, question: str, settings: AskSettings | None = None, **options) -> torch.Tensor:
         """The next-token logits `(V,)` after the prompt, as `ask` would see them (for comparing

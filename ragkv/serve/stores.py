@@ -120,7 +120,7 @@ class Stores:
     def start_stepping(self, settings: ServeSettings, before_admit):
         """The first store's engine stepping on a background thread (every store's requests join
         it), calling `before_admit` before it admits new requests; returns it."""
-        stepped = self.first.stepping
+        stepped = self.first.engine
         stepped.start(
             BatchSettings(
                 max_batch=settings.max_batch,
