@@ -174,7 +174,7 @@ class _Settings:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]):
         """Build from a mapping; unknown keys are an error, never silently dropped."""
-        known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type] # subclasses are dataclasses
+        known = {f.name for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type] # subclasses are dataclasses
         unknown = sorted(set(values) - known)
         if unknown:
             raise InputError(f"unknown {cls.__name__} setting(s): {listed(unknown)}")
@@ -322,6 +322,8 @@ class AskSettings(_Settings):
     filters: tuple[str, ...] = ()  # retrieve only from documents matching every one (ragkv.core.filters)
     scope: Scope | None = None  # the caller's reach and caches (ragkv.core.scope)
     reranker: str = KV_RERANKER  # what scores the rerank's candidates (see SearchSettings)
+    # The retrieval's part of these settings, built (and its filters parsed) once, with them
+    search: SearchSettings = field(init=False, repr=False, compare=False)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]):
@@ -359,7 +361,10 @@ class AskSettings(_Settings):
             )
         if self.blend_ratio is not None and not 0.0 <= self.blend_ratio <= 1.0:
             raise InputError(f"--blend-ratio must be between 0 and 1, got {self.blend_ratio}")
-        search = self.search  # validates the retrieval's settings (one place: SearchSettings)
+        search = SearchSettings(  # validates the retrieval's settings (one place: SearchSettings)
+            self.top_k, self.retrieval, self.rerank, self.doc_ids, self.filters, self.scope, self.reranker
+        )
+        object.__setattr__(self, "search", search)
         object.__setattr__(self, "doc_ids", search.doc_ids)
         object.__setattr__(self, "filters", search.filters)
         object.__setattr__(self, "scope", search.scope)
@@ -371,9 +376,3 @@ class AskSettings(_Settings):
         if self.chunks is not None and not (self.chunks or self.passages):
             raise InputError("chunks is empty: give chunks or passages to answer from, or None to retrieve")
 
-    @property
-    def search(self) -> SearchSettings:
-        """The retrieval's part of these settings."""
-        return SearchSettings(
-            self.top_k, self.retrieval, self.rerank, self.doc_ids, self.filters, self.scope, self.reranker
-        )
