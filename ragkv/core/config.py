@@ -375,4 +375,3 @@ class AskSettings(_Settings):
         object.__setattr__(self, "passages", tuple(check_text(p, "a passage") for p in self.passages))
         if self.chunks is not None and not (self.chunks or self.passages):
             raise InputError("chunks is empty: give chunks or passages to answer from, or None to retrieve")
-
