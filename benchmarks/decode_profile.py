@@ -1,0 +1,141 @@
+"""Where a decode step of ragkv's own engine spends its time (issue 64: measure first).
+
+The bundled SmolLM2-135M in float32, B rows (1, 8, 16) of ~850-token contexts held in the
+continuous batch (`ragkv.kv.ragged.RaggedBatch`, as `ragkv serve` decodes them), stepped one token
+per row; each step's wall time split by torch's profiler into what runs under it: attention,
+the padding mask, the linear layers, the other modules, the cache writes, and the rest (Python
+between the ops), and, outside the forward, picking each row's token (`Decoder` and the text
+stream, as the runner does). Medians over the steps after a warm-up.
+
+    python benchmarks/decode_profile.py [--steps 24] [--rows 1,8,16]   # writes results/decode_profile.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.machine import describe  # noqa: E402
+from ragkv.core.config import DecodeSettings  # noqa: E402
+from ragkv.kv import cache as kv  # noqa: E402
+from ragkv.kv.ragged import RaggedBatch  # noqa: E402
+from ragkv.model.generate import prefill, start_decoding  # noqa: E402
+from ragkv.model.llm import load_model  # noqa: E402
+
+OUT = ROOT / "benchmarks" / "results" / "decode_profile.md"
+CONTEXT = 850
+
+# torch profiler op names -> what they are in a decode step
+KINDS = {
+    "attention": ("scaled_dot_product_attention", "_scaled_dot_product", "flash_attention", "bmm", "softmax"),
+    "mask": ("masking_utils", "create_causal_mask", "sdpa_mask", "_preprocess_mask", "padding_mask"),
+    "linear": ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul"),
+    "cache writes": ("aten::index_put", "aten::copy_", "aten::index"),
+}
+
+
+def rows_of(lm, count: int) -> list:
+    """`count` batch-1 caches of ~CONTEXT random-id tokens each (lengths differ a little, as
+    prompts do), prefilled, with their first token picked."""
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(count):
+        ids = torch.randint(10, 40000, (CONTEXT - 8 + i % 16,), generator=generator).tolist()
+        cache = kv.to_cache_empty(lm.model.config)
+        logits = prefill(lm.model, ids, cache)
+        state = start_decoding(lm, 10_000, DecodeSettings(), time.perf_counter())
+        state.take(logits)
+        rows.append((cache, state))
+    return rows
+
+
+def profile_rows(lm, count: int, steps: int) -> dict[str, float]:
+    """Median ms per step of each kind, for `count` rows."""
+    rows = rows_of(lm, count)
+    batch = RaggedBatch(lm.model.config)
+    for cache, _ in rows:
+        batch.add(cache)
+    samples: dict[str, list[float]] = defaultdict(list)
+    for step in range(steps + 3):
+        began = time.perf_counter()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=False) as prof:
+            with torch.profiler.record_function("forward"):
+                logits = batch.step(lm.model, [state.to_feed() for _, state in rows])
+            with torch.profiler.record_function("pick"):
+                for i, (_, state) in enumerate(rows):
+                    state.take(logits[i])
+        wall = (time.perf_counter() - began) * 1000
+        if step < 3:  # warm-up
+            continue
+        spent = defaultdict(float)
+        events = prof.key_averages()
+        total = {e.key: e.cpu_time_total / 1000 for e in events}  # ms, inclusive
+        own = {e.key: e.self_cpu_time_total / 1000 for e in events}  # ms, exclusive
+        for kind, names in KINDS.items():
+            spent[kind] = sum(t for key, t in own.items() if any(n in key for n in names))
+        spent["pick (Decoder, text)"] = total.get("pick", 0.0)
+        forward = total.get("forward", wall)
+        spent["other ops"] = max(
+            sum(own.values()) - sum(spent.values()) - own.get("pick", 0) - own.get("forward", 0), 0
+        )
+        spent["python between ops"] = max(forward - sum(v for k, v in spent.items() if k != "pick (Decoder, text)"), 0)
+        spent["step (wall, profiled)"] = wall
+        for kind, ms in spent.items():
+            samples[kind].append(ms)
+    unprofiled = []
+    for _ in range(steps):  # the same steps without the profiler's own cost
+        began = time.perf_counter()
+        logits = batch.step(lm.model, [state.to_feed() for _, state in rows])
+        for i, (_, state) in enumerate(rows):
+            state.take(logits[i])
+        unprofiled.append((time.perf_counter() - began) * 1000)
+    result = {kind: statistics.median(values) for kind, values in samples.items()}
+    result["step (wall)"] = statistics.median(unprofiled)
+    result["tokens/s"] = count / (result["step (wall)"] / 1000)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--rows", default="1,8,16")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    lm = load_model("smollm2", "cpu", "float32")
+    counts = [int(c) for c in args.rows.split(",")]
+    results = {count: profile_rows(lm, count, args.steps) for count in counts}
+    kinds = [k for k in results[counts[0]] if k not in ("tokens/s",)]
+    lines = [
+        "# One decode step of ragkv's own engine, profiled",
+        "",
+        f"Generated by `python benchmarks/decode_profile.py --steps {args.steps} --rows {args.rows}` on {describe()}.",
+        f"SmolLM2-135M, float32, rows of ~{CONTEXT}-token contexts in the continuous batch (`RaggedBatch`), one token "
+        "per row per step; medians over the steps after three warm-up ones. The kinds come from torch's profiler "
+        "(each op's own time): *attention* (sdpa and its parts), *mask* (building the padding and causal mask), "
+        "*linear* (the projections and MLP matmuls), *cache writes* (each row's new keys and values put in its slot), "
+        "*other ops* (norms, rotary, activations, adds, ...), *python between ops* (the forward's wall time no op "
+        "accounts for: module calls, argument handling), and *pick* (each row's `Decoder` and text stream, outside "
+        "the forward). *step (wall)* is measured without the profiler.",
+        "",
+        "| ms per step | " + " | ".join(f"{c} row{'s' if c > 1 else ''}" for c in counts) + " |",
+        "|---|" + "---|" * len(counts),
+    ]
+    for kind in kinds:
+        lines.append(f"| {kind} | " + " | ".join(f"{results[c][kind]:.1f}" for c in counts) + " |")
+    lines.append("| decode tokens/s | " + " | ".join(f"{results[c]['tokens/s']:.1f}" for c in counts) + " |")
+    lines.append("")
+    OUT.write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
