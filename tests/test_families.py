@@ -441,3 +441,19 @@ def test_a_hybrid_cache_cut_back_with_its_kept_state_continues_as_a_fresh_one(fa
     fresh = kv.to_cache_empty(lm.model.config)
     prefill(lm.model, context, fresh)
     torch.testing.assert_close(prefill(lm.model, after, cache), prefill(lm.model, after, fresh), rtol=1e-5, atol=1e-5)
+
+
+def test_a_hybrid_s_missing_chunks_are_computed_with_their_state_and_written_back(family_model, corpus, tmp_path):
+    """A store without chunk KV (`--precompute 0`): each chunk a question needs is computed on the
+    miss, with the state at its end, answers equal to a full prefill, and written back; the next
+    engine reads it from the store and answers the same."""
+    store = tmp_path / "lazy"
+    build_store(corpus, store, str(family_model("qwen3.5 (Gated DeltaNet + full)")), chunk_tokens=24, precompute=0)
+    with ragkv.open(store, device="cpu") as engine:
+        first = engine.ask(QUESTIONS[0], top_k=2, max_new_tokens=8)
+        full = engine.ask(QUESTIONS[0], top_k=2, max_new_tokens=8, use_cache=False)
+        assert first.stats.kv_source == "computed" and first.token_ids == full.token_ids
+        engine.flush()
+    with ragkv.open(store, device="cpu") as engine:
+        again = engine.ask(QUESTIONS[0], top_k=2, max_new_tokens=8)
+        assert again.stats.kv_source == "store" and again.token_ids == first.token_ids

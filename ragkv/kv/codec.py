@@ -32,6 +32,7 @@ from ragkv.core.errors import InputError, StoreFormatError
 from ragkv.kv.entry import Entry
 from ragkv.kv.layout import KVLayout
 
+STATE_PREFIX = "state."  # an entry's recurrent states' stored names begin with it
 _FLOAT = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 _PACKED = {"int4": 4, "int2": 2}  # bits per code
 
@@ -58,9 +59,6 @@ def encode(entry: Entry, quant: str, layout: KVLayout | None = None) -> dict[str
     for name, tensor in (entry.state or {}).items():
         parts[STATE_PREFIX + name] = tensor
     return parts
-
-
-STATE_PREFIX = "state."
 
 
 def _group_part(index: int, name: str) -> str:

@@ -14,7 +14,7 @@ from ragkv.kv import cache as kv
 from ragkv.kv import codec, spans
 from ragkv.kv.entry import Entry, joined
 from ragkv.loading.reader import Loaded, StoredReads, ms_since
-from ragkv.model.forward import compute_chunks, compute_segments, split_segments
+from ragkv.model.forward import compute_spans
 from ragkv.model.prompt import encode_text
 from ragkv.store import ContextRow
 from ragkv.store.kv.pending import PendingArea, PendingIndex
@@ -58,12 +58,8 @@ class Misses:
         start = time.perf_counter()
         base = joined([self.reads.prefix(), *before])
         layout = kv.layout_of(self.lm.model.config)
-        if layout.has_state:
-            pieces = compute_segments(self.lm.model, [base], segments)
-        else:
-            flat = [t for segment in segments for t in segment]
-            (result,) = compute_chunks(self.lm.model, base, [flat], len(flat), self.lm.pad_id)
-            pieces = split_segments(result.kv, [len(s) for s in segments])
+        flat = sum(map(len, segments))  # the span in one batch of its own
+        ((_, pieces),) = compute_spans(self.lm.model, base, [segments], flat, self.lm.pad_id)
         computed = []
         for row, ids, key, piece in zip(rows, chunk_ids, keys, pieces, strict=True):
             name = key.to_string()
