@@ -32,10 +32,7 @@ machine must be deleted by hand (the error says so).
 from __future__ import annotations
 
 import json
-import logging
 import os
-import threading
-import time
 import uuid
 from pathlib import Path
 
@@ -58,18 +55,15 @@ from ragkv.store.generations import (
     vectors_path,
     write_atomic,
 )
-from ragkv.store.kv.shards import SHARD_SUFFIX, is_shard_name
+from ragkv.store.kv.shard_copies import ShardCopies
+from ragkv.store.kv.shards import is_shard_name
 from ragkv.store.objects import FolderObjects, Location, Objects, filesystem, is_remote
-
-log = logging.getLogger("ragkv")
 
 SYNCED = ".remote-CURRENT"  # in the mirror: the bucket's CURRENT it last copied
 KEEP_GENERATIONS = 2
 CACHE_BYTES_ENV = "RAGKV_S3_CACHE_BYTES"
 DEFAULT_CACHE_BYTES = 8 << 30
 _COPY_BLOCK = 8 << 20
-_FRESH_S = 120  # a shard written or read this recently is never evicted
-_STALE_TMP_S = 3600  # a partial copy this old belongs to no live process
 
 
 class RemoteStore:
@@ -84,8 +78,7 @@ class RemoteStore:
         self.cache_bytes = int(os.environ.get(CACHE_BYTES_ENV, DEFAULT_CACHE_BYTES))
         (self.mirror / "shards").mkdir(parents=True, exist_ok=True)
         self.downloaded = 0  # bytes of catalogs, manifests and segments copied down (not shards)
-        self._fetching: dict[str, threading.Thread] = {}  # shard -> its background copy
-        self._fetching_lock = threading.Lock()
+        self.copies = ShardCopies(self)  # the shards' local copies, for readers
 
     # -- objects (store.objects.Objects) --------------------------------------------------------
     @property
@@ -110,7 +103,7 @@ class RemoteStore:
         local = self.mirror / name
         if not local.exists():
             local.parent.mkdir(parents=True, exist_ok=True)
-            self._download(name, local)
+            self.download(name, local)
         return local
 
     def delete(self, name: str) -> None:
@@ -144,7 +137,7 @@ class RemoteStore:
             while block := src.read(_COPY_BLOCK):
                 dst.write(block)
 
-    def _download(self, name: str, path: Path) -> None:
+    def download(self, name: str, path: Path) -> None:
         """Copy an object to `path` atomically (temporary name, then rename)."""
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
         try:
@@ -201,7 +194,7 @@ class RemoteStore:
         def need(name: str, path: Path, again: bool) -> None:
             if again or not path.exists():
                 try:
-                    self._download(name, path)
+                    self.download(name, path)
                 except FileNotFoundError:
                     raise StoreCorruptError(
                         f"store {self.location.uri}: CURRENT names generation {generation} but {name} is missing"
@@ -298,81 +291,8 @@ class RemoteStore:
     def delete_shard(self, name: str) -> None:
         self.fs.delete_file(self.location.key("shards", name))
 
-    # The reader side (ragkv.store.kv.shard_files.RemoteShards): read ranges now, keep a local copy for later.
-    def local(self, shard: str) -> Path | None:
-        path = self.mirror / "shards" / shard
-        try:
-            os.utime(path)  # recently used: evicted last
-        except FileNotFoundError:
-            return None
-        return path
-
-    def open(self, shard: str):
-        try:
-            handle = self.fs.open_input_file(self.location.key("shards", shard))
-        except FileNotFoundError:
-            raise
-        except OSError as exc:
-            raise _read_error(self.location, exc) from exc
-        self._prefetch(shard)
-        return handle
-
-    def _prefetch(self, shard: str) -> None:
-        with self._fetching_lock:
-            if shard in self._fetching:
-                return
-            self._fetching[shard] = thread = threading.Thread(
-                target=self._fetch_quietly, args=(shard,), daemon=True, name=f"ragkv-fetch-{shard[:8]}"
-            )
-        thread.start()
-
-    def _fetch_quietly(self, shard: str) -> None:
-        try:
-            self.fetch_shard(shard)
-        except Exception as exc:  # reads go on from the bucket; the next open tries again
-            log.warning("could not copy shard %s from %s: %s", shard, self.location.uri, exc)
-        finally:
-            with self._fetching_lock:
-                self._fetching.pop(shard, None)
-
-    def fetch_shard(self, name: str) -> Path:
-        """The local copy of a shard, downloaded if missing; keeps the cache within its bound."""
-        path = self.mirror / "shards" / name
-        if path.exists():
-            os.utime(path)
-            return path
-        try:
-            self._download(f"shards/{name}", path)
-        except FileNotFoundError:
-            raise StoreCorruptError(f"shard {name} is missing from {self.location.uri}") from None
-        except OSError as exc:
-            raise _read_error(self.location, exc) from exc
-        self.evict(keep=name)
-        return path
-
-    def evict(self, keep: str = "") -> int:
-        """Delete least-recently-used local shard copies beyond the cache bound. Returns bytes freed."""
-        files = []
-        for path in (self.mirror / "shards").glob(f"*{SHARD_SUFFIX}"):
-            try:
-                stat = path.stat()
-            except FileNotFoundError:
-                continue
-            files.append((stat.st_mtime, stat.st_size, path))
-        total, freed, now = sum(size for _, size, _ in files), 0, time.time()
-        for tmp in (self.mirror / "shards").glob(".*.tmp"):  # copies cut short by a process exit
-            try:
-                if now - tmp.stat().st_mtime > _STALE_TMP_S:
-                    tmp.unlink()
-            except FileNotFoundError:
-                pass
-        for mtime, size, path in sorted(files):
-            if total - freed <= self.cache_bytes:
-                break
-            if path.name != keep and now - mtime > _FRESH_S:
-                path.unlink(missing_ok=True)  # open readers keep their descriptor
-                freed += size
-        return freed
+    def read_error(self, exc: BaseException) -> StoreNotFoundError:
+        return _read_error(self.location, exc)
 
 
 def _read_error(location: Location, exc: BaseException) -> StoreNotFoundError:

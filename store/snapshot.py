@@ -55,7 +55,7 @@ class StoreSnapshot:
         except BaseException:
             self._lease.release()
             raise
-        self.shards = ShardReader(root / SHARD_DIR, remote)
+        self.shards = ShardReader(root / SHARD_DIR, remote.copies if remote is not None else None)
 
     def _open_vectors(self) -> VectorIndex:
         manifest = self._manifest
@@ -67,7 +67,7 @@ class StoreSnapshot:
             int(manifest.get("dim", 0)),
             self.root / SEGMENT_DIR,
             [SegmentInfo.from_dict(s) for s in manifest["segments"]],
-            self.catalog.gone_vectors(),
+            self.catalog.tombstones.ids(),
         )
         vectors.load_all()
         return vectors
@@ -124,7 +124,7 @@ def shard_reader(location: Path | str) -> ShardReader:
     generation: for a process that is handed entries to read (a serving engine's worker)."""
     if is_remote(location):
         remote = RemoteStore(str(location))
-        return ShardReader(remote.mirror / SHARD_DIR, remote)
+        return ShardReader(remote.mirror / SHARD_DIR, remote.copies)
     return ShardReader(Path(location) / SHARD_DIR)
 
 

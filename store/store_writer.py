@@ -152,7 +152,7 @@ class StoreWriter:
         healthy = [info for info in infos if info.name in loaded] if rebuild else infos
         if dim and healthy:
             self.vectors = VectorIndex(
-                dim, self.root / SEGMENT_DIR, healthy, self.catalog.gone_vectors(), loaded=loaded
+                dim, self.root / SEGMENT_DIR, healthy, self.catalog.tombstones.ids(), loaded=loaded
             )
             if len(healthy) < len(infos):
                 self.vectors.mark_changed()
@@ -212,12 +212,12 @@ class StoreWriter:
         (the vector tombstones carried over). Costs what the store holds: writers do it only
         once the delta outgrows its share (COMPACT_SHARE), `gc` whenever there is a delta."""
         base = base_name(self.generation)
-        gone = self.catalog.gone_vectors()
+        gone = self.catalog.tombstones.ids()
         self.catalog.compact_into(self.root / base)
         self.catalog.close()
         self._partial.unlink()
         self._new_delta(base)
-        self.catalog.set_gone_vectors(gone)
+        self.catalog.tombstones.replace(gone)
         self.compacted = True
 
     @property
@@ -325,7 +325,7 @@ class StoreWriter:
         if self.vectors is None:
             return {"dim": 0, "segments": []}
         part = self.vectors.publish(f"{self.generation:06d}", self.catalog.documents.chunk_texts)
-        self.catalog.set_gone_vectors(self.vectors.gone)
+        self.catalog.tombstones.replace(self.vectors.gone)
         return part
 
     def compact_vectors(self) -> None:

@@ -62,7 +62,7 @@ class S3Transport:
         return self.remote.shards()
 
     def shard_reader(self) -> ShardReader:
-        return ShardReader(self.root / SHARD_DIR, self.remote)
+        return ShardReader(self.root / SHARD_DIR, self.remote.copies)
 
     def adopted(self, shards: set[str]) -> None:
         if shards:  # sealed in the mirror by a killed writer: maybe never uploaded

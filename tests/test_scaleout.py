@@ -144,6 +144,7 @@ def test_s3_store_round_trip(s3_env, local_store, corpus, tmp_path, monkeypatch)
     fresh_home(tmp_path / "reader", monkeypatch)
     _assert_same_store(local_store, uri)
     assert _answers(uri) == _answers(local_store)
+    from ragkv.store.kv.shard_copies import ShardCopies
     from ragkv.store.remote import RemoteStore
 
     remote = RemoteStore(uri)
@@ -155,8 +156,8 @@ def test_s3_store_round_trip(s3_env, local_store, corpus, tmp_path, monkeypatch)
     remote.cache_bytes = 1
     for path in cached:
         os.utime(path, (time.time() - 3600, time.time() - 3600))
-    assert remote.evict() > 0 and not list((remote.mirror / "shards").glob("*.safetensors"))
-    monkeypatch.setattr(RemoteStore, "_prefetch", lambda self, shard: None)  # no background copy
+    assert remote.copies.evict() > 0 and not list((remote.mirror / "shards").glob("*.safetensors"))
+    monkeypatch.setattr(ShardCopies, "_prefetch", lambda self, shard: None)  # no background copy
     assert _answers(uri, QUESTIONS[:1]) == _answers(local_store, QUESTIONS[:1])  # by ranged reads alone
     assert not list((remote.mirror / "shards").glob("*.safetensors"))
 

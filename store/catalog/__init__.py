@@ -4,7 +4,8 @@ One `Catalog` object per open file: the connection, transactions, `meta`, the ov
 generation's delta over a shared base) and the schema's migrations, and its parts, one per
 table family, each a small object of its own: `catalog.documents` (documents, chunks),
 `catalog.entries` (profiles, KV entries, chunk links, spans), `catalog.usage` (popularity, the
-KV budget) and `catalog.reports` (totals). They return the small rows of `rows`.
+KV budget), `catalog.reports` (totals) and `catalog.tombstones` (vectors deleted from the
+segments). They return the small rows of `rows`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from ragkv.store.catalog.rows import (
     SpanLink,
 )
 from ragkv.store.catalog.schema import FORMAT_VERSION, Schema
+from ragkv.store.catalog.tombstones import Tombstones
 from ragkv.store.catalog.usage import Usage
 
 __all__ = [
@@ -68,6 +70,7 @@ class Catalog(Schema):
         self.entries = Entries(self)
         self.usage = Usage(self)
         self.reports = Reports(self)
+        self.tombstones = Tombstones(self)
 
     def fingerprint(self) -> tuple:
         """Row count and an order-independent hash of the rows of every table of this file (of

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import duckdb
-import numpy as np
 import pyarrow as pa
 
 from ragkv.core.errors import StoreFormatError
@@ -242,7 +241,7 @@ class Overlay:
         total = sum(
             self.value(f"SELECT (SELECT count(*) FROM add_{t}) + (SELECT count(*) FROM del_{t})") for t in TABLE_KEYS
         )
-        return total + self.gone_vector_count()
+        return total + (self.value(f"SELECT count(*) FROM {GONE_VECTORS}") if self.delta else 0)
 
     def base_rows(self) -> int:
         source = "base." if self.delta else ""
@@ -267,21 +266,3 @@ class Overlay:
             self.con.execute("CHECKPOINT fresh")
         finally:
             self.con.execute("DETACH fresh")
-
-    # -- vector tombstones (kept in the delta; a plain catalog has none) -----------------------
-    def gone_vectors(self) -> np.ndarray:
-        if not self.delta:
-            return np.empty(0, np.int64)
-        return (
-            self.con.execute(f"SELECT chunk_id FROM {GONE_VECTORS} ORDER BY chunk_id")
-            .fetchnumpy()["chunk_id"]
-            .astype(np.int64)
-        )
-
-    def gone_vector_count(self) -> int:
-        return self.value(f"SELECT count(*) FROM {GONE_VECTORS}") if self.delta else 0
-
-    def set_gone_vectors(self, ids) -> None:
-        gone_ids = pa.table({"chunk_id": pa.array(list(map(int, ids)), pa.int64())})  # noqa: F841 (read by SQL)
-        self.con.execute(f"DELETE FROM {GONE_VECTORS}")
-        self.con.execute(f"INSERT INTO {GONE_VECTORS} SELECT chunk_id FROM gone_ids")

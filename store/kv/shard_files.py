@@ -1,6 +1,7 @@
 """The files a shard reader reads entries from: a local file (`pread`, into the caller's buffer), or
 a shard on S3 read by ranged GETs (a cold read fetches only the entry's bytes), through
-`RemoteShards` (ragkv.store.remote), which also copies the shard down for later reads."""
+`RemoteShards` (an S3 store's `copies`: ragkv.store.kv.shard_copies), which also copies the shard
+down for later reads."""
 
 from __future__ import annotations
 
