@@ -98,11 +98,11 @@ def test_ape_attends_the_same_in_a_conversation_and_beside_other_rows(tiny_store
         plain = engine.ask(QUESTIONS[1], top_k=2, max_new_tokens=6)
         gate = threading.Event()
         with engine.batched() as batcher:
-            blocker = batcher.call(gate.wait)  # holds the steps: both turns join in the same one
-            scaled = batcher.submit(
+            blocker = batcher.engine.call_soon(gate.wait)  # holds the steps: both turns join in the same one
+            scaled = batcher.engine.submit(
                 lambda: engine.conversation(mode="ape", top_k=3, ape_scale=0.5), QUESTIONS[0], 6, DecodeSettings()
             )
-            beside = batcher.submit(lambda: engine.conversation(top_k=2), QUESTIONS[1], 6, DecodeSettings())
+            beside = batcher.engine.submit(lambda: engine.conversation(top_k=2), QUESTIONS[1], 6, DecodeSettings())
             gate.set()
             blocker.result()
             # One decodes in forwards of its own, the other in the batch; each as alone (float32).

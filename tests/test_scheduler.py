@@ -45,7 +45,7 @@ def test_answers_decoded_together_equal_answers_alone(engine):
     alone = [_alone(engine, q, o) for q, o in MIXED]
     with engine.batched(prefill_chunk=8) as batcher:  # small chunks: prefills interleave
         tickets = [
-            batcher.submit(
+            batcher.engine.submit(
                 lambda o=o: engine.conversation(_settings(o)), q, _settings(o).max_new_tokens, _settings(o).decoding
             )
             for q, o in MIXED
@@ -72,9 +72,9 @@ def test_a_request_joining_mid_decode_changes_nobody(engine):
 
     with engine.batched() as batcher:
         plain = DecodeSettings(repetition_penalty=1.0, no_repeat_ngram=0)
-        first = batcher.submit(lambda: engine.conversation(AskSettings()), long_q, 40, plain, on_text)
+        first = batcher.engine.submit(lambda: engine.conversation(AskSettings()), long_q, 40, plain, on_text)
         started.wait()  # the first is decoding: the second joins the running batch
-        second = batcher.submit(lambda: engine.conversation(AskSettings()), short_q, 10, DecodeSettings())
+        second = batcher.engine.submit(lambda: engine.conversation(AskSettings()), short_q, 10, DecodeSettings())
         assert second.result().token_ids == short_alone.token_ids
         assert first.result().token_ids == long_alone.token_ids
         assert "".join(pieces) == first.result().text
@@ -86,9 +86,9 @@ def test_a_conversation_turn_in_the_batch_equals_one_alone(engine):
     expected = [lone.ask(QUESTIONS[1]).token_ids, lone.ask("And who approves it?").token_ids]
     with engine.batched() as batcher:
         chat = engine.conversation(max_new_tokens=10)
-        other = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[3], 20, DecodeSettings())
-        got = [batcher.submit(chat, QUESTIONS[1], 10, DecodeSettings()).result().token_ids]
-        follow = batcher.submit(chat, "And who approves it?", 10, DecodeSettings()).result()
+        other = batcher.engine.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[3], 20, DecodeSettings())
+        got = [batcher.engine.submit(chat, QUESTIONS[1], 10, DecodeSettings()).result().token_ids]
+        follow = batcher.engine.submit(chat, "And who approves it?", 10, DecodeSettings()).result()
         got.append(follow.token_ids)
         other.result()
     assert got == expected
@@ -99,26 +99,26 @@ def test_a_cancelled_turn_leaves_at_once_and_the_others_finish(engine):
     expected = engine.ask(QUESTIONS[2], max_new_tokens=12).token_ids
     begun = threading.Event()
     with engine.batched() as batcher:
-        doomed = batcher.submit(
+        doomed = batcher.engine.submit(
             lambda: engine.conversation(AskSettings()),
             QUESTIONS[0],
             200,
             DecodeSettings(),
             on_text=lambda _: begun.set(),
         )
-        other = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[2], 12, DecodeSettings())
+        other = batcher.engine.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[2], 12, DecodeSettings())
         begun.wait()
         doomed.cancel()
         assert doomed.result().stats.finish_reason == "cancelled"
         assert other.result().token_ids == expected
-    assert batcher.num_running == 0 and batcher.num_waiting == 0
+    assert batcher.engine.num_running == 0 and batcher.engine.num_waiting == 0
 
 
 def test_admission_keeps_the_batch_within_its_token_budget(engine):
     alone = [engine.ask(q, max_new_tokens=8).token_ids for q in QUESTIONS]
     with engine.batched(max_batch_tokens=1) as batcher:  # room for one row at a time
         tickets = [
-            batcher.submit(lambda: engine.conversation(AskSettings()), q, 8, DecodeSettings()) for q in QUESTIONS
+            batcher.engine.submit(lambda: engine.conversation(AskSettings()), q, 8, DecodeSettings()) for q in QUESTIONS
         ]
         answers = [t.result() for t in tickets]
     assert [a.token_ids for a in answers] == alone
@@ -135,14 +135,14 @@ def test_a_full_queue_is_busy_and_bad_turns_fail_alone(engine):
     expected = engine.ask(QUESTIONS[0], max_new_tokens=4).token_ids
     with engine.batched(max_queue=2) as batcher:
         try:
-            blocker = batcher.call(block)  # holds the stepping thread: what comes next waits
+            blocker = batcher.engine.call_soon(block)  # holds the stepping thread: what comes next waits
             running.wait()
-            good = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[0], 4, DecodeSettings())
-            bad = batcher.submit(
+            good = batcher.engine.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[0], 4, DecodeSettings())
+            bad = batcher.engine.submit(
                 lambda: engine.conversation(AskSettings(doc_ids=("no-such-doc",))), QUESTIONS[1], 4, DecodeSettings()
             )
             with pytest.raises(Busy):
-                batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[1], 4, DecodeSettings())
+                batcher.engine.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[1], 4, DecodeSettings())
         finally:
             gate.set()  # a failed check must not leave the thread blocked (close would wait forever)
         blocker.result()
@@ -165,9 +165,9 @@ def test_a_turn_that_fails_as_it_joins_the_batch_gets_the_error_and_the_batcher_
     monkeypatch.setattr(RaggedBatch, "add", add_once_failing)
     gate = threading.Event()
     with engine.batched(prefill_chunk=100_000) as batcher:  # each prompt in one step: the second joins the first
-        blocker = batcher.call(gate.wait)  # both turns are admitted in the same step
-        first = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[0], 24, DecodeSettings())
-        second = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[2], 24, DecodeSettings())
+        blocker = batcher.engine.call_soon(gate.wait)  # both turns are admitted in the same step
+        first = batcher.engine.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[0], 24, DecodeSettings())
+        second = batcher.engine.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[2], 24, DecodeSettings())
         gate.set()
         blocker.result()
         # The first decodes alone on its own cache; the second's prefill brings both into the batch, and
@@ -189,18 +189,20 @@ def _unstartable_decoding() -> DecodeSettings:
 def test_a_turn_that_cannot_start_decoding_fails_alone_and_the_batch_goes_on(engine):
     expected = engine.ask(QUESTIONS[0], max_new_tokens=24).token_ids
     gate = threading.Event()
-    batcher = engine.batched()
-    blocker = batcher.call(gate.wait)  # both turns wait, then join in the same step
-    good = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[0], 24, DecodeSettings())
-    bad = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[1], 24, _unstartable_decoding())
-    gate.set()
-    blocker.result()
-    with pytest.raises((OverflowError, ValueError)):  # torch's words for a seed past 64 bits
-        bad.result()  # resolved, not left waiting
-    assert good.result().token_ids == expected
-    assert batcher.ask(QUESTIONS[2], max_new_tokens=4).text
-    batcher.close()  # returns: the model thread stopped (a turn left unresolved used to block shutdown)
-    assert batcher.num_running == 0 and batcher.num_waiting == 0
+    with engine.batched() as batcher:
+        blocker = batcher.engine.call_soon(gate.wait)  # both turns wait, then join in the same step
+        good = batcher.engine.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[0], 24, DecodeSettings())
+        bad = batcher.engine.submit(
+            lambda: engine.conversation(AskSettings()), QUESTIONS[1], 24, _unstartable_decoding()
+        )
+        gate.set()
+        blocker.result()
+        with pytest.raises((OverflowError, ValueError)):  # torch's words for a seed past 64 bits
+            bad.result()  # resolved, not left waiting
+        assert good.result().token_ids == expected
+        assert batcher.ask(QUESTIONS[2], max_new_tokens=4).text
+    # left the block: the model thread stopped (a turn left unresolved used to block shutdown)
+    assert batcher.engine.num_running == 0 and batcher.engine.num_waiting == 0
 
 
 def test_a_prefill_that_fails_fails_its_turn_alone(engine, monkeypatch):
@@ -218,8 +220,8 @@ def test_a_prefill_that_fails_fails_its_turn_alone(engine, monkeypatch):
 
     monkeypatch.setattr(runner, "prefill", second_prefill_fails)
     with engine.batched() as batcher:
-        running = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[0], 30, DecodeSettings())
-        failing = batcher.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[1], 30, DecodeSettings())
+        running = batcher.engine.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[0], 30, DecodeSettings())
+        failing = batcher.engine.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[1], 30, DecodeSettings())
         with pytest.raises(RuntimeError, match="out of memory"):
             failing.result()
         assert running.result().token_ids == long_alone
@@ -235,7 +237,8 @@ def test_a_corrupt_entry_falls_back_inside_the_batch_and_the_others_are_unaffect
     flip_bit_of_entry(store / "shards" / row.entry.shard, row.entry.tensor)
     with ragkv.open(store, device="cpu") as engine, engine.batched() as batcher:
         tickets = [
-            batcher.submit(lambda: engine.conversation(AskSettings()), q, 10, DecodeSettings()) for q in QUESTIONS
+            batcher.engine.submit(lambda: engine.conversation(AskSettings()), q, 10, DecodeSettings())
+            for q in QUESTIONS
         ]
         answers = [t.result() for t in tickets]
     assert answers[0].stats.mode == "fallback" and answers[0].token_ids == full
@@ -258,7 +261,8 @@ def test_the_bundled_model_batched_equals_alone(sample_store):
         with engine.batched(prefill_chunk=64) as batcher:
             answers = [batcher.ask(q, max_new_tokens=24) for q in questions[:1]]  # warm, alone
             tickets = [
-                batcher.submit(lambda: engine.conversation(AskSettings()), q, 24, DecodeSettings()) for q in questions
+                batcher.engine.submit(lambda: engine.conversation(AskSettings()), q, 24, DecodeSettings())
+                for q in questions
             ]
             answers = [t.result() for t in tickets]
     assert [a.token_ids for a in answers] == alone

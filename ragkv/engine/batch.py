@@ -82,12 +82,12 @@ def answer_all(
     """Yield an outcome for every question, as each finishes (not in input order). At most
     twice `max_batch` questions are submitted ahead, so a long file holds little memory."""
     window = 2 * max_batch
-    with engine.batched(max_batch=max_batch, max_queue=window) as batcher:
+    with engine.batched(max_batch=max_batch, max_queue=window):
         pending = iter(questions)
         running: dict = {}  # future -> its question
         while True:
             for question in pending:
-                running[_submit(batcher, question, settings).future] = question
+                running[_submit(engine, question, settings).future] = question
                 if len(running) >= window:
                     break
             if not running:
@@ -149,9 +149,9 @@ def search_all(engine, questions: list[Question], settings: SearchSettings) -> I
         )
 
 
-def _submit(batcher, question: Question, settings: AskSettings) -> Request:
+def _submit(engine, question: Question, settings: AskSettings) -> Request:
     pinned = dataclasses.replace(settings, doc_ids=(question.doc,)) if question.doc else settings
-    return batcher.submit_question(question.question, pinned)
+    return engine.engine.submit_question(question.question, pinned, runtime=engine.runtime)
 
 
 def _outcome(question: Question, future) -> BatchOutcome:

@@ -7,7 +7,7 @@ Who runs the steps:
   steps the scheduler in its own thread, while no other caller does (a lock). Alone, that is
   the plain prefill-then-decode loop; several threads asking at once take turns stepping and
   share each step's forward.
-- `start()` (a `Batcher`, `ragkv serve`): a background thread steps while there is work, and
+- `start()` (`engine.batched()`, `ragkv serve`): a background thread steps while there is work, and
   callers only wait. `stop()` finishes what is queued, then ends the thread.
 A stream left before its end cancels its request; the request's row leaves at the next step
 (its conversation keeps the turn, cut short).
@@ -293,65 +293,3 @@ def _checked(message: str) -> str:
     if not check_text(message, "the message").strip():
         raise InputError("the message is empty; say something")
     return message
-
-
-class Batcher:
-    """The engine, stepped by a background thread while this is open: call `ask` or `submit`
-    from any number of threads and their answers decode together. What `engine.batched()`
-    returns; close it (or use `with`) to finish what is queued and stop the thread."""
-
-    def __init__(self, engine: Engine, runtime: Runtime, settings: BatchSettings | None = None):
-        self.engine, self.runtime = engine, runtime  # new questions go over `runtime` (its store's)
-        self._open = True
-        engine.start(settings)
-
-    def ask(self, question: str, settings: AskSettings | None = None, **options) -> Answer:
-        """Answer `question` (options as in `AskSettings`), batched with whatever else runs."""
-        return self.engine.ask(question, settings or AskSettings.from_dict(options), self.runtime)
-
-    def submit(
-        self,
-        conversation: Conversation | Callable[[], Conversation],
-        message: str,
-        max_new_tokens: int,
-        decoding: DecodeSettings,
-        on_text: Callable[[str], None] | None = None,
-    ) -> Request:
-        """Queue a turn (see `Engine.submit`); `request.result()` waits for its answer."""
-        return self.engine.submit(conversation, message, max_new_tokens, decoding, on_text)
-
-    def submit_question(
-        self,
-        question: str,
-        settings: AskSettings,
-        history: Sequence[tuple[str, str]] = (),
-        on_text: Callable[[str], None] | None = None,
-    ) -> Request:
-        """Queue a new question (see `Engine.submit_question`)."""
-        return self.engine.submit_question(question, settings, history, on_text, self.runtime)
-
-    def call(self, fn: Callable, *args) -> Future:
-        """`fn(*args)` between two steps; a future of its result."""
-        return self.engine.call_soon(fn, *args)
-
-    @property
-    def num_running(self) -> int:
-        return self.engine.num_running
-
-    @property
-    def num_waiting(self) -> int:
-        return self.engine.num_waiting
-
-    def tokens_per_s(self) -> float:
-        return self.engine.tokens_per_s()
-
-    def close(self) -> None:
-        if self._open:
-            self._open = False
-            self.engine.stop()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()

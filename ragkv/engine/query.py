@@ -4,8 +4,9 @@ the work is done by the `Runtime` it holds (ragkv.retrieval, ragkv.loading.loade
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -24,7 +25,7 @@ from ragkv.core.scope import Scope
 from ragkv.engine.active import ActiveProfile, open_embedder, open_model
 from ragkv.engine.answer import Answer, AnswerStream, Savings
 from ragkv.engine.conversation import Conversation
-from ragkv.engine.engine import Batcher, Engine
+from ragkv.engine.engine import Engine
 from ragkv.engine.runtime import Prepared, Runtime
 from ragkv.engine.scheduler import BatchSettings
 from ragkv.kv.entry import Entry
@@ -231,14 +232,19 @@ class QueryEngine:
         (user, assistant) turns, as a stateless client sends them, replayed first."""
         return self.engine.ask_stream(question, settings or AskSettings.from_dict(options), history, self.runtime)
 
-    def batched(self, **settings) -> Batcher:
-        """This engine, stepped by a background thread while the returned `Batcher` is open
-        (settings as in `BatchSettings`: max_batch, max_batch_tokens, prefill_chunk,
-        max_queue). Call its `ask` from many threads: their answers decode together, each
-        equal to asking alone (float32). Threads calling this engine's own `ask` batch too;
-        the thread only saves them stepping. Close it (or use `with`) to stop the thread. An
-        engine opened with `share=` steps on the other's engine: its batch is that one's."""
-        return Batcher(self.engine, self.runtime, BatchSettings(**settings))
+    @contextmanager
+    def batched(self, **settings) -> Iterator[QueryEngine]:
+        """Step this engine in a background thread while inside (settings as in `BatchSettings`:
+        max_batch, max_batch_tokens, prefill_chunk, max_queue); yields the engine itself. Call
+        `ask` from many threads meanwhile: their answers decode together, each equal to asking
+        alone (float32). Threads batch without it too; the thread only saves them stepping.
+        Leaving finishes what is queued, then stops the thread. An engine opened with `share=`
+        steps on the other's engine: its batch is that one's."""
+        self.engine.start(BatchSettings(**settings))
+        try:
+            yield self
+        finally:
+            self.engine.stop()
 
     def conversation(
         self, settings: AskSettings | None = None, history: Sequence[tuple[str, str]] = (), **options
