@@ -23,6 +23,7 @@ from ragkv.kv import cache as kv
 from ragkv.kv import codec
 from ragkv.kv.codec import shard_metadata
 from ragkv.model import self_check
+from ragkv.model.device import resolved
 from ragkv.model.embed import Embedder
 from ragkv.model.forward import compute_prefix, compute_spans
 from ragkv.model.llm import LoadedModel, load_model
@@ -105,7 +106,7 @@ def ingest(
     published store is left exactly as it was.
     """
     started = time.perf_counter()
-    model = model or ModelSettings()
+    model = resolved(model or ModelSettings())  # "auto" device and dtype, on this machine
     settings = settings or IngestSettings()
     reporter = reporter or Reporter()
     found = read_documents(paths, settings.max_document_bytes)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from ragkv.core.errors import InputError, StoreWriteError
+from ragkv.core.errors import InputError, StoreNotFoundError, StoreWriteError
 
 SCHEME = "s3://"
 
@@ -143,6 +143,12 @@ class Location:
 
     def key(self, *names: str) -> str:
         return "/".join([self.bucket, *([self.prefix] if self.prefix else []), *names])
+
+
+def read_error(uri: str, exc: BaseException) -> StoreNotFoundError:
+    """The one-line error for a failed read from the bucket."""
+    reason = str(exc).splitlines()[0]
+    return StoreNotFoundError(f"cannot read store {uri}: {reason}")
 
 
 def write_error(uri: str, exc: BaseException) -> StoreWriteError:

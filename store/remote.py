@@ -37,7 +37,7 @@ import uuid
 from pathlib import Path
 
 from ragkv.core.config import cache_dir
-from ragkv.core.errors import StoreCorruptError, StoreLockedError, StoreNotFoundError
+from ragkv.core.errors import StoreCorruptError, StoreLockedError
 from ragkv.store.generations import (
     CURRENT,
     LOCK,
@@ -57,7 +57,7 @@ from ragkv.store.generations import (
 )
 from ragkv.store.kv.shard_copies import ShardCopies
 from ragkv.store.kv.shards import is_shard_name
-from ragkv.store.objects import FolderObjects, Location, Objects, filesystem, is_remote
+from ragkv.store.objects import FolderObjects, Location, Objects, filesystem, is_remote, read_error
 
 SYNCED = ".remote-CURRENT"  # in the mirror: the bucket's CURRENT it last copied
 KEEP_GENERATIONS = 2
@@ -75,10 +75,16 @@ class RemoteStore:
         self.location = Location.parse(uri)
         self.fs = fs or filesystem()
         self.mirror = cache_dir() / "s3" / self.location.bucket / (self.location.prefix or "_")
-        self.cache_bytes = int(os.environ.get(CACHE_BYTES_ENV, DEFAULT_CACHE_BYTES))
         (self.mirror / "shards").mkdir(parents=True, exist_ok=True)
         self.downloaded = 0  # bytes of catalogs, manifests and segments copied down (not shards)
-        self.copies = ShardCopies(self)  # the shards' local copies, for readers
+        # the shards' local copies, for readers
+        self.copies = ShardCopies(
+            self.mirror / "shards",
+            self.location,
+            self.fs,
+            self.download,
+            int(os.environ.get(CACHE_BYTES_ENV, DEFAULT_CACHE_BYTES)),
+        )
 
     # -- objects (store.objects.Objects) --------------------------------------------------------
     @property
@@ -123,7 +129,7 @@ class RemoteStore:
         except FileNotFoundError:
             return None
         except OSError as exc:
-            raise _read_error(self.location, exc) from exc
+            raise read_error(self.location.uri, exc) from exc
 
     def put_object(self, name: str, data: bytes) -> None:
         with self.fs.open_output_stream(self.location.key(name)) as f:
@@ -157,7 +163,7 @@ class RemoteStore:
         try:
             infos = self.fs.get_file_info(fs.FileSelector(base, allow_not_found=True))
         except OSError as exc:
-            raise _read_error(self.location, exc) from exc
+            raise read_error(self.location.uri, exc) from exc
         return {info.base_name: info.size for info in infos if info.type == fs.FileType.File}
 
     # -- generations --------------------------------------------------------------------------
@@ -290,14 +296,6 @@ class RemoteStore:
 
     def delete_shard(self, name: str) -> None:
         self.fs.delete_file(self.location.key("shards", name))
-
-    def read_error(self, exc: BaseException) -> StoreNotFoundError:
-        return _read_error(self.location, exc)
-
-
-def _read_error(location: Location, exc: BaseException) -> StoreNotFoundError:
-    reason = str(exc).splitlines()[0]
-    return StoreNotFoundError(f"cannot read store {location.uri}: {reason}")
 
 
 def objects_at(location: str | Path) -> Objects:

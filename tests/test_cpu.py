@@ -5,14 +5,17 @@ error first prints the error alone."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import ragkv
 from ragkv.core import cpu
-from ragkv.core.config import ModelSettings, resolve_dtype
-from ragkv.core.errors import ModelError
+from ragkv.core.config import ModelSettings
+from ragkv.core.errors import InputError, ModelError
+from ragkv.model.device import resolve_dtype, resolved
 from ragkv.model.llm import load_model
 
 
@@ -26,7 +29,24 @@ def no_native_bf16(monkeypatch):
 
 def test_auto_is_float32_on_every_cpu():
     assert resolve_dtype("auto", "cpu") == "float32"
-    assert ModelSettings(device="cpu").dtype == "float32"
+    assert resolved(ModelSettings(device="cpu")).dtype == "float32"
+
+
+def test_settings_are_checked_without_torch_and_resolved_as_a_model_loads(corpus, tmp_path):
+    """Building settings imports no torch (a typo is still refused at once); "auto" and a
+    missing CUDA are settled on the machine that loads the model, before it loads."""
+    code = (
+        "import sys; from ragkv.core.config import ModelSettings, AskSettings, IngestSettings; "
+        "ModelSettings(device='cuda'); AskSettings(); IngestSettings(); print('torch' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+    with pytest.raises(InputError, match="unknown --device 'gpu'"):
+        ModelSettings(device="gpu")
+    assert ModelSettings().device == "auto" and resolved(ModelSettings()).device in ("cpu", "cuda")
+    if not torch.cuda.is_available():
+        with pytest.raises(InputError, match="sees no CUDA device"):
+            ragkv.ingest([corpus], tmp_path / "store", model=ModelSettings(device="cuda"))
+        assert not (tmp_path / "store").exists()
 
 
 class _Collect(logging.Handler):
@@ -48,7 +68,7 @@ def warnings():
 
 def test_bfloat16_on_a_cpu_without_it_warns_once_when_the_weights_load(no_native_bf16, warnings, tiny_llama):
     assert resolve_dtype("bfloat16", "cpu") == "bfloat16"  # still honoured
-    assert ModelSettings(device="cpu", dtype="bfloat16").dtype == "bfloat16"
+    assert resolved(ModelSettings(device="cpu", dtype="bfloat16")).dtype == "bfloat16"
     assert not warnings  # parsing the dtype runs nothing
     load_model(str(tiny_llama), "cpu", "bfloat16", weights=False)
     assert not warnings  # no weights, no compute

@@ -153,7 +153,7 @@ def test_s3_store_round_trip(s3_env, local_store, corpus, tmp_path, monkeypatch)
             thread.join()
     cached = list((remote.mirror / "shards").glob("*.safetensors"))
     assert cached
-    remote.cache_bytes = 1
+    remote.copies.cache_bytes = 1
     for path in cached:
         os.utime(path, (time.time() - 3600, time.time() - 3600))
     assert remote.copies.evict() > 0 and not list((remote.mirror / "shards").glob("*.safetensors"))

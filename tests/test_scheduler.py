@@ -291,3 +291,14 @@ def test_questions_over_one_context_admitted_together_prefill_its_later_chunks_o
         assert answer.stats.reused_tokens == first.stats.reused_tokens + later
     for answer in (first, *others):
         assert answer.token_ids == alone.token_ids
+
+
+def test_each_batch_knob_has_one_default_for_the_api_the_service_and_its_command_line():
+    from ragkv.cli.serve import serve_options
+    from ragkv.core.config import BatchSettings
+    from ragkv.serve.api import ServeSettings
+
+    from_command_line = serve_options.build(**{name: option.default for name, _, option in serve_options.options})
+    assert from_command_line == ServeSettings() and ServeSettings().batch == BatchSettings()
+    with pytest.raises(InputError, match="--max-queue must be at least 1"):
+        serve_options.build(**{name: option.default for name, _, option in serve_options.options} | {"max_queue": 0})

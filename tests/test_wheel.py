@@ -125,7 +125,7 @@ def test_vllm_imports_the_installed_ragkv_without_its_site_packages(installed):
         pytest.skip("RAGKV_VLLM_PYTHON is not set (bash tests/vllm_env.sh .venv-vllm makes one)")
     venv, work = installed
     folder = run(
-        venv / "bin" / "python", "-c", "from ragkv.core.config import import_path; print(import_path())", cwd=work
+        venv / "bin" / "python", "-c", "from ragkv.core.install import import_path; print(import_path())", cwd=work
     ).stdout.strip()
     assert os.listdir(folder) == ["ragkv"]  # one link; ragkv.store and ragkv.pipelines are inside it
     code = "import ragkv.integrations.vllm as c, torch; print('FILES', c.__file__, torch.__file__)"

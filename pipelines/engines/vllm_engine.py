@@ -23,8 +23,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from ragkv.core.config import import_path
 from ragkv.core.errors import InputError, ModelError
+from ragkv.core.install import import_path
 from ragkv.kv.movable import refuse_unless_movable
 from ragkv.pipelines.to_compute import Unit
 from ragkv.store import open_snapshot

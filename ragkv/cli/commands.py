@@ -165,7 +165,7 @@ def verify(
     json_out: bool = JsonOption,
 ):
     """Check every KV entry's checksum, every chunk's link, and the vector index. Exit 4 on problems."""
-    from ragkv.core.config import resolve_device
+    from ragkv.model.device import resolve_device
     from ragkv.store import open_snapshot
     from ragkv.store import verify as verify_store
 

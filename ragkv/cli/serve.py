@@ -10,16 +10,21 @@ import typer
 
 from ragkv.cli.app import OptionGroup
 from ragkv.cli.options import VllmPythonOption
-from ragkv.core.config import parse_size
+from ragkv.core.config import BatchSettings, parse_size
 from ragkv.core.errors import InputError
+
+BATCH = BatchSettings()  # each knob's one default, the engine's
+BATCH_KNOBS = ("max_queue", "max_batch", "max_batch_tokens", "prefill_chunk")
 
 
 def _serve_settings(**values):
     from ragkv.serve.api import ServeSettings
 
+    batch = BatchSettings(**{name: values.pop(name) for name in BATCH_KNOBS})
     return ServeSettings(
         **{
             **values,
+            "batch": batch,
             "api_key": values["api_key"] or None,
             "pending_bytes": parse_size(values["pending_bytes"], "--pending-bytes"),
             "audit_max_bytes": parse_size(values["audit_max_bytes"], "--audit-max-bytes"),
@@ -92,13 +97,15 @@ serve_options = OptionGroup(
         (
             "max_queue",
             int,
-            typer.Option(16, "--max-queue", help="Requests that may wait to join the batch; more get 503."),
+            typer.Option(
+                BATCH.max_queue, "--max-queue", help="Requests that may wait to join the batch; more get 503."
+            ),
         ),
         (
             "max_batch",
             int,
             typer.Option(
-                16,
+                BATCH.max_batch,
                 "--max-batch",
                 help="Requests decoded together (continuous batching: each "
                 "forward advances every running answer by one token).",
@@ -108,7 +115,7 @@ serve_options = OptionGroup(
             "max_batch_tokens",
             int,
             typer.Option(
-                32768,
+                BATCH.max_batch_tokens,
                 "--max-batch-tokens",
                 help="KV tokens the running batch may hold (rows x the longest prompt + "
                 "answer); requests beyond it wait. Bounds memory.",
@@ -118,7 +125,7 @@ serve_options = OptionGroup(
             "prefill_chunk",
             int,
             typer.Option(
-                256,
+                BATCH.prefill_chunk,
                 "--prefill-chunk",
                 help="Prompt tokens a request prefills per step, so a long prefill never stalls running streams.",
             ),

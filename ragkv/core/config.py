@@ -7,7 +7,6 @@ Facts read off a loaded model (layers, heads, fingerprint) are not settings; the
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -16,7 +15,6 @@ from typing import Any
 
 from ragkv.core.errors import InputError
 from ragkv.core.filters import Condition, parse_filters
-from ragkv.core.formats import __version__
 from ragkv.core.scope import Scope
 from ragkv.core.sizes import MAX_SIZE, parse_precompute, parse_size  # noqa: F401 - the settings' sizes
 from ragkv.core.text import check_text, listed
@@ -82,56 +80,26 @@ def cache_dir() -> Path:
     return Path(base) / "ragkv"
 
 
-def import_path() -> str:
-    """A folder that holds ragkv and nothing else, for another Python's PYTHONPATH (vLLM pins its
-    own torch and transformers, so it runs in its own environment and imports the connector from
-    here). A checkout is such a folder; an installed ragkv lives in a site-packages whose torch
-    must not shadow vLLM's, so it is linked into a folder of its own under the cache. One link:
-    ragkv.store and ragkv.pipelines are inside the package."""
-    package = next(p for p in Path(__file__).resolve().parents if p.name == "ragkv")
-    here = package.parent
-    if (here / "pyproject.toml").exists():  # a checkout (or an editable install of one)
-        return str(here)
-    where = hashlib.blake2b(str(here).encode(), digest_size=4).hexdigest()  # one folder per install
-    folder = cache_dir() / f"import-path-{__version__}-{where}"
-    link = folder / "ragkv"
-    if link.resolve() != package:
-        folder.mkdir(parents=True, exist_ok=True)
-        scratch = folder / f".ragkv.{os.getpid()}"
-        scratch.unlink(missing_ok=True)
-        scratch.symlink_to(package, target_is_directory=True)
-        os.replace(scratch, link)  # atomic: a concurrent start sees the old link or the new one
-    return str(folder)
-
-
-def resolve_device(device: str) -> str:
-    if device not in DEVICES:
-        raise InputError(f"unknown --device {device!r}; use one of {', '.join(DEVICES)}")
-    import torch
-
-    if device == "cuda" and not torch.cuda.is_available():  # said now, not after a model has loaded
-        raise InputError(f"--device cuda, but torch {torch.__version__} sees no CUDA device; use --device cpu or auto")
-    if device != "auto":
-        return device
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def resolve_dtype(dtype: str, device: str) -> str:
-    """'auto' is bfloat16 on CUDA and float32 on CPU (the dtype in which cached == full prefill,
-    and the fast one on CPUs without native bf16). An explicit bfloat16 on such a CPU is
-    honoured; loading the model warns (ragkv.core.cpu.warn_if_slow)."""
-    if dtype == "auto":
-        return "bfloat16" if device == "cuda" else "float32"
-    if dtype not in DTYPES:
-        raise InputError(f"unknown --dtype {dtype!r}; use one of auto, {', '.join(DTYPES)}")
-    return dtype
-
-
 # Chosen by measurement on the bundled SmolLM2 (benchmarks/results/answer_quality.md).
 DEFAULT_REPETITION_PENALTY = 1.1
 DEFAULT_NO_REPEAT_NGRAM = 6
 DEFAULT_MAX_NEW_TOKENS = 128
 MAX_SEED = 2**64 - 1  # torch's generator takes a 64-bit seed; a larger one raises OverflowError
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    """The continuous batch's bounds: one engine's (`rag.batched(...)`, `ragkv serve`)."""
+
+    max_batch: int = 16  # rows decoded together
+    max_batch_tokens: int = 32768  # rows x the longest row's (prompt + budget): KV the batch may hold, padded
+    prefill_chunk: int = 256  # most prompt tokens one turn prefills per step while others run
+    max_queue: int = 64  # turns that may wait to be admitted; more: Busy
+
+    def __post_init__(self):
+        for name in ("max_batch", "max_batch_tokens", "prefill_chunk", "max_queue"):
+            if getattr(self, name) < 1:
+                raise InputError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -199,9 +167,11 @@ class ModelSettings(_Settings):
         for name in ("query_prompt", "document_prompt"):
             if getattr(self, name) is not None:
                 check_text(getattr(self, name), f"--{name.replace('_', '-')}")
-        device = resolve_device(self.device)
-        object.__setattr__(self, "device", device)
-        object.__setattr__(self, "dtype", resolve_dtype(self.dtype, device))
+        # Checked here; resolved ("auto" against the machine) as a model loads: ragkv.model.device.
+        if self.device not in DEVICES:
+            raise InputError(f"unknown --device {self.device!r}; use one of {', '.join(DEVICES)}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise InputError(f"unknown --dtype {self.dtype!r}; use one of auto, {', '.join(DTYPES)}")
 
 
 @dataclass(frozen=True)

@@ -3,11 +3,11 @@ loaded and checked against what the store was built with."""
 
 from __future__ import annotations
 
-from ragkv.core.config import resolve_dtype
 from ragkv.core.cpu import run_aside
 from ragkv.core.errors import ModelError, StoreEmptyError
 from ragkv.kv import codec
 from ragkv.model import self_check
+from ragkv.model.device import resolve_dtype
 from ragkv.model.embed import Embedder, EmbedPrompts
 from ragkv.model.llm import LoadedModel, load_model, model_name
 from ragkv.model.profiles import ActiveProfile, candidates, first_matching

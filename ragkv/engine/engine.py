@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future
 
-from ragkv.core.config import AskSettings, DecodeSettings
+from ragkv.core.config import AskSettings, BatchSettings, DecodeSettings
 from ragkv.core.errors import InputError
 from ragkv.core.text import check_text
 from ragkv.engine.answer import Answer, AnswerStream
@@ -31,7 +31,7 @@ from ragkv.engine.conversation import Conversation
 from ragkv.engine.request import Request
 from ragkv.engine.runner import Runner
 from ragkv.engine.runtime import Runtime
-from ragkv.engine.scheduler import BatchSettings, Scheduler
+from ragkv.engine.scheduler import Scheduler
 
 RATE_WINDOW_S = 10.0  # tokens_per_s looks this far back
 

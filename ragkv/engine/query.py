@@ -16,8 +16,8 @@ from ragkv.core.config import (
     KV_DTYPES,
     KV_RERANKER,
     AskSettings,
+    BatchSettings,
     SearchSettings,
-    resolve_device,
 )
 from ragkv.core.errors import InputError, ModelError
 from ragkv.core.lru import ByteLRU
@@ -27,9 +27,9 @@ from ragkv.engine.answer import Answer, AnswerStream, Savings
 from ragkv.engine.conversation import Conversation
 from ragkv.engine.engine import Engine
 from ragkv.engine.runtime import Prepared, Runtime
-from ragkv.engine.scheduler import BatchSettings
 from ragkv.kv.entry import Entry
 from ragkv.loading.loader import KVLoader
+from ragkv.model.device import resolve_device
 from ragkv.model.generate import prefill
 from ragkv.model.llm import LoadedModel
 from ragkv.modes.assemble import Assembly

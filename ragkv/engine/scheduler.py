@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from ragkv.core.errors import InputError, RagkvError
+from ragkv.core.config import BatchSettings
+from ragkv.core.errors import RagkvError
 from ragkv.engine.request import Request, Status
 
 
@@ -27,19 +28,6 @@ class Busy(RagkvError):
     """Too many turns wait for the model; retry shortly."""
 
     exit_code = 5
-
-
-@dataclass(frozen=True)
-class BatchSettings:
-    max_batch: int = 16  # rows decoded together
-    max_batch_tokens: int = 32768  # rows x the longest row's (prompt + budget): KV the batch may hold, padded
-    prefill_chunk: int = 256  # most prompt tokens one turn prefills per step while others run
-    max_queue: int = 64  # turns that may wait to be admitted; more: Busy
-
-    def __post_init__(self):
-        for name in ("max_batch", "max_batch_tokens", "prefill_chunk", "max_queue"):
-            if getattr(self, name) < 1:
-                raise InputError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)

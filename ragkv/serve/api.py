@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from fastapi import Depends, FastAPI
@@ -24,6 +24,7 @@ from ragkv.core.config import (
     MAX_SEED,
     MAX_TOP_K,
     AskSettings,
+    BatchSettings,
     SearchSettings,
     parse_reranker,
 )
@@ -48,10 +49,7 @@ class ServeSettings:
     max_body_bytes: int = 1 << 20
     max_tokens_cap: int = 1024  # a request's max_tokens is cut to this
     default_max_tokens: int = 256
-    max_queue: int = 16  # requests that may wait to be admitted; more get 503
-    max_batch: int = 16  # requests decoded together (continuous batching)
-    max_batch_tokens: int = 32768  # KV tokens the running batch may hold (rows x longest prompt + answer)
-    prefill_chunk: int = 256  # prompt tokens one request prefills per step (the others keep decoding)
+    batch: BatchSettings = field(default_factory=BatchSettings)  # the engine's batch; more waiting: 503
     conversation_bytes: int = 512 << 20  # KV of recent conversations kept for their next turn
     shutdown_grace_s: int = 10  # on SIGTERM, requests still running after this long are cut off
     write_back: bool = True  # store KV computed for a chunk the store lacks (within the budget)
@@ -76,9 +74,8 @@ class ServeSettings:
         }
 
     def __post_init__(self):
-        for name in ("max_queue", "max_batch", "max_tokens_cap", "max_batch_tokens", "prefill_chunk"):
-            if getattr(self, name) < 1:
-                raise InputError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.max_tokens_cap < 1:
+            raise InputError(f"--max-tokens-cap must be at least 1, got {self.max_tokens_cap}")
         if self.fold_every_s <= 0:
             raise InputError(f"--fold-every must be more than 0 seconds, got {self.fold_every_s:g}")
         if not 0 <= self.port <= 65535:  # checked before the model loads

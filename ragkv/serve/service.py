@@ -177,7 +177,7 @@ def reload_keys_on_sighup(access: Access) -> None:
 def max_in_flight(settings: ServeSettings) -> int:
     """Requests the service holds at once (queued, running, or being read or streamed) before it
     answers 503 with Retry-After: room for the queue several times over."""
-    return settings.max_queue * 4 + 16
+    return settings.batch.max_queue * 4 + 16
 
 
 def _add_info_routes(app: FastAPI, served: Served, stepped, metrics: Metrics) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 from ragkv.core.config import AskSettings, SearchSettings
 from ragkv.core.scope import bounded
 from ragkv.engine.answer import Source, Stats, reply
-from ragkv.engine.scheduler import BatchSettings, Busy
+from ragkv.engine.scheduler import Busy
 from ragkv.loading.loader import continues_span
 from ragkv.serve.access import SERVED_MODEL_ID, Forbidden, UnknownModel
 from ragkv.serve.api import ChatRequest, RetrieveRequest, ServeSettings, check_reranker, max_tokens
@@ -121,15 +121,7 @@ class Stores:
         """The first store's engine stepping on a background thread (every store's requests join
         it), calling `before_admit` before it admits new requests; returns it."""
         stepped = self.first.engine
-        stepped.start(
-            BatchSettings(
-                max_batch=settings.max_batch,
-                max_batch_tokens=settings.max_batch_tokens,
-                prefill_chunk=settings.prefill_chunk,
-                max_queue=settings.max_queue,
-            ),
-            before_admit=before_admit,
-        )
+        stepped.start(settings.batch, before_admit=before_admit)
         return stepped
 
 

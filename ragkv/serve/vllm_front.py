@@ -32,8 +32,8 @@ import httpx
 from fastapi import Depends, FastAPI
 from fastapi.responses import StreamingResponse
 
-from ragkv.core.config import import_path
 from ragkv.core.errors import InputError, ModelError
+from ragkv.core.install import import_path
 from ragkv.core.keys import digest
 from ragkv.core.scope import cache_salt
 from ragkv.kv.movable import refuse_unless_movable

@@ -8,15 +8,12 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from pathlib import Path
 
 from ragkv.core.errors import StoreCorruptError
 from ragkv.store.kv.shards import SHARD_SUFFIX
-
-if TYPE_CHECKING:
-    from pathlib import Path
-
-    from ragkv.store.remote import RemoteStore
+from ragkv.store.objects import Location, read_error
 
 log = logging.getLogger("ragkv")
 
@@ -25,12 +22,14 @@ _STALE_TMP_S = 3600  # a partial copy this old belongs to no live process
 
 
 class ShardCopies:
-    """`remote.copies`: the local copies of `remote`'s shards (a shard reader's `RemoteShards`,
-    see ragkv.store.kv.shard_files), at most `remote.cache_bytes` of them."""
+    """An S3 store's `remote.copies`: its shards copied into `folder` (a shard reader's
+    `RemoteShards`, see ragkv.store.kv.shard_files), at most `cache_bytes` of them. `fs` reads
+    the bucket at `location`; `download(name, path)` copies one object atomically."""
 
-    def __init__(self, remote: RemoteStore):
-        self.remote = remote
-        self.folder = remote.mirror / "shards"
+    def __init__(self, folder: Path, location: Location, fs, download: Callable[[str, Path], None], cache_bytes: int):
+        self.folder, self.location, self.fs = folder, location, fs
+        self.download = download
+        self.cache_bytes = cache_bytes
         self._fetching: dict[str, threading.Thread] = {}  # shard -> its background copy
         self._fetching_lock = threading.Lock()
 
@@ -45,13 +44,12 @@ class ShardCopies:
 
     def open(self, shard: str):
         """A random-access file on the bucket's shard; starts copying it down for later reads."""
-        remote = self.remote
         try:
-            handle = remote.fs.open_input_file(remote.location.key("shards", shard))
+            handle = self.fs.open_input_file(self.location.key("shards", shard))
         except FileNotFoundError:
             raise
         except OSError as exc:
-            raise remote.read_error(exc) from exc
+            raise read_error(self.location.uri, exc) from exc
         self._prefetch(shard)
         return handle
 
@@ -62,11 +60,11 @@ class ShardCopies:
             os.utime(path)
             return path
         try:
-            self.remote.download(f"shards/{name}", path)
+            self.download(f"shards/{name}", path)
         except FileNotFoundError:
-            raise StoreCorruptError(f"shard {name} is missing from {self.remote.location.uri}") from None
+            raise StoreCorruptError(f"shard {name} is missing from {self.location.uri}") from None
         except OSError as exc:
-            raise self.remote.read_error(exc) from exc
+            raise read_error(self.location.uri, exc) from exc
         self.evict(keep=name)
         return path
 
@@ -87,7 +85,7 @@ class ShardCopies:
             except FileNotFoundError:
                 pass
         for mtime, size, path in sorted(files):
-            if total - freed <= self.remote.cache_bytes:
+            if total - freed <= self.cache_bytes:
                 break
             if path.name != keep and now - mtime > _FRESH_S:
                 path.unlink(missing_ok=True)  # open readers keep their descriptor
@@ -107,7 +105,7 @@ class ShardCopies:
         try:
             self.fetch(shard)
         except Exception as exc:  # reads go on from the bucket; the next open tries again
-            log.warning("could not copy shard %s from %s: %s", shard, self.remote.location.uri, exc)
+            log.warning("could not copy shard %s from %s: %s", shard, self.location.uri, exc)
         finally:
             with self._fetching_lock:
                 self._fetching.pop(shard, None)
