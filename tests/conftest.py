@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -21,6 +22,14 @@ from ragkv.core.config import IngestSettings, ModelSettings, cache_dir
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE_DATA = ROOT / "data"
 MODELS = cache_dir() / "models"  # the converted SmolLM2, linked into the fresh caches of S3 tests
+
+if workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")):
+    # Each of xdist's workers takes its share of the cores (and so do the servers and scripts
+    # its tests start): two workers of 2 threads each on 2 cores spin against each other and
+    # ran the suite slower than one.
+    THREADS = str(max(1, (os.cpu_count() or 1) // workers))
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = THREADS
+    torch.set_num_threads(int(THREADS))
 
 CORPUS = {
     "keys.md": "# API keys\n\nRotate the API key every 90 days. Open the admin console, create a new key, "
@@ -63,20 +72,24 @@ def _build_tiny(kind: str, folder: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
-    return _build_tiny("llama", tmp_path_factory.mktemp("tiny-llama"))
+    folder, _ = built_once(tmp_path_factory, "tiny-llama", lambda f: {"path": str(_build_tiny("llama", f))})
+    return folder
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory) -> Path:
-    return _build_tiny("qwen2", tmp_path_factory.mktemp("tiny-qwen2"))
+    folder, _ = built_once(tmp_path_factory, "tiny-qwen2", lambda f: {"path": str(_build_tiny("qwen2", f))})
+    return folder
 
 
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("corpus")
-    for name, text in CORPUS.items():
-        (folder / name).write_text(text)
-    return folder
+    def write(folder: Path) -> dict:
+        for name, text in CORPUS.items():
+            (folder / name).write_text(text)
+        return {}
+
+    return built_once(tmp_path_factory, "corpus", write)[0]
 
 
 @pytest.fixture(scope="module")
@@ -162,16 +175,39 @@ def run_cli(*args):
     return CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
 
 
-@pytest.fixture(scope="session")
-def sample_store(tmp_path_factory):
-    """The README demo: `ragkv ingest data/` with the defaults (bundled SmolLM2, float32 on CPU).
-    Returns (store path, the ingest's JSON report). Treat as read-only."""
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], dict]) -> tuple[Path, dict]:
+    """A folder `build(folder)` filled once per test run, and what it returned (JSON): with
+    xdist, the first worker to ask builds it in the run's shared temporary folder under a file
+    lock, and the others wait for the lock and reuse it. Treat it as read-only."""
     import json
 
-    store = tmp_path_factory.mktemp("sample") / "kvstore"
-    result = run_cli("ingest", SAMPLE_DATA, "--store", store, "--json", "--device", "cpu")
-    assert result.exit_code == 0, result.output
-    return store, json.loads(result.stdout)
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder, above each worker's own
+    folder, done = root / f"once-{name}", root / f"once-{name}.json"
+    with FileLock(str(root / f"once-{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            done.write_text(json.dumps(build(folder)))
+    return folder, json.loads(done.read_text())
+
+
+@pytest.fixture(scope="session")
+def sample_store(tmp_path_factory):
+    """The README demo: `ragkv ingest data/` with the defaults (bundled SmolLM2, float32 on CPU),
+    built once per run. Returns (store path, the ingest's JSON report). Treat as read-only."""
+    import json
+
+    def ingest(folder: Path) -> dict:
+        result = run_cli("ingest", SAMPLE_DATA, "--store", folder / "kvstore", "--json", "--device", "cpu")
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)
+
+    folder, report = built_once(tmp_path_factory, "sample", ingest)
+    return folder / "kvstore", report
 
 
 def computed_kv_of(store: Path, count: int = 2) -> tuple[list, list]:
@@ -210,10 +246,12 @@ def build_store(docs: Path, store: Path, model: str, dtype: str = "float32", pru
 
 @pytest.fixture(scope="session")
 def tiny_store(tmp_path_factory, tiny_llama, corpus) -> Path:
-    """A float32 store of the small corpus, built with the tiny Llama. Treat as read-only."""
-    store = tmp_path_factory.mktemp("stores") / "tiny"
-    build_store(corpus, store, str(tiny_llama))
-    return store
+    """A float32 store of the small corpus, built with the tiny Llama once per run. Treat as
+    read-only."""
+    folder, _ = built_once(
+        tmp_path_factory, "tiny", lambda f: build_store(corpus, f / "tiny", str(tiny_llama)).to_dict()
+    )
+    return folder / "tiny"
 
 
 def flip_bit_of_entry(shard: Path, name: str) -> None:
@@ -227,19 +265,29 @@ def flip_bit_of_entry(shard: Path, name: str) -> None:
     shard.write_bytes(bytes(data))
 
 
-SLOW_MODULES = {
-    "test_scaleout",
-    "test_service",
-    "test_service_hostile",
-    "test_crash",
-    "test_concurrency",
-}  # Ray, S3, servers, kill trials
+# The modules that take longest (pytest --durations), handed out first: xdist's workers take
+# one module at a time (--dist loadscope, so a module's fixtures are built once) in this order,
+# and a short module, not a long one, is the last to finish.
+LONGEST_FIRST = ("test_vllm", "test_crash", "test_scaleout", "test_wheel", "test_exactness", "test_families")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Slow (still run in CI; `pytest -m "not slow"` for a quick loop): whole modules that
-    start servers, Ray or kill processes, and every test on the bundled SmolLM2 over the
-    whole sample corpus (one ingest of data/ plus real-model answers)."""
-    for item in items:
-        if item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES or "sample_store" in item.fixturenames:
-            item.add_marker(pytest.mark.slow)
+    """Slow tests are marked where they are written, one way: `pytestmark = pytest.mark.slow`
+    for a module (servers, Ray, S3, kill trials, vLLM, the wheel), `@pytest.mark.slow` for one
+    test. A test on the bundled SmolLM2 over the whole sample corpus (`sample_store`) left
+    unmarked is an error. CI runs them all; `pytest -m "not slow"` is the quick loop. Then the
+    longest modules go first (stable otherwise)."""
+    unmarked = [i.nodeid for i in items if "sample_store" in i.fixturenames and not i.get_closest_marker("slow")]
+    if unmarked:
+        raise pytest.UsageError(f"mark these @pytest.mark.slow (they use sample_store): {', '.join(unmarked)}")
+
+    def rank(item) -> int:
+        name = item.module.__name__.rsplit(".", 1)[-1]
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto`: one worker per core, at most 4 (each holds its own models and stores)."""
+    return max(1, min(os.cpu_count() or 1, 4))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -36,6 +37,7 @@ def test_every_batched_answer_equals_asking_alone(tiny_store, top_k, mode):
             assert from_store(outcome.answer.stats) == from_store(alone.stats)
 
 
+@pytest.mark.slow  # the bundled model over the whole sample corpus
 def test_the_bundled_model_batched_equals_alone(sample_store):
     settings = AskSettings(max_new_tokens=24)
     with ragkv.open(sample_store[0], device="cpu") as engine:
@@ -62,16 +64,18 @@ def test_a_batch_decodes_together_and_counts_like_ask(tiny_store):
 
 
 def test_batch_uses_reach_the_stores_popularity(tiny_store, tmp_path):
+    store = tmp_path / "store"  # a copy: other tests' questions log their uses in the shared one
+    shutil.copytree(tiny_store, store)
     questions = tmp_path / "q.jsonl"
     questions.write_text("\n".join(json.dumps({"id": str(i), "question": q}) for i, q in enumerate(BATCH)))
-    before = json.loads(run_cli("stats", "--store", tiny_store, "--json").stdout)["uses"]
+    before = json.loads(run_cli("stats", "--store", store, "--json").stdout)["uses"]
     result = run_cli(
         "batch",
         questions,
         "--out",
         tmp_path / "a.jsonl",
         "--store",
-        tiny_store,
+        store,
         "--top-k",
         "2",
         "--max-new-tokens",
@@ -79,7 +83,7 @@ def test_batch_uses_reach_the_stores_popularity(tiny_store, tmp_path):
         "--json",
     )
     assert result.exit_code == 0, result.output
-    after = json.loads(run_cli("stats", "--store", tiny_store, "--json").stdout)["uses"]
+    after = json.loads(run_cli("stats", "--store", store, "--json").stdout)["uses"]
     assert after - before == 2 * len(BATCH)
 
 

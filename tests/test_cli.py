@@ -15,6 +15,7 @@ def run(*args):
     return run_cli(*args)
 
 
+@pytest.mark.slow  # the bundled model over the whole sample corpus
 def test_ingest_reports_what_it_did(sample_store):
     _, report = sample_store
     assert report["documents"] == {"added": 37, "changed": 0, "unchanged": 0, "removed": 0}
@@ -24,6 +25,7 @@ def test_ingest_reports_what_it_did(sample_store):
     assert (report["model"], report["dtype"], report["device"]) == ("smollm2", "float32", "cpu")
 
 
+@pytest.mark.slow  # the bundled model over the whole sample corpus
 def test_ask_json_reuses_stored_kv_and_matches_a_full_prefill(sample_store):
     store, _ = sample_store
     question = "How do I rotate the API key?"
@@ -51,6 +53,7 @@ def test_ask_json_reuses_stored_kv_and_matches_a_full_prefill(sample_store):
     assert cached["answer"] == full["answer"]
 
 
+@pytest.mark.slow  # the bundled model over the whole sample corpus
 def test_ask_prints_answer_source_and_stats(sample_store):
     store, _ = sample_store
     result = run("ask", "How many days of annual leave do I get?", "--store", store, "--max-new-tokens", "16")
@@ -60,6 +63,7 @@ def test_ask_prints_answer_source_and_stats(sample_store):
     assert "tokens reused" in result.stderr and "TTFT" in result.stderr
 
 
+@pytest.mark.slow  # the bundled model over the whole sample corpus
 def test_re_ingesting_the_same_corpus_computes_nothing(sample_store, tmp_path):
     store, first = sample_store
     copy = tmp_path / "kvstore"
@@ -69,6 +73,7 @@ def test_re_ingesting_the_same_corpus_computes_nothing(sample_store, tmp_path):
     assert report["tokens_skipped"] == first["tokens_computed"]
 
 
+@pytest.mark.slow  # the bundled model over the whole sample corpus
 def test_stats_describes_the_store(sample_store):
     store, report = sample_store
     stats = json.loads(run("stats", "--store", store, "--json").stdout)
@@ -90,6 +95,7 @@ def one_line_error(result, exit_code, *fragments):
         assert fragment in lines[0]
 
 
+@pytest.mark.slow  # the bundled model over the whole sample corpus
 def test_bad_input_gets_one_line_and_leaves_the_store_untouched(sample_store, tmp_path):
     store, _ = sample_store
     before = {p: p.stat().st_mtime_ns for p in store.rglob("*")}

@@ -19,10 +19,14 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 import ragkv
 from ragkv.core.config import ModelSettings
 from ragkv.store import collect_garbage
 from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow  # readers and writers in several processes
 
 ITERATIONS = 20_000  # the reader's bound: far more than the re-index needs
 READER = textwrap.dedent("""

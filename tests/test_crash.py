@@ -3,6 +3,9 @@ and re-running the ingest completes, computing only what the killed run had not 
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import random
 import shutil
 import signal
@@ -23,12 +26,17 @@ from ragkv.store.generations import read_current
 from ragkv.store.kv.shards import shard_files
 from tests.conftest import ROOT, computed_kv_of
 
+pytestmark = pytest.mark.slow  # kill -9 trials of real ingests
+
 SETTINGS = dict(chunk_tokens=48, batch_tokens=192, shard_bytes=48 * 1024)  # many batches, many small shards
 
-INGEST = textwrap.dedent("""
-    import sys
+# Each trial's ingest is a process of its own, killed with SIGKILL. It is forked from a process
+# that has already imported torch, transformers and ragkv (and started no thread), so a trial
+# does not pay ~4 s of imports before its ingest starts: what is killed is the same real ingest.
+FORKS = textwrap.dedent("""
+    import json, os, signal, sys
     sys.path.insert(0, {root!r})
-    import ragkv
+    import ragkv, sentence_transformers, torch, transformers  # what every trial would import
     from ragkv.pipelines.progress import Reporter
     from ragkv.core.config import IngestSettings, ModelSettings
 
@@ -36,10 +44,31 @@ INGEST = textwrap.dedent("""
         def stage(self, name, total, unit="chunks"):
             print("STAGE", name, flush=True)
 
-    ragkv.ingest([{docs!r}], {store!r}, model=ModelSettings(model={model!r}, device="cpu", dtype="float32"),
-                 settings=IngestSettings(**{settings!r}), reporter=Signal())
-    print("DONE", flush=True)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # exited trials are reaped at once
+    for line in sys.stdin:
+        job = json.loads(line)
+        pid = os.fork()
+        if pid == 0:  # the trial: its prints go to the FIFO its test reads
+            os.dup2(os.open(job["out"], os.O_WRONLY), 1)
+            sys.stdout = os.fdopen(1, "w")
+            ragkv.ingest([job["docs"]], job["store"],
+                         model=ModelSettings(model=job["model"], device="cpu", dtype="float32"),
+                         settings=IngestSettings(**job["settings"]), reporter=Signal())
+            print("DONE", flush=True)
+            os._exit(0)
+        print(pid, flush=True)
 """)
+
+
+@pytest.fixture(scope="module")
+def forks():
+    """The process trials are forked from (see FORKS): write a job line, read the trial's pid."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", FORKS.format(root=str(ROOT))], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    yield proc
+    proc.stdin.close()
+    proc.wait()
 
 
 def write_corpus(folder: Path, num_docs: int, first: int = 0) -> None:
@@ -90,26 +119,35 @@ def sealed_but_unreferenced(store: Path) -> set[str]:
     return names
 
 
-def kill_trial(trial: int, crash_setup, tiny_llama, tmp_path) -> str:
+def kill_trial(trial: int, crash_setup, tiny_llama, tmp_path, forks) -> str:
     root, reference_keys, num_documents = crash_setup
     rng = random.Random(trial)
     fresh = trial % 5 == 4  # some trials kill the very first ingest of a store
     store = tmp_path / f"trial-{trial}"
     if not fresh:
         shutil.copytree(root / "base", store)
-    script = INGEST.format(
-        root=str(ROOT), docs=str(root / "docs"), store=str(store), model=str(tiny_llama), settings=SETTINGS
-    )
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    out = tmp_path / f"trial-{trial}.out"
+    os.mkfifo(out)
+    job = {
+        "docs": str(root / "docs"),
+        "store": str(store),
+        "model": str(tiny_llama),
+        "settings": SETTINGS,
+        "out": str(out),
+    }
+    forks.stdin.write(json.dumps(job) + "\n")
+    forks.stdin.flush()
+    pid = int(forks.stdout.readline())
     # After the models load, chunking and embedding take ~1.2 s and KV compute with ~100
     # shard seals and catalog commits ~0.7 s here. Aim most kills at the writing phase.
     wait_for = "STAGE KV" if rng.random() < 0.6 else "STAGE"
-    while not (line := proc.stdout.readline()).startswith(wait_for):
-        assert line, "the ingest ended before the stage the trial waits for"
-    time.sleep(rng.uniform(0.0, 0.9 if wait_for == "STAGE KV" else 1.5))
-    outcome = "killed" if proc.poll() is None else "finished first"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    with open(out) as said:  # the trial's own output; its end is the trial's end
+        while not (line := said.readline()).startswith(wait_for):
+            assert line, "the ingest ended before the stage the trial waits for"
+        time.sleep(rng.uniform(0.0, 0.9 if wait_for == "STAGE KV" else 1.5))
+        with contextlib.suppress(ProcessLookupError):  # already ended
+            os.kill(pid, signal.SIGKILL)
+        outcome = "finished first" if "DONE" in said.read() else "killed"  # read to the end: it is gone
 
     if read_current(store) is not None:  # the store opens and verifies
         with open_snapshot(store, require_documents=False) as snap:
@@ -150,16 +188,15 @@ def _base_keys(root: Path) -> set[str]:
 
 
 @pytest.mark.parametrize("trial", range(3))
-def test_kill_nine_during_ingest(trial, crash_setup, tiny_llama, tmp_path):
-    kill_trial(trial, crash_setup, tiny_llama, tmp_path)
+def test_kill_nine_during_ingest(trial, crash_setup, tiny_llama, tmp_path, forks):
+    kill_trial(trial, crash_setup, tiny_llama, tmp_path, forks)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(3600)  # ~20 trials of ~20 s each (the suite's default hang guard is per test)
-def test_kill_nine_at_least_twenty_times(crash_setup, tiny_llama, tmp_path):
+@pytest.mark.timeout(3600)  # ~20 trials of ~5 s each (the suite's default hang guard is per test)
+def test_kill_nine_at_least_twenty_times(crash_setup, tiny_llama, tmp_path, forks):
     outcomes = []
     for trial in range(3, 43):  # until 20 trials really killed a running ingest
-        outcomes.append(kill_trial(trial, crash_setup, tiny_llama, tmp_path))
+        outcomes.append(kill_trial(trial, crash_setup, tiny_llama, tmp_path, forks))
         if outcomes.count("killed") == 20:
             break
     assert outcomes.count("killed") == 20, outcomes

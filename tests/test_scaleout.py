@@ -26,6 +26,8 @@ from ragkv.store import open_snapshot, verify
 from tests import s3server
 from tests.conftest import MODELS, QUESTIONS, fresh_home, run_cli, running_server
 
+pytestmark = pytest.mark.slow  # Ray, a real S3 server
+
 ray = pytest.importorskip("ray")
 
 

@@ -254,6 +254,7 @@ def test_threads_asking_through_the_python_api_share_the_batch(engine):
     assert [a.token_ids for a in answers] == [alone[q] for q in questions]
 
 
+@pytest.mark.slow  # the bundled model over the whole sample corpus
 def test_the_bundled_model_batched_equals_alone(sample_store):
     questions = QUESTIONS + ["What is a SEV1 incident?", "How long are database backups kept?"]
     with ragkv.open(sample_store[0], device="cpu") as engine:

@@ -17,6 +17,8 @@ from ragkv.core.config import ModelSettings
 from ragkv.store import open_snapshot
 from tests.conftest import QUESTIONS, run_cli, running_server
 
+pytestmark = pytest.mark.slow  # a real `ragkv serve`
+
 KEY = "test-key-123"
 
 
