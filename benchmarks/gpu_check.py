@@ -124,7 +124,7 @@ def main() -> None:
         parser.error("--vllm-python is required (or --families-only)")
     os.environ["RAGKV_VLLM_PYTHON"] = args.vllm_python
     work = Path(tempfile.mkdtemp(prefix="ragkv-gpu-"))
-    ingests = {"local": ingest(work / "local", "local"), "vllm": ingest(work / "vllm", "vllm")}
+    ingests = {"local": ingest(work / "local", "ragkv"), "vllm": ingest(work / "vllm", "vllm")}
     runs = []
     with ragkv.open(work / "local", device="cpu", weights=False) as engine:
         model = engine.lm.facts.path

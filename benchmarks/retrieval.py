@@ -114,7 +114,7 @@ class Candidates:
 def score_attention(engine, candidates: Candidates, lexical_weight: float) -> None:
     """ICR attention scores for each (stage, N) pool of one question."""
     runtime = engine.runtime
-    reranker = reranking.Reranker(runtime.loader, runtime.retriever, 0.0, score="attention")
+    reranker = reranking.KVReranker(runtime.loader, runtime.retriever, 0.0, score="attention")
     for stage in ("dense", "hybrid"):
         for n in NS:
             pool = candidates.first(stage, lexical_weight)[:n]
@@ -210,8 +210,8 @@ def latency(engine, questions: list[Question]) -> dict[str, tuple[float, float]]
 
     runtime = engine.runtime
     scorers = {
-        "likelihood": reranking.Reranker(runtime.loader, runtime.retriever, 0.0),
-        "attention": reranking.Reranker(runtime.loader, runtime.retriever, 0.0, score="attention"),
+        "likelihood": reranking.KVReranker(runtime.loader, runtime.retriever, 0.0),
+        "attention": reranking.KVReranker(runtime.loader, runtime.retriever, 0.0, score="attention"),
     }
     for q in questions:
         for stage in ("dense", "lexical", "hybrid"):
@@ -247,7 +247,7 @@ def score_set(store: Path, questions: list[Question], name: str) -> list[Candida
     with ragkv.open(store, device="cpu", write_back=False, log_uses=False) as engine:
         runtime = engine.runtime
         rerankers = {
-            label: reranking.Reranker(runtime.loader, runtime.retriever, 0.0, text)
+            label: reranking.KVReranker(runtime.loader, runtime.retriever, 0.0, text)
             for label, text in INSTRUCTIONS.items()
         }
         started = time.perf_counter()

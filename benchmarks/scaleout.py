@@ -33,7 +33,7 @@ DATA = ROOT / "data"
 MODELS = cache_dir() / "models"
 
 
-def timed_ingest(store, engine: str = "local", workers: int = 0) -> tuple[float, dict]:
+def timed_ingest(store, engine: str = "ragkv", workers: int = 0) -> tuple[float, dict]:
     started = time.perf_counter()
     report = ragkv.ingest(DATA, store, model=MODEL, settings=IngestSettings(), engine=engine, workers=workers)
     return time.perf_counter() - started, report.to_dict()
@@ -64,7 +64,7 @@ def main() -> None:
 
     timed_ingest(work / "warm-up")  # first model load, fingerprints, imports: not counted
     rows = []
-    for engine, workers in (("local", 0), ("ray", 1), ("ray", 2)):
+    for engine, workers in (("ragkv", 0), ("ray", 1), ("ray", 2)):
         seconds, report = timed_ingest(work / f"{engine}-{workers}", engine, workers)
         rows.append((engine, workers, seconds, report))
         print(engine, workers, f"{seconds:.1f} s", report["tokens_computed"], "tokens", flush=True)

@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.machine import describe  # noqa: E402
 from benchmarks.serve_load import QUESTIONS, Server  # noqa: E402
-from ragkv.serve.keys import key_digest  # noqa: E402
+from ragkv.serve.api_keys import key_digest  # noqa: E402
 
 CLIENTS = 8
 TOKENS = 32

@@ -47,7 +47,7 @@ WINDOW = 50  # questions per point of the hit-rate curve
 SKIP = {"ragkv": "skip"}
 
 
-def ingest(docs: Path, store: Path, engine: str = "local", **settings) -> dict:
+def ingest(docs: Path, store: Path, engine: str = "ragkv", **settings) -> dict:
     started = time.perf_counter()
     report = ragkv.ingest(
         [docs],

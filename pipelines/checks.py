@@ -4,6 +4,7 @@ what is asked, and chunk or span sizes the model's context cannot hold after the
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from ragkv.core.config import IngestSettings
@@ -13,7 +14,12 @@ from ragkv.model.prompt import PromptLayout
 from ragkv.pipelines.engines import vllm_engine
 from ragkv.pipelines.to_compute import PendingChunk
 
-ENGINES = ("local", "ray", "vllm")
+# What runs the model, as `ragkv serve --engine` names it too: ragkv's own engine in this
+# process, a Ray Data job of it, or vLLM. "local" is the old name of "ragkv".
+log = logging.getLogger("ragkv")
+
+ENGINES = ("ragkv", "ray", "vllm")
+OLD_NAMES = {"local": "ragkv"}
 
 
 ROOM_FOR_QUESTION = 64  # tokens a chunk must leave free in the context for question and answer
@@ -24,12 +30,20 @@ def chunk_room(lm: LoadedModel, layout: PromptLayout) -> int:
     return lm.facts.max_context - len(layout.prefix_ids) - ROOM_FOR_QUESTION
 
 
+def engine_named(engine: str) -> str:
+    """The engine `engine` names (an old name said once, in the log, with the new one)."""
+    if engine in OLD_NAMES:
+        log.warning("--engine %s is now --engine %s", engine, OLD_NAMES[engine])
+        return OLD_NAMES[engine]
+    return engine
+
+
 def for_engine(engine: str, store: Path | str, settings: IngestSettings) -> IngestSettings:
     """`settings` checked against the engine that computes the KV (and, for vLLM, the store)."""
     if engine not in ENGINES:
         raise InputError(f"unknown --engine {engine!r}; use one of {', '.join(ENGINES)}")
     if engine == "ray" and settings.span_tokens:
-        raise InputError("--span-tokens runs with --engine local or vllm (the Ray job computes chunks one by one)")
+        raise InputError("--span-tokens runs with --engine ragkv or vllm (the Ray job computes chunks one by one)")
     if engine == "vllm":
         vllm_engine.check(store, settings)
     return settings

@@ -1,6 +1,6 @@
 """`ingest`: read → chunk → plan → embed → compute KV → write shards → publish a generation.
 
-Embedding and KV run in this process (`engine="local"`) or as a Ray Data job
+Embedding and KV run in this process (`engine="ragkv"`) or as a Ray Data job
 (`engine="ray"`, see ragkv.pipelines.engines.ray_engine); reading, chunking and planning always run here,
 against the catalog, so both engines build the same store.
 
@@ -29,7 +29,7 @@ from ragkv.model.forward import compute_prefix, compute_spans
 from ragkv.model.llm import LoadedModel, load_model
 from ragkv.model.prompt import PromptLayout
 from ragkv.model.self_check import SelfCheck
-from ragkv.pipelines.checks import check_chunks_fit, check_fits, for_engine
+from ragkv.pipelines.checks import check_chunks_fit, check_fits, engine_named, for_engine
 from ragkv.pipelines.embedding import embed, open_vectors, settle_embedder
 from ragkv.pipelines.engines import ray_engine, vllm_engine
 from ragkv.pipelines.engines.ray_ingest import RayJob, run_ray_job
@@ -54,7 +54,7 @@ class IngestReport:
     model: str = ""
     dtype: str = ""
     device: str = ""
-    engine: str = "local"
+    engine: str = "ragkv"
     documents: dict[str, int] = field(default_factory=lambda: {"added": 0, "changed": 0, "unchanged": 0, "removed": 0})
     chunks_embedded: int = 0
     kv_computed: int = 0  # KV entries computed now
@@ -93,7 +93,7 @@ def ingest(
     reporter: Reporter | None = None,
     wait: bool = False,
     prune: bool = False,
-    engine: str = "local",
+    engine: str = "ragkv",
     workers: int = 0,
 ) -> IngestReport:
     """Ingest documents under `paths` into the store at `store` (a folder or s3://bucket/prefix)
@@ -113,6 +113,7 @@ def ingest(
     if not found.documents:
         reasons = "; ".join(f"{s.source}: {s.reason}" for s in found.skipped[:3]) or "no files"
         raise InputError(f"no documents to ingest under {', '.join(map(str, paths))} ({reasons})")
+    engine = engine_named(engine)
     settings = for_engine(engine, store, settings)
     job = RayJob(*ray_engine.connect(workers), model=model) if engine == "ray" else None
     here = "cpu" if job else model.device  # with Ray, this process only plans: the workers compute

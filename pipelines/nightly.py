@@ -58,7 +58,7 @@ def run_nightly(
     check: bool = True,
     wait: bool = False,
     reporter: Reporter | None = None,
-    engine: str = "local",
+    engine: str = "ragkv",
     workers: int = 0,
 ) -> NightlyReport:
     started = time.perf_counter()

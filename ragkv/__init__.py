@@ -53,7 +53,7 @@ def open(store, model=None, embedder=None, device="auto", dtype=None, **options)
     return QueryEngine(store, model=model, embedder=embedder, device=device, dtype=dtype, **options)
 
 
-def ingest(paths, store, model=None, settings=None, reporter=None, wait=False, prune=False, engine="local", workers=0):
+def ingest(paths, store, model=None, settings=None, reporter=None, wait=False, prune=False, engine="ragkv", workers=0):
     """Ingest documents (files or directories) into a store (a folder or s3://bucket/prefix);
     returns an `IngestReport`. `model` is a `ModelSettings`, `settings` an `IngestSettings`
     (defaults if omitted); `engine="ray"` runs embedding and KV as a Ray Data job."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 import ragkv
-from ragkv.core.config import AskSettings, IngestSettings
+from ragkv.core.config import AskSettings, IngestSettings, ModelSettings
 from ragkv.core.errors import InputError
 from ragkv.core.keys import KVKey, Profile
 from ragkv.kv import spans
@@ -186,7 +186,7 @@ def test_bad_span_settings_are_one_line_errors(tmp_path, tiny_llama):
     assert result.exit_code == 2 and "--context" in result.output
     docs = write_doc(tmp_path / "docs")
     result = run_cli("ingest", docs, "--store", tmp_path / "s", "--engine", "ray", "--span-tokens", "1024")
-    assert result.exit_code == 2 and "--engine local" in result.output
+    assert result.exit_code == 2 and "--engine ragkv" in result.output
     with pytest.raises(InputError, match="--span-tokens 4096 does not fit the model's context of 1024"):
         build_store(docs, tmp_path / "s", str(tiny_llama), chunk_tokens=24, span_tokens=4096)
     assert not (tmp_path / "s").exists()  # nothing written
@@ -208,3 +208,20 @@ def test_order_reuse_moves_the_run_the_store_holds_most_of_to_the_front():
     assert [r.chunk_id for r, _ in reuse_first([(alone, 1.0), (missing, 0.5)])] == [1, 4]
     mid_span = row(5, "d.md", 3, 90, span_start=0)  # continues a span: it loads nothing on its own
     assert [r.chunk_id for r, _ in reuse_first([(alone, 1.0), (mid_span, 0.5)])] == [1, 5]
+
+
+def test_ingest_engine_names_what_serve_names_and_its_old_name_still_works(tmp_path, tiny_llama, caplog):
+    """`--engine ragkv` (the default) is ragkv's own engine, as on `ragkv serve`; "local", its old
+    name, builds the same store and says the new name."""
+    docs = write_doc(tmp_path / "docs")
+    reports = {}
+    for name in ("ragkv", "local"):
+        with caplog.at_level("WARNING", logger="ragkv"):
+            report = ragkv.ingest(
+                [docs], tmp_path / name, model=ModelSettings(model=str(tiny_llama), device="cpu"), engine=name
+            )
+        reports[name] = (report.engine, report.kv_computed)
+    assert reports["ragkv"] == reports["local"] == ("ragkv", reports["ragkv"][1]) and reports["ragkv"][1] > 0
+    assert "--engine local is now --engine ragkv" in caplog.text
+    with pytest.raises(InputError, match="unknown --engine 'spark'; use one of ragkv, ray, vllm"):
+        ragkv.ingest([docs], tmp_path / "x", model=ModelSettings(model=str(tiny_llama), device="cpu"), engine="spark")

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import ragkv
 from ragkv.core.errors import InputError
 from ragkv.serve.api import ServeSettings
-from ragkv.serve.keys import key_digest, parse_keys, read_keys
+from ragkv.serve.api_keys import key_digest, parse_keys, read_keys
 from ragkv.serve.service import build_app, reload_keys_on_sighup
 from tests.conftest import build_store
 

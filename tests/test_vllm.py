@@ -225,7 +225,7 @@ def test_serve_engine_vllm_answers_with_the_store_kv(sample_store, tmp_path):
     shutil.copytree(store, served)  # the connector logs chunk uses into its store
     shutil.rmtree(served / HITS_DIR, ignore_errors=True)  # uses other tests logged in the shared sample store
     port, vllm_port = free_port(), free_port()
-    from ragkv.serve.keys import key_digest
+    from ragkv.serve.api_keys import key_digest
 
     keys = tmp_path / "keys.toml"  # every request carries a tenant, so the front salts vLLM's prefix cache
     keys.write_text(
@@ -313,7 +313,7 @@ def test_serve_engine_vllm_answers_with_the_store_kv(sample_store, tmp_path):
 
 
 def test_ingest_on_vllm_builds_the_store_ingest_builds(sample_store, tmp_path):
-    """`ingest --engine vllm`: the same entries under the same keys as `--engine local`, their KV
+    """`ingest --engine vllm`: the same entries under the same keys as `--engine ragkv`, their KV
     within float tolerance, and answers from it token-identical (float32)."""
     full_store, local_report = sample_store
     store = tmp_path / "kvstore"
@@ -357,7 +357,7 @@ def test_ingest_on_vllm_with_spans_under_a_budget_builds_what_local_ingest_build
         prefix = snapshot.catalog.reports.prefix_bytes()
         budget = str(prefix + (snapshot.catalog.reports.kv_bytes() - prefix) // 2)
     reports = {}
-    for store, engine in ((local, ["--engine", "local"]), (ours, ["--engine", "vllm", "--vllm-python", VLLM_PYTHON])):
+    for store, engine in ((local, ["--engine", "ragkv"]), (ours, ["--engine", "vllm", "--vllm-python", VLLM_PYTHON])):
         result = run_cli("ingest", SAMPLE_DATA, "--store", store, "--kv-budget", budget, *engine, *args)
         assert result.exit_code == 0, result.output
         reports[store] = json.loads(result.stdout)

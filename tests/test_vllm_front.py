@@ -79,7 +79,7 @@ def test_vllm_is_started_on_the_store_as_named_with_the_replica_s_pending_option
 
 
 def test_the_front_salts_vllms_prefix_cache_per_tenant_and_scopes_retrieval(tiny_store, tmp_path):
-    from ragkv.serve.keys import Caller, key_digest
+    from ragkv.serve.api_keys import Caller, key_digest
     from ragkv.serve.vllm_front import TenantSalts
 
     salts, other = TenantSalts(), TenantSalts()

@@ -1,5 +1,5 @@
 """`ragkv ingest --engine vllm`: reading, chunking, embedding, the budget's plan and the prefix's
-KV run here as for `--engine local`, and the store is published with the planned chunks' KV
+KV run here as for `--engine ragkv`, and the store is published with the planned chunks' KV
 still to compute; then vLLM's offline engine, in the python that has vLLM (`RAGKV_VLLM_PYTHON`,
 else this one), prefills each planned sequence (a chunk alone, or a span from its start) and
 the ragkv connector stores the KV the store lacks (ragkv.integrations.vllm_fill), keyed as

@@ -36,10 +36,10 @@ StoreOption = typer.Option(
     "from the environment) (env RAGKV_STORE).",
 )
 EngineOption = typer.Option(
-    "local",
+    "ragkv",
     "--engine",
-    help="local (this process), ray (a Ray Data job: joins RAY_ADDRESS, "
-    "else starts Ray here; pip install 'ragkv[ray]') or vllm (vLLM's "
+    help="What runs the model: ragkv (its own engine, in this process; 'local' is its old name), ray (a Ray "
+    "Data job of it: joins RAY_ADDRESS, else starts Ray here; pip install 'ragkv[ray]') or vllm (vLLM's "
     "offline engine computes the chunks' KV; see --vllm-python).",
 )
 VllmPythonOption = typer.Option(

@@ -46,7 +46,7 @@ def serve(
     With --keys, each API key reads only its own stores and documents (docs/tenants.md)."""
     quiet_libraries()
     import ragkv
-    from ragkv.serve.keys import parse_store_options, read_keys
+    from ragkv.serve.api_keys import parse_store_options, read_keys
     from ragkv.serve.service import serve as serve_engine
 
     named = parse_store_options(stores or [DEFAULT_STORE])
@@ -92,7 +92,7 @@ def key(
     file (it holds only the key's hash: `ragkv key --tenant hr >> keys.toml`) and, on stderr, the
     key itself (give it to its holder; it is not kept). Then SIGHUP the server to take it up."""
     from ragkv.core.scope import Scope
-    from ragkv.serve.keys import check_store_name, key_digest, new_key, parse_keys
+    from ragkv.serve.api_keys import check_store_name, key_digest, new_key, parse_keys
 
     for name in stores or ():
         check_store_name(name)

@@ -118,8 +118,7 @@ class Conversation:
         """Add `message` as the next turn and say what generating its answer takes: prefill
         `live_ids` on top of `cache` (this conversation's cache, which the caller grows), then
         decode up to `budget` tokens. The first turn retrieves and assembles the context.
-        Finish with `end_turn`."""
-        check_text(message, "the message")
+        Finish with `end_turn`. (The message was checked as it was submitted: Engine.submit.)"""
         start = time.perf_counter()
         runtime = self.runtime
         after_prefill = catch_up = None

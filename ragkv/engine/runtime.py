@@ -19,7 +19,7 @@ from ragkv.model.profiles import ActiveProfile
 from ragkv.modes import calibration
 from ragkv.modes.assemble import Assembly
 from ragkv.retrieval.cross_encoder import CrossEncoders, cross_rerank
-from ragkv.retrieval.rerank import FIRST_WEIGHT, Reranked, Reranker
+from ragkv.retrieval.rerank import FIRST_WEIGHT, KVReranker, Reranked
 from ragkv.retrieval.retriever import Retrieved, Retriever, SearchResult
 from ragkv.retrieval.search import Searched
 from ragkv.store import Hit, StoreSnapshot
@@ -51,7 +51,7 @@ class Runtime:
         self.active = active
         self.retriever = retriever
         self.loader = loader
-        self.reranker = Reranker(loader, retriever, FIRST_WEIGHT)
+        self.kv_reranker = KVReranker(loader, retriever, FIRST_WEIGHT)
         self.savings = Savings()  # every answer's prefill accounting, since open
         self.calibration = calibration.load(retriever.snapshot.catalog.meta(), active.profile.profile_id)
 
@@ -145,7 +145,7 @@ class Runtime:
         over_kv, cross = parse_reranker(settings.reranker)
         warnings: list[str] = []
         if over_kv:
-            reranked = self.reranker.rerank(question, candidates)
+            reranked = self.kv_reranker.rerank(question, candidates)
             latency["rerank_ms"] = reranked.rerank_ms
             if cross is None:
                 return reranked

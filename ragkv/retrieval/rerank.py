@@ -50,7 +50,7 @@ class Scored:
 
 @dataclass
 class Reranked:
-    """What `Reranker.rerank` did: the candidates, best first, and what it cost."""
+    """What `KVReranker.rerank` did: the candidates, best first, and what it cost."""
 
     scored: list[Scored]
     rerank_ms: float = 0.0
@@ -58,7 +58,7 @@ class Reranked:
     warnings: list[str] = field(default_factory=list)
 
 
-class Reranker:
+class KVReranker:
     """Scores candidates with the engine's model over their stored KV (the loader's RAM tier and
     verified reads, so the answer that follows finds its chunks loaded)."""
 

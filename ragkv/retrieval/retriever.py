@@ -25,7 +25,7 @@ ROW_CACHE_ENTRIES = 100_000  # catalog rows kept per engine (small: text and tok
 FILTER_CACHE_ENTRIES = 64  # filters whose admitted chunk ids are kept per generation
 
 Retrieved = list[tuple[ContextRow, float]]  # a prompt's chunks, in prompt order, with their hit's score
-# (question, candidates, top_k) -> the best top_k of them, and warnings (ragkv.retrieval.rerank.Reranker.best)
+# (question, candidates, top_k) -> the best top_k of them, and warnings (ragkv.retrieval.rerank.KVReranker.best)
 Rerank = Callable[[str, Retrieved, int], tuple[Retrieved, list[str]]]
 
 

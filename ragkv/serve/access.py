@@ -2,7 +2,7 @@
 ragkv.serve.vllm_front).
 
 - `Access` is the routes' dependency: it reads `Authorization: Bearer KEY` and returns the
-  `Caller` the key stands for (ragkv.serve.keys), or refuses: 401 for a missing or wrong key,
+  `Caller` the key stands for (ragkv.serve.api_keys), or refuses: 401 for a missing or wrong key,
   429 with Retry-After past the key's rate. Without `--api-key` or `--keys` everyone is one
   unscoped caller; `--api-key` alone admits its holder unscoped.
 - The store a route answers from is opened for the caller (ragkv.serve.stores): the OpenAI
@@ -16,7 +16,7 @@ import hmac
 
 from fastapi import Request
 
-from ragkv.serve.keys import ANYONE, Caller, KeyRing, RateLimits
+from ragkv.serve.api_keys import ANYONE, Caller, KeyRing, RateLimits
 
 SERVED_MODEL_ID = "ragkv"  # the id of the one store a plain `ragkv serve` serves; requests may also name the LLM
 

@@ -31,8 +31,8 @@ from ragkv.core.config import (
 from ragkv.core.errors import InputError, ModelError, RagkvError, StoreEmptyError
 from ragkv.core.text import check_text
 from ragkv.serve.access import SERVED_MODEL_ID, Forbidden, RateLimited, Unauthorised, UnknownModel
+from ragkv.serve.api_keys import Caller
 from ragkv.serve.guard import BodyTooLarge
-from ragkv.serve.keys import Caller
 
 __all__ = ["SERVED_MODEL_ID", "UnknownModel"]  # re-exported: both fronts name them from here
 
@@ -57,7 +57,7 @@ class ServeSettings:
     leave_pending: bool = False  # on a folder too: leave computed KV pending, never take the store's lock
     writer: bool = False  # this replica folds what the others left pending, every fold_every_s
     fold_every_s: float = 60.0
-    keys_file: str | None = None  # API keys with scopes (ragkv.serve.keys), re-read on SIGHUP
+    keys_file: str | None = None  # API keys with scopes (ragkv.serve.api_keys), re-read on SIGHUP
     audit_log: str | None = None  # JSON lines, one per answered request (ragkv.serve.audit); None: off
     audit_max_bytes: int = 100 << 20  # the audit log rotates past this (5 old files kept)
     isolate_tenants: bool = False  # also key the RAM tier of stored KV by tenant (and store no misses)

@@ -15,7 +15,7 @@ import logging.handlers
 import time
 from collections.abc import Iterable
 
-from ragkv.serve.keys import Caller
+from ragkv.serve.api_keys import Caller
 
 BACKUPS = 5  # rotated files kept
 

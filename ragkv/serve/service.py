@@ -6,7 +6,7 @@ prefill is split into chunks so running streams keep flowing. A bounded number o
 may wait to be admitted (beyond that: 503 with Retry-After).
 
 Several stores can be served by name on one loaded model (`--store NAME=PATH`, picked by the
-request's `model`), and API keys can carry scopes (`--keys`, ragkv.serve.keys): every route
+request's `model`), and API keys can carry scopes (`--keys`, ragkv.serve.api_keys): every route
 retrieves within the caller's scope and answers from its stores only (ragkv.serve.access).
 
     POST /v1/chat/completions   OpenAI chat completions (stream or not), plus a `ragkv` block
@@ -48,10 +48,10 @@ from ragkv.serve.api import (
     split_messages,
     usage,
 )
+from ragkv.serve.api_keys import Caller, KeyRing
 from ragkv.serve.audit import open_audit
 from ragkv.serve.conversations import Conversations
 from ragkv.serve.guard import RequestGuard, backstop_concurrency
-from ragkv.serve.keys import Caller, KeyRing
 from ragkv.serve.metrics import Metrics
 from ragkv.serve.stores import Busy, StoreHandle, Stores
 from ragkv.store.kv.writeback import FoldLoop
@@ -134,7 +134,7 @@ def _add_chat_route(app: FastAPI, served: Served, stepped, metrics: Metrics) -> 
         history, question, warnings = split_messages(body.messages)
         ask = handle.ask_settings(body, warnings)
         created, reply_id = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
-        turn = Turn(served, handle, history, question, ask)
+        turn = ChatTurn(served, handle, history, question, ask)
         if not body.stream:
             queued = turn.submit(stepped)
             try:
@@ -168,7 +168,7 @@ def serve(engine, store: str, settings: ServeSettings, announce) -> None:
 
 
 def reload_keys_on_sighup(access: Access) -> None:
-    """SIGHUP re-reads the keys file (ragkv.serve.keys.KeyRing.reload), where there is one."""
+    """SIGHUP re-reads the keys file (ragkv.serve.api_keys.KeyRing.reload), where there is one."""
     if access.keys is not None and hasattr(signal, "SIGHUP"):
         keys = access.keys
         signal.signal(signal.SIGHUP, lambda signum, frame: keys.reload())
@@ -231,7 +231,7 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-class Turn:
+class ChatTurn:
     """One chat request's turn: the conversation it continues (a kept one, or a new one replaying
     its history over the caller's scope) opens on the model thread when the turn is admitted,
     and is kept again once answered."""
@@ -288,7 +288,7 @@ def _completion(reply_id, created, model_id, answer, warnings, reused_history) -
     )
 
 
-async def _stream(queued, turn: Turn, queue: asyncio.Queue, reply_id, created, warnings, metrics):
+async def _stream(queued, turn: ChatTurn, queue: asyncio.Queue, reply_id, created, warnings, metrics):
     """Server-sent events in OpenAI's chunk format for a submitted turn, which decodes in the
     running batch on the model thread and hands its text over through `queue`. A client that
     disconnects cancels it."""

@@ -23,7 +23,7 @@ from ragkv.engine.scheduler import Busy
 from ragkv.loading.loader import continues_span
 from ragkv.serve.access import SERVED_MODEL_ID, Forbidden, UnknownModel
 from ragkv.serve.api import ChatRequest, RetrieveRequest, ServeSettings, check_reranker, max_tokens
-from ragkv.serve.keys import Caller
+from ragkv.serve.api_keys import Caller
 
 __all__ = ["Busy", "Forbidden", "StoreHandle", "Stores", "layout_params"]
 

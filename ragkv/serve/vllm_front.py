@@ -52,9 +52,9 @@ from ragkv.serve.api import (
     split_messages,
     usage,
 )
+from ragkv.serve.api_keys import Caller
 from ragkv.serve.audit import open_audit
 from ragkv.serve.guard import RequestGuard
-from ragkv.serve.keys import Caller
 from ragkv.serve.stores import Stores, front_block, layout_params
 from ragkv.store.kv.writeback import FoldLoop
 from ragkv.store.objects import absolute
