@@ -210,10 +210,11 @@ class InProcess:
         import ragkv
 
         self.engine = ragkv.open(store, device="cpu")
-        self.base = self.engine.batched(max_batch=16)
+        self._batched = self.engine.batched(max_batch=16)
+        self.base = self._batched.__enter__()  # the engine, stepped by its thread until `stop`
 
     def stop(self) -> None:
-        self.base.close()
+        self._batched.__exit__(None, None, None)
         self.engine.close()
 
 

@@ -30,6 +30,23 @@ pytestmark = pytest.mark.slow  # kill -9 trials of real ingests
 
 SETTINGS = dict(chunk_tokens=48, batch_tokens=192, shard_bytes=48 * 1024)  # many batches, many small shards
 
+# One ingest as a script of its own (tests/test_scaleout.py kills it while it uploads to S3).
+INGEST = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {root!r})
+    import ragkv
+    from ragkv.pipelines.progress import Reporter
+    from ragkv.core.config import IngestSettings, ModelSettings
+
+    class Signal(Reporter):
+        def stage(self, name, total, unit="chunks"):
+            print("STAGE", name, flush=True)
+
+    ragkv.ingest([{docs!r}], {store!r}, model=ModelSettings(model={model!r}, device="cpu", dtype="float32"),
+                 settings=IngestSettings(**{settings!r}), reporter=Signal())
+    print("DONE", flush=True)
+""")
+
 # Each trial's ingest is a process of its own, killed with SIGKILL. It is forked from a process
 # that has already imported torch, transformers and ragkv (and started no thread), so a trial
 # does not pay ~4 s of imports before its ingest starts: what is killed is the same real ingest.
