@@ -433,7 +433,29 @@ def test_every_route_takes_its_caller_and_reaches_a_store_only_through_its_handl
             routes = [route for route in served.routes if isinstance(route, APIRoute)]
             assert {"/v1/chat/completions", "/v1/models"} <= {route.path for route in routes}
             for route in routes:
-                if route.path in ("/healthz", "/metrics"):
-                    continue
+                if route.path in ("/healthz", "/metrics", "/ui", "/ui/app.js", "/ui/style.css"):
+                    continue  # no data: the page's own files, like /healthz and /metrics
                 assert served.state.access in {dep.call for dep in route.dependant.dependencies}, route.path
                 assert not _forbidden_reaches(route.endpoint), (route.path, _forbidden_reaches(route.endpoint))
+
+
+def test_the_dashboard_shows_a_filtered_key_its_own_documents_and_nothing_server_wide(service):
+    """/ui's JSON, as an attacker with the eng key would use it: the store panel lists only what
+    the key's filters admit (no HR id, no HR text, no store-wide figure); asking for HR chunk
+    texts by id gets nothing; the charts, what is hot and the tenants (every tenant's counts)
+    are refused; another team's store answers as if it did not exist."""
+    client, _, _ = service
+    hr = call(client, "hr", "/v1/ui/store?model=main").json()
+    assert {d["doc_id"] for d in hr["listed"]} == HR_IDS | {"all1", "all2"} and hr["filtered"]
+    hr_chunks = [c["chunk_id"] for d in hr["listed"] if d["doc_id"] in HR_IDS for c in d["chunks"]]
+    eng = call(client, "eng", "/v1/ui/store?model=main")
+    assert eng.status_code == 200 and "store" not in eng.json() and eng.json()["filtered"]
+    assert {d["doc_id"] for d in eng.json()["listed"]} == ENG_VISIBLE and eng.json()["documents"] == 4
+    assert SECRET not in eng.text and not any(doc_id in eng.text for doc_id in HR_IDS)
+    texts = call(client, "eng", "/v1/ui/chunks", {"model": "main", "chunk_ids": hr_chunks})
+    assert hr_chunks and texts.status_code == 200 and texts.json() == {"chunks": {}}
+    assert call(client, "eng", "/v1/ui/series").status_code == 403
+    assert call(client, "eng", "/v1/cache?model=main").status_code == 403
+    assert call(client, "ops", "/v1/ui/store?model=main").status_code == 404
+    wide = call(client, "ops", "/v1/ui/series")  # a key without filters: every tenant's counts
+    assert wide.status_code == 200 and wide.json()["points"]

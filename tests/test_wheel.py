@@ -74,6 +74,9 @@ def test_the_wheel_holds_every_package_and_the_sdist_builds_it(dist):
         inside = folder.relative_to(ROOT).as_posix()
         in_wheel = {n.rsplit("/", 1)[1] for n in names if n.rsplit("/", 1)[0] == inside and n.endswith(".py")}
         assert on_disk == in_wheel, inside
+    page = {f"ragkv/serve/ui/{p.name}" for p in (ROOT / "ragkv" / "serve" / "ui").iterdir()}
+    assert page and page <= set(names)  # the dashboard's page, script and style
+    assert sum(archive.getinfo(n).file_size for n in page) <= 300 * 1024
     (top_level,) = [n for n in names if n.endswith(".dist-info/top_level.txt")]
     assert archive.read(top_level).decode().split() == ["ragkv"]  # one name in site-packages
     assert {n.split("/")[0] for n in names if not n.startswith("ragkv-")} == {"ragkv"}

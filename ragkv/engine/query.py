@@ -26,6 +26,7 @@ from ragkv.engine.active import ActiveProfile, open_embedder, open_model
 from ragkv.engine.answer import Answer, AnswerStream, Savings
 from ragkv.engine.conversation import Conversation
 from ragkv.engine.engine import Engine
+from ragkv.engine.overview import chunk_texts
 from ragkv.engine.runtime import Prepared, Runtime
 from ragkv.kv.entry import Entry
 from ragkv.loading.loader import KVLoader
@@ -175,13 +176,7 @@ class QueryEngine:
     def chunk_texts(self, chunk_ids: Sequence[int], scope: Scope | Mapping | None = None) -> dict[int, str]:
         """The stored text of each of `chunk_ids` the scope (and the engine's) admits; others are
         left out as if they did not exist (read between two steps, which own the catalog)."""
-        settings = self.runtime.scoped(SearchSettings(scope=Scope.of(scope)))
-
-        def texts() -> dict[int, str]:
-            visible = self.runtime.retriever.visible(settings, list(chunk_ids))
-            return self.snapshot.catalog.documents.chunk_texts(visible)
-
-        return self.engine.call(texts)
+        return self.engine.call(chunk_texts, self.runtime, chunk_ids, Scope.of(scope))
 
     def retrieve(
         self,

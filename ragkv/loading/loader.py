@@ -263,6 +263,10 @@ class KVLoader:
         """Bytes this reader left pending for the writer's fold (S3): computed KV and uses."""
         return self.misses.pending_uploaded() + (self.uses.pending_bytes() if self.uses else 0)
 
+    def written_back(self) -> int:
+        """Entries of KV computed on a miss that the write-back stored so far (see `misses`)."""
+        return self.misses.written_back()
+
     def pending_dropped(self) -> int:
         """Computed KV entries this reader dropped to stay within its pending bound (S3)."""
         return self.misses.pending_dropped()

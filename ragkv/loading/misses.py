@@ -127,6 +127,10 @@ class Misses:
             self.writer = WriteBack(self.reads.snapshot.location, self.pending_bytes, self.leave_pending)
         return self.writer
 
+    def written_back(self) -> int:
+        """Entries of KV computed on a miss that this reader's write-back stored so far."""
+        return self.writer.report.stored if self.writer is not None else 0
+
     def pending_uploaded(self) -> int:
         """Bytes of computed KV this reader left pending for the writer's fold (S3)."""
         return self.writer.pending.report.bytes if self.writer and self.writer.pending else 0

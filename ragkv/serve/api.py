@@ -173,6 +173,11 @@ class RetrieveRequest(_Body):
         )
 
 
+class ChunksRequest(_Body):
+    model: str | None = None  # the store (its name; default the caller's first)
+    chunk_ids: list[int] = Field(max_length=100)
+
+
 def check_reranker(settings: ServeSettings, reranker: str) -> None:
     """InputError (a 400) for a `reranker` naming a cross-encoder this server does not offer: a
     client never makes the server load a model (or read a folder) it was not started with."""

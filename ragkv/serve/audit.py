@@ -12,16 +12,38 @@ from __future__ import annotations
 import json
 import logging
 import logging.handlers
+import threading
 import time
 from collections.abc import Iterable
 
 from ragkv.serve.api_keys import Caller
 
 BACKUPS = 5  # rotated files kept
+TOTALS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens")
+
+
+class TenantTotals:
+    """Requests and tokens per tenant since the server started, kept whether or not the audit log
+    is on (the dashboard's tenants table; a key with filters never sees it)."""
+
+    def __init__(self):
+        self._totals: dict[str, dict[str, int]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, tenant: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
+        with self._lock:
+            totals = self._totals.setdefault(tenant, dict.fromkeys(TOTALS, 0))
+            for name, value in zip(TOTALS, (1, prompt_tokens, completion_tokens, cached_tokens), strict=True):
+                totals[name] += value
+
+    def to_dict(self) -> dict[str, dict[str, int]]:
+        with self._lock:
+            return {tenant: dict(totals) for tenant, totals in self._totals.items()}
 
 
 class AuditLog:
     def __init__(self, path: str, max_bytes: int):
+        self.totals = TenantTotals()
         handler = logging.handlers.RotatingFileHandler(path, maxBytes=max_bytes, backupCount=BACKUPS, encoding="utf-8")
         handler.setFormatter(logging.Formatter("%(message)s"))
         self._log = logging.getLogger(f"ragkv.audit.{path}")
@@ -39,6 +61,7 @@ class AuditLog:
         completion_tokens: int = 0,
         cached_tokens: int = 0,
     ) -> None:
+        self.totals.add(caller.tenant, prompt_tokens, completion_tokens, cached_tokens)
         line = {
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "tenant": caller.tenant,
@@ -58,10 +81,13 @@ class AuditLog:
 
 
 class NoAudit:
-    """The audit log when it is off."""
+    """The audit log when it is off (the tenants' totals are still counted)."""
 
-    def record(self, *args, **kwargs) -> None:
-        pass
+    def __init__(self):
+        self.totals = TenantTotals()
+
+    def record(self, route: str, caller: Caller, stores, chunks, prompt_tokens=0, completion_tokens=0, cached_tokens=0):
+        self.totals.add(caller.tenant, prompt_tokens, completion_tokens, cached_tokens)
 
     def close(self) -> None:
         pass

@@ -28,6 +28,9 @@ class Metrics:
         self.reused = Counter("ragkv_tokens_reused", "Prompt tokens whose KV came from the store", registry=r)
         self.computed = Counter("ragkv_tokens_computed", "Prompt tokens prefilled", registry=r)
         self.generated = Counter("ragkv_tokens_generated", "Answer tokens", registry=r)
+        self.misses = Counter(
+            "ragkv_chunks_computed", "Chunks whose KV was computed on the answer path (the store had none)", registry=r
+        )
         self.cancelled = Counter(
             "ragkv_requests_cancelled",
             "Requests whose client went away before the answer ended (their rows leave the batch at the next step)",
@@ -58,6 +61,9 @@ class Metrics:
             "ragkv_tokens_per_second", "Answer tokens generated per second over the last 10 s", registry=r
         ).set_function(stepped.tokens_per_s)
         Gauge(
+            "ragkv_chunks_written_back", "Entries of KV computed on a miss and stored by the write-back", registry=r
+        ).set_function(total(lambda e: e.loader.written_back()))
+        Gauge(
             "ragkv_pending_dropped", "Computed KV entries dropped to stay within --pending-bytes (S3)", registry=r
         ).set_function(total(lambda e: e.loader.pending_dropped()))
         Gauge(
@@ -71,3 +77,4 @@ class Metrics:
         self.reused.inc(stats.reused_tokens)
         self.computed.inc(stats.computed_tokens + stats.recomputed_tokens)
         self.generated.inc(stats.generated_tokens)
+        self.misses.inc(sum(source == "computed" for source in stats.kv_sources.values()))

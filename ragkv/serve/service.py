@@ -12,6 +12,7 @@ retrieves within the caller's scope and answers from its stores only (ragkv.serv
     POST /v1/chat/completions   OpenAI chat completions (stream or not), plus a `ragkv` block
     POST /v1/retrieve           question -> chunks and scores
     GET  /v1/models, /v1/cache, /healthz, /metrics (Prometheus text)
+    GET  /ui (the dashboard; ragkv.serve.ui)
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from ragkv.serve.conversations import Conversations
 from ragkv.serve.guard import RequestGuard, backstop_concurrency
 from ragkv.serve.metrics import Metrics
 from ragkv.serve.stores import Busy, StoreHandle, Stores
+from ragkv.serve.ui import Sampler, add_ui_routes
 from ragkv.store.kv.writeback import FoldLoop
 
 log = logging.getLogger("ragkv")
@@ -98,6 +100,7 @@ def build_app(engine, settings: ServeSettings, access: Access | None = None) -> 
     async def lifespan(app):
         yield
         stepped.stop()  # finishes what is queued
+        sampler.stop()
         # Now, not when `ragkv.open`'s block ends: after a SIGTERM uvicorn raises the signal
         # again once it has shut down, which ends the process before that.
         for each in served.stores.engines():
@@ -108,6 +111,7 @@ def build_app(engine, settings: ServeSettings, access: Access | None = None) -> 
 
     app = FastAPI(title="ragkv", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     metrics = Metrics(served.stores.engines(), stepped, folding)
+    sampler = Sampler(metrics.registry).start()
     app.state.stepped, app.state.folding, app.state.access = stepped, folding, served.access
 
     app.add_middleware(
@@ -124,6 +128,7 @@ def build_app(engine, settings: ServeSettings, access: Access | None = None) -> 
 
     _add_info_routes(app, served, stepped, metrics)
     _add_chat_route(app, served, stepped, metrics)
+    add_ui_routes(app, served, stepped, sampler)
     return app
 
 

@@ -19,6 +19,7 @@ from typing import Any
 from ragkv.core.config import AskSettings, SearchSettings
 from ragkv.core.scope import bounded
 from ragkv.engine.answer import Source, Stats, reply
+from ragkv.engine.overview import chunk_texts, overview
 from ragkv.engine.scheduler import Busy
 from ragkv.loading.loader import continues_span
 from ragkv.serve.access import SERVED_MODEL_ID, Forbidden, UnknownModel
@@ -58,6 +59,15 @@ class StoreHandle:
         if self.caller.scope is not None and self.caller.scope.filters:
             raise Forbidden("/v1/cache names every hot document: it needs a key without filters")
         return stepped.call_soon(self._engine.loader.hot)
+
+    def overview_soon(self, stepped) -> Future:
+        """What the store holds as this caller may see it (ragkv.engine.overview), run on
+        `stepped`'s thread: a key with filters gets its own documents and no store-wide figure."""
+        return stepped.call_soon(overview, self._engine.runtime, self.caller.scope)
+
+    def chunk_texts_soon(self, stepped, chunk_ids: list[int]) -> Future:
+        """The texts of those of `chunk_ids` the caller may see, run on `stepped`'s thread."""
+        return stepped.call_soon(chunk_texts, self._engine.runtime, chunk_ids, self.caller.scope)
 
     def prompt_for(self, question: str, settings: AskSettings):
         """The prompt `settings` (from `ask_settings`) lays out for `question`, from the store's

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ragkv.store.catalog.part import Part
 from ragkv.store.catalog.rows import ENTRY_COLUMNS, EntryRow, ProfileTotals
 
@@ -43,3 +45,17 @@ class Reports(Part):
     def all_entries(self) -> list[EntryRow]:
         rows = self.con.execute(f"SELECT {ENTRY_COLUMNS} FROM kv_entries e ORDER BY shard, tensor").fetchall()
         return [EntryRow(*r) for r in rows]
+
+    def chunk_listing(self, profile_id: str, chunk_ids: Sequence[int]) -> list[tuple[str, str, int, int, bool, str]]:
+        """`(doc_id, source, chunk_index, chunk_id, has_kv, opening)` for each of `chunk_ids`, by
+        document and chunk: whether its KV is stored under `profile_id`, and its text's first
+        160 characters (the dashboard's table of documents)."""
+        return self.con.execute(
+            """SELECT c.doc_id, d.source, c.chunk_index, c.chunk_id,
+                      EXISTS (SELECT 1 FROM chunk_kv k SEMI JOIN kv_entries e ON e.kv_key = k.kv_key
+                              WHERE k.chunk_id = c.chunk_id AND k.profile_id = ?),
+                      left(c.text, 160)
+               FROM chunks c JOIN documents d ON d.doc_id = c.doc_id
+               WHERE c.chunk_id IN (SELECT unnest(?)) ORDER BY c.doc_id, c.chunk_index""",
+            [profile_id, list(chunk_ids)],
+        ).fetchall()
