@@ -56,14 +56,18 @@ def test_the_store_panel_lists_every_document_with_its_chunks_and_their_stored_k
 
 
 def test_the_series_counts_a_question_and_the_chunks_route_gives_its_sources_text(client):
-    before = client.get("/v1/ui/series").json()["points"][-1]
+    before = client.get("/v1/ui/series").json()["now"]
     body = {"messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 4, "ragkv": {"top_k": 2}}
     answer = client.post("/v1/chat/completions", json=body).json()
-    after = client.get("/v1/ui/series").json()
-    last = after["points"][-1]
+    after = client.get(f"/v1/ui/series?since={before['t']}").json()
+    last = after["now"]
     assert last["requests"] > before["requests"] and last["reused"] - before["reused"] > 0
     assert sum(last["ttft_buckets"].values()) > sum(before["ttft_buckets"].values())
     assert after["tenants"][""]["requests"] >= 1 and after["tenants"][""]["cached_tokens"] > 0
+    kept = client.get("/v1/ui/series").json()["points"]  # the sampler's, one every 5 s since the start
+    assert kept and all(
+        p["t"] > kept[-1]["t"] for p in client.get(f"/v1/ui/series?since={kept[-1]['t']}").json()["points"]
+    )
     ids = [s["chunk_id"] for s in answer["ragkv"]["sources"]]
     texts = client.post("/v1/ui/chunks", json={"chunk_ids": ids}).json()["chunks"]
     assert set(texts) == {str(i) for i in ids} and all(texts.values())

@@ -7,7 +7,7 @@ answers, and none of the server-wide figures (charts, what is hot, tenants), whi
 
     GET  /ui, /ui/app.js, /ui/style.css   the page (no key needed: it holds no data)
     GET  /v1/ui/store?model=              the store as the caller may see it (ragkv.engine.overview)
-    GET  /v1/ui/series                    the service's counters over time, sampled in memory
+    GET  /v1/ui/series?since=T            the service's counters over time (sampled in memory) after T, and now
     POST /v1/ui/chunks                    the texts of chunk ids the caller may see (for sources)
 """
 
@@ -62,13 +62,12 @@ CHOICES = {
 }
 EVERY_S = 5.0  # a point every 5 s ...
 KEPT = 720  # ... for the last hour
-FRESH_S = 1.0  # points closer than this replace one another
 
 
 class Sampler:
     """The service's Prometheus counters (`registry`) sampled in memory for the charts: a point
-    every EVERY_S seconds on a thread of its own, and one whenever a page asks, the last KEPT kept.
-    Nothing is stored: a restart starts the charts afresh."""
+    every EVERY_S seconds on a thread of its own, the last KEPT kept. Nothing is stored on
+    disk: a restart starts the charts afresh."""
 
     def __init__(self, registry):
         self.registry = registry
@@ -77,10 +76,9 @@ class Sampler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def sample(self) -> dict:
-        """A point now: each of FIGURES (summed over labels), the TTFT histogram's cumulative
-        buckets, and the time. It replaces the last point when that is younger than FRESH_S,
-        so pages asking often keep the charts current without shortening their hour."""
+    def point(self) -> dict:
+        """The counters now: each of FIGURES (summed over labels), the TTFT histogram's
+        cumulative buckets, and the time."""
         values = dict.fromkeys(FIGURES.values(), 0.0)
         buckets: dict[str, float] = {}
         for metric in self.registry.collect():
@@ -89,22 +87,22 @@ class Sampler:
                     values[s.name] += s.value
                 elif s.name == TTFT:
                     buckets[s.labels["le"]] = s.value
-        point = {
-            "t": time.time(),
-            **{figure: values[name] for figure, name in FIGURES.items()},
-            "ttft_buckets": buckets,
-        }
-        with self._lock:
-            if self.points and point["t"] - self.points[-1]["t"] < FRESH_S:
-                self.points.pop()
-            self.points.append(point)
+        point: dict = {"t": time.time(), **{figure: values[name] for figure, name in FIGURES.items()}}
+        point["ttft_buckets"] = buckets
         return point
 
-    def series(self) -> list[dict]:
-        """The points so far, the last taken now."""
-        self.sample()
+    def sample(self) -> None:
+        """Keep a point (the thread's, every EVERY_S)."""
+        point = self.point()
         with self._lock:
-            return list(self.points)
+            self.points.append(point)
+
+    def series(self, since: float = 0.0) -> tuple[list[dict], dict]:
+        """The kept points taken after `since` (a page asks only for those it lacks), and a
+        point taken now, not kept: pages asking often cost a point each, not a longer series."""
+        now = self.point()
+        with self._lock:
+            return [p for p in self.points if p["t"] > since], now
 
     def start(self) -> Sampler:
         def loop() -> None:
@@ -153,10 +151,7 @@ def add_ui_routes(app: FastAPI, served, stepped, sampler: Sampler) -> None:
         return {"chunks": {str(chunk_id): text for chunk_id, text in texts.items()}}
 
     @app.get("/v1/ui/series")
-    async def series(caller: Caller = Depends(served.access)):
+    async def series(since: float = 0.0, caller: Caller = Depends(served.access)):
         server_wide(caller, "the charts")
-        return {
-            "every_s": EVERY_S,
-            "points": sampler.series(),
-            "tenants": served.audit.totals.to_dict(),
-        }
+        points, now = sampler.series(since)
+        return {"every_s": EVERY_S, "points": points, "now": now, "tenants": served.audit.totals.to_dict()}

@@ -4,7 +4,7 @@
 const $ = (id) => document.getElementById(id);
 const KEY = "ragkv-key";
 const W = 400, H = 140, PAD = 6;
-let storeName = null, listed = [], open = new Set();
+let storeName = null, listed = [], open = new Set(), history = [];  // history: the kept points fetched so far
 
 function headers(extra = {}) {
   const key = sessionStorage.getItem(KEY);
@@ -152,7 +152,8 @@ function deltas(points, name, perSecond = false) {
 async function loadCharts() {
   let s;
   try {
-    s = await api("/v1/ui/series");
+    const since = history.length ? history[history.length - 1].t : 0;
+    s = await api(`/v1/ui/series?since=${since}`);
   } catch (error) {
     if (error.status !== 403) throw error;
     $("charts-note").hidden = false;
@@ -162,12 +163,13 @@ async function loadCharts() {
     return;
   }
   $("charts-note").hidden = true;
-  const p = s.points;
+  history = [...history, ...s.points].slice(-720);
+  const p = [...history, s.now];
   lines($("chart-tokens"), [deltas(p, "reused"), deltas(p, "computed")]);
   lines($("chart-ram"), [deltas(p, "ram_hits"), deltas(p, "ram_misses")]);
   lines($("chart-rps"), [deltas(p, "requests", true)]);
   lines($("chart-misses"), [deltas(p, "misses_computed"), deltas(p, "written_back")]);
-  const last = p.length ? p[p.length - 1].ttft_buckets : {};
+  const last = s.now.ttft_buckets;
   const bounds = Object.keys(last).sort((a, b) => parseFloat(a) - parseFloat(b));
   bars($("chart-ttft"), bounds.map((b) => (b === "+Inf" ? ">" : `≤${+parseFloat(b).toFixed(3)}`)),
     bounds.map((b, i) => last[b] - (i ? last[bounds[i - 1]] : 0)));
@@ -282,6 +284,7 @@ async function refresh(step) {
 // Everything the page shows, emptied when the key changes: nothing one key was shown stays for the next.
 function clear() {
   listed = [];
+  history = [];
   open = new Set();
   for (const id of ["hot-ram", "hot-uses", "sources", "chart-tokens", "chart-ram", "chart-ttft", "chart-rps", "chart-misses", "stages"]) {
     $(id).replaceChildren();
