@@ -47,6 +47,7 @@ def use_key(page, key: str, documents: int) -> None:
 
 def ask(page, question: str) -> None:
     page.fill("#question", question)
+    page.fill("#max-tokens", "24")
     page.click("#ask-form button[type=submit]")
     page.wait_for_selector("#sources li blockquote")
 
