@@ -76,3 +76,10 @@ class Access:
         if caller is None:
             raise Unauthorised()
         return caller
+
+
+def require_unfiltered(caller: Caller, why: str) -> None:
+    """Forbidden for a key with filters, where a route's answer is about every document or
+    every tenant (`why` says which)."""
+    if caller.scope is not None and caller.scope.filters:
+        raise Forbidden(f"{why}: it needs a key without filters")

@@ -41,9 +41,31 @@ class TenantTotals:
             return {tenant: dict(totals) for tenant, totals in self._totals.items()}
 
 
-class AuditLog:
-    def __init__(self, path: str, max_bytes: int):
+class NoAudit:
+    """The audit log when it is off: only the tenants' totals are kept."""
+
+    def __init__(self):
         self.totals = TenantTotals()
+
+    def record(
+        self,
+        route: str,
+        caller: Caller,
+        stores: list[str],
+        chunks: Iterable[tuple[str, int]],
+        prompt_tokens: int = 0,
+        completion_tokens: int = 0,
+        cached_tokens: int = 0,
+    ) -> None:
+        self.totals.add(caller.tenant, prompt_tokens, completion_tokens, cached_tokens)
+
+    def close(self) -> None:
+        pass
+
+
+class AuditLog(NoAudit):
+    def __init__(self, path: str, max_bytes: int):
+        super().__init__()
         handler = logging.handlers.RotatingFileHandler(path, maxBytes=max_bytes, backupCount=BACKUPS, encoding="utf-8")
         handler.setFormatter(logging.Formatter("%(message)s"))
         self._log = logging.getLogger(f"ragkv.audit.{path}")
@@ -61,7 +83,7 @@ class AuditLog:
         completion_tokens: int = 0,
         cached_tokens: int = 0,
     ) -> None:
-        self.totals.add(caller.tenant, prompt_tokens, completion_tokens, cached_tokens)
+        super().record(route, caller, stores, chunks, prompt_tokens, completion_tokens, cached_tokens)
         line = {
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "tenant": caller.tenant,
@@ -78,19 +100,6 @@ class AuditLog:
         for handler in self._log.handlers:
             handler.close()
         self._log.handlers = []
-
-
-class NoAudit:
-    """The audit log when it is off (the tenants' totals are still counted)."""
-
-    def __init__(self):
-        self.totals = TenantTotals()
-
-    def record(self, route: str, caller: Caller, stores, chunks, prompt_tokens=0, completion_tokens=0, cached_tokens=0):
-        self.totals.add(caller.tenant, prompt_tokens, completion_tokens, cached_tokens)
-
-    def close(self) -> None:
-        pass
 
 
 def open_audit(path: str | None, max_bytes: int) -> AuditLog | NoAudit:

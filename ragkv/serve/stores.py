@@ -22,7 +22,7 @@ from ragkv.engine.answer import Source, Stats, reply
 from ragkv.engine.overview import chunk_texts, overview
 from ragkv.engine.scheduler import Busy
 from ragkv.loading.loader import continues_span
-from ragkv.serve.access import SERVED_MODEL_ID, Forbidden, UnknownModel
+from ragkv.serve.access import SERVED_MODEL_ID, Forbidden, UnknownModel, require_unfiltered
 from ragkv.serve.api import ChatRequest, RetrieveRequest, ServeSettings, check_reranker, max_tokens
 from ragkv.serve.api_keys import Caller
 
@@ -56,8 +56,7 @@ class StoreHandle:
     def hot_soon(self, stepped) -> Future:
         """What the store holds hot (`QueryEngine.hot`), run on `stepped`'s thread. It names
         every hot document, so a key with filters is Forbidden."""
-        if self.caller.scope is not None and self.caller.scope.filters:
-            raise Forbidden("/v1/cache names every hot document: it needs a key without filters")
+        require_unfiltered(self.caller, "/v1/cache names every hot document")
         return stepped.call_soon(self._engine.loader.hot)
 
     def overview_soon(self, stepped) -> Future:

@@ -23,7 +23,7 @@ from fastapi import Depends, FastAPI
 from fastapi.responses import Response
 
 from ragkv.core.config import CONTEXTS, MODES, ORDERS, RETRIEVALS
-from ragkv.serve.access import Forbidden
+from ragkv.serve.access import require_unfiltered
 from ragkv.serve.api import ChunksRequest, RagkvOptions
 from ragkv.serve.api_keys import Caller
 
@@ -120,12 +120,6 @@ class Sampler:
             self._thread.join()
 
 
-def server_wide(caller: Caller, what: str) -> None:
-    """Forbidden for a key with filters: `what` is about every tenant's use of the server."""
-    if caller.scope is not None and caller.scope.filters:
-        raise Forbidden(f"{what} counts every tenant's requests: it needs a key without filters")
-
-
 def add_ui_routes(app: FastAPI, served, stepped, sampler: Sampler) -> None:
     """The page and its JSON on `app` (see the module docstring): `served` the service's stores,
     access and audit (ragkv.serve.service.Served), `stepped` the engine that steps them."""
@@ -152,6 +146,6 @@ def add_ui_routes(app: FastAPI, served, stepped, sampler: Sampler) -> None:
 
     @app.get("/v1/ui/series")
     async def series(since: float = 0.0, caller: Caller = Depends(served.access)):
-        server_wide(caller, "the charts")
+        require_unfiltered(caller, "the charts, what is hot and the tenants count every tenant's requests")
         points, now = sampler.series(since)
         return {"every_s": EVERY_S, "points": points, "now": now, "tenants": served.audit.totals.to_dict()}
