@@ -16,6 +16,7 @@ from ragkv.core.errors import ModelError
 from ragkv.engine.batch import Question, answer_all
 from ragkv.kv.entry import Entry
 from ragkv.kv.movable import refuse_unless_movable
+from ragkv.kv.packed import packable
 from ragkv.model import self_check
 from ragkv.model.llm import load_model
 from ragkv.store import open_snapshot
@@ -150,7 +151,19 @@ def test_conversation_turns_equal_a_full_prefill(family, family_store):
             assert answer.stats.reused_tokens > 0
 
 
-@pytest.mark.parametrize("family", NEW_LAYOUTS)
+PLAIN = [name for name, (_, _, verdict) in families.FAMILIES.items() if verdict == "exact" and name not in NEW_LAYOUTS]
+
+
+@pytest.mark.parametrize("family", [*PLAIN, *NEW_LAYOUTS])
+def test_packed_steps_are_taken_by_plain_attention_models_only(family, family_model):
+    """Packed steps (a prompt fed beside the decode rows) where every layer is full attention
+    of one shape: the plain families; sliding, soft-capped, latent and stateful ones decode in
+    padded steps."""
+    model = load_model(str(family_model(family)), "cpu", "float32").model
+    assert packable(model) is (family in PLAIN)
+
+
+@pytest.mark.parametrize("family", [*PLAIN, *NEW_LAYOUTS])
 def test_the_batcher_answers_as_each_question_alone(family, family_store):
     settings = AskSettings(max_new_tokens=10)
     questions = [Question(str(i), q) for i, q in enumerate(QUESTIONS)]  # prompts of different lengths

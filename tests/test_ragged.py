@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ragkv.kv import cache as kv
+from ragkv.kv.packed import packable
 from ragkv.kv.ragged import RaggedBatch
 from ragkv.model.generate import prefill
 
@@ -20,11 +21,13 @@ def model(tiny_llama):
 class Alone:
     """One sequence decoded by itself over a batch-1 cache: the reference for its row."""
 
-    def __init__(self, model, length: int, seed: int):
+    def __init__(self, model, length: int, seed: int, *prompt: list[int]):
+        """`length` random ids (of `seed`), or the ids of `prompt`'s parts prefilled one after another."""
         generator = torch.Generator().manual_seed(seed)
         self.model = model
         self.cache = kv.to_cache_empty(model.config)
-        self.logits = prefill(model, torch.randint(3, 200, (length,), generator=generator).tolist(), self.cache)
+        for ids in prompt or [torch.randint(3, 200, (length,), generator=generator).tolist()]:
+            self.logits = prefill(model, ids, self.cache)
         self.token = int(self.logits.argmax())
 
     @torch.inference_mode()
@@ -91,3 +94,42 @@ def test_a_growing_cache_appends_in_place_and_survives_a_crop(model):
     reference = kv.to_cache_empty(model.config)
     prefill(model, list(range(3, 23)) + [8, 9], reference)
     torch.testing.assert_close(kv.from_cache(cache).kv, kv.from_cache(reference).kv, rtol=1e-5, atol=1e-5)
+
+
+def test_a_packed_step_feeds_a_prompt_beside_the_decoding_rows_each_as_alone(model):
+    """The packed step (ragkv.kv.packed): decoding rows one token each and a joining row its
+    prompt's chunk, in one forward; every row's logits equal its own sequence run alone, in
+    that step and the steps after, and the buffers grow past their spare columns meanwhile."""
+    assert packable(model)
+    batch = RaggedBatch(model.config)
+    rows = [Alone(model, length, seed) for seed, length in enumerate([30, 8, 55])]
+    for row in rows:
+        batch.add(row.cache)
+    generator = torch.Generator().manual_seed(7)
+    for length, chunk in [(12, 9), (70, 200)]:  # a prompt's context, then its chunk: the second outgrows the buffers
+        context = torch.randint(3, 200, (length,), generator=generator).tolist()
+        question = torch.randint(3, 200, (chunk,), generator=generator).tolist()
+        joining = kv.to_cache_empty(model.config)
+        prefill(model, context, joining)
+        batch.add(joining)  # its row joins holding the context; the question goes in with the step
+        alone = Alone(model, 0, 0, context, question)
+        with torch.inference_mode():
+            logits = batch.step_packed(model, [[row.token] for row in rows] + [question])
+        for i, row in enumerate(rows):
+            torch.testing.assert_close(logits[i], row.step(), rtol=1e-5, atol=1e-5)
+            row.token = int(row.logits.argmax())
+        torch.testing.assert_close(logits[-1], alone.logits, rtol=1e-5, atol=1e-5)
+        rows.append(alone)
+        for _ in range(3):
+            with torch.inference_mode():
+                logits = batch.step_packed(model, [[row.token] for row in rows])
+            for i, row in enumerate(rows):
+                expected = row.step()
+                torch.testing.assert_close(logits[i], expected, rtol=1e-5, atol=1e-5)
+                row.token = int(expected.argmax())
+    assert batch.lengths == [r.cache.get_seq_length() for r in rows]
+    # Handed back: a cache holding a row's first 5 tokens grows by the rest, as the batch computed them.
+    for i, row in enumerate(rows):
+        cache = batch.hand_back(i, kv.to_cache([kv.from_cache(row.cache, 0, 0, 5)], model.config))
+        assert cache.get_seq_length() == row.cache.get_seq_length()
+        torch.testing.assert_close(kv.from_cache(cache).kv, kv.from_cache(row.cache).kv, rtol=1e-5, atol=1e-5)

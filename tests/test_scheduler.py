@@ -13,6 +13,7 @@ import pytest
 import ragkv
 from ragkv.core.config import AskSettings, DecodeSettings
 from ragkv.core.errors import InputError
+from ragkv.engine.runner import Runner
 from ragkv.engine.scheduler import Busy
 from ragkv.kv.ragged import RaggedBatch
 from tests.conftest import QUESTIONS, flip_bit_of_entry
@@ -151,8 +152,10 @@ def test_a_full_queue_is_busy_and_bad_turns_fail_alone(engine):
         assert good.result().token_ids == expected
 
 
-def test_a_turn_that_fails_as_it_joins_the_batch_gets_the_error_and_the_batcher_goes_on(engine, monkeypatch):
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "prefilled apart"])
+def test_a_turn_that_fails_as_it_joins_the_batch_gets_the_error_and_the_batcher_goes_on(engine, monkeypatch, packed):
     expected = engine.ask(QUESTIONS[1], max_new_tokens=6).token_ids
+    first_alone = engine.ask(QUESTIONS[0], max_new_tokens=24).token_ids
     add = RaggedBatch.add
     failures = iter([RuntimeError("no memory for the row")])
 
@@ -163,18 +166,27 @@ def test_a_turn_that_fails_as_it_joins_the_batch_gets_the_error_and_the_batcher_
         return add(self, single)
 
     monkeypatch.setattr(RaggedBatch, "add", add_once_failing)
+    if not packed:  # the second's prompt is prefilled in a forward of its own, then both join the batch
+        monkeypatch.setattr(Runner, "packs", property(lambda self: False))
     gate = threading.Event()
     with engine.batched(prefill_chunk=100_000) as batcher:  # each prompt in one step: the second joins the first
+        assert batcher.engine.runner.packs is packed  # the tiny Llama takes packed steps
         blocker = batcher.engine.call_soon(gate.wait)  # both turns are admitted in the same step
         first = batcher.engine.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[0], 24, DecodeSettings())
         second = batcher.engine.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[2], 24, DecodeSettings())
         gate.set()
         blocker.result()
-        # The first decodes alone on its own cache; the second's prefill brings both into the batch, and
-        # the add fails: the half-changed batch is reset, and both turns it touched get the error.
-        for ticket in (first, second):
+        # The first decodes alone on its own cache; the second brings both into the batch, and the
+        # add fails. Packed: the second's row was to join before its prompt went in, and nothing
+        # else changed: it alone gets the error and the first decodes on. Prefilled apart: the
+        # half-changed batch is reset, and both turns it touched get the error.
+        with pytest.raises(RuntimeError, match="no memory"):
+            second.result()  # resolved, not left waiting
+        if packed:
+            assert first.result().token_ids == first_alone
+        else:
             with pytest.raises(RuntimeError, match="no memory"):
-                ticket.result()  # resolved, not left waiting
+                first.result()
         assert batcher.ask(QUESTIONS[1], max_new_tokens=6).token_ids == expected
 
 
@@ -205,23 +217,41 @@ def test_a_turn_that_cannot_start_decoding_fails_alone_and_the_batch_goes_on(eng
     assert batcher.engine.num_running == 0 and batcher.engine.num_waiting == 0
 
 
-def test_a_prefill_that_fails_fails_its_turn_alone(engine, monkeypatch):
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "prefilled apart"])
+def test_a_prefill_that_fails_fails_its_turn_alone(engine, monkeypatch, packed):
     from ragkv.engine import runner
 
     long_alone = engine.ask(QUESTIONS[0], max_new_tokens=30).token_ids
-    real_prefill = runner.prefill
-    calls = {"n": 0}
+    if packed:  # the second's prompt goes in with the first's decode step, which fails once
+        real_step = RaggedBatch.step_packed
+        failures = iter([RuntimeError("out of memory in this request's prefill")])
 
-    def second_prefill_fails(model, ids, cache, recompute=None):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise RuntimeError("out of memory in this request's prefill")
-        return real_prefill(model, ids, cache, recompute)
+        def step_failing_with_a_prompt(self, model, feeds):
+            if any(len(ids) > 1 for ids in feeds) and (error := next(failures, None)) is not None:
+                raise error
+            return real_step(self, model, feeds)
 
-    monkeypatch.setattr(runner, "prefill", second_prefill_fails)
+        monkeypatch.setattr(RaggedBatch, "step_packed", step_failing_with_a_prompt)
+    else:
+        monkeypatch.setattr(Runner, "packs", property(lambda self: False))
+        real_prefill = runner.prefill
+        calls = {"n": 0}
+
+        def second_prefill_fails(model, ids, cache, recompute=None):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("out of memory in this request's prefill")
+            return real_prefill(model, ids, cache, recompute)
+
+        monkeypatch.setattr(runner, "prefill", second_prefill_fails)
+    started = threading.Event()
     with engine.batched() as batcher:
-        running = batcher.engine.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[0], 30, DecodeSettings())
-        failing = batcher.engine.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[1], 30, DecodeSettings())
+        plain = DecodeSettings()
+        running = batcher.engine.submit(
+            lambda: engine.conversation(AskSettings()), QUESTIONS[0], 30, plain, lambda _: started.set()
+        )
+        started.wait()  # decoding: the second's prompt joins it
+        failing = batcher.engine.submit(lambda: engine.conversation(AskSettings()), QUESTIONS[1], 30, plain)
         with pytest.raises(RuntimeError, match="out of memory"):
             failing.result()
         assert running.result().token_ids == long_alone

@@ -195,7 +195,13 @@ class Engine:
                     scheduler.admitted(request)
             if (job := scheduler.schedule()) is not None:
                 self._prefill(job.request, job.size)
-            for request, cache in runner.decode():
+            stepped = runner.decode()
+            for request, exc in stepped.failed:
+                scheduler.leave(request)
+                request.fail(exc, "a request failed in its prefill")
+            for request in stepped.entered:
+                scheduler.running(request)
+            for request, cache in stepped.finished:
                 scheduler.leave(request)
                 request.finish(cache)
         except BaseException as exc:  # a bug or a device error: fail what is active, keep serving

@@ -14,6 +14,7 @@ from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionLa
 from ragkv.kv.cache import GrowingHybridLayer, growing_cache, num_cached, spare_columns, to_cache
 from ragkv.kv.entry import Entry
 from ragkv.kv.layout import join, layout_of
+from ragkv.kv.packed import Packing, attending_packed
 
 
 class SlotLayer(DynamicLayer):
@@ -26,6 +27,7 @@ class SlotLayer(DynamicLayer):
         super().__init__(**kwargs)
         self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None
         self.write_at: torch.Tensor | None = None  # (B,) the column each row's next token goes to
+        self.packing: Packing | None = None  # a packed step's: where each of its tokens goes
 
     def held(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The buffers, `(row capacity, H, token capacity, Dk)` keys and `(..., Dv)` values."""
@@ -37,6 +39,11 @@ class SlotLayer(DynamicLayer):
         self.keys, self.values = (b[:rows, :, :width] for b in self.held())
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.packing is not None:  # (1, H, N, D): each token to its row's next column
+            keys, values = self.held()
+            keys[self.packing.row_of, :, self.packing.col_of] = key_states[0].transpose(0, 1)
+            values[self.packing.row_of, :, self.packing.col_of] = value_states[0].transpose(0, 1)
+            return keys, values  # the whole buffers: packed_attention takes each row's part
         rows = key_states.shape[0]
         index = torch.arange(rows, device=key_states.device)
         assert self.buffers is not None  # RaggedBatch reserves them before any row decodes
@@ -242,6 +249,21 @@ class RaggedBatch:
         return to_cache([Entry(tuple(groups), state)], self.config)  # copied into a new cache
 
     @torch.inference_mode()
+    def hand_back(self, row: int, cache: DynamicCache) -> DynamicCache:
+        """Row `row`'s tokens past what `cache` holds, appended to `cache` in place (its spare
+        room), where `cache` is the batch-1 cache the row was added from: only the tokens the
+        batch computed are copied, not the whole row (`extract`). A layout with recurrent
+        state is extracted whole (its state lives in the batch's slots). Returns `cache`."""
+        if layout_of(self.config).has_state:
+            return self.extract(row)
+        have, length = num_cached(cache), self.lengths[row]
+        for index, layer in enumerate(self.cache.layers):
+            if isinstance(layer, SlotLayer):
+                keys, values = layer.held()
+                cache.layers[index].update(keys[row : row + 1, :, have:length], values[row : row + 1, :, have:length])
+        return cache
+
+    @torch.inference_mode()
     def step(self, model, tokens: Sequence[int]) -> torch.Tensor:
         """Feed one token per row; returns the next-token logits `(B, V)`. Grows every row by one."""
         device = model.device
@@ -265,6 +287,37 @@ class RaggedBatch:
         )
         self.lengths = [n + 1 for n in self.lengths]
         return out.logits[:, -1]
+
+    @torch.inference_mode()
+    def step_packed(self, model, feeds: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Feed each row its ids (one to decode, a prompt's chunk to prefill) in one packed
+        forward (ragkv.kv.packed; only where `packable(model)`); returns each row's next-token
+        logits after its last id `(B, V)`. Grows every row by what it was fed."""
+        device = model.device
+        fed = [len(ids) for ids in feeds]
+        self._reserve(self.num_rows, max(n + f for n, f in zip(self.lengths, fed, strict=True)), self.cache)
+        self._show()
+        packing = Packing.of(self.lengths, fed, device)
+        for layer in self.cache.layers:
+            layer.packing = packing
+        ids = torch.tensor([[token for row in feeds for token in row]], dtype=torch.long, device=device)  # (1, N)
+        try:
+            with attending_packed(model):
+                out = model(
+                    input_ids=ids,
+                    attention_mask=packing.mask[:1],  # 4D: taken as it is; packed_attention reads the packing
+                    position_ids=packing.positions,
+                    cache=self.cache,
+                    use_cache=True,
+                    logits_to_keep=packing.last,
+                    ragkv_packing=packing,
+                )
+        finally:
+            for layer in self.cache.layers:
+                layer.packing = None
+        self.lengths = [n + f for n, f in zip(self.lengths, fed, strict=True)]
+        self._show()
+        return out.logits[0]
 
 
 def _row_masks(model, padding: torch.Tensor, cache, lengths: torch.Tensor):
