@@ -2,12 +2,15 @@
 
 The bundled SmolLM2-135M in float32, B rows (1, 8, 16) of ~850-token contexts held in the
 continuous batch (`ragkv.kv.ragged.RaggedBatch`, as `ragkv serve` decodes them), stepped one token
-per row; each step's wall time split by torch's profiler into what runs under it: attention,
-the padding mask, the linear layers, the other modules, the cache writes, and the rest (Python
-between the ops), and, outside the forward, picking each row's token (`Decoder` and the text
-stream, as the runner does). Medians over the steps after a warm-up.
+per row (a packed step, `step_packed`, as the runner steps a plain attention model; `--padded`:
+the padded step other layouts take); each step's wall time split by torch's profiler into what
+runs under it: attention, the padding mask, the linear layers, the other modules, the cache
+writes, and the rest (Python between the ops), and, outside the forward, picking each row's
+token (`Decoder` and the text stream, as the runner does). Medians over the steps after a
+warm-up. Then what a joining prompt (31 tokens over its own ~850-token context) costs at 8 rows:
+packed into the decode step, against its own prefill beside the step.
 
-    python benchmarks/decode_profile.py [--steps 24] [--rows 1,8,16]   # writes results/decode_profile.md
+    python benchmarks/decode_profile.py [--steps 24] [--rows 1,8,16] [--padded]   # writes results/decode_profile.md
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.machine import describe  # noqa: E402
 from ragkv.core.config import DecodeSettings  # noqa: E402
 from ragkv.kv import cache as kv  # noqa: E402
+from ragkv.kv.packed import packable  # noqa: E402
 from ragkv.kv.ragged import RaggedBatch  # noqa: E402
 from ragkv.model.generate import prefill, start_decoding  # noqa: E402
 from ragkv.model.llm import load_model  # noqa: E402
@@ -58,18 +62,26 @@ def rows_of(lm, count: int) -> list:
     return rows
 
 
-def profile_rows(lm, count: int, steps: int) -> dict[str, float]:
+def stepper(lm, batch: RaggedBatch, padded: bool):
+    """The step the runner takes: `step(tokens)` -> logits `(B, V)`."""
+    if padded or not packable(lm.model):
+        return lambda tokens: batch.step(lm.model, tokens)
+    return lambda tokens: batch.step_packed(lm.model, [[token] for token in tokens])
+
+
+def profile_rows(lm, count: int, steps: int, padded: bool) -> dict[str, float]:
     """Median ms per step of each kind, for `count` rows."""
     rows = rows_of(lm, count)
     batch = RaggedBatch(lm.model.config)
     for cache, _ in rows:
         batch.add(cache)
+    run_step = stepper(lm, batch, padded)
     samples: dict[str, list[float]] = defaultdict(list)
     for step in range(steps + 3):
         began = time.perf_counter()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=False) as prof:
             with torch.profiler.record_function("forward"):
-                logits = batch.step(lm.model, [state.to_feed() for _, state in rows])
+                logits = run_step([state.to_feed() for _, state in rows])
             with torch.profiler.record_function("pick"):
                 for i, (_, state) in enumerate(rows):
                     state.take(logits[i])
@@ -94,7 +106,7 @@ def profile_rows(lm, count: int, steps: int) -> dict[str, float]:
     unprofiled = []
     for _ in range(steps):  # the same steps without the profiler's own cost
         began = time.perf_counter()
-        logits = batch.step(lm.model, [state.to_feed() for _, state in rows])
+        logits = run_step([state.to_feed() for _, state in rows])
         for i, (_, state) in enumerate(rows):
             state.take(logits[i])
         unprofiled.append((time.perf_counter() - began) * 1000)
@@ -104,22 +116,53 @@ def profile_rows(lm, count: int, steps: int) -> dict[str, float]:
     return result
 
 
+def joining(lm, rows: int, repeats: int = 9) -> dict[str, float]:
+    """Median ms, at `rows` rows: a decode step; the step with a 31-token prompt packed in (its
+    row joined holding its context); the prompt's own prefill over that context (before
+    packing, it ran beside the step)."""
+    generator = torch.Generator().manual_seed(1)
+    context = torch.randint(10, 40000, (CONTEXT,), generator=generator).tolist()
+    prompt = torch.randint(10, 40000, (31,), generator=generator).tolist()
+    times: dict[str, list[float]] = defaultdict(list)
+    for _ in range(repeats):
+        batch = RaggedBatch(lm.model.config)
+        for cache, _ in rows_of(lm, rows):
+            batch.add(cache)
+        joiner = kv.to_cache_empty(lm.model.config)
+        prefill(lm.model, context, joiner)
+        began = time.perf_counter()
+        batch.step_packed(lm.model, [[5]] * rows)
+        times["decode step"].append(time.perf_counter() - began)
+        began = time.perf_counter()
+        prefill(lm.model, prompt, kv.to_cache([kv.from_cache(joiner)], lm.model.config))
+        times["the prompt's own prefill"].append(time.perf_counter() - began)
+        batch.add(joiner)
+        began = time.perf_counter()
+        batch.step_packed(lm.model, [[5]] * rows + [prompt])
+        times["decode step with the prompt packed in"].append(time.perf_counter() - began)
+    return {kind: 1000 * statistics.median(values[2:]) for kind, values in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--rows", default="1,8,16")
+    parser.add_argument("--padded", action="store_true", help="the padded step (layouts a packed step does not take)")
     args = parser.parse_args()
     torch.set_num_threads(2)
     lm = load_model("smollm2", "cpu", "float32")
     counts = [int(c) for c in args.rows.split(",")]
-    results = {count: profile_rows(lm, count, args.steps) for count in counts}
+    results = {count: profile_rows(lm, count, args.steps, args.padded) for count in counts}
+    join = joining(lm, 8)
     kinds = [k for k in results[counts[0]] if k not in ("tokens/s",)]
     lines = [
         "# One decode step of ragkv's own engine, profiled",
         "",
-        f"Generated by `python benchmarks/decode_profile.py --steps {args.steps} --rows {args.rows}` on {describe()}.",
+        f"Generated by `python benchmarks/decode_profile.py --steps {args.steps} --rows {args.rows}"
+        f"{' --padded' if args.padded else ''}` on {describe()}.",
         f"SmolLM2-135M, float32, rows of ~{CONTEXT}-token contexts in the continuous batch (`RaggedBatch`), one token "
-        "per row per step; medians over the steps after three warm-up ones. The kinds come from torch's profiler "
+        f"per row per step, {'padded steps' if args.padded else 'packed steps (`step_packed`, as the runner takes them)'}"
+        "; medians over the steps after three warm-up ones. The kinds come from torch's profiler "
         "(each op's own time): *attention* (sdpa and its parts), *mask* (building the padding and causal mask), "
         "*linear* (the projections and MLP matmuls), *cache writes* (each row's new keys and values put in its slot), "
         "*other ops* (norms, rotary, activations, adds, ...), *python between ops* (the forward's wall time no op "
@@ -132,7 +175,19 @@ def main() -> None:
     for kind in kinds:
         lines.append(f"| {kind} | " + " | ".join(f"{results[c][kind]:.1f}" for c in counts) + " |")
     lines.append("| decode tokens/s | " + " | ".join(f"{results[c]['tokens/s']:.1f}" for c in counts) + " |")
-    lines.append("")
+    added = join["decode step with the prompt packed in"] - join["decode step"]
+    apart = join["the prompt's own prefill"]
+    lines += [
+        "",
+        f"A prompt joining 8 decoding rows (31 tokens over its own ~{CONTEXT}-token context), ms (medians of 7):",
+        "",
+        "| | ms |",
+        "|---|---|",
+        *(f"| {kind} | {ms:.1f} |" for kind, ms in join.items()),
+        "",
+        f"Packed, the prompt adds {added:.1f} ms to the step; apart, its prefill took {apart:.1f} ms beside it.",
+        "",
+    ]
     OUT.write_text("\n".join(lines))
     print("\n".join(lines))
 
