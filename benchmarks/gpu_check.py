@@ -5,10 +5,14 @@ families beyond plain attention (issue 62) in ragkv's own engine on the GPU, whe
 runs other kernels than on a CPU (flash-linear-attention, causal-conv1d, Mamba's): each tiny
 family's self-test (logits at every question position and every recurrent state, stored path
 against a full prefill) in float32 and bfloat16, and a float32 answer from a store against a
-full prefill, token for token.
+full prefill, token for token. Then the own engine's decode step (issue 64): the bundled SmolLM2 in
+bfloat16, rows of ~850 tokens, the packed step the runner takes against the padded one at 1, 8
+and 16 rows, a 31-token prompt packed into an 8-row step, and how often the two steps pick the
+same next token.
 
     python benchmarks/gpu_check.py --vllm-python PYTHON_WITH_CUDA_VLLM [--out FILE]
     python benchmarks/gpu_check.py --families-only [--device cpu]   # the second part alone
+    python benchmarks/gpu_check.py --decode-only [--device cpu]     # the third part alone
 
 Run by benchmarks/gpu_check.sh (which bounds it to 10 minutes). Writes a markdown table.
 """
@@ -107,11 +111,74 @@ def family_lines(device: str, work: Path) -> list[str]:
     return lines
 
 
+def decode_lines(device: str, dtype: str = "bfloat16", steps: int = 12) -> list[str]:
+    """The decode step on `device`: packed against padded, ms per step (medians), and agreement."""
+    import torch
+
+    from benchmarks.decode_profile import CONTEXT, rows_of
+    from ragkv.kv.ragged import RaggedBatch
+    from ragkv.model.llm import load_model
+
+    lm = load_model("smollm2", device, dtype)
+
+    def timed(step) -> float:
+        times = []
+        for _ in range(steps):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            began = time.perf_counter()
+            step()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - began)
+        return 1000 * statistics.median(times[2:])
+
+    lines = [
+        "",
+        f"## The own engine's decode step on {device} ({dtype})",
+        "",
+        f"SmolLM2-135M, rows of ~{CONTEXT}-token contexts; ms per step, medians of {steps - 2}.",
+        "",
+        "| rows | padded step | packed step | packed with a 31-token prompt | same next token, packed vs padded |",
+        "|---|---|---|---|---|",
+    ]
+    for count in (1, 8, 16):
+        rows = rows_of(lm, count)
+        batches = [RaggedBatch(lm.model.config) for _ in range(2)]
+        for batch in batches:
+            for cache, _ in rows:
+                batch.add(cache)
+        tokens = [state.to_feed() for _, state in rows]
+        padded, packed = batches
+        same = int(
+            (
+                padded.step(lm.model, tokens).argmax(-1)
+                == packed.step_packed(lm.model, [[t] for t in tokens]).argmax(-1)
+            ).sum()
+        )
+        padded_ms = timed(lambda b=padded, t=tokens: b.step(lm.model, t))
+        packed_ms = timed(lambda b=packed, t=tokens: b.step_packed(lm.model, [[x] for x in t]))
+        joined = ""
+        if count == 8:
+            joiner = rows_of(lm, 1)[0][0]
+            packed.add(joiner)
+            prompt = list(range(100, 131))
+            began = time.perf_counter()
+            packed.step_packed(lm.model, [[t] for t in tokens] + [prompt])
+            if device == "cuda":
+                torch.cuda.synchronize()
+            joined = f"{1000 * (time.perf_counter() - began):.1f} (once)"
+        lines.append(f"| {count} | {padded_ms:.1f} | {packed_ms:.1f} | {joined or '-'} | {same} of {count} |")
+        print(lines[-1], flush=True)
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vllm-python")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "gpu_check.md")
     parser.add_argument("--families-only", action="store_true", help="only the model families, no vLLM")
+    parser.add_argument("--decode-only", action="store_true", help="only the own engine's decode step, no vLLM")
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
     if args.families_only:
@@ -120,8 +187,14 @@ def main() -> None:
         args.out.write_text("\n".join(lines) + "\n")
         print(args.out.read_text())
         return
+    if args.decode_only:
+        lines = [f"# The own engine's decode step on {args.device}", "", f"Machine: {describe()}."]
+        lines += decode_lines(args.device, "bfloat16" if args.device == "cuda" else "float32")
+        args.out.write_text("\n".join(lines) + "\n")
+        print(args.out.read_text())
+        return
     if not args.vllm_python:
-        parser.error("--vllm-python is required (or --families-only)")
+        parser.error("--vllm-python is required (or --families-only, --decode-only)")
     os.environ["RAGKV_VLLM_PYTHON"] = args.vllm_python
     work = Path(tempfile.mkdtemp(prefix="ragkv-gpu-"))
     ingests = {"local": ingest(work / "local", "ragkv"), "vllm": ingest(work / "vllm", "vllm")}
@@ -177,6 +250,7 @@ def main() -> None:
         "the TTFT is the load's cost on the critical path.",
     ]
     lines += family_lines(args.device, work)
+    lines += decode_lines(args.device)
     args.out.write_text("\n".join(lines) + "\n")
     print(args.out.read_text())
 
