@@ -23,16 +23,11 @@ median stream's decode tokens/s (after its first token), TTFT p50/p99.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-
-import httpx
-import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -44,17 +39,6 @@ from benchmarks.machine import describe  # noqa: E402
 OUT = ROOT / "benchmarks" / "results" / "decode_speed.md"
 PAGE_TOKENS = (300, 1120)  # the part of each page kept: past its navigation links, ~820 tokens
 TOKENS = 32
-
-
-@dataclass
-class Stream:
-    start: float
-    first: float
-    end: float
-    tokens: int
-    text: str = ""
-    error: str | None = None
-    stamps: list[float] = field(default_factory=list)
 
 
 def pages(work: Path, count: int) -> Path:
@@ -93,78 +77,17 @@ def questions(store: Path) -> list[str]:
     return [" ".join(text.split()[60:76]) for (text,) in rows]
 
 
-def stream(url: str, body: dict) -> Stream:
-    start, first, tokens, stamps, text = time.perf_counter(), None, 0, [], []
-    try:
-        with httpx.stream("POST", url, json=body, timeout=600) as response:
-            if response.status_code != 200:
-                return Stream(start, start, start, 0, error=f"HTTP {response.status_code}")
-            for line in response.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                choices = event.get("choices") or []
-                piece = choices and (choices[0].get("delta", {}).get("content") or choices[0].get("text"))
-                if piece:
-                    stamps.append(time.perf_counter())
-                    first = first or stamps[-1]
-                    text.append(piece)
-                tokens = (event.get("usage") or {}).get("completion_tokens") or tokens
-    except httpx.HTTPError as exc:
-        return Stream(start, start, start, 0, error=repr(exc))
-    end = time.perf_counter()
-    return Stream(start, first or end, end, tokens, "".join(text), None, stamps)
-
-
-def ask_ragkv(base: str, question: str, ids: list[int]) -> Stream:
-    body = {"messages": [{"role": "user", "content": question}], "max_tokens": TOKENS, "stream": True}
-    return stream(f"{base}/v1/chat/completions", body)
-
-
-def ask_vllm(base: str, question: str, ids: list[int]) -> Stream:
-    body = {
-        "model": "smollm2",
-        "prompt": ids,
-        "max_tokens": TOKENS,
-        "temperature": 0.0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    return stream(f"{base}/v1/completions", body)
-
-
-def level(ask, base: str, clients: int, work: list[tuple[str, list[int]]]) -> tuple[dict, list[str]]:
-    from concurrent.futures import ThreadPoolExecutor
-
-    start = time.perf_counter()
-    with ThreadPoolExecutor(clients) as pool:
-        results = list(pool.map(lambda item: ask(base, *item), work))
-    wall = time.perf_counter() - start
-    ok = [r for r in results if r.error is None]
-    ttfts = [r.first - r.start for r in ok] or [0.0]
-    decode = [(r.tokens - 1) / (r.end - r.first) for r in ok if r.tokens > 1 and r.end > r.first]
-    row = {
-        "clients": clients,
-        "errors": len(results) - len(ok),
-        "rps": len(ok) / wall,
-        "tps": sum(r.tokens for r in ok) / wall,
-        "steady": serve_load.steady_rate(ok, clients),  # type: ignore[arg-type]
-        "stream_tps": statistics.median(decode) if decode else 0.0,
-        "p50": float(np.percentile(ttfts, 50)),
-        "p99": float(np.percentile(ttfts, 99)),
-    }
-    return row, [r.text for r in results]
-
-
 def run_system(name: str, start_server, ask, levels: list[int], work_of: dict[int, list], spare) -> list[dict]:
+    """`ask(base, question, ids, tokens)`: serve_load's stream_ragkv or stream_vllm."""
     rows = []
     server = start_server()
     try:
-        ask(server.base, *spare)  # warms the process, not the pages
+        ask(server.base, *spare, TOKENS)  # warms the process, not the pages
         for workload in ("first seen", "again"):
             for clients in levels:
-                row, texts = level(ask, server.base, clients, work_of[clients])
-                rows.append({"system": name, "workload": workload, **row, "texts": texts})
+                call = partial(ask, server.base)
+                row = serve_load.level(call, clients, work_of[clients], TOKENS)
+                rows.append({"system": name, "workload": workload, **row})
                 print({k: v for k, v in rows[-1].items() if k != "texts"}, file=sys.stderr, flush=True)
     finally:
         server.stop()
@@ -283,22 +206,7 @@ def main() -> None:
     docs = pages(work, needed)
     store = work / f"store-{needed}"
     if not store.is_dir():
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "ragkv",
-                "ingest",
-                str(docs),
-                "--store",
-                str(store),
-                "--quiet",
-                "--chunk-tokens",
-                "1024",
-            ],
-            cwd=ROOT,
-            check=True,
-        )
+        serve_load.ingest(docs, store, "--chunk-tokens", "1024")
     asked = questions(store)
     serve_load.MAX_MODEL_LEN = 2048
     ids, model_folder, _ = serve_load.prompt_ids(store, asked)
@@ -310,12 +218,14 @@ def main() -> None:
     spare = pairs[-1]
     rows: list[dict] = []
     for _ in range(args.repeats):  # the two trees alternate: this shared machine drifts
-        rows += run_system("ragkv", lambda: serve_load.ragkv_server(store, 16), ask_ragkv, levels, work_of, spare)
+        rows += run_system(
+            "ragkv", lambda: serve_load.ragkv_server(store, 16), serve_load.stream_ragkv, levels, work_of, spare
+        )
         if args.before:
             rows += run_system(
                 "ragkv before",
                 lambda: serve_load.ragkv_server(store, 16, args.before),
-                ask_ragkv,
+                serve_load.stream_ragkv,
                 levels,
                 work_of,
                 spare,
@@ -326,13 +236,18 @@ def main() -> None:
         rows += run_system(
             "vLLM + ragkv connector",
             lambda: serve_load.vllm_server(args.vllm_python, folder, store),
-            ask_vllm,
+            serve_load.stream_vllm,
             levels,
             work_of,
             spare,
         )
         rows += run_system(
-            "vLLM", lambda: serve_load.vllm_server(args.vllm_python, folder), ask_vllm, levels, work_of, spare
+            "vLLM",
+            lambda: serve_load.vllm_server(args.vllm_python, folder),
+            serve_load.stream_vllm,
+            levels,
+            work_of,
+            spare,
         )
     args.out.write_text(render(rows, args, [len(i) for i in ids[:used]]))
     plot(rows, args.out.with_suffix(".png"))

@@ -234,10 +234,11 @@ class Result:
     tokens: int
     error: str | None = None
     stamps: list[float] = field(default_factory=list)  # arrival of each streamed text delta
+    text: str = ""  # the streamed text
 
 
 def _stream(url: str, body: dict, usage_of) -> Result:
-    start, first, generated, stamps = time.perf_counter(), None, 0, []
+    start, first, generated, stamps, text = time.perf_counter(), None, 0, [], []
     try:
         with httpx.stream("POST", url, json=body, timeout=600) as response:
             if response.status_code != 200:
@@ -249,14 +250,15 @@ def _stream(url: str, body: dict, usage_of) -> Result:
                 if "error" in event:
                     return Result(start, start, start, 0, str(event["error"]))
                 choices = event.get("choices") or []
-                if choices and (choices[0].get("delta", {}).get("content") or choices[0].get("text")):
+                if choices and (piece := choices[0].get("delta", {}).get("content") or choices[0].get("text")):
                     stamps.append(time.perf_counter())
                     first = first or stamps[-1]
+                    text.append(piece)
                 generated = usage_of(event) or generated
     except httpx.HTTPError as exc:
         return Result(start, start, start, 0, repr(exc))
     end = time.perf_counter()
-    return Result(start, first or end, end, generated, None, stamps)
+    return Result(start, first or end, end, generated, None, stamps, "".join(text))
 
 
 def steady_rate(ok: list[Result], clients: int) -> float | None:
@@ -283,6 +285,7 @@ def level(call, clients: int, work: list[tuple[str, list[int]]], tokens: int, in
         client_cpu = None
     ok = [r for r in results if r.error is None]
     ttfts = [r.first - r.start for r in ok] or [0.0]
+    decode = [(r.tokens - 1) / (r.end - r.first) for r in ok if r.tokens > 1 and r.end > r.first]
     return {
         "clients": clients,
         "requests": len(results),
@@ -294,6 +297,8 @@ def level(call, clients: int, work: list[tuple[str, list[int]]], tokens: int, in
         "p99": float(np.percentile(ttfts, 99)),
         "client_cpu": client_cpu,
         "steady": steady_rate(ok, clients),
+        "stream_tps": float(np.median(decode)) if decode else 0.0,  # a stream's tokens/s after its first
+        "texts": [r.text for r in results],
     }
 
 
@@ -313,7 +318,7 @@ def measure(
 
     def record(workload: str, row: dict) -> None:
         rows.append({"system": name, "workload": workload, **row})
-        print(rows[-1], file=sys.stderr, flush=True)
+        print({k: v for k, v in rows[-1].items() if k != "texts"}, file=sys.stderr, flush=True)
 
     for clients in levels:
         server = start_server()
@@ -336,6 +341,12 @@ def measure(
     finally:
         server.stop()
     return rows
+
+
+def ingest(docs: Path, store: Path, *options: str) -> None:
+    """`ragkv ingest DOCS --store STORE --quiet OPTIONS...` in a process of its own."""
+    command = [sys.executable, "-m", "ragkv", "ingest", str(docs), "--store", str(store), "--quiet", *options]
+    subprocess.run(command, cwd=ROOT, check=True, capture_output=True)
 
 
 def fresh_copy(source: Path, tmp: Path) -> Path:
@@ -525,24 +536,7 @@ def main() -> None:
         extra, MAX_MODEL_LEN, CONTEXT = ["--span-tokens", str(args.span_tokens)], 4096, "document"
     with tempfile.TemporaryDirectory() as tmp:
         built = Path(tmp) / "store"
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "ragkv",
-                "ingest",
-                str(docs),
-                "--store",
-                str(built),
-                "--quiet",
-                "--precompute",
-                args.precompute,
-                *extra,
-            ],
-            cwd=ROOT,
-            check=True,
-            capture_output=True,
-        )
+        ingest(docs, built, "--precompute", args.precompute, *extra)
         if args.pylib_tokens:
             questions = page_questions(built, wanted)
         ids, model_folder, distinct = prompt_ids(built, questions)
