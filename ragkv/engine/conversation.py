@@ -9,7 +9,6 @@ answer equals a full prefill of the whole conversation so far (float32).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -17,6 +16,7 @@ from ragkv.core.config import AskSettings, DecodeSettings
 from ragkv.core.errors import InputError, RagkvError
 from ragkv.core.text import check_text
 from ragkv.engine.answer import Answer, AnswerStream, Source, Stats
+from ragkv.engine.request import Request
 from ragkv.engine.runtime import Prepared, Runtime
 from ragkv.kv import cache as kv
 from ragkv.kv.entry import State
@@ -24,23 +24,6 @@ from ragkv.model.generate import Generated
 from ragkv.model.prompt import encode_text
 from ragkv.modes.ape import Scaling
 from ragkv.modes.blend import Recompute
-
-
-@dataclass
-class TurnPlan:
-    """One turn's generation: prefill `live_ids` on top of `cache`, decode up to `budget`."""
-
-    message: str
-    cache: Any  # the conversation's cache (batch 1), holding prompt_ids[:num_cached]
-    live_ids: list[int]
-    budget: int
-    after_prefill: Callable[[object], None] | None
-    stats: Stats
-    start: float  # the caller's clock when the turn began
-    prompt_ids: list[int]  # the whole conversation up to the answer
-    attention: Scaling | None = None  # ape: how the turn's tokens attend to the context
-    catch_up: Callable[[object], int] | None = None  # see Assembly.catch_up (the first turn's)
-    recompute: Recompute | None = None  # query: context tokens its prefill recomputes (Assembly.recompute)
 
 
 class Streams(Protocol):
@@ -114,56 +97,46 @@ class Conversation:
         self._stored_context: int = 0  # leading context tokens whose KV came from the store
         self._context_state: State | None = None  # recurrent layers' state after them (see `_fit`)
 
-    def begin_turn(self, message: str, max_new_tokens: int) -> TurnPlan:
-        """Add `message` as the next turn and say what generating its answer takes: prefill
-        `live_ids` on top of `cache` (this conversation's cache, which the caller grows), then
-        decode up to `budget` tokens. The first turn retrieves and assembles the context.
-        Finish with `end_turn`. (The message was checked as it was submitted: Engine.submit.)"""
-        start = time.perf_counter()
-        runtime = self.runtime
-        after_prefill = catch_up = None
+    def begin_turn(self, request: Request) -> None:
+        """Add `request`'s message as the next turn and fill in what generating its answer takes:
+        prefill its `pending` ids on top of its `cache` (this conversation's cache, which the
+        engine grows), then decode up to its `budget` tokens. The first turn retrieves and
+        assembles the context. Finish with `end_turn`. (The message was checked as it was
+        submitted: Engine.submit.)"""
+        request.start = time.perf_counter()
+        runtime, message = self.runtime, request.message
         if not self.turns:  # the counts come from assembling the context
             prepared = self.runtime.prepare(message, self.settings)
             self._open_context(prepared)
-            new_ids, after_prefill, stats = prepared.question_ids, prepared.assembly.after_prefill, prepared.stats
-            catch_up = prepared.assembly.catch_up
-            live_ids = prepared.live_ids
+            new_ids, stats, live_ids = prepared.question_ids, prepared.stats, prepared.live_ids
+            request.after_prefill, request.catch_up = prepared.assembly.after_prefill, prepared.assembly.catch_up
             self.turns.append(Turn(message, new_ids, []))
         else:
             stats = runtime.new_stats(self.settings)
             new_ids = runtime.active.layout.turn_ids(runtime.lm.tokenizer, message)
-            self._fit(len(new_ids) + max_new_tokens, stats)
+            self._fit(len(new_ids) + request.max_new_tokens, stats)
             self.turns.append(Turn(message, new_ids, []))
             cached = kv.num_cached(self.cache)
             live_ids = self.ids()[cached:]
             stats.reused_tokens = cached
             stats.computed_tokens = len(live_ids)
-        conversation = self.ids()
-        budget = runtime.fit_budget(len(conversation), max_new_tokens, stats)
-        recompute, self.recompute = self.recompute, None  # the first prefill after the context takes it
-        return TurnPlan(
-            message,
-            self.cache,
-            live_ids,
-            budget,
-            after_prefill,
-            stats,
-            start,
-            conversation,
-            self.attention,
-            catch_up,
-            recompute,
-        )
+        request.prompt_ids = self.ids()
+        request.budget = runtime.fit_budget(len(request.prompt_ids), request.max_new_tokens, stats)
+        request.cache, request.pending, request.stats = self.cache, list(live_ids), stats
+        request.attention = self.attention
+        request.recompute, self.recompute = self.recompute, None  # the first prefill after the context takes it
 
-    def end_turn(self, plan: TurnPlan, done: Generated, cache=None) -> Answer:
+    def end_turn(self, request: Request, done: Generated, cache=None) -> Answer:
         """Record the turn's answer (`done`); `cache`, when given, replaces the conversation's
-        cache (it must hold the conversation's KV so far, as `plan.cache` would)."""
+        cache (it must hold the conversation's KV so far, as `request.cache` would)."""
         if cache is not None:
             self.cache = cache
         self.turns[-1].answer_ids = list(done.token_ids)
-        plan.stats.record(done, plan.start)
-        self.runtime.savings.add(plan.stats)
-        return Answer(plan.message, done.text, done.token_ids, self.sources, plan.stats, plan.prompt_ids)
+        stats = request.stats
+        assert stats is not None, "the turn did not begin"
+        stats.record(done, request.start)
+        self.runtime.savings.add(stats)
+        return Answer(request.message, done.text, done.token_ids, self.sources, stats, request.prompt_ids)
 
     def _open_context(self, prepared: Prepared) -> None:
         """Take the first message's retrieved context and its assembled cache."""

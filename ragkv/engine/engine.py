@@ -227,7 +227,7 @@ class Engine:
             return
         if finished:
             self.scheduler.leave(request)
-            request.finish(request.turn_plan.cache)
+            request.finish(request.cache)
         elif prompt_in:
             self.scheduler.running(request)
             self.runner.join(request)

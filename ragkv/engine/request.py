@@ -1,7 +1,8 @@
 """One question from submission to answer (nano-vllm's `Sequence`): a turn of a conversation,
-with its status, its prompt and cache (`plan`), its decoding state and the future its caller
-waits on. The scheduler moves its status, the runner fills its decoding state, and the request
-finishes itself: its answer built once, by its conversation, from what it holds."""
+with its status, its prompt and cache (filled by its conversation as it is admitted), its
+decoding state and the future its caller waits on. The scheduler moves its status, the runner
+fills its decoding state, and the request finishes itself: its answer built once, by its
+conversation, from what it holds."""
 
 from __future__ import annotations
 
@@ -11,13 +12,15 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
 from ragkv.core.config import DecodeSettings
 from ragkv.core.errors import InputError, RagkvError
-from ragkv.engine.answer import Answer
-from ragkv.engine.conversation import Conversation, TurnPlan
-from ragkv.model.generate import DecodeState, start_decoding
+from ragkv.engine.answer import Answer, Stats
+from ragkv.model.generate import DecodeState, Generated, start_decoding
 from ragkv.model.llm import LoadedModel
+from ragkv.modes.ape import Scaling
+from ragkv.modes.blend import Recompute
 
 log = logging.getLogger("ragkv")
 
@@ -30,19 +33,39 @@ class Status(enum.Enum):
     FAILED = "failed"  # its error is the future's
 
 
+@runtime_checkable
+class Talk(Protocol):
+    """What a request is a turn of: a conversation (ragkv.engine.conversation.Conversation)."""
+
+    def begin_turn(self, request: Request) -> None: ...
+
+    def end_turn(self, request: Request, done: Generated, cache) -> Answer: ...
+
+
 @dataclass(eq=False)
 class Request:
     """A submitted turn. `result()` waits for its `Answer` (or raises its error); `cancel()` frees
     its row at the next step."""
 
-    conversation: Conversation | Callable[[], Conversation]  # a factory runs when the request is admitted
+    conversation: Talk | Callable[[], Talk]  # a factory runs when the request is admitted
     message: str
     max_new_tokens: int
     decoding: DecodeSettings
     on_text: Callable[[str], None] | None = None  # each piece of text as it is generated
     status: Status = Status.WAITING
-    plan: TurnPlan | None = None  # the prompt's ids, its cache and the stats of building them
+    # -- the turn, as its conversation's `begin_turn` makes it at admission: prefill `pending`
+    # on top of `cache`, then decode up to `budget` tokens
+    cache: Any = None  # the conversation's cache (batch 1), holding prompt_ids[:what it holds]
     pending: list[int] = field(default_factory=list)  # prompt ids still to prefill
+    prompt_ids: list[int] = field(default_factory=list)  # the whole conversation up to the answer
+    budget: int = 0
+    stats: Stats | None = None  # what building the prompt and cache did; the answer's, once finished
+    start: float = 0.0  # the caller's clock when the turn began
+    after_prefill: Callable[[object], None] | None = None  # (Assembly.after_prefill)
+    attention: Scaling | None = None  # ape: how the turn's tokens attend to the context
+    catch_up: Callable[[object], int] | None = None  # the first turn's (Assembly.catch_up)
+    recompute: Recompute | None = None  # context tokens its first prefill recomputes (Assembly.recompute)
+    # -- the decoding
     state: DecodeState | None = None
     started: bool = False  # its prefill has begun
     max_rows: int = 1  # the largest batch it decoded in
@@ -63,12 +86,6 @@ class Request:
 
     # -- what the scheduler and the runner read -------------------------------------------------
     @property
-    def turn_plan(self) -> TurnPlan:
-        """Its prompt, cache and stats: set when it is admitted."""
-        assert self.plan is not None, "the request is not admitted yet"
-        return self.plan
-
-    @property
     def decode_state(self) -> DecodeState:
         """Its tokens so far and how the next is picked: set when it is admitted."""
         assert self.state is not None, "the request is not admitted yet"
@@ -77,13 +94,13 @@ class Request:
     @property
     def reserved_tokens(self) -> int:
         """Tokens its row may come to hold: prompt + budget."""
-        return len(self.plan.prompt_ids) + self.plan.budget if self.plan else 0
+        return len(self.prompt_ids) + self.budget
 
     @property
     def attends_apart(self) -> bool:
         """Whether it attends in its own way (ape's scaling): it always decodes in a forward of its
         own (a plain request does only while it is alone)."""
-        return self.plan is not None and self.plan.attention is not None
+        return self.attention is not None
 
     # -- its life -------------------------------------------------------------------------------
     def admit(self, lm: LoadedModel) -> bool:
@@ -94,11 +111,10 @@ class Request:
             self.fail(InputError("cancelled before it started"))
             return False
         try:
-            if not isinstance(self.conversation, Conversation):
+            if not isinstance(self.conversation, Talk):
                 self.conversation = self.conversation()
-            self.plan = self.conversation.begin_turn(self.message, self.max_new_tokens)
-            self.pending = list(self.plan.live_ids)
-            self.state = start_decoding(lm, self.plan.budget, self.decoding, self.plan.start)
+            self.conversation.begin_turn(self)
+            self.state = start_decoding(lm, self.budget, self.decoding, self.start)
         except Exception as exc:
             self.fail(exc, "a request failed as it joined the batch")
             return False
@@ -108,14 +124,14 @@ class Request:
     def finish(self, cache, reason: str | None = None) -> None:
         """Its answer, from the conversation that keeps `cache` (its KV, for a follow-up; None:
         cancelled before its prefill ended)."""
-        assert self.state is not None and self.plan is not None and isinstance(self.conversation, Conversation)
+        assert self.state is not None and isinstance(self.conversation, Talk)
         if reason is not None:
             self.state.finish_reason = reason
         if (tail := self.state.finish()) and self.on_text:
             self.on_text(tail)
         self._account()
         try:
-            answer = self.conversation.end_turn(self.plan, self.state.result(), cache)
+            answer = self.conversation.end_turn(self, self.state.result(), cache)
         except BaseException as exc:
             self.fail(exc)
             return
@@ -123,9 +139,10 @@ class Request:
         self._resolve(answer=answer)
 
     def _account(self) -> None:
-        """What the request itself knows, into the stats its plan built: the batch it decoded in,
+        """What the request itself knows, into the stats its admission built: the batch it decoded in,
         and the tokens it took from the prefix cache instead of prefilling them."""
-        stats = self.turn_plan.stats
+        stats = self.stats
+        assert stats is not None, "the request is not admitted yet"
         stats.batch_size = self.max_rows
         stats.reused_tokens += self.caught_up
         stats.prefix_cache_tokens += self.caught_up

@@ -61,7 +61,7 @@ class Runner:
         ids ride along the decode step (`_rides_along`): then its row joins the batch (once)
         and the ids wait for `decode`. Returns (whether its prompt is in, whether it is finished
         already)."""
-        plan, state = request.turn_plan, request.decode_state
+        state = request.decode_state
         started = time.perf_counter()
         first = not request.started
         if first:
@@ -75,13 +75,13 @@ class Runner:
             self.filling[request] = chunk
             state.prefill_s += time.perf_counter() - started
             return False, False  # its chunk goes in with this step's decode
-        model = attending(self.lm.model, plan.attention)
-        logits = prefill(model, chunk, plan.cache, plan.recompute if first else None)
+        model = attending(self.lm.model, request.attention)
+        logits = prefill(model, chunk, request.cache, request.recompute if first else None)
         state.prefill_s += time.perf_counter() - started
         if request.pending:
             return False, False
-        if plan.after_prefill is not None:
-            plan.after_prefill(plan.cache)
+        if request.after_prefill is not None:
+            request.after_prefill(request.cache)
         return True, self._take(request, logits)
 
     @property
@@ -97,9 +97,8 @@ class Runner:
         one decodes."""
         if request in self.filling:
             return True
-        plan = request.turn_plan
-        plain = not request.attends_apart and plan.recompute is None and plan.after_prefill is None
-        held = num_cached(plan.cache) > 0  # a row joins holding something (its buffers take their shapes from it)
+        plain = not request.attends_apart and request.recompute is None and request.after_prefill is None
+        held = num_cached(request.cache) > 0  # a row joins holding something (its buffers take their shapes from it)
         return self.packs and plain and held and bool(self.rows or any(not r.attends_apart for r in self.solo))
 
     def join(self, request: Request) -> None:
@@ -116,7 +115,7 @@ class Runner:
     def _batch_with(self, request: Request) -> None:
         """`request` becomes a row of the batch, with the plain request that had the model to itself."""
         for row in [*[r for r in self.solo if not r.attends_apart], request]:
-            self._batch.add(row.turn_plan.cache)
+            self._batch.add(row.cache)
             if row in self.solo:
                 self.solo.remove(row)
             self.rows.append(row)
@@ -155,10 +154,10 @@ class Runner:
                     done.append(i)
             finished += self._leave(done)
         for request in list(self.solo):
-            model = attending(self.lm.model, request.turn_plan.attention)
-            if self._take(request, step(model, request.decode_state.to_feed(), request.turn_plan.cache)):  # logits (V,)
+            model = attending(self.lm.model, request.attention)
+            if self._take(request, step(model, request.decode_state.to_feed(), request.cache)):  # logits (V,)
                 self.solo.remove(request)
-                finished.append((request, request.turn_plan.cache))
+                finished.append((request, request.cache))
         return Stepped(finished, entered, failed)
 
     def _step_rows(self):
@@ -184,7 +183,7 @@ class Runner:
             return self._leave([index])[0][1]
         if request in self.solo:
             self.solo.remove(request)
-            return request.turn_plan.cache
+            return request.cache
         return None
 
     def reset(self) -> None:
@@ -205,7 +204,7 @@ class Runner:
     def _leave(self, indices: list[int]) -> list[tuple[Request, object]]:
         """Rows `indices` leave the batch, each with its own cache, grown by what the batch
         computed for it."""
-        left = [(self.rows[i], self._batch.hand_back(i, self.rows[i].turn_plan.cache)) for i in indices]
+        left = [(self.rows[i], self._batch.hand_back(i, self.rows[i].cache)) for i in indices]
         if indices:
             self.rows = [self.rows[i] for i in self._batch.remove(indices)]
         return left
@@ -214,8 +213,7 @@ class Runner:
 def _catch_up(request: Request) -> None:
     """As `request`'s prefill starts: what a request admitted with it over the same context has
     prefilled since (the prefix cache) joins its cache instead of being prefilled again."""
-    plan = request.turn_plan
-    if plan.catch_up is None or not (added := plan.catch_up(plan.cache)):
+    if request.catch_up is None or not (added := request.catch_up(request.cache)):
         return
     request.pending = request.pending[added:]
     request.caught_up = added
