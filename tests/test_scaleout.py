@@ -89,15 +89,18 @@ def _assert_same_store(a, b) -> None:
         assert abs(right["vectors"][text] - vector).max() < 1e-5
 
 
-def test_ray_ingest_builds_the_same_store_as_a_local_one(ray_cluster, local_store, corpus, tmp_path, monkeypatch):
+def test_ray_ingest_builds_the_same_store_as_a_local_one(ray_cluster, s3_env, local_store, corpus, monkeypatch):
+    """Ray's workers writing their shards straight to S3 (into a local folder: the killed
+    worker's test below, which builds the same store too)."""
     from ragkv.pipelines.engines import ray_engine
 
+    uri = "s3://ragkv/from-ray"
     monkeypatch.setattr(ray_engine, "DEFAULT_BATCH_ROWS", 3)
-    report = ragkv.ingest(corpus, tmp_path / "kv", model=SMOLLM2, settings=SETTINGS, engine="ray", workers=2)
+    report = ragkv.ingest(corpus, uri, model=SMOLLM2, settings=SETTINGS, engine="ray", workers=2)
     assert report.engine == "ray" and report.kv_computed > 3 and report.shards_discarded == 0
-    _assert_same_store(local_store, tmp_path / "kv")
-    assert _answers(tmp_path / "kv") == _answers(local_store)
-    again = ragkv.ingest(corpus, tmp_path / "kv", model=SMOLLM2, settings=SETTINGS, engine="ray", workers=2)
+    _assert_same_store(local_store, uri)
+    assert _answers(uri) == _answers(local_store)
+    again = ragkv.ingest(corpus, uri, model=SMOLLM2, settings=SETTINGS, engine="ray", workers=2)
     assert again.kv_computed == 0 and again.tokens_computed == 0  # incremental: nothing to do, no job
 
 
@@ -205,13 +208,6 @@ def test_s3_store_round_trip(s3_env, local_store, corpus, tmp_path, monkeypatch)
     )
     assert after["base"] == before["base"] and len(new) == 4
     assert elsewhere.downloaded == sum(objects[n] for n in new) < sum(objects.values()) / 2
-
-
-def test_ray_workers_write_shards_to_s3(ray_cluster, s3_env, local_store, corpus):
-    uri = "s3://ragkv/from-ray"
-    report = ragkv.ingest(corpus, uri, model=SMOLLM2, settings=SETTINGS, engine="ray", workers=2)
-    assert report.kv_computed > 0
-    _assert_same_store(local_store, uri)
 
 
 def test_s3_reindex_gc_and_verify(s3_env, corpus, tmp_path):
