@@ -118,7 +118,10 @@ def _run_forked(python: str, argv: list[str], env: dict, work: Path) -> tuple[in
     assert server.stdin is not None and server.stdout is not None
     server.stdin.write(json.dumps({"argv": argv, "env": env, "out": str(out), "err": str(err)}) + "\n")
     server.stdin.flush()
-    pid = int(server.stdout.readline())
+    said = server.stdout.readline()
+    if not said:  # its traceback is on this process's stderr
+        raise RuntimeError("the vLLM probes' fork server ended before it forked the probe")
+    pid = int(said)
     answer: list[str] = []
     waiting = threading.Thread(target=lambda: answer.append(server.stdout.readline()), daemon=True)  # type: ignore[union-attr]
     waiting.start()
