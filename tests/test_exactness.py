@@ -10,6 +10,7 @@ tokens). Real models throughout, never mocks.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import replace
 from unittest.mock import patch
 
 import pytest
@@ -91,8 +92,9 @@ def test_smollm2_sample_corpus_twenty_questions_float32(sample_store):
     questions = (ROOT / "benchmarks" / "questions.txt").read_text().splitlines()
     assert len(questions) == 20
     settings = AskSettings(max_new_tokens=48)
-    with ragkv.open(sample_store[0], device="cpu") as engine, first_logits() as logits:
-        full = {q: engine.ask(q, max_new_tokens=48, use_cache=False) for q in questions}
+    with ragkv.open(sample_store[0], device="cpu") as engine:
+        with first_logits() as logits:
+            full = {q: engine.ask(q, replace(settings, use_cache=False)) for q in questions}
         full_logits = dict(zip(questions, logits, strict=True))
         batch = [Question(str(i), q) for i, q in enumerate(questions)]
         outcomes = list(answer_all(engine, batch, settings, max_batch=len(questions)))

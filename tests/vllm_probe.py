@@ -102,13 +102,16 @@ def run(python: str, model: str, store, spec: dict, work: Path, forked: bool = F
                 [python, __file__, *argv], capture_output=True, text=True, env=env, timeout=HANG_GUARD_S
             )
         except subprocess.TimeoutExpired as exc:  # killed: say where vLLM was
-            said = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
-            raise RuntimeError(f"the vLLM probe hung past {HANG_GUARD_S} s; its log ends: {said[-4000:]}") from None
+            raise _hung(exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr) from None
         returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
     lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
     if returncode != 0 or not lines:
         raise RuntimeError(f"the vLLM probe failed ({returncode}): {stderr[-4000:]}")
     return {**json.loads(lines[-1].removeprefix("RESULT ")), "log": stderr}
+
+
+def _hung(log: str | None) -> RuntimeError:
+    return RuntimeError(f"the vLLM probe hung past {HANG_GUARD_S} s; its log ends: {(log or '')[-4000:]}")
 
 
 def _run_forked(python: str, argv: list[str], env: dict, work: Path) -> tuple[int, str, str]:
@@ -129,8 +132,7 @@ def _run_forked(python: str, argv: list[str], env: dict, work: Path) -> tuple[in
     if waiting.is_alive():  # killed: say where vLLM was
         os.kill(pid, signal.SIGKILL)
         waiting.join()
-        said = err.read_text(errors="replace") if err.exists() else ""
-        raise RuntimeError(f"the vLLM probe hung past {HANG_GUARD_S} s; its log ends: {said[-4000:]}")
+        raise _hung(err.read_text(errors="replace") if err.exists() else "")
     return int(answer[0]), out.read_text(errors="replace"), err.read_text(errors="replace")
 
 
