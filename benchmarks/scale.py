@@ -53,7 +53,7 @@ from ragkv.store.catalog import ChunkLink, ChunkRow, DocumentRow, ProfileRow  # 
 from ragkv.store.index.lexical import query_terms  # noqa: E402
 from ragkv.store.kv.shards import SealedEntry  # noqa: E402
 from ragkv.store.snapshot import open_snapshot  # noqa: E402
-from ragkv.store.store_writer import StoreWriter  # noqa: E402
+from ragkv.store.writer import StoreWriter  # noqa: E402
 
 DIM = 384
 CHUNKS_PER_DOC = 10

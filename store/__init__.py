@@ -5,9 +5,9 @@ from ragkv.store.catalog import Catalog, ChunkRow, ContextRow, DocumentRow, Entr
 from ragkv.store.gc import GcReport, collect_garbage
 from ragkv.store.index.vectors import Hit, VectorIndex
 from ragkv.store.kv.shards import SealedEntry, ShardReader, ShardWriter, checksum
-from ragkv.store.snapshot import StoreSnapshot, open_snapshot
-from ragkv.store.store_writer import StoreWriter, is_store
+from ragkv.store.snapshot import StoreSnapshot, is_store, open_snapshot
 from ragkv.store.verify import Problem, VerifyReport, verify
+from ragkv.store.writer import StoreWriter
 
 __all__ = [
     "Catalog",

@@ -11,8 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ragkv.core.errors import StoreCorruptError, StoreNotFoundError
-from ragkv.store.store_writer import StoreWriter
-from ragkv.store.writer import open_writer
+from ragkv.store.writer import StoreWriter, open_writer
 
 REWRITE_BELOW = 0.5  # rewrite a shard once less than this fraction of its bytes is live
 COMPACT_ROWS = 5_000  # gc compacts a delta of at least this many rows (a smaller one costs writers nothing)

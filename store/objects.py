@@ -151,7 +151,9 @@ def read_error(uri: str, exc: BaseException) -> StoreNotFoundError:
     return StoreNotFoundError(f"cannot read store {uri}: {reason}")
 
 
-def write_error(uri: str, exc: BaseException) -> StoreWriteError:
-    """The one-line error for a failed write to the bucket."""
-    reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    return StoreWriteError(f"cannot write store {uri}: {reason}; the published store is unchanged")
+def write_error(store: str | Path, exc: BaseException) -> StoreWriteError:
+    """The one-line error for a failed write to a store (a folder or a bucket)."""
+    reason = getattr(exc, "strerror", None) or (str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    filename = getattr(exc, "filename", None)
+    where = f" ({filename})" if filename else ""
+    return StoreWriteError(f"cannot write store {store}: {reason}{where}; the published store is unchanged")

@@ -10,7 +10,7 @@ change costs to fetch is what changed. A shard's first read fetches just the ent
 (ranged GETs) while the whole shard is copied down in the background for later reads, and
 copies are evicted least-recently-used beyond `$RAGKV_S3_CACHE_BYTES` (default 8 GiB).
 
-Writing: a StoreWriter over the mirror with an `S3Transport` (store.writer) takes the store's
+Writing: a StoreWriter over the mirror with an `S3Transport` (store.transport) takes the store's
 `LOCK` object (`BucketLock`), builds the next generation in the mirror, uploads each shard as
 it is sealed, and publishes
 by uploading the new base and segments (if any), the delta and manifest, and then `CURRENT`

@@ -13,6 +13,7 @@ from ragkv.store.generations import (
     RetiredError,
     catalog_path,
     is_legacy,
+    is_store_file,
     read_current,
     read_manifest,
     vectors_path,
@@ -155,3 +156,16 @@ def open_snapshot(location: Path | str, require_documents: bool = True, lenient:
             f"store {location} holds no documents; add some with: ragkv ingest DOCS --store {location}"
         )
     return snapshot
+
+
+def is_store(root: Path) -> bool:
+    return read_current(Path(root)) is not None
+
+
+def is_foreign(root: Path) -> bool:
+    """A path that holds something other than a ragkv store (never write into it)."""
+    if not root.is_dir():
+        return True
+    return not is_store(root) and any(
+        not (is_store_file(p.name) or p.name in (SHARD_DIR, SEGMENT_DIR)) for p in root.iterdir()
+    )

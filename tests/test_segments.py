@@ -244,7 +244,7 @@ def test_a_store_of_format_1_is_read_as_it_is_and_migrated_once(tmp_path, caplog
 KILL_MID_COMPACTION = textwrap.dedent("""
     import sys
     sys.path.insert(0, {root!r})
-    from ragkv.store.store_writer import StoreWriter
+    from ragkv.store.writer import StoreWriter
     from tests.faults import kill_mid_compaction
 
     kill_mid_compaction()

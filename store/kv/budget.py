@@ -27,7 +27,7 @@ from ragkv.core.errors import InputError
 from ragkv.store.catalog import Catalog
 from ragkv.store.gc import drop_dead, maintaining
 from ragkv.store.kv.popularity import HITS_DIR, read_pending, remove_finished
-from ragkv.store.store_writer import StoreWriter
+from ragkv.store.writer import StoreWriter
 
 log = logging.getLogger("ragkv")
 
