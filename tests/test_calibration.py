@@ -49,13 +49,13 @@ def test_approximate_resolves_to_the_calibrated_mode_or_exact_and_other_modes_st
     asked = AskSettings(top_k=5, mode="approximate")
     assert asked.blend_ratio is None  # resolved per store
     chosen = resolve(asked, Calibration(0.9, 5, 12, 0.8, PASSED, [PASSED]))
-    assert (chosen.settings.mode, chosen.settings.blend_ratio, chosen.warning) == ("query", 0.3, "")
-    assert chosen.note.startswith("query 30%, calibrated")
+    assert (chosen.settings.mode, chosen.settings.blend_ratio, chosen.warnings) == ("query", 0.3, ())
+    assert chosen.approximation.startswith("query 30%, calibrated")
     gated = resolve(asked, Calibration(0.9, 5, 12, 0.8, None, [FAILED]))
-    assert gated.settings.mode == "exact" and "answered exactly" in gated.warning and "60%" in gated.warning
+    assert gated.settings.mode == "exact" and "answered exactly" in gated.warnings[0] and "60%" in gated.warnings[0]
     unmeasured = resolve(asked, None)
     assert (unmeasured.settings.mode, unmeasured.settings.blend_ratio) == ("query", 0.2)
-    assert "not calibrated" in unmeasured.warning
+    assert "not calibrated" in unmeasured.warnings[0]
     own_share = resolve(AskSettings(mode="approximate", blend_ratio=0.5), Calibration(0.9, 5, 12, 0.8, PASSED, []))
     assert own_share.settings.blend_ratio == 0.5
     epic = AskSettings(mode="epic", blend_ratio=0.1)

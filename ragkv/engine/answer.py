@@ -124,14 +124,17 @@ class Stats:
             "approximate": self.is_approximate,
         }
 
-    def record(self, done, start: float) -> None:
-        """Take the timings of a finished `ragkv.model.generate.Generated` started at `start`."""
-        self.prefill_ms = done.prefill_s * 1000.0
-        self.ttft_s = done.first_token_s
-        self.finish_reason = done.finish_reason
-        self.generated_tokens = len(done.token_ids)
-        self.decode_s = done.decode_s
-        self.total_s = time.perf_counter() - start
+
+def timings(done, start: float) -> dict:
+    """The Stats fields of a finished `ragkv.model.generate.Generated` started at `start`."""
+    return {
+        "prefill_ms": done.prefill_s * 1000.0,
+        "ttft_s": done.first_token_s,
+        "finish_reason": done.finish_reason,
+        "generated_tokens": len(done.token_ids),
+        "decode_s": done.decode_s,
+        "total_s": time.perf_counter() - start,
+    }
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from ragkv.core.config import AskSettings, DecodeSettings
 from ragkv.core.errors import InputError, RagkvError
 from ragkv.core.text import check_text
-from ragkv.engine.answer import Answer, AnswerStream, Source, Stats
+from ragkv.engine.answer import Answer, AnswerStream, Source
 from ragkv.engine.request import Request
 from ragkv.engine.runtime import Prepared, Runtime
 from ragkv.kv import cache as kv
@@ -108,21 +108,20 @@ class Conversation:
         if not self.turns:  # the counts come from assembling the context
             prepared = self.runtime.prepare(message, self.settings)
             self._open_context(prepared)
-            new_ids, stats, live_ids = prepared.question_ids, prepared.stats, prepared.live_ids
+            new_ids, live_ids = prepared.question_ids, prepared.live_ids
+            request.reports, request.counts = prepared.reports, prepared.counts
             request.after_prefill, request.catch_up = prepared.assembly.after_prefill, prepared.assembly.catch_up
             self.turns.append(Turn(message, new_ids, []))
         else:
-            stats = runtime.new_stats(self.settings)
             new_ids = runtime.active.layout.turn_ids(runtime.lm.tokenizer, message)
-            self._fit(len(new_ids) + request.max_new_tokens, stats)
+            self._fit(len(new_ids) + request.max_new_tokens, request.warnings)
             self.turns.append(Turn(message, new_ids, []))
             cached = kv.num_cached(self.cache)
             live_ids = self.ids()[cached:]
-            stats.reused_tokens = cached
-            stats.computed_tokens = len(live_ids)
+            request.counts = runtime.turn_counts(self.settings, cached, len(live_ids))
         request.prompt_ids = self.ids()
-        request.budget = runtime.fit_budget(len(request.prompt_ids), request.max_new_tokens, stats)
-        request.cache, request.pending, request.stats = self.cache, list(live_ids), stats
+        request.budget = runtime.fit_budget(len(request.prompt_ids), request.max_new_tokens, request.warnings)
+        request.cache, request.pending = self.cache, list(live_ids)
         request.attention = self.attention
         request.recompute, self.recompute = self.recompute, None  # the first prefill after the context takes it
 
@@ -132,9 +131,7 @@ class Conversation:
         if cache is not None:
             self.cache = cache
         self.turns[-1].answer_ids = list(done.token_ids)
-        stats = request.stats
-        assert stats is not None, "the turn did not begin"
-        stats.record(done, request.start)
+        stats = request.stats_of(done)
         self.runtime.savings.add(stats)
         return Answer(request.message, done.text, done.token_ids, self.sources, stats, request.prompt_ids)
 
@@ -149,9 +146,9 @@ class Conversation:
         if self.cache.kv_layout.has_state and self._stored_context:  # a state is not cut back: kept for `_fit`
             self._context_state = kv.state_of(self.cache)
 
-    def _fit(self, needed: int, stats: Stats) -> None:
+    def _fit(self, needed: int, warnings: list[str]) -> None:
         """Drop the oldest turns until the conversation plus `needed` tokens fits the context,
-        then rebuild the cache from the stored context and re-prefill the rest (said in stats)."""
+        then rebuild the cache from the stored context and re-prefill the rest (said in `warnings`)."""
         room = self.runtime.lm.facts.max_context
         dropped = 0
         while self.turns and len(self.ids()) + needed > room:
@@ -167,7 +164,7 @@ class Conversation:
         if len(self.ids()) + needed > room:
             raise InputError("the context and this message do not fit the model's context; start a new conversation")
         kv.crop(self.cache, self._stored_context, self._context_state)
-        stats.warnings.append(
+        warnings.append(
             f"dropped the {dropped} oldest turn(s) to fit the model's context; "
             "re-prefilled the rest of the conversation"
         )

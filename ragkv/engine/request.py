@@ -16,7 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from ragkv.core.config import DecodeSettings
 from ragkv.core.errors import InputError, RagkvError
-from ragkv.engine.answer import Answer, Stats
+from ragkv.engine.answer import Answer, Stats, timings
 from ragkv.model.generate import DecodeState, Generated, start_decoding
 from ragkv.model.llm import LoadedModel
 from ragkv.modes.ape import Scaling
@@ -59,7 +59,11 @@ class Request:
     pending: list[int] = field(default_factory=list)  # prompt ids still to prefill
     prompt_ids: list[int] = field(default_factory=list)  # the whole conversation up to the answer
     budget: int = 0
-    stats: Stats | None = None  # what building the prompt and cache did; the answer's, once finished
+    # what preparing the turn reported and counted, and what fitting it into the context said:
+    # the answer's Stats are built from these once it is done (`stats_of`)
+    reports: tuple = ()
+    counts: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
     start: float = 0.0  # the caller's clock when the turn began
     after_prefill: Callable[[object], None] | None = None  # (Assembly.after_prefill)
     attention: Scaling | None = None  # ape: how the turn's tokens attend to the context
@@ -129,7 +133,6 @@ class Request:
             self.state.finish_reason = reason
         if (tail := self.state.finish()) and self.on_text:
             self.on_text(tail)
-        self._account()
         try:
             answer = self.conversation.end_turn(self, self.state.result(), cache)
         except BaseException as exc:
@@ -138,15 +141,19 @@ class Request:
         self.status = Status.FINISHED
         self._resolve(answer=answer)
 
-    def _account(self) -> None:
-        """What the request itself knows, into the stats its admission built: the batch it decoded in,
-        and the tokens it took from the prefix cache instead of prefilling them."""
-        stats = self.stats
-        assert stats is not None, "the request is not admitted yet"
+    def stats_of(self, done: Generated) -> Stats:
+        """The answer's stats, built once from the finished request: what preparing its turn
+        reported and counted, the batch it decoded in, the prompt tokens another request
+        prefilled for it (`caught_up`: from the prefix cache, not prefilled), its warnings, and
+        `done`'s timings."""
+        counts = dict(self.counts)
+        stats = Stats.of(counts.pop("mode"), *self.reports, **counts, **timings(done, self.start))
         stats.batch_size = self.max_rows
         stats.reused_tokens += self.caught_up
         stats.prefix_cache_tokens += self.caught_up
         stats.computed_tokens -= self.caught_up
+        stats.warnings += self.warnings
+        return stats
 
     def fail(self, error: BaseException, where: str = "") -> None:
         """Fail it with `error` (a bug, not a RagkvError, is logged with its traceback: `where`)."""

@@ -7,12 +7,12 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ragkv.core.config import AskSettings, SearchSettings, parse_reranker
 from ragkv.core.errors import InputError
 from ragkv.core.scope import Scope, bounded, cache_salt
-from ragkv.engine.answer import Savings, Source, Stats
+from ragkv.engine.answer import Savings, Source
 from ragkv.loading.loader import KVLoader
 from ragkv.model.llm import LoadedModel
 from ragkv.model.profiles import ActiveProfile
@@ -36,7 +36,10 @@ class Prepared:
     question_ids: list[int]  # its tail: the question with its template
     live_ids: list[int]  # the part to prefill now (after what the assembled cache holds)
     assembly: Assembly
-    stats: Stats  # what retrieving and loading did (counts, timings, warnings)
+    # What retrieving and loading did, for the answer's Stats (built once the answer is done,
+    # Request.stats_of): the reports Stats.of reads, and the counts it takes as they are.
+    reports: tuple
+    counts: dict[str, Any]
 
     def sources(self) -> list[Source]:
         return [Source.of(r, score) for r, score in self.retrieved]
@@ -69,8 +72,15 @@ class Runtime:
         """`settings` with their scope inside the engine's (unchanged without one)."""
         return bounded(settings, self.scope)
 
-    def new_stats(self, settings: AskSettings) -> Stats:
-        return Stats(mode=self._mode(settings), store_generation=self.snapshot.generation)
+    def turn_counts(self, settings: AskSettings, reused: int, computed: int) -> dict[str, Any]:
+        """A later turn's counts for its Stats (see Prepared.counts): nothing retrieved or
+        loaded; `reused` prompt tokens are in the conversation's cache, `computed` to prefill."""
+        return {
+            "mode": self._mode(settings),
+            "store_generation": self.snapshot.generation,
+            "reused_tokens": reused,
+            "computed_tokens": computed,
+        }
 
     @staticmethod
     def _mode(settings: AskSettings) -> str:
@@ -99,20 +109,15 @@ class Runtime:
             for (row, _), ids in zip(prompt.retrieved, prompt.chunk_ids, strict=False)
             if loaded.kv_sources.get(row.chunk_id) == "computed"
         )  # prefilled now, as a miss
-        stats = Stats.of(
-            "fallback" if loaded.fallback else self._mode(settings),
-            prompt,
-            loaded,
-            assembly,
-            store_generation=self.snapshot.generation,
-            approximation=resolved.note,
-            kv_load_ms=kv_load_ms,
-            reused_tokens=assembly.reused_tokens - computed,
-            computed_tokens=len(live_ids) + computed + assembly.computed_tokens,
-        )
-        if resolved.warning:
-            stats.warnings.insert(0, resolved.warning)
-        return Prepared(prompt.retrieved, prompt.prompt_ids, prompt.question_ids, live_ids, assembly, stats)
+        counts = {
+            "mode": "fallback" if loaded.fallback else self._mode(settings),
+            "store_generation": self.snapshot.generation,
+            "kv_load_ms": kv_load_ms,
+            "reused_tokens": assembly.reused_tokens - computed,
+            "computed_tokens": len(live_ids) + computed + assembly.computed_tokens,
+        }
+        reports = (resolved, prompt, loaded, assembly)  # the calibration's warning first
+        return Prepared(prompt.retrieved, prompt.prompt_ids, prompt.question_ids, live_ids, assembly, reports, counts)
 
     def search(self, question: str, settings: SearchSettings) -> Searched:
         """The `settings.top_k` chunks for `question`, best first, as `SearchResult`s: the first
@@ -172,9 +177,9 @@ class Runtime:
         found = self.search(question, settings).hits
         return self.retriever.widen(self.retriever.rows([Hit(r.chunk_id, r.score) for r in found]), context)
 
-    def fit_budget(self, num_prompt_tokens: int, max_new_tokens: int, stats: Stats) -> int:
+    def fit_budget(self, num_prompt_tokens: int, max_new_tokens: int, warnings: list[str]) -> int:
         """How many tokens an answer after `num_prompt_tokens` may have (at most
-        `max_new_tokens`); a cut is said in `stats`' warnings."""
+        `max_new_tokens`); a cut is said in `warnings`."""
         room = self.lm.facts.max_context - num_prompt_tokens
         if room < 1:
             raise InputError(
@@ -182,7 +187,7 @@ class Runtime:
                 "ask a shorter question or use a smaller --top-k"
             )
         if room < max_new_tokens:
-            stats.warnings.append(f"max_new_tokens cut from {max_new_tokens} to {room} to fit the context")
+            warnings.append(f"max_new_tokens cut from {max_new_tokens} to {room} to fit the context")
         return min(room, max_new_tokens)
 
 

@@ -117,11 +117,12 @@ def load(meta: dict[str, str], profile_id: str) -> Calibration | None:
 
 @dataclass(frozen=True)
 class Resolved:
-    """What `--mode approximate` runs as, and what to tell the caller."""
+    """What `--mode approximate` runs as, and what to tell the caller (a report for Stats.of:
+    its `approximation` and `warnings` become the answer's)."""
 
     settings: AskSettings
-    note: str  # which mode and share, and what it measured (Stats.approximation)
-    warning: str = ""
+    approximation: str  # which mode and share, and what it measured
+    warnings: tuple[str, ...] = ()
 
 
 def resolve(settings: AskSettings, calibration: Calibration | None) -> Resolved:
@@ -135,14 +136,16 @@ def resolve(settings: AskSettings, calibration: Calibration | None) -> Resolved:
         return Resolved(
             dataclasses.replace(settings, mode=APPROXIMATE, blend_ratio=share),
             f"{APPROXIMATE} {share:.0%}, uncalibrated",
-            f"--mode approximate is not calibrated for this store and model: {APPROXIMATE} {share:.0%} "
-            "was used unmeasured; run ragkv calibrate",
+            (
+                f"--mode approximate is not calibrated for this store and model: {APPROXIMATE} {share:.0%} "
+                "was used unmeasured; run ragkv calibrate",
+            ),
         )
     if calibration.chosen is None:
         return Resolved(
             dataclasses.replace(settings, mode="exact", blend_ratio=0.0),
             "exact (gated)",
-            f"--mode approximate answered exactly: on this store {calibration.describe()}",
+            (f"--mode approximate answered exactly: on this store {calibration.describe()}",),
         )
     chosen = calibration.chosen
     share = settings.blend_ratio if settings.blend_ratio is not None else chosen.share
