@@ -5,6 +5,7 @@ error first prints the error alone."""
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 
@@ -134,3 +135,32 @@ def test_the_engine_process_reuses_freed_memory_instead_of_faulting_fresh_pages(
     unchanged, faulted = run(MALLOC_MMAP_THRESHOLD_="131072")
     assert (changed, unchanged) == ("True", "False")
     assert int(kept) < pages // 8 and int(faulted) > pages // 2, (kept, faulted)
+
+
+TEAMS = """
+import os, torch
+from ragkv.core.cpu import release_idle_threads
+torch.set_num_threads(2)
+def threads():
+    return len(os.listdir("/proc/self/task"))
+alone = threads()
+(torch.ones(1 << 22) * 2).sum()  # a parallel op: this thread's OpenMP team (one worker)
+with_team = threads()
+print(with_team - alone, release_idle_threads(), threads() - alone)
+(torch.ones(1 << 22) * 2).sum()
+print(threads() - alone)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_the_thread_that_starts_the_engine_frees_its_idle_openmp_workers():
+    """What `release_idle_threads` (called by Engine.start) is for: the thread that ran torch's
+    parallel ops keeps a worker thread; freed, it is gone (and comes back at the next parallel op
+    of that thread). A fresh process of two torch threads (xdist's workers run one)."""
+    if not cpu._loaded_openmp():
+        pytest.skip("torch here loads no OpenMP runtime")
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    done = subprocess.run([sys.executable, "-c", TEAMS], capture_output=True, text=True, check=True, env=env)
+    first, again = done.stdout.splitlines()
+    assert first.split() == ["1", "True", "0"], done.stdout
+    assert again == "1"

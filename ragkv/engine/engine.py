@@ -24,6 +24,7 @@ from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future
 
 from ragkv.core.config import AskSettings, BatchSettings, DecodeSettings
+from ragkv.core.cpu import release_idle_threads
 from ragkv.core.errors import InputError
 from ragkv.core.text import check_text
 from ragkv.engine.answer import Answer, AnswerStream
@@ -248,6 +249,9 @@ class Engine:
             self._users += 1
             if self._thread is None:
                 self._stopping = False
+                # This thread's OpenMP workers, idle while the new thread runs the forwards,
+                # would slow every forward there (see release_idle_threads).
+                release_idle_threads()
                 self._thread = threading.Thread(target=self._loop, name="ragkv-engine", daemon=True)
                 self._thread.start()
             self._progress.notify_all()
