@@ -8,7 +8,8 @@ This runs that workload in one process, with the engine stepping in its backgrou
 the engine's own methods; nested parts are listed under their parent):
 
 - the pages are decode_speed.py's (library reference pages of python3.11-doc, ~820 tokens, one
-  chunk each), every question asked once first so the RAM tier is warm (decode_speed's *again*);
+  chunk each), every question asked once first so the RAM tier is warm (decode_speed's *again*),
+  on the main thread, as a program that asks and then batches does;
 - `--clients` threads each ask `--per-client` questions of 32 tokens, greedy;
 - each variant in a fresh process, alternating, `--repeats` times: *freed* is the engine as it
   is (`Engine.start` frees the starting thread's idle OpenMP workers: ragkv.core.cpu
@@ -194,7 +195,9 @@ def write(args, runs: dict[str, list[dict]]) -> None:
         "process: the engine steps in its background thread (as in `ragkv serve`), "
         f"{args.clients} client threads ask {args.per_client} questions each ({TOKENS} tokens, greedy, top-1 "
         "chunk: library reference pages of python3.11-doc, ~820 tokens each, prompts ~880 tokens), every page's KV "
-        "in the RAM tier first (decode_speed's *again*). *freed*: the engine as it is, `Engine.start` freeing the "
+        "in the RAM tier first (decode_speed's *again*), asked on the main thread before the engine's thread "
+        "starts, as a program that asks and then batches does (`ragkv serve`'s main thread runs no parallel op "
+        "first, and is not affected). *freed*: the engine as it is, `Engine.start` freeing the "
         "starting thread's idle OpenMP workers (`ragkv.core.cpu.release_idle_threads`); *kept*: that call made a "
         f"no-op. Each variant {args.repeats} times, each run a fresh process, alternating; the table shows the "
         "run with the median tokens/s of each. Wall time summed per part of the step loop (nested parts indented "

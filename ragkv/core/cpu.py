@@ -100,19 +100,23 @@ _OMP_PAUSE_SOFT = 1  # omp_pause_resource_t (OpenMP 5.0): free the threads, keep
 
 def release_idle_threads() -> bool:
     """Free the calling thread's idle OpenMP worker threads (`omp_pause_resource_all`, soft) in
-    every OpenMP runtime the process has loaded (torch's, and FAISS's own copy); they come back
-    at this thread's next parallel op. Returns whether any runtime freed them.
+    every GNU OpenMP runtime the process has loaded (torch's, and FAISS's own copy); they come
+    back at this thread's next parallel op. Returns whether any runtime freed them. (Only GNU's:
+    there the call frees the calling thread's team alone, whatever other threads run; LLVM's and
+    Intel's runtimes pause every thread's.)
 
     GNU OpenMP keeps a team of workers per thread that ever ran a parallel op (torch's CPU
-    kernels do), and once its threads outnumber the cores, every team's workers stop spinning
-    between ops and sleep instead, so each of the hundreds of ops in a forward waits for its
-    workers to wake. Call it on the thread that loaded the model before another thread runs the
-    forwards (`Engine.start`). Measured on the bundled model, 2 cores, a decode step of 8 rows of
-    ~850 tokens run on a second thread: 126-145 ms while the loading thread's team was kept, 104-108
-    ms once freed, as fast as on the loading thread itself (108-122 ms); FAISS brings its own copy
-    of the runtime, whose team on the loading thread slowed it as much. At 8 streaming clients on
-    ~880-token prompts (benchmarks/admission_profile.py) the engine made 50.0 tokens/s against
-    40.6 with the teams kept."""
+    kernels do, and FAISS's search), and once its threads outnumber the cores, every team's
+    workers stop spinning between ops and sleep instead, so each of the hundreds of ops in a
+    forward waits for its workers to wake. Call it on a thread that may have run such ops before
+    another thread runs the forwards (`Engine.start`: a program that asked or searched on its own
+    thread, then batches). Measured on the bundled model, 2 cores, a decode step of 8 rows of ~850
+    tokens on a second thread: 126-145 ms while the first thread's team was kept, 104-108 ms once
+    freed, as fast as on the first thread itself (108-122 ms); FAISS's copy of the runtime, with a
+    team on the first thread after a search, slowed it as much. `benchmarks/admission_profile.py`
+    (8 client threads after asks on the main thread): 50.0 tokens/s against 40.6 with the teams
+    kept. `ragkv serve` is not affected either way: its main thread runs no parallel op before the
+    engine starts (its models load and probe on threads that end)."""
     freed = False
     for path in _loaded_openmp():
         try:
@@ -123,13 +127,13 @@ def release_idle_threads() -> bool:
 
 
 def _loaded_openmp() -> list[str]:
-    """The OpenMP runtimes this process has loaded (on Linux; none found elsewhere)."""
+    """The GNU OpenMP runtimes this process has loaded (on Linux; none found elsewhere)."""
     found: list[str] = []
     try:
         with open("/proc/self/maps", encoding="utf-8") as maps:
             for line in maps:
                 path = line.rstrip("\n").split(maxsplit=5)[-1]
-                if os.path.basename(path).startswith(("libgomp", "libiomp5", "libomp.")) and path not in found:
+                if os.path.basename(path).startswith("libgomp") and path not in found:
                     found.append(path)
     except OSError:
         pass

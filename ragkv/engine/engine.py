@@ -249,8 +249,8 @@ class Engine:
             self._users += 1
             if self._thread is None:
                 self._stopping = False
-                # This thread's OpenMP workers, idle while the new thread runs the forwards,
-                # would slow every forward there (see release_idle_threads).
+                # This thread's OpenMP workers (if it ran parallel ops: an ask, a search), idle
+                # while the new thread runs the forwards, would slow every forward there.
                 release_idle_threads()
                 self._thread = threading.Thread(target=self._loop, name="ragkv-engine", daemon=True)
                 self._thread.start()
