@@ -101,7 +101,8 @@ _OMP_PAUSE_SOFT = 1  # omp_pause_resource_t (OpenMP 5.0): free the threads, keep
 def release_idle_threads() -> bool:
     """Free the calling thread's idle OpenMP worker threads (`omp_pause_resource_all`, soft) in
     every GNU OpenMP runtime the process has loaded (torch's, and FAISS's own copy); they come
-    back at this thread's next parallel op. Returns whether any runtime freed them. (Only GNU's:
+    back at this thread's next parallel op. Returns whether the call succeeded in any runtime (a
+    thread without a team has nothing to free, and succeeds too). (Only GNU's:
     there the call frees the calling thread's team alone, whatever other threads run; LLVM's and
     Intel's runtimes pause every thread's.)
 
