@@ -37,8 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import serve_load  # noqa: E402
-from benchmarks.decode_speed import pages, questions  # noqa: E402
+from benchmarks.decode_speed import page_store  # noqa: E402
 from benchmarks.fidelity import work_dir  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
 
@@ -164,11 +163,7 @@ def main() -> None:
     torch.set_num_threads(2)
     needed = args.clients * args.per_client + 1
     work = work_dir(args.work, "admission")
-    docs = pages(work, needed)
-    store = work / f"store-{needed}"
-    if not store.is_dir():
-        serve_load.ingest(docs, store, "--chunk-tokens", "1024")
-    asked = questions(store)
+    store, asked = page_store(work, needed)
     if args.variant:
         print("RESULT " + json.dumps(measure(store, asked, args.clients, args.per_client, args.variant)))
         return

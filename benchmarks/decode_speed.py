@@ -77,6 +77,14 @@ def questions(store: Path) -> list[str]:
     return [" ".join(text.split()[60:76]) for (text,) in rows]
 
 
+def page_store(work: Path, count: int) -> tuple[Path, list[str]]:
+    """A store of `count` pages (each one chunk, ingested once under `work`) and its questions."""
+    store = work / f"store-{count}"
+    if not store.is_dir():
+        serve_load.ingest(pages(work, count), store, "--chunk-tokens", "1024")
+    return store, questions(store)
+
+
 def run_system(name: str, start_server, ask, levels: list[int], work_of: dict[int, list], spare) -> list[dict]:
     """`ask(base, question, ids, tokens)`: serve_load's stream_ragkv or stream_vllm."""
     rows = []
@@ -203,11 +211,7 @@ def main() -> None:
     levels = [int(n) for n in args.clients.split(",")]
     needed = sum(max(4, n * args.per_client) for n in levels) + 1
     work = work_dir(args.work, "decode-speed")
-    docs = pages(work, needed)
-    store = work / f"store-{needed}"
-    if not store.is_dir():
-        serve_load.ingest(docs, store, "--chunk-tokens", "1024")
-    asked = questions(store)
+    store, asked = page_store(work, needed)
     serve_load.MAX_MODEL_LEN = 2048
     ids, model_folder, _ = serve_load.prompt_ids(store, asked)
     pairs = list(zip(asked, ids, strict=True))
