@@ -20,7 +20,9 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from contextlib import nullcontext
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -30,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.machine import describe  # noqa: E402
 from ragkv.core.config import DecodeSettings  # noqa: E402
 from ragkv.kv import cache as kv  # noqa: E402
+from ragkv.kv import direct  # noqa: E402
 from ragkv.kv.packed import packable  # noqa: E402
 from ragkv.kv.ragged import RaggedBatch  # noqa: E402
 from ragkv.model.generate import prefill, start_decoding  # noqa: E402
@@ -143,6 +146,44 @@ def joining(lm, rows: int, repeats: int = 9) -> dict[str, float]:
     return {kind: 1000 * statistics.median(values[2:]) for kind, values in times.items()}
 
 
+def written_out_against_own(lm, counts: list[int], steps: int) -> list[tuple[str, float, float, bool]]:
+    """Per row count, and with a 31-token prompt joining 8 rows: the packed step's median ms
+    through `ragkv.kv.direct` (the Llama kind's forward written out) and through the model's
+    own forward, stepped alternately on two batches of the same rows; whether every step's
+    logits were bitwise equal."""
+    generator = torch.Generator().manual_seed(2)
+    prompt = torch.randint(10, 40000, (31,), generator=generator).tolist()
+    joiner = rows_of(lm, 1)[0][0]
+    found = []
+    for count, joins in [*((c, False) for c in counts), (8, True)]:
+        caches = [cache for cache, _ in rows_of(lm, count)]
+
+        def fresh(caches=caches, joins=joins) -> RaggedBatch:
+            batch = RaggedBatch(lm.model.config)
+            for cache in [*caches, *([joiner] if joins else [])]:
+                batch.add(cache)  # copied: the caches stay as they were
+            return batch
+
+        batches = [fresh(), fresh()]
+        times: list[list[float]] = [[], []]
+        same = True
+        for step in range(steps + 2):
+            if joins:  # the prompt joins anew each step
+                batches = [fresh(), fresh()]
+            feeds = [[5 + step]] * count + ([prompt] if joins else [])
+            logits = []
+            for own, batch in enumerate(batches):
+                began = time.perf_counter()
+                with mock.patch.object(direct, "serves", lambda _: False) if own else nullcontext():
+                    logits.append(batch.step_packed(lm.model, feeds))
+                if step >= 2:
+                    times[own].append((time.perf_counter() - began) * 1000)
+            same = same and torch.equal(*logits)
+        name = f"{count} rows + a 31-token prompt" if joins else f"{count} row{'s' if count > 1 else ''}"
+        found.append((name, statistics.median(times[0]), statistics.median(times[1]), same))
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=24)
@@ -154,6 +195,7 @@ def main() -> None:
     counts = [int(c) for c in args.rows.split(",")]
     results = {count: profile_rows(lm, count, args.steps, args.padded) for count in counts}
     join = joining(lm, 8)
+    against = written_out_against_own(lm, counts, args.steps) if not args.padded and direct.serves(lm.model) else []
     kinds = [k for k in results[counts[0]] if k not in ("tokens/s",)]
     lines = [
         "# One decode step of ragkv's own engine, profiled",
@@ -188,6 +230,20 @@ def main() -> None:
         f"Packed, the prompt adds {added:.1f} ms to the step; apart, its prefill took {apart:.1f} ms beside it.",
         "",
     ]
+    if against:
+        lines += [
+            "The packed step written out (`ragkv.kv.direct`, the Llama kind's layers without transformers' wrapping) "
+            "against the model's own forward, stepped alternately on two batches of the same rows "
+            f"(medians of {args.steps} steps each):",
+            "",
+            "| rows | written out, ms | model's own, ms | own / written out | logits bitwise equal |",
+            "|---|---|---|---|---|",
+            *(
+                f"| {name} | {ours:.1f} | {own:.1f} | {own / ours:.2f}x | {'yes' if same else 'NO'} |"
+                for name, ours, own, same in against
+            ),
+            "",
+        ]
     OUT.write_text("\n".join(lines))
     print("\n".join(lines))
 

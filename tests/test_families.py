@@ -14,10 +14,14 @@ import ragkv
 from ragkv.core.config import AskSettings
 from ragkv.core.errors import ModelError
 from ragkv.engine.batch import Question, answer_all
+from ragkv.kv import cache as kv
+from ragkv.kv import direct
 from ragkv.kv.entry import Entry
 from ragkv.kv.movable import refuse_unless_movable
 from ragkv.kv.packed import packable
+from ragkv.kv.ragged import RaggedBatch
 from ragkv.model import self_check
+from ragkv.model.generate import prefill
 from ragkv.model.llm import load_model
 from ragkv.store import open_snapshot
 from tests import families
@@ -161,6 +165,39 @@ def test_packed_steps_are_taken_by_plain_attention_models_only(family, family_mo
     padded steps."""
     model = load_model(str(family_model(family)), "cpu", "float32").model
     assert packable(model) is (family in PLAIN)
+
+
+DIRECT = ["llama", "qwen2", "qwen3"]  # the Llama kind: ragkv.kv.direct writes their packed step out
+
+
+@pytest.mark.parametrize("family", PLAIN)
+def test_the_written_out_packed_step_is_bitwise_the_models_own(family, family_model, monkeypatch):
+    """ragkv.kv.direct takes the packed steps of the Llama kind only, and computes exactly what
+    the model's own forward does: the same logits to the bit and the same keys and values, with
+    a prompt's chunk fed beside decoding rows and in the plain steps after it."""
+    model = load_model(str(family_model(family)), "cpu", "float32").model
+    assert direct.serves(model) is (family in DIRECT)
+    if family not in DIRECT:
+        return
+    generator = torch.Generator().manual_seed(3)
+    contexts = [torch.randint(3, 900, (length,), generator=generator).tolist() for length in (9, 30, 17)]
+    feeds = [[5], [6], torch.randint(3, 900, (11,), generator=generator).tolist()]  # two decode, one prompt
+    batches = {}
+    for written_out in (True, False):
+        monkeypatch.setattr(direct, "serves", lambda _, w=written_out: w)
+        batch = RaggedBatch(model.config)
+        for ids in contexts:
+            cache = kv.to_cache_empty(model.config)
+            prefill(model, ids, cache)
+            batch.add(cache)
+        with torch.inference_mode():
+            steps = [batch.step_packed(model, feeds)] + [batch.step_packed(model, [[7], [8], [9]]) for _ in range(2)]
+        batches[written_out] = (batch, steps)
+    (ours, ours_logits), (theirs, their_logits) = batches[True], batches[False]
+    for mine, own in zip(ours_logits, their_logits, strict=True):
+        assert torch.equal(mine, own)
+    for row in range(3):
+        assert torch.equal(kv.from_cache(ours.extract(row)).kv, kv.from_cache(theirs.extract(row)).kv)
 
 
 @pytest.mark.parametrize("family", [*PLAIN, *NEW_LAYOUTS])

@@ -11,6 +11,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionLayer
 
+from ragkv.kv import direct
 from ragkv.kv.cache import GrowingHybridLayer, growing_cache, num_cached, spare_columns, to_cache
 from ragkv.kv.entry import Entry
 from ragkv.kv.layout import join, layout_of
@@ -302,22 +303,25 @@ class RaggedBatch:
             layer.packing = packing
         ids = torch.tensor([[token for row in feeds for token in row]], dtype=torch.long, device=device)  # (1, N)
         try:
-            with attending_packed(model):
-                out = model(
-                    input_ids=ids,
-                    attention_mask=packing.mask[:1],  # 4D: taken as it is; packed_attention reads the packing
-                    position_ids=packing.positions,
-                    cache=self.cache,
-                    use_cache=True,
-                    logits_to_keep=packing.last,
-                    ragkv_packing=packing,
-                )
+            if direct.serves(model):  # the same operations without transformers' wrapping (bitwise equal)
+                logits = direct.forward(model, ids, packing, self.cache.layers)
+            else:
+                with attending_packed(model):
+                    logits = model(
+                        input_ids=ids,
+                        attention_mask=packing.mask[:1],  # 4D: taken as it is; packed_attention reads the packing
+                        position_ids=packing.positions,
+                        cache=self.cache,
+                        use_cache=True,
+                        logits_to_keep=packing.last,
+                        ragkv_packing=packing,
+                    ).logits[0]
         finally:
             for layer in self.cache.layers:
                 layer.packing = None
         self.lengths = [n + f for n, f in zip(self.lengths, fed, strict=True)]
         self._show()
-        return out.logits[0]
+        return logits
 
 
 def _row_masks(model, padding: torch.Tensor, cache, lengths: torch.Tensor):
