@@ -11,6 +11,7 @@ import pytest
 
 import ragkv
 from ragkv.core.formats import STORE_FORMAT
+from ragkv.core.install import forget_removed_installs
 from ragkv.store import open_snapshot
 from ragkv.store.generations import manifest_path, read_current
 from tests.conftest import ROOT, run_cli
@@ -84,3 +85,19 @@ def test_ingest_with_ray_missing_says_which_extra(tiny_llama, corpus, tmp_path, 
         "pip install 'ragkv[ray]'"
     )
     assert not (tmp_path / "store" / "CURRENT").exists()
+
+
+def test_the_import_paths_of_removed_installs_are_forgotten(tmp_path):
+    """An installed ragkv links itself into `import-path-<version>-<install>` under the cache
+    (for vLLM's Python); once that install is deleted, the next new link removes its folder,
+    and keeps those of installs still there and one being made."""
+    install = tmp_path / "site-packages" / "ragkv"
+    install.mkdir(parents=True)
+    folders = {name: tmp_path / "cache" / f"import-path-0.2.0-{name}" for name in ("gone", "kept", "making")}
+    for folder in folders.values():
+        folder.mkdir(parents=True)
+    (folders["gone"] / "ragkv").symlink_to(tmp_path / "deleted-venv" / "ragkv", target_is_directory=True)
+    (folders["kept"] / "ragkv").symlink_to(install, target_is_directory=True)
+    assert forget_removed_installs(tmp_path / "cache") == [folders["gone"]]
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [folders["kept"].name, folders["making"].name]
+    assert (folders["kept"] / "ragkv").resolve() == install

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from pathlib import Path
 
 from ragkv.core.config import cache_dir
@@ -28,9 +29,24 @@ def import_path() -> str:
     folder = cache_dir() / f"import-path-{__version__}-{where}"
     link = folder / "ragkv"
     if link.resolve() != package:
+        forget_removed_installs(cache_dir())
         folder.mkdir(parents=True, exist_ok=True)
         scratch = folder / f".ragkv.{os.getpid()}"
         scratch.unlink(missing_ok=True)
         scratch.symlink_to(package, target_is_directory=True)
         os.replace(scratch, link)  # atomic: a concurrent start sees the old link or the new one
     return str(folder)
+
+
+def forget_removed_installs(cache: Path) -> list[Path]:
+    """Remove the import-path folders under `cache` whose install is gone (its link points
+    nowhere): each wheel installed into a virtual environment deleted since left one behind.
+    A folder whose install is still there, or that another start is making (no link yet),
+    stays. Returns the folders removed."""
+    removed = []
+    for folder in sorted(cache.glob("import-path-*")):
+        link = folder / "ragkv"
+        if link.is_symlink() and not link.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
