@@ -3,9 +3,10 @@ Qwen2, Qwen3): the model's own modules and its family's own rotary function, cal
 order transformers calls them, without what transformers wraps around each call (argument
 deprecation and output capture per layer, the cache's and the attention's dispatch, the mask
 preparation a packed step does not use). The same operations on the same tensors: the logits
-are bitwise those of the model's own forward (tested per family), in about 15% less time a
-step on a 2-core CPU (the Python between the operations). Any other family takes the model's
-own forward (`serves` says which).
+are bitwise those of the model's own forward (tested per family), in 3-6% less time a step on
+a 2-core CPU (benchmarks/results/decode_profile.md; the step is mostly reading weights and KV
+from memory). Any other family takes the model's own forward (`serves` says which). Only a
+packable model (ragkv.kv.packed) takes packed steps at all.
 """
 
 from __future__ import annotations
