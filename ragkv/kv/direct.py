@@ -3,7 +3,7 @@ Qwen2, Qwen3): the model's own modules and its family's own rotary function, cal
 order transformers calls them, without what transformers wraps around each call (argument
 deprecation and output capture per layer, the cache's and the attention's dispatch, the mask
 preparation a packed step does not use). The same operations on the same tensors: the logits
-are bitwise those of the model's own forward (tested per family), in 3-6% less time a step on
+are bitwise those of the model's own forward (tested per family), in 3-10% less time a step on
 a 2-core CPU (benchmarks/results/decode_profile.md; the step is mostly reading weights and KV
 from memory). Any other family takes the model's own forward (`serves` says which). Only a
 packable model (ragkv.kv.packed) takes packed steps at all.
@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from ragkv.kv.packed import Packing, packed_attention
+from ragkv.kv.packed import Packing, attend_packed
 
 # Decoder layers whose forward `_layer` repeats, operation for operation (transformers 5.x):
 # norm, q/k/v projections (Qwen3: a norm on q and k per head), rotary, the cache's update,
@@ -36,29 +36,31 @@ def serves(model) -> bool:
 @torch.inference_mode()
 def forward(model, ids: torch.Tensor, packing: Packing, slots) -> torch.Tensor:
     """The packed step of `ids` `(1, N)` laid out by `packing`, each layer's keys and values
-    written through its cache layer in `slots` (the `RaggedBatch`'s, with `packing` set);
-    returns each row's logits after its last token `(B, V)`."""
+    written into its slot layer's buffers in `slots` (the `RaggedBatch`'s); returns each row's
+    logits after its last token `(B, V)`. Tokens run as `(N, hidden)` and heads as `(N, H, D)`
+    (transformers' `(1, H, N, D)` costs a transpose and a copy per layer; the values are the same)."""
     inner = model.model
-    hidden = inner.embed_tokens(ids)  # (1, N, hidden)
-    cos, sin = inner.rotary_emb(hidden, position_ids=packing.positions)
+    hidden = inner.embed_tokens(ids[0])  # (N, hidden)
+    cos, sin = (t[0] for t in inner.rotary_emb(hidden[None], position_ids=packing.positions))  # (N, D) each
     for layer, slot in zip(inner.layers, slots, strict=True):
         hidden = _layer(layer, hidden, cos, sin, slot, packing)
-    hidden = inner.norm(hidden)[:, packing.last]  # (1, B, hidden): the norm of every token, as the model's
-    return model.lm_head(hidden)[0]
+    hidden = inner.norm(hidden)[packing.last]  # (B, hidden): the norm of every token, as the model's
+    return model.lm_head(hidden)
 
 
 def _layer(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot, packing: Packing):
     attention = layer.self_attn
     rotary = sys.modules[type(attention).__module__].apply_rotary_pos_emb
     normed = layer.input_layernorm(hidden)
-    shape = (*hidden.shape[:-1], -1, attention.head_dim)  # (1, N, heads, D)
+    shape = (hidden.shape[0], -1, attention.head_dim)  # (N, heads, D)
     query = attention.q_proj(normed).view(shape)
     key = attention.k_proj(normed).view(shape)
     if hasattr(attention, "q_norm"):  # Qwen3
         query, key = attention.q_norm(query), attention.k_norm(key)
-    query, key = rotary(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
-    value = attention.v_proj(normed).view(shape).transpose(1, 2)
-    keys, values = slot.update(key, value)  # the whole buffers, this step's tokens in place
-    out, _ = packed_attention(attention, query, keys, values, None, scaling=attention.scaling, ragkv_packing=packing)
-    hidden = hidden + attention.o_proj(out.reshape(*shape[:-2], -1).contiguous())
+    query, key = rotary(query, key, cos, sin)  # cos/sin (N, 1, D) against (N, heads, D)
+    keys, values = slot.held()
+    keys[packing.row_of, :, packing.col_of] = key  # each token to its row's next column
+    values[packing.row_of, :, packing.col_of] = attention.v_proj(normed).view(shape)
+    out = attend_packed(query, keys, values, packing, attention.scaling)  # (N, heads, D)
+    hidden = hidden + attention.o_proj(out.view(hidden.shape[0], -1))
     return hidden + layer.mlp(layer.post_attention_layernorm(hidden))

@@ -100,12 +100,18 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     packing: Packing | None = kwargs.pop("ragkv_packing", None)
     if packing is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    heads, dim = query.shape[1], query.shape[3]
+    return attend_packed(query[0].transpose(0, 1), key, value, packing, scaling)[None], None
+
+
+def attend_packed(query: torch.Tensor, key, value, packing: Packing, scaling) -> torch.Tensor:
+    """A packed step's attention, `query` `(N, H, D)` -> `(N, H, D)`: every row's last token
+    batched over the padded slots, the key heads' query heads together; a chunk's other tokens
+    causally over their own row."""
+    heads, dim = query.shape[1], query.shape[2]
     kv_heads = key.shape[1]
     rows = packing.last.shape[0]
-    out = query.new_empty((query.shape[2], heads, dim))  # (N, H, D)
-    # Every row's last token, batched over the padded slots, the key heads' query heads together.
-    last = query[0, :, packing.last].transpose(0, 1).reshape(rows, kv_heads, heads // kv_heads, dim)
+    out = query.new_empty((query.shape[0], heads, dim))  # (N, H, D)
+    last = query[packing.last].reshape(rows, kv_heads, heads // kv_heads, dim)
     attended = F.scaled_dot_product_attention(
         last,
         key[:rows, :, : packing.width],
@@ -121,7 +127,7 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
             length + torch.arange(count, device=query.device)[:, None]
         )
         chunk = F.scaled_dot_product_attention(
-            query[:, :, first : first + count],
+            query[first : first + count].transpose(0, 1)[None],
             key[row : row + 1, :, :seen],
             value[row : row + 1, :, :seen],
             attn_mask=causal[None, None],
@@ -129,7 +135,7 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
             enable_gqa=kv_heads != heads,
         )
         out[first : first + count] = chunk[0].transpose(0, 1)
-    return out[None], None
+    return out
 
 
 AttentionInterface.register(PACKED, packed_attention)
