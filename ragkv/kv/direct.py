@@ -58,9 +58,7 @@ def _layer(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sl
     if hasattr(attention, "q_norm"):  # Qwen3
         query, key = attention.q_norm(query), attention.k_norm(key)
     query, key = rotary(query, key, cos, sin)  # cos/sin (N, 1, D) against (N, heads, D)
-    keys, values = slot.held()
-    keys[packing.row_of, :, packing.col_of] = key  # each token to its row's next column
-    values[packing.row_of, :, packing.col_of] = attention.v_proj(normed).view(shape)
+    keys, values = slot.put_packed(key, attention.v_proj(normed).view(shape))  # the whole buffers
     out = attend_packed(query, keys, values, packing, attention.scaling)  # (N, heads, D)
     hidden = hidden + attention.o_proj(out.view(hidden.shape[0], -1))
     return hidden + layer.mlp(layer.post_attention_layernorm(hidden))

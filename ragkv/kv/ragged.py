@@ -40,11 +40,8 @@ class SlotLayer(DynamicLayer):
         self.keys, self.values = (b[:rows, :, :width] for b in self.held())
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if self.packing is not None:  # (1, H, N, D): each token to its row's next column
-            keys, values = self.held()
-            keys[self.packing.row_of, :, self.packing.col_of] = key_states[0].transpose(0, 1)
-            values[self.packing.row_of, :, self.packing.col_of] = value_states[0].transpose(0, 1)
-            return keys, values  # the whole buffers: packed_attention takes each row's part
+        if self.packing is not None:  # (1, H, N, D)
+            return self.put_packed(key_states[0].transpose(0, 1), value_states[0].transpose(0, 1))
         rows = key_states.shape[0]
         index = torch.arange(rows, device=key_states.device)
         assert self.buffers is not None  # RaggedBatch reserves them before any row decodes
@@ -53,6 +50,15 @@ class SlotLayer(DynamicLayer):
         values[index, :, self.write_at] = value_states[:, :, 0]
         self.show(rows, self.keys.shape[2] + 1)
         return self.keys, self.values
+
+    def put_packed(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A packed step's keys and values `(N, H, D)`, each token to its row's next column (by
+        `packing`); returns the whole buffers (the packed attention takes each row's part)."""
+        assert self.packing is not None  # set by RaggedBatch.step_packed for the step
+        held_keys, held_values = self.held()
+        held_keys[self.packing.row_of, :, self.packing.col_of] = keys
+        held_values[self.packing.row_of, :, self.packing.col_of] = values
+        return held_keys, held_values
 
 
 class SlotStateLayer(LinearAttentionLayer):
