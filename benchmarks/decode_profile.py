@@ -50,13 +50,17 @@ KINDS = {
 }
 
 
-def rows_of(lm, count: int) -> list:
-    """`count` batch-1 caches of ~CONTEXT random-id tokens each (lengths differ a little, as
-    prompts do), prefilled, with their first token picked."""
-    generator = torch.Generator().manual_seed(0)
+def context_ids(count: int, seed: int = 0) -> list[list[int]]:
+    """`count` contexts of ~CONTEXT random ids each (lengths differ a little, as prompts do)."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, 40000, (CONTEXT - 8 + i % 16,), generator=generator).tolist() for i in range(count)]
+
+
+def rows_of(lm, count: int, contexts: list[list[int]] | None = None) -> list:
+    """`count` batch-1 caches of `contexts` (by default `context_ids(count)`), prefilled, with
+    their first token picked."""
     rows = []
-    for i in range(count):
-        ids = torch.randint(10, 40000, (CONTEXT - 8 + i % 16,), generator=generator).tolist()
+    for ids in contexts or context_ids(count):
         cache = kv.to_cache_empty(lm.model.config)
         logits = prefill(lm.model, ids, cache)
         state = start_decoding(lm, 10_000, DecodeSettings(), time.perf_counter())

@@ -29,30 +29,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "step_against_vllm.md"
-CONTEXT = 850
-
-
-def contexts(rows: int) -> list[list[int]]:
-    """`rows` contexts of about CONTEXT ids (lengths differ a little, as prompts do)."""
-    import torch
-
-    generator = torch.Generator().manual_seed(rows)
-    return [torch.randint(10, 40000, (CONTEXT - 8 + i % 16,), generator=generator).tolist() for i in range(rows)]
 
 
 def ragkv_steps(lm, ids: list[list[int]], steps: int) -> float:
     """Median ms of ragkv's packed step over `ids`' rows, each row's greedy pick included."""
     import torch
 
-    from ragkv.kv import cache as kv
+    from benchmarks.decode_profile import rows_of
     from ragkv.kv.ragged import RaggedBatch
-    from ragkv.model.generate import prefill
 
     batch = RaggedBatch(lm.model.config)
     tokens = []
-    for row in ids:
-        cache = kv.to_cache_empty(lm.model.config)
-        tokens.append(int(prefill(lm.model, row, cache).argmax()))
+    for cache, state in rows_of(lm, len(ids), ids):
+        tokens.append(state.to_feed())
         batch.add(cache)
     times = []
     for step in range(steps + 2):
@@ -116,12 +105,13 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     import torch
 
+    from benchmarks.decode_profile import CONTEXT, context_ids
     from benchmarks.machine import describe
     from ragkv.model.llm import bundled_smollm2_path, load_model
 
     torch.set_num_threads(2)
     counts = [int(c) for c in args.rows.split(",")]
-    ids = {str(c): contexts(c) for c in counts}
+    ids = {str(c): context_ids(c, seed=c) for c in counts}
     lm = load_model("smollm2", "cpu", "float32")
     first = {c: ragkv_steps(lm, ids[c], args.steps) for c in ids}
     theirs = vllm_steps(args.vllm_python, bundled_smollm2_path(), {"steps": args.steps, "contexts": ids})
