@@ -52,6 +52,29 @@ def test_exact_reuses_a_repeated_chunk_combination_from_the_prefix_cache(tiny_st
     assert first.token_ids == again.token_ids == full.token_ids
 
 
+def test_a_question_asked_again_over_the_same_context_prefills_only_its_last_token(tiny_store):
+    """The question's KV is kept after its answer (in the prefix cache, after its context's
+    chain): asked again, alone or in a batch, only its last token is prefilled, and the answer
+    and the first token's logits equal a full prefill's. Another question, or the same one over
+    another context, prefills its question."""
+    question = QUESTIONS[1]
+    with ragkv.open(tiny_store, device="cpu") as engine:
+        for top_k in (1, 3):  # the question after the first chunk, and after chunks from the prefix cache
+            first = engine.ask(question, top_k=top_k, max_new_tokens=8)
+            again = engine.ask(question, top_k=top_k, max_new_tokens=8)
+            full = engine.ask(question, top_k=top_k, max_new_tokens=8, use_cache=False)
+            assert first.stats.computed_tokens > 1 and again.stats.computed_tokens == 1
+            assert again.stats.reused_tokens == len(again.prompt_ids) - 1
+            assert first.token_ids == again.token_ids == full.token_ids
+            cached = engine.first_token_logits(question, top_k=top_k)
+            assert (cached - engine.first_token_logits(question, top_k=top_k, use_cache=False)).abs().max() < 1e-4
+        with engine.batched() as batcher:  # kept from inside a batch too
+            batched = [batcher.ask(q, max_new_tokens=8) for q in (QUESTIONS[2], QUESTIONS[2])]
+        assert batched[0].stats.computed_tokens > 1 and batched[1].stats.computed_tokens == 1
+        assert batched[0].token_ids == batched[1].token_ids
+        assert engine.ask(QUESTIONS[3], max_new_tokens=2).stats.computed_tokens > 1
+
+
 def test_shifting_keys_matches_computing_them_at_the_new_position(tiny_llama):
     from transformers import AutoModelForCausalLM
 

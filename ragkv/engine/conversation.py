@@ -110,7 +110,9 @@ class Conversation:
             self._open_context(prepared)
             new_ids, live_ids = prepared.question_ids, prepared.live_ids
             request.reports, request.counts = prepared.reports, prepared.counts
-            request.after_prefill, request.catch_up = prepared.assembly.after_prefill, prepared.assembly.catch_up
+            assembly = prepared.assembly
+            request.after_prefill, request.catch_up = assembly.after_prefill, assembly.catch_up
+            request.keep_question = assembly.keep_question
             self.turns.append(Turn(message, new_ids, []))
         else:
             new_ids = runtime.active.layout.turn_ids(runtime.lm.tokenizer, message)
@@ -130,6 +132,8 @@ class Conversation:
         cache (it must hold the conversation's KV so far, as `request.cache` would)."""
         if cache is not None:
             self.cache = cache
+            if request.keep_question is not None:
+                request.keep_question(cache)
         self.turns[-1].answer_ids = list(done.token_ids)
         stats = request.stats_of(done)
         self.runtime.savings.add(stats)

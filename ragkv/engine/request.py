@@ -68,6 +68,7 @@ class Request:
     after_prefill: Callable[[object], None] | None = None  # (Assembly.after_prefill)
     attention: Scaling | None = None  # ape: how the turn's tokens attend to the context
     catch_up: Callable[[object], int] | None = None  # the first turn's (Assembly.catch_up)
+    keep_question: Callable[[object], None] | None = None  # the first turn's (Assembly.keep_question)
     recompute: Recompute | None = None  # context tokens its first prefill recomputes (Assembly.recompute)
     # -- the decoding
     state: DecodeState | None = None

@@ -176,7 +176,8 @@ class KVLoader:
                 if last.entry
                 else KVKey.for_chunk(self.active.profile, chunk_ids[after - 1])
             )
-            return assemble.exact(model, stored, segments, self.prefix_cache, salted(root, cache_salt(settings.scope)))
+            salted_root = salted(root, cache_salt(settings.scope))
+            return assemble.exact(model, stored, segments, self.prefix_cache, salted_root, question_ids[:-1])
         prefix, pieces_kv = kv.whole(stored[0]), [kv.whole(part) for part in stored[1:]]
         pieces = [pieces_kv[0]]
         for piece in pieces_kv[1:]:

@@ -48,6 +48,9 @@ class Assembly:
     # exact: before the prefill starts, append to the cache what the prefix cache holds now of
     # the tokens after it (another request computed them since); returns the tokens appended
     catch_up: Callable[[object], int] | None = field(default=None, repr=False)
+    # exact: once the answer is done, put the question's KV (its cache holds it then) into the
+    # prefix cache, so the same question over the same context prefills one token next time
+    keep_question: Callable[[object], None] | None = field(default=None, repr=False)
     attention: Scaling | None = None  # ape: how the tokens after the cache attend to it
     recompute: Recompute | None = None  # query: context tokens the prefill recomputes with it
 
@@ -61,25 +64,36 @@ class Assembly:
 
 
 def exact(
-    model, stored: list[kv.Part], segments: Sequence[Sequence[int]], prefix_cache: PrefixCache, root: KVKey
+    model,
+    stored: list[kv.Part],
+    segments: Sequence[Sequence[int]],
+    prefix_cache: PrefixCache,
+    root: KVKey,
+    question: Sequence[int] = (),
 ) -> Assembly:
     """`stored`: the prefix and first chunk KV from the store. `segments`: the token ids that
     follow the first chunk (whose entry `root` names), one per further chunk (separator +
     chunk). Matched segments come from `prefix_cache`; `catch_up` takes more of them from it
     if another request computed them before this one's prefill starts (requests over the same
     context admitted together: the first computes, the others reuse); `after_prefill` adds the
-    ones the prefill computes."""
-    match = prefix_cache.match(root, segments)
+    ones the prefill computes. `question`: the prompt's ids after the chunks but its last (the
+    question with its template): a segment too, found once `keep_question` has put it there
+    after an answer over the same context (vLLM's prefix cache does the same for a repeated
+    prompt; a plain layout only: a recurrent state at the question's end cannot be taken out
+    of the finished turn). Its last id is always prefilled: it gives the first token."""
+    has_state = kv.layout_of(model.config).has_state
+    asked = [*segments, question] if question and not has_state else list(segments)
+    match = prefix_cache.match(root, asked)
     cache = kv.to_cache([*stored, *match.kvs], model.config)
     stored_tokens = sum(kv.num_tokens(t) for t in stored)
-    if kv.layout_of(model.config).has_state:
+    if has_state:
         computed = extend(model, cache, segments[match.num_segments :])
         if computed:
             prefix_cache.insert(root, segments, [*match.kvs, *computed])
         computed_tokens = sum(entry.num_tokens for entry in computed)
         reused = stored_tokens + match.num_tokens
         return Assembly(cache, reused, computed_tokens, prefix_cache_tokens=match.num_tokens)
-    held = list(match.kvs)  # the segments' KV the cache holds after the stored, in order
+    held = list(match.kvs[: len(segments)])  # the segments' KV the cache holds after the stored, in order
 
     def catch_up(filled_cache) -> int:
         new = prefix_cache.match(root, segments, count=False).kvs[len(held) :]
@@ -98,14 +112,30 @@ def exact(
             start += len(ids)
         prefix_cache.insert(root, segments, [*held, *kvs])
 
-    missing = len(segments) > match.num_segments
+    missing = len(segments) > len(held)
+    kept = match.num_segments == len(asked) or len(asked) == len(segments)  # found, or no question
     return Assembly(
         cache,
         stored_tokens + match.num_tokens,
         prefix_cache_tokens=match.num_tokens,
         after_prefill=remember if missing else None,
         catch_up=catch_up if missing else None,
+        keep_question=None if kept else _keeper(prefix_cache, root, asked, stored_tokens),
     )
+
+
+def _keeper(prefix_cache: PrefixCache, root: KVKey, asked: list[Sequence[int]], start: int) -> Callable[[object], None]:
+    """`Assembly.keep_question` for the prompt whose segments after the stored `start` tokens
+    are `asked` (the question last)."""
+    start += sum(len(ids) for ids in asked[:-1])
+    end = start + len(asked[-1])
+
+    def keep_question(filled_cache) -> None:
+        if kv.num_cached(filled_cache) >= end:  # (a turn cancelled early holds less)
+            entry = kv.from_cache(filled_cache, 0, start, end)
+            prefix_cache.insert(root, asked, [*(None for _ in asked[:-1]), entry])
+
+    return keep_question
 
 
 def concat(model, prefix: Entry, pieces: Sequence[Entry]) -> Assembly:

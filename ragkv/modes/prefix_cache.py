@@ -64,11 +64,11 @@ class PrefixCache:
             self.misses += len(segments) - len(kvs)
         return PrefixMatch(kvs)
 
-    def insert(self, root: KVKey, segments: Sequence[Sequence[int]], kvs: Sequence[Entry]) -> None:
+    def insert(self, root: KVKey, segments: Sequence[Sequence[int]], kvs: Sequence[Entry | None]) -> None:
         """Remember `kvs[i]`, the KV of `segments[i]` computed after `root` and the segments
-        before it. May evict least recently used entries."""
+        before it (None: not this one). May evict least recently used entries."""
         for key, ids, kv in zip(_names(root, segments), segments, kvs, strict=False):
-            if key not in self._lru:
+            if kv is not None and key not in self._lru:
                 self._lru.put(key, (tuple(ids), kv))
 
     def __len__(self) -> int:
