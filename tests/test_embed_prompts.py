@@ -119,3 +119,24 @@ def test_a_store_written_before_prompts_keeps_plain_encode(prompted, docs, tmp_p
     assert moved.chunks_embedded == len(DOCS)
     texts, vectors = _stored(store)
     assert np.allclose(vectors, reference.encode_document(texts, normalize_embeddings=True), atol=1e-5)
+
+
+def test_a_question_embedded_again_skips_the_encoder_and_gets_the_same_vector(monkeypatch):
+    embedder = Embedder.load(DEFAULT_EMBEDDER, "cpu")
+    calls = []
+    encode = Embedder._encode
+
+    def counting(self, side, prompt, texts, batch_size):
+        calls.append(list(texts))
+        return encode(self, side, prompt, texts, batch_size)
+
+    monkeypatch.setattr(Embedder, "_encode", counting)
+    first = embedder.embed_queries(["when are salaries paid?"])
+    again = embedder.embed_queries(["when are salaries paid?"])
+    other = embedder.embed_queries(["who approves leave?"])
+    assert calls == [["when are salaries paid?"], ["who approves leave?"]]
+    assert np.array_equal(first, again) and not np.array_equal(first, other)
+    with pytest.raises(ValueError):  # shared by every caller: nobody may change it
+        again[0, 0] = 1.0
+    both = embedder.embed_queries(["when are salaries paid?", "who approves leave?"])  # several: encoded as they are
+    assert calls[-1] == ["when are salaries paid?", "who approves leave?"] and both.shape == (2, first.shape[1])
