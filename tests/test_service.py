@@ -188,15 +188,34 @@ def test_requests_join_a_running_stream_and_equal_their_lone_answers(served):
         assert reply.json()["ragkv"]["token_ids"] == alone["ragkv"]["token_ids"]
 
 
-def test_a_full_queue_answers_503_with_retry_after(served):
-    base, _, _ = served
-    body = {"messages": [{"role": "user", "content": QUESTIONS[3]}], "max_tokens": 64}
-    with ThreadPoolExecutor(12) as pool:
-        responses = list(pool.map(lambda _: post(base, body), range(12)))
-    codes = sorted(r.status_code for r in responses)
-    assert 200 in codes and 503 in codes and set(codes) <= {200, 503}
-    busy = next(r for r in responses if r.status_code == 503)
-    assert busy.headers["retry-after"] == "1" and busy.json()["error"]["type"] == "server_busy"
+def test_a_full_queue_answers_503_with_retry_after(served, tiny_store):
+    """One row and room for one waiting request: with a stream decoding in the row and a request
+    waiting (both seen in /healthz), the next gets 503 with Retry-After; once the stream leaves,
+    the waiting one is answered. (The tiny model streams its 1,024 tokens in about a second: a
+    try whose stream ended before the third request arrived is tried again.)"""
+    _, store, _ = served
+    with ragkv.open(tiny_store, device="cpu") as engine:  # the stream runs its whole budget
+        assert engine.ask(QUESTIONS[3], max_new_tokens=1024).stats.finish_reason == "length"
+    long = {"messages": [{"role": "user", "content": QUESTIONS[3]}], "max_tokens": 1024, "stream": True}
+    short = {"messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 4}
+    args = ("--max-batch", "1", "--max-queue", "1", "--max-tokens-cap", "1024")
+    with running_server(store, *args, env={"RAGKV_API_KEY": KEY}) as (base, _), ThreadPoolExecutor(1) as pool:
+        headers = {"Authorization": f"Bearer {KEY}"}
+        for _ in range(5):
+            with httpx.stream("POST", f"{base}/v1/chat/completions", json=long, timeout=600, headers=headers) as stream:
+                lines = stream.iter_lines()
+                next(line for line in lines if '"content": "' in line)  # it holds the one row
+                waiting = pool.submit(post, base, short)
+                while httpx.get(f"{base}/healthz").json()["waiting"] < 1:
+                    assert not waiting.done(), waiting.result().text
+                busy = post(base, short)
+            assert waiting.result().status_code == 200  # the stream left: its row went to the waiting one
+            assert busy.status_code in (200, 503), busy.text
+            if busy.status_code == 503:
+                break
+        else:
+            pytest.fail("the stream always ended before the third request arrived")
+        assert busy.headers["retry-after"] == "1" and busy.json()["error"]["type"] == "server_busy"
 
 
 def test_a_burst_gets_clean_503s_and_nothing_else_fails(served):
