@@ -172,13 +172,14 @@ class Embedder:
         """Questions as vectors (encode_query, with the query prompt): `(N, dim)` float32, L2-normalised."""
         if len(texts) != 1:
             return self._encode("encode_query", self.prompts.query, texts, batch_size)
+        key = (self.prompts, texts[0])  # (the prompts are fixed once loaded; keyed all the same)
         with self._asked_lock:
-            vector = self._asked.get(texts[0])
+            vector = self._asked.get(key)
         if vector is None:
             vector = self._encode("encode_query", self.prompts.query, texts, batch_size)
             vector.setflags(write=False)  # shared by every caller that asks the same
             with self._asked_lock:
-                self._asked.put(texts[0], vector)
+                self._asked.put(key, vector)
         return vector
 
     def embed_documents(self, texts: list[str], batch_size: int = 32) -> np.ndarray:
