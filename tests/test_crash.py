@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -61,6 +60,9 @@ FORKS = textwrap.dedent("""
     class Signal(Reporter):
         def stage(self, name, total, unit="chunks"):
             print("STAGE", name, flush=True)
+
+        def advance(self, count=1, tokens=0):
+            print("ADVANCE", flush=True)
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # exited trials are reaped at once
     for line in sys.stdin:
@@ -177,16 +179,24 @@ def kill_trial(trial: int, crash_setup, tiny_llama, tmp_path, forks) -> str:
     forks.stdin.write(json.dumps(job) + "\n")
     forks.stdin.flush()
     pid = int(forks.stdout.readline())
-    # After the models load, reading, chunking and embedding take ~0.3 s and KV compute with
-    # ~100 shard seals and catalog commits ~1 s here. Aim most kills at the writing phase.
+    # The kill comes after a random number of the ingest's own progress lines past a stage's
+    # start (an event, not a time: a busy machine moves the kill nowhere). Over a base store the
+    # ingest says: chunking 30 documents, embedding 4 batches, then 240 KV units (shard seals and
+    # catalog commits among them), then its publish; fresh, 40, 5 and 310. Most kills aim at
+    # the writing: anywhere in KV, or right after its last unit (the publish); the others at
+    # chunking, embedding and early KV.
     wait_for = "STAGE KV" if rng.random() < 0.6 else "STAGE"
+    events = rng.randrange(245 if wait_for == "STAGE KV" else 100)
     with open(out) as said:  # the trial's own output; its end is the trial's end
         while not (line := said.readline()).startswith(wait_for):
             assert line, "the ingest ended before the stage the trial waits for"
-        time.sleep(rng.uniform(0.0, 0.9 if wait_for == "STAGE KV" else 0.5))
+        for _ in range(events):
+            if not (line := said.readline()) or line.startswith("DONE"):
+                break
         with contextlib.suppress(ProcessLookupError):  # already ended
             os.kill(pid, signal.SIGKILL)
-        outcome = "finished first" if "DONE" in said.read() else "killed"  # read to the end: it is gone
+        ended = line.startswith("DONE") or "DONE" in said.read()  # read to the end: it is gone
+        outcome = "finished first" if ended else "killed"
 
     if read_current(store) is not None:  # the store opens and verifies
         with open_snapshot(store, require_documents=False) as snap:
@@ -210,7 +220,7 @@ def kill_trial(trial: int, crash_setup, tiny_llama, tmp_path, forks) -> str:
         chunk_keys = {k for k in reference_keys if not KVKey.from_string(k).is_prefix}
         assert rerun.kv_computed == len(chunk_keys - already - sealed), trial
     print(
-        f"trial {trial}: {outcome} after {wait_for!r}; {'published' if published else 'not published'}, "
+        f"trial {trial}: {outcome} {events} lines after {wait_for!r}; {'published' if published else 'not published'}, "
         f"{len(sealed)} sealed entries adopted, {rerun.kv_computed} computed on re-run"
     )
     return outcome
