@@ -6,6 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import AutoTokenizer
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+)
 
 import ragkv
 from ragkv.core.config import AskSettings, DecodeSettings
@@ -50,6 +55,41 @@ def test_the_decoder_never_repeats_an_ngram_of_its_own_and_ignores_the_prompt():
     picked = [decoder.next_token(logits) for _ in range(8)]
     assert len(set(_ngrams(picked, 2))) == len(_ngrams(picked, 2))
     assert picked[0] == 3  # the prompt (never shown to the decoder) does not count
+
+
+def _through_transformers(settings: DecodeSettings, ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+    """What transformers' own processors make of `logits` after `ids` (the reference)."""
+    processors = LogitsProcessorList()
+    if settings.repetition_penalty != 1.0:
+        processors.append(RepetitionPenaltyLogitsProcessor(settings.repetition_penalty))
+    if settings.no_repeat_ngram:
+        processors.append(NoRepeatNGramLogitsProcessor(settings.no_repeat_ngram))
+    return processors(torch.tensor([ids], dtype=torch.long), logits[None].clone())[0]
+
+
+@pytest.mark.parametrize(
+    "controls",
+    [{}, dict(repetition_penalty=1.3, no_repeat_ngram=3), dict(no_repeat_ngram=2, repetition_penalty=1.0), PLAIN],
+)
+def test_the_repetition_controls_and_the_greedy_pick_equal_transformers_processors_and_argmax(controls):
+    settings = DecodeSettings(**controls)
+    generator = torch.Generator().manual_seed(3)
+    vocab = 97
+    for trial in range(300):
+        length = int(torch.randint(0, 40, (1,), generator=generator))
+        ids = torch.randint(
+            0, 6 if trial % 2 else vocab, (length,), generator=generator
+        ).tolist()  # odd trials repeat a lot
+        logits = torch.randn(vocab, generator=generator) * 4
+        logits[torch.randint(0, vocab, (5,), generator=generator)] = logits.max()  # ties: the first one wins
+        logits[ids[:3]] = -logits[ids[:3]].abs()  # some seen ids have negative scores
+        decoder = Decoder(settings)
+        decoder.token_ids = list(ids)
+        kept = logits.clone()
+        expected = _through_transformers(settings, ids, logits)
+        assert torch.equal(decoder._controlled(logits), expected), (trial, ids)
+        assert decoder.next_token(logits) == int(expected.argmax())
+        assert torch.equal(logits, kept)  # the caller's logits are left as they were
 
 
 def test_the_same_seed_samples_the_same_tokens():
