@@ -32,7 +32,7 @@ def serves(model) -> bool:
     is of the Llama kind, its model under `.model` with the embedding, rotary and final norm."""
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
-    if layers is None or not all(hasattr(inner, name) for name in ("embed_tokens", "rotary_emb", "norm")):
+    if inner is None or layers is None or not all(hasattr(inner, n) for n in ("embed_tokens", "rotary_emb", "norm")):
         return False
     if not (hasattr(model, "lm_head") and all(type(layer).__name__ in _LLAMA_KIND for layer in layers)):
         return False
