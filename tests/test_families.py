@@ -200,6 +200,67 @@ def test_the_written_out_packed_step_is_bitwise_the_models_own(family, family_mo
         assert torch.equal(kv.from_cache(ours.extract(row)).kv, kv.from_cache(theirs.extract(row)).kv)
 
 
+def _batches_of(model, monkeypatch, rows: int):
+    """Two batches of the same `rows` contexts: one stepped written out, one by the model's own
+    forward; `step(tokens)` steps both and returns their logits."""
+    generator = torch.Generator().manual_seed(5)
+    contexts = [torch.randint(3, 900, (length,), generator=generator).tolist() for length in range(9, 9 + 3 * rows, 3)]
+    batches = []
+    for _ in range(2):
+        batch = RaggedBatch(model.config)
+        for ids in contexts:
+            cache = kv.to_cache_empty(model.config)
+            prefill(model, ids, cache)
+            batch.add(cache)
+        batches.append(batch)
+
+    def step(token: int) -> tuple[torch.Tensor, torch.Tensor]:
+        found = []
+        for written_out, batch in zip((True, False), batches, strict=True):
+            monkeypatch.setattr(direct, "serves", lambda _, w=written_out: w)
+            with torch.inference_mode():
+                found.append(batch.step_packed(model, [[token + row] for row in range(rows)]))
+        return found[0], found[1]
+
+    return batches, step
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: projections with a bias
+def test_steps_of_five_to_eight_rows_take_packed_weights_that_agree_and_are_never_stale(
+    family, family_model, monkeypatch
+):
+    """A float32 step of 5-8 tokens on a CPU runs its projections through MKL's packed weights:
+    its logits and KV agree with the model's own forward to float rounding and pick the same
+    tokens; a weight changed in place is packed again before the next step uses it."""
+    model = load_model(str(family_model(family)), "cpu", "float32").model
+    packs = direct.packs_of(model)
+    assert packs is not None
+    for rows in (6, 8):
+        batches, step = _batches_of(model, monkeypatch, rows)
+        for token in (5, 6):
+            mine, own = step(token)
+            assert torch.allclose(mine, own, atol=1e-4, rtol=1e-4)
+            assert torch.equal(mine.argmax(-1), own.argmax(-1))
+        linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+        assert len(packs) == len(linears)  # every projection went through its packed copy
+        for row in range(rows):
+            a, b = (kv.from_cache(batch.extract(row)).kv for batch in batches)
+            assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3.0)  # in place: the packed copy made before is stale now
+    mine, own = step(7)
+    assert torch.allclose(mine, own, atol=1e-4, rtol=1e-4)
+
+
+def test_a_model_over_the_limit_gets_no_packed_weights(family_model, monkeypatch):
+    monkeypatch.setattr(direct, "PACK_LIMIT", 0)
+    model = load_model(str(family_model("llama")), "cpu", "float32").model
+    assert direct.packs_of(model) is None
+    _, step = _batches_of(model, monkeypatch, 6)
+    mine, own = step(5)
+    assert torch.equal(mine, own)  # the plain written-out step: bitwise the model's own
+
+
 @pytest.mark.parametrize("family", [*PLAIN, *NEW_LAYOUTS])
 def test_the_batcher_answers_as_each_question_alone(family, family_store):
     settings = AskSettings(max_new_tokens=10)
