@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 import ragkv
 from ragkv.core.config import AskSettings
@@ -21,7 +22,7 @@ from ragkv.kv.movable import refuse_unless_movable
 from ragkv.kv.packed import packable
 from ragkv.kv.ragged import RaggedBatch
 from ragkv.model import self_check
-from ragkv.model.generate import prefill
+from ragkv.model.generate import prefill, step
 from ragkv.model.llm import load_model
 from ragkv.store import open_snapshot
 from tests import families
@@ -250,6 +251,32 @@ def test_steps_of_five_to_eight_rows_take_packed_weights_that_agree_and_are_neve
         model.lm_head.weight.mul_(3.0)  # in place: the packed copy made before is stale now
     mine, own = step(7)
     assert torch.allclose(mine, own, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", PLAIN)
+def test_a_lone_request_steps_written_out_on_its_own_cache_as_the_models_own_forward_does(
+    family, family_model, family_store, monkeypatch
+):
+    """A request decoding alone feeds its tokens through `direct.step_alone` on the Llama kind
+    (its own growing cache, appended in place): logits and KV agree with the model's own step to
+    float rounding, with the same picks; other families and other caches take the model's own."""
+    model = load_model(str(family_model(family)), "cpu", "float32").model
+    ids = torch.randint(3, 900, (23,), generator=torch.Generator().manual_seed(8)).tolist()
+    mine, own = kv.to_cache_empty(model.config), kv.to_cache_empty(model.config)
+    prefill(model, ids, mine)
+    prefill(model, ids, own)
+    assert direct.serves_alone(model, mine) is (family in DIRECT)
+    assert not direct.serves_alone(model, DynamicCache())
+    if family in DIRECT:
+        for token in (5, 6, 7):
+            ours, theirs = direct.step_alone(model, token, mine), step(model, token, own)
+            assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4) and int(ours.argmax()) == int(theirs.argmax())
+        assert torch.allclose(kv.from_cache(mine).kv, kv.from_cache(own).kv, atol=1e-4, rtol=1e-4)
+    calls, original = [], direct.step_alone
+    monkeypatch.setattr(direct, "step_alone", lambda *args: calls.append(1) or original(*args))
+    with ragkv.open(family_store(family), device="cpu") as engine:
+        answer = engine.ask(QUESTIONS[0], AskSettings(max_new_tokens=4))
+    assert (len(calls) == len(answer.token_ids) - 1) if family in DIRECT else not calls  # every token after the first
 
 
 def test_a_model_over_the_limit_gets_no_packed_weights(family_model, monkeypatch):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ragkv.engine.request import Request
+from ragkv.kv import direct
 from ragkv.kv.cache import num_cached
 from ragkv.kv.packed import packable
 from ragkv.kv.ragged import RaggedBatch
@@ -154,11 +155,18 @@ class Runner:
                     done.append(i)
             finished += self._leave(done)
         for request in list(self.solo):
-            model = attending(self.lm.model, request.attention)
-            if self._take(request, step(model, request.decode_state.to_feed(), request.cache)):  # logits (V,)
+            if self._take(request, self._step_alone(request)):
                 self.solo.remove(request)
                 finished.append((request, request.cache))
         return Stepped(finished, entered, failed)
+
+    def _step_alone(self, request: Request) -> torch.Tensor:
+        """A request decoding alone: one token on its own cache, written out where
+        `ragkv.kv.direct` serves the model and the cache; logits `(V,)`."""
+        token, cache = request.decode_state.to_feed(), request.cache
+        if not request.attends_apart and direct.serves_alone(self.lm.model, cache):
+            return direct.step_alone(self.lm.model, token, cache)
+        return step(attending(self.lm.model, request.attention), token, cache)
 
     def _step_rows(self):
         """The rows' forward: a packed one while a prompt goes in (or always, on a packable

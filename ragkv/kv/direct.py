@@ -6,6 +6,8 @@ cache's and the attention's dispatch, the mask preparation a packed step does no
 same operations on the same tensors: the logits are bitwise those of the model's own forward
 (tested per family), in 3-10% less time a step on a 2-core CPU
 (benchmarks/results/decode_profile.md; the step is mostly reading weights and KV from memory).
+One exception, for speed: a step of 5-8 tokens of a small float32 model on a CPU multiplies by
+MKL's packed weights (PACKED_ROWS below), which agree to float rounding, not to the bit.
 Any other family, or a model whose projections are not plain `nn.Linear`s, takes the model's
 own forward (`serves` says which). Only a packable model (ragkv.kv.packed) takes packed steps
 at all.
@@ -20,6 +22,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from ragkv.kv.cache import GrowingLayer
 from ragkv.kv.packed import Packing, attend_packed
 
 # Decoder layers whose forward `_layer` repeats, operation for operation (transformers 5.x):
@@ -31,8 +34,9 @@ _NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}  # what `_norm` comput
 # A step of 5-8 tokens (up to 8 decoding rows) runs its projections through MKL's packed copies of
 # the weights, made for 8 rows (a step of fewer is padded with zero rows; their outputs are
 # dropped). MKL's plain sgemm computes a few rows at a fraction of the speed the weights stream
-# from memory; packed (cblas_sgemm_pack, what vLLM's CPU build does through oneDNN) the 8-row
-# step's projections took 38 against 52 ms for SmolLM2-135M on 2 cores, the step ~10% less.
+# from memory; packed (cblas_sgemm_pack; vLLM's CPU build prepacks through oneDNN) SmolLM2-135M's
+# 211 projections at 8 rows took 38 against 52 ms on 2 cores, and its whole 8-row step 87.5
+# against 103.5 ms (7 rows: 86.1 against 98.6).
 # The copies cost as much memory as the weights, so only a model whose projections weigh at
 # most PACK_LIMIT gets them (SmolLM2-135M: +539 MB, made in 0.18 s at the first such step);
 # float32 on a CPU with MKL only. Rows agree with the plain sgemm's to float rounding (~1e-4 in
@@ -85,6 +89,35 @@ def forward(model, ids: torch.Tensor, packing: Packing, slots) -> torch.Tensor:
     return _linear(model.lm_head, hidden, packs)
 
 
+def serves_alone(model, cache) -> bool:
+    """Whether `step_alone` computes `model`'s step on `cache`: `serves(model)`, and `cache`
+    a batch-1 cache of attention layers that grow in place (ragkv.kv.cache.GrowingLayer)."""
+    layers = getattr(cache, "layers", ())
+    return bool(layers) and all(type(layer) is GrowingLayer for layer in layers) and serves(model)
+
+
+@torch.inference_mode()
+def step_alone(model, token: int, cache) -> torch.Tensor:
+    """Feed one token on `cache` (`serves_alone`), its keys and values appended in place; returns
+    the next position's logits `(V,)`: the written-out step of one row (a lone request decoding,
+    ~8% faster than the model's own forward on 2 cores; to float rounding, not bitwise: its
+    attention groups the query heads per key head, as the batch's does)."""
+    length = cache.get_seq_length()
+    ids = torch.tensor([[token]], dtype=torch.long, device=model.device)  # (1, 1)
+    return forward(model, ids, Packing.of([length], [1], model.device), [_Appended(layer) for layer in cache.layers])[0]
+
+
+class _Appended:
+    """A batch-1 growing layer as a packed step's slot: the step's keys and values `(N, H, D)`
+    appended (`GrowingLayer.update`), the layer's keys and values returned as the buffers."""
+
+    def __init__(self, layer: GrowingLayer):
+        self.layer = layer
+
+    def put_packed(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.layer.update(keys.transpose(0, 1)[None], values.transpose(0, 1)[None])
+
+
 def _layer(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot, packing: Packing, packs):
     attention, mlp = layer.self_attn, layer.mlp
     rotary = sys.modules[type(attention).__module__].apply_rotary_pos_emb
@@ -105,13 +138,14 @@ def _layer(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sl
 
 def _linear(module, x: torch.Tensor, packs: Packs | None) -> torch.Tensor:
     """`module(x)` for an `nn.Linear` `(N, in)`, without the module call; through the packed
-    weights when there are some and N is FEWEST_PACKED to PACKED_ROWS."""
-    rows = x.shape[0]
-    if packs is None or not FEWEST_PACKED <= rows <= PACKED_ROWS:
-        return F.linear(x, module.weight, module.bias)
+    weights when there are some and N is FEWEST_PACKED to PACKED_ROWS (the weight still float32
+    on the CPU: the model may have moved since its packs were decided)."""
+    rows, weight = x.shape[0], module.weight
+    if packs is None or not FEWEST_PACKED <= rows <= PACKED_ROWS or weight.dtype != torch.float32 or not weight.is_cpu:
+        return F.linear(x, weight, module.bias)
     if rows < PACKED_ROWS:
         x = torch.cat([x, x.new_zeros((PACKED_ROWS - rows, x.shape[1]))])
-    return torch.ops.mkl._mkl_linear(x, packs.of(module), module.weight, module.bias, PACKED_ROWS)[:rows]
+    return torch.ops.mkl._mkl_linear(x, packs.of(module), weight, module.bias, PACKED_ROWS)[:rows]
 
 
 class Packs:
