@@ -61,13 +61,15 @@ class Decoder:
         anything changes: `scores` may view the caller's logits."""
         ids, vocab = self.token_ids, scores.shape[0]
         penalty = self.settings.repetition_penalty
-        if ids and penalty != 1.0:
+        banned = repeating(ids, self.settings.no_repeat_ngram, vocab)
+        penalised = bool(ids) and penalty != 1.0
+        if penalised or banned:
+            scores = scores.clone()
+        if penalised:
             seen = torch.tensor(sorted({i for i in ids if i < vocab}), dtype=torch.long, device=scores.device)
             picked = scores[seen]
-            scores = scores.clone()
             scores[seen] = torch.where(picked < 0, picked * penalty, picked / penalty)
-        if banned := repeating(ids, self.settings.no_repeat_ngram, vocab):
-            scores = scores.clone() if penalty == 1.0 else scores
+        if banned:
             scores[torch.tensor(banned, dtype=torch.long, device=scores.device)] = -float("inf")
         return scores
 
