@@ -12,9 +12,11 @@ Systems, one server at a time, each on the same prompts:
 - `vLLM`: the same server without the connector (prefix cache on).
 Each server runs the levels (1, 8, 16 streaming clients, `--per-client` requests each, up to 32
 new tokens) on pages no level used before ("first seen"), then every level again ("again":
-ragkv's RAM tier and vLLM's prefix cache warm). Reported per level: requests/s, generated
-tokens/s over the level, steady tokens/s (while every client had a request in flight), the
-median stream's decode tokens/s (after its first token), TTFT p50/p99.
+ragkv's RAM tier and vLLM's prefix cache warm). The ragkv trees and vLLM + connector take turns,
+`--repeats` runs each (this machine drifts over minutes; medians reported), vLLM alone runs once.
+Reported per level: requests/s, generated tokens/s over the level, steady tokens/s (while every
+client had a request in flight), the median stream's decode tokens/s (after its first token),
+TTFT p50/p99.
 
     python benchmarks/decode_speed.py --vllm-python .venv-vllm/bin/python [--before ../before] \\
         [--work DIR] [--clients 1,8,16] [--per-client 3]
@@ -136,8 +138,8 @@ def render(rows: list[dict], args, prompt_tokens: list[int]) -> str:
         "float32, prefix caching on, given ragkv's prompt ids; *+ connector* loads the store's KV through "
         "ragkv's connector. *tokens/s*: generated tokens over the level's wall time (ramp-up and drain "
         "included); *steady*: while every client had a request in flight ('-' under 2 s); *per stream*: the "
-        f"median request's tokens/s after its first token. The ragkv trees ran {args.repeats} times each, "
-        "alternating (the medians are shown; errors: in all runs); vLLM's servers once each.",
+        f"median request's tokens/s after its first token. The ragkv trees and vLLM + connector ran "
+        f"{args.repeats} times each, alternating (the medians are shown; errors: in all runs); vLLM alone once.",
         "",
         "| workload | clients | system | requests/s | tokens/s | steady tokens/s | per stream tokens/s | "
         "TTFT p50 s | TTFT p99 s | errors |",
@@ -204,7 +206,7 @@ def main() -> None:
     parser.add_argument("--clients", default="1,8,16")
     parser.add_argument("--per-client", type=int, default=3)
     parser.add_argument(
-        "--repeats", type=int, default=2, help="runs of each ragkv tree, alternating (medians reported)"
+        "--repeats", type=int, default=2, help="runs of each ragkv tree and of vLLM + connector, alternating (medians)"
     )
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
@@ -221,7 +223,8 @@ def main() -> None:
         work_of[clients], used = pairs[used : used + count], used + count
     spare = pairs[-1]
     rows: list[dict] = []
-    for _ in range(args.repeats):  # the two trees alternate: this shared machine drifts
+    folder = Path(model_folder)
+    for _ in range(args.repeats):  # the trees and the peer alternate: this shared machine drifts
         rows += run_system(
             "ragkv", lambda: serve_load.ragkv_server(store, 16), serve_load.stream_ragkv, levels, work_of, spare
         )
@@ -234,17 +237,17 @@ def main() -> None:
                 work_of,
                 spare,
             )
+        if args.vllm_python:
+            rows += run_system(
+                "vLLM + ragkv connector",
+                lambda: serve_load.vllm_server(args.vllm_python, folder, store),
+                serve_load.stream_vllm,
+                levels,
+                work_of,
+                spare,
+            )
     rows = medians(rows)
     if args.vllm_python:
-        folder = Path(model_folder)
-        rows += run_system(
-            "vLLM + ragkv connector",
-            lambda: serve_load.vllm_server(args.vllm_python, folder, store),
-            serve_load.stream_vllm,
-            levels,
-            work_of,
-            spare,
-        )
         rows += run_system(
             "vLLM",
             lambda: serve_load.vllm_server(args.vllm_python, folder),
