@@ -48,7 +48,16 @@ PACK_LIMIT = 1 << 30  # bytes
 
 def serves(model) -> bool:
     """Whether `forward` computes `model`'s packed step: a causal LM whose every decoder layer
-    is of the Llama kind, its model under `.model` with the embedding, rotary and final norm."""
+    is of the Llama kind, its model under `.model` with the embedding, rotary and final norm.
+    Decided once per model, as its packs are (a walk over every layer's modules took ~370 us,
+    asked every step; ragkv never swaps a loaded model's modules)."""
+    with _LOCK:
+        if model not in _SERVED:
+            _SERVED[model] = _served(model)
+        return _SERVED[model]
+
+
+def _served(model) -> bool:
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if inner is None or layers is None or not all(hasattr(inner, n) for n in ("embed_tokens", "rotary_emb", "norm")):
@@ -171,13 +180,14 @@ class Packs:
 
 
 _PACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> Packs, or None: not for it
-_PACKS_LOCK = threading.Lock()
+_SERVED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> serves(model)
+_LOCK = threading.Lock()
 
 
 def packs_of(model) -> Packs | None:
     """`model`'s packed weights (see PACKED_ROWS), or None where it gets none: not float32 on a
     CPU with MKL, or projections over PACK_LIMIT bytes. Decided once per model."""
-    with _PACKS_LOCK:
+    with _LOCK:
         if model not in _PACKS:
             _PACKS[model] = Packs() if _packable(model) else None
         return _PACKS[model]
