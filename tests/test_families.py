@@ -279,6 +279,22 @@ def test_a_lone_request_steps_written_out_on_its_own_cache_as_the_models_own_for
     assert (len(calls) == len(answer.token_ids) - 1) if family in DIRECT else not calls  # every token after the first
 
 
+def test_a_projection_that_is_not_a_plain_linear_takes_the_models_own_forward(family_model):
+    """A subclass of nn.Linear (a quantised or adapted projection) may compute something else:
+    the written-out step, which multiplies by the weight itself, is not taken."""
+
+    class Adapted(torch.nn.Linear):
+        pass
+
+    model = load_model(str(family_model("llama")), "cpu", "float32").model
+    own = model.model.layers[0].mlp.down_proj
+    adapted = Adapted(own.in_features, own.out_features, bias=own.bias is not None)
+    adapted.load_state_dict(own.state_dict())
+    model.model.layers[0].mlp.down_proj = adapted
+    assert not direct.serves(model)
+    assert direct.serves(load_model(str(family_model("llama")), "cpu", "float32").model)
+
+
 def test_a_model_over_the_limit_gets_no_packed_weights(family_model, monkeypatch):
     monkeypatch.setattr(direct, "PACK_LIMIT", 0)
     model = load_model(str(family_model("llama")), "cpu", "float32").model
