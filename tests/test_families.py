@@ -183,29 +183,17 @@ def test_the_written_out_packed_step_is_bitwise_the_models_own(family, family_mo
     generator = torch.Generator().manual_seed(3)
     contexts = [torch.randint(3, 900, (length,), generator=generator).tolist() for length in (9, 30, 17)]
     feeds = [[5], [6], torch.randint(3, 900, (11,), generator=generator).tolist()]  # two decode, one prompt
-    batches = {}
-    for written_out in (True, False):
-        monkeypatch.setattr(direct, "serves", lambda _, w=written_out: w)
-        batch = RaggedBatch(model.config)
-        for ids in contexts:
-            cache = kv.to_cache_empty(model.config)
-            prefill(model, ids, cache)
-            batch.add(cache)
-        with torch.inference_mode():
-            steps = [batch.step_packed(model, feeds)] + [batch.step_packed(model, [[7], [8], [9]]) for _ in range(2)]
-        batches[written_out] = (batch, steps)
-    (ours, ours_logits), (theirs, their_logits) = batches[True], batches[False]
-    for mine, own in zip(ours_logits, their_logits, strict=True):
+    (ours, theirs), step = _batches_of(model, monkeypatch, contexts)
+    for fed in (feeds, [[7], [8], [9]], [[7], [8], [9]]):
+        mine, own = step(fed)
         assert torch.equal(mine, own)
     for row in range(3):
         assert torch.equal(kv.from_cache(ours.extract(row)).kv, kv.from_cache(theirs.extract(row)).kv)
 
 
-def _batches_of(model, monkeypatch, rows: int):
-    """Two batches of the same `rows` contexts: one stepped written out, one by the model's own
-    forward; `step(tokens)` steps both and returns their logits."""
-    generator = torch.Generator().manual_seed(5)
-    contexts = [torch.randint(3, 900, (length,), generator=generator).tolist() for length in range(9, 9 + 3 * rows, 3)]
+def _batches_of(model, monkeypatch, contexts: list[list[int]]):
+    """Two batches of the same `contexts` (one row each): one stepped written out, one by the
+    model's own forward; `step(feeds)` steps both and returns their logits."""
     batches = []
     for _ in range(2):
         batch = RaggedBatch(model.config)
@@ -215,15 +203,23 @@ def _batches_of(model, monkeypatch, rows: int):
             batch.add(cache)
         batches.append(batch)
 
-    def step(token: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(feeds: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         found = []
         for written_out, batch in zip((True, False), batches, strict=True):
             monkeypatch.setattr(direct, "serves", lambda _, w=written_out: w)
             with torch.inference_mode():
-                found.append(batch.step_packed(model, [[token + row] for row in range(rows)]))
+                found.append(batch.step_packed(model, feeds))
         return found[0], found[1]
 
     return batches, step
+
+
+def _decoding(model, monkeypatch, rows: int):
+    """`_batches_of` `rows` random contexts of 9, 12, ... tokens; `step(token)` feeds each row one."""
+    generator = torch.Generator().manual_seed(5)
+    contexts = [torch.randint(3, 900, (length,), generator=generator).tolist() for length in range(9, 9 + 3 * rows, 3)]
+    batches, step = _batches_of(model, monkeypatch, contexts)
+    return batches, lambda token: step([[token + row] for row in range(rows)])
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: projections with a bias
@@ -237,7 +233,7 @@ def test_steps_of_five_to_eight_rows_take_packed_weights_that_agree_and_are_neve
     packs = direct.packs_of(model)
     assert packs is not None
     for rows in (6, 8):
-        batches, step = _batches_of(model, monkeypatch, rows)
+        batches, step = _decoding(model, monkeypatch, rows)
         for token in (5, 6):
             mine, own = step(token)
             assert torch.allclose(mine, own, atol=1e-4, rtol=1e-4)
@@ -299,7 +295,7 @@ def test_a_model_over_the_limit_gets_no_packed_weights(family_model, monkeypatch
     monkeypatch.setattr(direct, "PACK_LIMIT", 0)
     model = load_model(str(family_model("llama")), "cpu", "float32").model
     assert direct.packs_of(model) is None
-    _, step = _batches_of(model, monkeypatch, 6)
+    _, step = _decoding(model, monkeypatch, 6)
     mine, own = step(5)
     assert torch.equal(mine, own)  # the plain written-out step: bitwise the model's own
 
