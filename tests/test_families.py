@@ -275,6 +275,22 @@ def test_a_lone_request_steps_written_out_on_its_own_cache_as_the_models_own_for
     assert (len(calls) == len(answer.token_ids) - 1) if family in DIRECT else not calls  # every token after the first
 
 
+@pytest.mark.parametrize("family", DIRECT)
+def test_a_lone_step_is_bitwise_the_packed_step_of_its_one_row(family, family_model, monkeypatch):
+    """`direct.step_alone` leaves out the packed step's layout (packing, mask, gathering) for one
+    row attending over its whole cache: its logits, keys and values are bitwise the packed step's
+    of that row."""
+    model = load_model(str(family_model(family)), "cpu", "float32").model
+    ids = torch.randint(3, 900, (29,), generator=torch.Generator().manual_seed(9)).tolist()
+    (batch, _), step = _batches_of(model, monkeypatch, [ids])
+    mine = kv.to_cache_empty(model.config)
+    prefill(model, ids, mine)
+    for token in (5, 6, 7):
+        packed, _ = step([[token]])
+        assert torch.equal(direct.step_alone(model, token, mine), packed[0])
+    assert torch.equal(kv.from_cache(mine).kv, kv.from_cache(batch.extract(0)).kv)
+
+
 def test_a_projection_that_is_not_a_plain_linear_takes_the_models_own_forward(family_model):
     """A subclass of nn.Linear (a quantised or adapted projection) may compute something else:
     the written-out step, which multiplies by the weight itself, is not taken."""
