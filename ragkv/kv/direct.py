@@ -1,6 +1,7 @@
 """The packed step's forward written out for decoder layers of the Llama kind (Llama, SmolLM2,
-Qwen2, Qwen3): the model's own weights, its family's own rotary function, and the arithmetic of
-its norms and projections, in the order transformers calls them, without what transformers
+Qwen2, Qwen3): the model's own weights, and the arithmetic of its norms, projections and
+rotary embedding (query and key heads rotated together, element for element as the family's
+`apply_rotary_pos_emb` does), in the order transformers calls them, without what transformers
 wraps around each call (module calls, argument deprecation and output capture per layer, the
 cache's and the attention's dispatch, the mask preparation a packed step does not use). The
 same operations on the same tensors: the logits are bitwise those of the model's own forward
@@ -15,7 +16,6 @@ at all.
 
 from __future__ import annotations
 
-import sys
 import threading
 import weakref
 from functools import partial
@@ -144,19 +144,28 @@ def _layer(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, at
     """One decoder layer on `hidden` `(N, hidden)`; `attend(query, key, value, scaling)` writes
     the keys and values where they are kept and returns the attention `(N, H, D)`."""
     attention, mlp = layer.self_attn, layer.mlp
-    rotary = sys.modules[type(attention).__module__].apply_rotary_pos_emb
     normed = _norm(layer.input_layernorm, hidden)
     shape = (hidden.shape[0], -1, attention.head_dim)  # (N, heads, D)
     query = _linear(attention.q_proj, normed, packs).view(shape)
     key = _linear(attention.k_proj, normed, packs).view(shape)
     if hasattr(attention, "q_norm"):  # Qwen3
         query, key = _norm(attention.q_norm, query), _norm(attention.k_norm, key)
-    query, key = rotary(query, key, cos, sin)  # cos/sin (N, 1, D) against (N, heads, D)
+    query, key = _rotated(query, key, cos, sin)
     out = attend(query, key, _linear(attention.v_proj, normed, packs).view(shape), attention.scaling)
     hidden = hidden + _linear(attention.o_proj, out.view(hidden.shape[0], -1), packs)
     normed = _norm(layer.post_attention_layernorm, hidden)
     gated = mlp.act_fn(_linear(mlp.gate_proj, normed, packs)) * _linear(mlp.up_proj, normed, packs)
     return hidden + _linear(mlp.down_proj, gated, packs)
+
+
+def _rotated(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """The Llama kind's rotary embedding (its `apply_rotary_pos_emb`: `x * cos + rotate_half(x) *
+    sin`, element for element, so bitwise the same) on the query and key heads `(N, heads, D)`
+    together, in half the operations; `cos`/`sin` `(N, D)`."""
+    heads, half = query.shape[1], query.shape[2] // 2
+    both = torch.cat((query, key), dim=1)
+    both = both * cos[:, None] + torch.cat((-both[..., half:], both[..., :half]), dim=-1) * sin[:, None]
+    return both[:, :heads], both[:, heads:]
 
 
 def _linear(module, x: torch.Tensor, packs: Packs | None) -> torch.Tensor:
