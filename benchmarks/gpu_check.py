@@ -172,6 +172,26 @@ def decode_lines(device: str, dtype: str = "bfloat16", steps: int = 12) -> list[
             joined = f"{1000 * (time.perf_counter() - began):.1f} (once)"
         lines.append(f"| {count} | {padded_ms:.1f} | {packed_ms:.1f} | {joined or '-'} | {same} of {count} |")
         print(lines[-1], flush=True)
+    return lines + lone_lines(lm, timed)
+
+
+def lone_lines(lm, timed) -> list[str]:
+    """A request decoding alone: the written-out step of its one row (`direct.step_alone`, what
+    the runner takes for the Llama kind) against the model's own step, on two copies of a row."""
+    from benchmarks.decode_profile import rows_of
+    from ragkv.kv import direct
+    from ragkv.model.generate import step
+
+    (mine, state), (own, _) = rows_of(lm, 1) + rows_of(lm, 1)
+    token = state.to_feed()
+    if not direct.serves_alone(lm.model, mine):
+        return ["", "A lone request takes the model's own step (not of the Llama kind)."]
+    same = int(direct.step_alone(lm.model, token, mine).argmax()) == int(step(lm.model, token, own).argmax())
+    lone_ms = timed(lambda: direct.step_alone(lm.model, token, mine))
+    own_ms = timed(lambda: step(lm.model, token, own))
+    lines = ["", f"A lone request's step (one row on its own cache): {lone_ms:.1f} ms written out against "]
+    lines[-1] += f"{own_ms:.1f} ms for the model's own step; the same next token: {'yes' if same else 'NO'}."
+    print(lines[-1], flush=True)
     return lines
 
 
