@@ -223,28 +223,29 @@ def _decoding(model, monkeypatch, rows: int):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: projections with a bias
-def test_steps_of_five_to_eight_rows_take_packed_weights_that_agree_and_are_never_stale(
+def test_steps_of_five_to_sixteen_rows_take_packed_weights_that_agree_and_are_never_stale(
     family, family_model, monkeypatch
 ):
-    """A float32 step of 5-8 tokens on a CPU runs its projections through MKL's packed weights:
-    its logits and KV agree with the model's own forward to float rounding and pick the same
-    tokens; a weight changed in place is packed again before the next step uses it."""
+    """A float32 step of 5-16 tokens on a CPU runs its projections through MKL's packed weights
+    (a copy for 8 rows, one for 16): its logits and KV agree with the model's own forward to
+    float rounding and pick the same tokens; a weight changed in place is packed again before
+    the next step uses it."""
     model = load_model(str(family_model(family)), "cpu", "float32").model
     packs = direct.packs_of(model)
     assert packs is not None
-    for rows in (6, 8):
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    for rows, copies in ((6, 1), (8, 1), (12, 2), (16, 2)):
         batches, step = _decoding(model, monkeypatch, rows)
         for token in (5, 6):
             mine, own = step(token)
             assert torch.allclose(mine, own, atol=1e-4, rtol=1e-4)
             assert torch.equal(mine.argmax(-1), own.argmax(-1))
-        linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
-        assert len(packs) == len(linears)  # every projection went through its packed copy
+        assert len(packs) == copies * len(linears)  # every projection went through its copy for the rows
         for row in range(rows):
             a, b = (kv.from_cache(batch.extract(row)).kv for batch in batches)
             assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
     with torch.no_grad():
-        model.lm_head.weight.mul_(3.0)  # in place: the packed copy made before is stale now
+        model.lm_head.weight.mul_(3.0)  # in place: the packed copies made before are stale now
     mine, own = step(7)
     assert torch.allclose(mine, own, atol=1e-4, rtol=1e-4)
 

@@ -7,7 +7,7 @@ cache's and the attention's dispatch, the mask preparation a packed step does no
 same operations on the same tensors: the logits are bitwise those of the model's own forward
 (tested per family), in 3-10% less time a step on a 2-core CPU
 (benchmarks/results/decode_profile.md; the step is mostly reading weights and KV from memory).
-One exception, for speed: a step of 5-8 tokens of a small float32 model on a CPU multiplies by
+One exception, for speed: a step of 5-16 tokens of a small float32 model on a CPU multiplies by
 MKL's packed weights (PACKED_ROWS below), which agree to float rounding, not to the bit.
 Any other family, or a model whose projections are not plain `nn.Linear`s, takes the model's
 own forward (`serves` says which). Only a packable model (ragkv.kv.packed) takes packed steps
@@ -32,17 +32,19 @@ from ragkv.kv.packed import Packing, attend_packed
 _LLAMA_KIND = {"LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"}
 _NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}  # what `_norm` computes
 
-# A step of 5-8 tokens (up to 8 decoding rows) runs its projections through MKL's packed copies of
-# the weights, made for 8 rows (a step of fewer is padded with zero rows; their outputs are
-# dropped). MKL's plain sgemm computes a few rows at a fraction of the speed the weights stream
-# from memory; packed (cblas_sgemm_pack; vLLM's CPU build prepacks through oneDNN) SmolLM2-135M's
-# 211 projections at 8 rows took 38 against 52 ms on 2 cores, and its whole 8-row step 87.5
-# against 103.5 ms (7 rows: 86.1 against 98.6).
-# The copies cost as much memory as the weights, so only a model whose projections weigh at
-# most PACK_LIMIT gets them (SmolLM2-135M: +539 MB, made in 0.18 s at the first such step);
-# float32 on a CPU with MKL only. Rows agree with the plain sgemm's to float rounding (~1e-4 in
-# the logits; tested), not bitwise.
-PACKED_ROWS = 8
+# A step of 5-16 tokens (up to 16 decoding rows) runs its projections through MKL's packed copies
+# of the weights, made for 8 rows (steps of 5-8 tokens) and for 16 (9-16); a step of fewer is
+# padded with zero rows, their outputs dropped. MKL's plain sgemm computes a few rows at a
+# fraction of the speed the weights stream from memory; packed (cblas_sgemm_pack; vLLM's CPU
+# build prepacks through oneDNN) SmolLM2-135M's 211 projections at 8 rows took 38 against 52 ms
+# on 2 cores, and its whole 8-row step 87.5 against 103.5 ms (7 rows: 86.1 against 98.6); the
+# whole step at 16 rows 117.3 against 135.8 ms, at 12 rows 105.6 against 123.7. A step of 8
+# rows padded to 16 gains nothing: a copy is made for the rows it computes.
+# Each copy costs as much memory as the weights, made at the first step of its size, so only a
+# model whose projections weigh at most PACK_LIMIT gets them (SmolLM2-135M: +539 MB each, made
+# in ~0.2 s); float32 on a CPU with MKL only. Rows agree with the plain sgemm's to float rounding
+# (~1e-4 in the logits; tested), not bitwise.
+PACKED_ROWS = (8, 16)
 FEWEST_PACKED = 5  # fewer tokens: the plain sgemm is as fast as the padded packed one
 PACK_LIMIT = 1 << 30  # bytes
 
@@ -170,32 +172,40 @@ def _rotated(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: tor
 
 def _linear(module, x: torch.Tensor, packs: Packs | None) -> torch.Tensor:
     """`module(x)` for an `nn.Linear` `(N, in)`, without the module call; through the packed
-    weights when there are some and N is FEWEST_PACKED to PACKED_ROWS (the weight still float32
-    on the CPU: the model may have moved since its packs were decided)."""
+    weights when there are some and N is FEWEST_PACKED to PACKED_ROWS[-1], padded to the first
+    of PACKED_ROWS that holds it (the weight still float32 on the CPU: the model may have moved
+    since its packs were decided)."""
     rows, weight = x.shape[0], module.weight
-    if packs is None or not FEWEST_PACKED <= rows <= PACKED_ROWS or weight.dtype != torch.float32 or not weight.is_cpu:
+    if (
+        packs is None
+        or not FEWEST_PACKED <= rows <= PACKED_ROWS[-1]
+        or weight.dtype != torch.float32
+        or not weight.is_cpu
+    ):
         return F.linear(x, weight, module.bias)
-    if rows < PACKED_ROWS:
-        x = torch.cat([x, x.new_zeros((PACKED_ROWS - rows, x.shape[1]))])
-    return torch.ops.mkl._mkl_linear(x, packs.of(module), weight, module.bias, PACKED_ROWS)[:rows]
+    size = next(size for size in PACKED_ROWS if rows <= size)
+    if rows < size:
+        x = torch.cat([x, x.new_zeros((size - rows, x.shape[1]))])
+    return torch.ops.mkl._mkl_linear(x, packs.of(module, size), weight, module.bias, size)[:rows]
 
 
 class Packs:
-    """MKL's packed copies of one model's projection weights, for steps of PACKED_ROWS tokens,
+    """MKL's packed copies of one model's projection weights, one per step size of PACKED_ROWS,
     each made at its first use and made again when its weight is no longer the one it was made
     from (replaced, or changed in place: its version moved), so a copy is never stale."""
 
     def __init__(self) -> None:
-        self._held: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # by module: weight, version, copy
+        # by (module, rows): the weight and its version the copy was made from, the copy
+        self._held: dict[tuple[int, int], tuple[torch.Tensor, int, torch.Tensor]] = {}
         self._lock = threading.Lock()
 
-    def of(self, module) -> torch.Tensor:
-        weight = module.weight
+    def of(self, module, rows: int) -> torch.Tensor:
+        weight, key = module.weight, (id(module), rows)
         with self._lock:
-            held = self._held.get(id(module))
+            held = self._held.get(key)
             if held is None or held[0] is not weight or held[1] != weight._version:
-                held = (weight, weight._version, torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PACKED_ROWS))
-                self._held[id(module)] = held
+                held = (weight, weight._version, torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows))
+                self._held[key] = held
             return held[2]
 
     def __len__(self) -> int:
