@@ -176,17 +176,16 @@ def _linear(module, x: torch.Tensor, packs: Packs | None) -> torch.Tensor:
     of PACKED_ROWS that holds it (the weight still float32 on the CPU: the model may have moved
     since its packs were decided)."""
     rows, weight = x.shape[0], module.weight
-    if (
-        packs is None
-        or not FEWEST_PACKED <= rows <= PACKED_ROWS[-1]
-        or weight.dtype != torch.float32
-        or not weight.is_cpu
-    ):
+    size = _PADDED_TO.get(rows)
+    if packs is None or size is None or weight.dtype != torch.float32 or not weight.is_cpu:
         return F.linear(x, weight, module.bias)
-    size = next(size for size in PACKED_ROWS if rows <= size)
     if rows < size:
         x = torch.cat([x, x.new_zeros((size - rows, x.shape[1]))])
     return torch.ops.mkl._mkl_linear(x, packs.of(module, size), weight, module.bias, size)[:rows]
+
+
+# a step's tokens -> the rows of the packed copy it takes (padded up to them)
+_PADDED_TO = {rows: min(n for n in PACKED_ROWS if n >= rows) for rows in range(FEWEST_PACKED, PACKED_ROWS[-1] + 1)}
 
 
 class Packs:
