@@ -54,10 +54,7 @@ def serves(model) -> bool:
     is of the Llama kind, its model under `.model` with the embedding, rotary and final norm.
     Decided once per model, as its packs are (a walk over every layer's modules took ~370 us,
     asked every step; ragkv never swaps a loaded model's modules)."""
-    with _LOCK:
-        if model not in _SERVED:
-            _SERVED[model] = _served(model)
-        return _SERVED[model]
+    return _decided(_SERVED, model, _served)
 
 
 def _served(model) -> bool:
@@ -219,10 +216,16 @@ _LOCK = threading.Lock()
 def packs_of(model) -> Packs | None:
     """`model`'s packed weights (see PACKED_ROWS), or None where it gets none: not float32 on a
     CPU with MKL, or projections over PACK_LIMIT bytes. Decided once per model."""
+    return _decided(_PACKS, model, lambda m: Packs() if _packable(m) else None)
+
+
+def _decided(table: weakref.WeakKeyDictionary, model, decide):
+    """`decide(model)`, worked out at the first call for `model` and kept in `table` (weakly: a
+    model dropped takes its entry with it)."""
     with _LOCK:
-        if model not in _PACKS:
-            _PACKS[model] = Packs() if _packable(model) else None
-        return _PACKS[model]
+        if model not in table:
+            table[model] = decide(model)
+        return table[model]
 
 
 def _packable(model) -> bool:
